@@ -1,0 +1,120 @@
+"""`lmforge` command line: one entry point, one sub-command per job.
+
+    lmforge train    [--config PRESET|FILE] [--section.key value ...]
+    lmforge generate --ckpt RUN_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    lmforge config   [--config PRESET|FILE] [--section.key value ...] [--docs]
+    lmforge presets
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    cfg = load_config(args.config, parse_cli_overrides(rest))  # validate before the heavy imports
+    from lmforge.train.trainer import Trainer
+
+    result = Trainer(cfg).fit()
+    print(f"\nvalidation loss {result.val_loss:.4f} (perplexity {result.val_perplexity:.1f}); "
+          f"unigram entropy of the corpus {result.unigram_entropy:.3f}")
+    if result.sample:
+        print(f"\n--- sample ---\n{cfg.train.sample_prompt}{result.sample}\n--------------")
+    print(f"run folder: {result.out_dir}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise ConfigError(f"unexpected arguments {rest}.")
+    from pathlib import Path
+
+    from lmforge.ckpt.export import load_run
+    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.eval.generate import generate_tokens
+
+    cfg, model = load_run(args.ckpt)
+    tokenizer = Tokenizer.load(Path(args.ckpt) / "tokenizer.json")
+    print(args.prompt, end="", flush=True)
+    out: list[int] = []
+    printed = ""
+    for tok in generate_tokens(model, tokenizer.encode(args.prompt), args.max_tokens, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tokenizer.eos_id):
+        if tok == tokenizer.eos_id:
+            break
+        out.append(tok)
+        text = tokenizer.decode(out)
+        if args.stop and args.stop in text:
+            print(text[len(printed):text.index(args.stop)], end="", flush=True)
+            break
+        print(text[len(printed):], end="", flush=True)  # stream as tokens arrive
+        printed = text
+    print()
+    return 0
+
+
+def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.docs:
+        for key, default, doc in describe():
+            print(f"{key:34s} {default:>18s}  {doc}")
+        return 0
+    print(to_toml(load_config(args.config, parse_cli_overrides(rest))), end="")
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace, rest: list[str]) -> int:
+    for name in available_presets():
+        cfg = load_config(name, validate=False)
+        print(f"{name:16s} {cfg.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmforge", description="Train and use decoder-only language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a model (default: the tiny preset on the embedded corpus)")
+    p.add_argument("--config", default="tiny", help="preset name or path to a TOML file (default: tiny)")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("generate", help="sample text from a trained run folder")
+    p.add_argument("--ckpt", required=True, help="run folder written by `lmforge train`")
+    p.add_argument("--prompt", default="ROMEO:")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", default=None, help="stop when this string appears")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("config", help="print the resolved config, or --docs for every key")
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--docs", action="store_true")
+    p.set_defaults(func=cmd_config)
+    p = sub.add_parser("presets", help="list the presets")
+    p.set_defaults(func=cmd_presets)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        return args.func(args, rest)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

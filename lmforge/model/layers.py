@@ -1,0 +1,132 @@
+"""Building blocks of the transformer: normalisation, rotary embeddings, attention, MLPs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """RMSNorm (Llama) or LayerNorm (GPT-2), both PyTorch's own fused-friendly modules."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim // 2) for rotary position embeddings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (batch, heads, seq, head_dim) by position-dependent angles.
+
+    Half-split convention: dimension i is paired with i + head_dim/2 (the convention of Hugging
+    Face's Llama), so weights export to and import from `transformers` without permutation.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped-query support, through scaled_dot_product_attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        # Separate q/k/v projections (not one fused qkv) so tensor parallelism can shard each
+        # column-wise and GQA shapes stay obvious.
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                kv_cache: "KVCache | None" = None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 rather than self.n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        start = kv_cache.length if kv_cache is not None else 0
+        if rope is not None:
+            cos, sin = rope[0][start:start + seq], rope[1][start:start + seq]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        # With a cache and more than one new token (prefill), causality needs an explicit offset
+        # mask; for one new token it attends to everything cached.
+        causal = kv_cache is None or start == 0
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal and seq > 1, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class KVCache:
+    """Per-layer key/value cache for incremental decoding (grows along the sequence dim)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class GeluMLP(nn.Module):
+    """GPT-2 MLP: Linear -> GELU(tanh) -> Linear."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class SwiGLU(nn.Module):
+    """Llama MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = SwiGLU(cfg) if cfg.activation == "swiglu" else GeluMLP(cfg)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, kv_cache))
+        return x + self.mlp(self.mlp_norm(x))

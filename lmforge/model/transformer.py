@@ -1,0 +1,148 @@
+"""The decoder-only transformer: token embedding -> N pre-norm blocks -> norm -> logits.
+
+GPT-2 (learned positions, LayerNorm, GELU, tied embeddings, biases) and Llama (RoPE, RMSNorm,
+SwiGLU, GQA, untied) are the same class with different `ModelConfig` values.
+
+Construction is on the meta device (no memory, no init cost, whatever the size); `build_model`
+then materialises the parameters on the target device and calls `init_weights`, which is also
+what a parallel wrapper (FSDP, TP) calls after sharding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lmforge.config import ModelConfig
+from lmforge.model.layers import Block, KVCache, make_norm, rope_tables
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.pos_emb == "learned" else None
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        # A ModuleDict keyed "0".."n-1" (not a ModuleList): pipeline stages delete the blocks they
+        # do not own and the remaining names stay those of the full model, so checkpoints match.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if cfg.pos_emb == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection (must be redone after `to_empty`,
+        which materialises each module's parameters separately)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    # ---- initialisation ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """GPT-2 style init: N(0, init_std) everywhere, residual output projections scaled by
+        1/sqrt(2 * n_layers), zero biases, unit norm weights. Deterministic given `seed`."""
+        cfg = self.cfg
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(("attn.wo", "mlp.proj", "mlp.down")) else cfg.init_std
+                if name == "lm_head" and cfg.tie_embeddings:
+                    continue  # shares tok_emb's weight, initialised below
+                _normal_(module.weight, std, gen)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                _normal_(module.weight, cfg.init_std, gen)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                if module.weight is not None:
+                    module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+        if cfg.pos_emb == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
+        start = kv_caches[0].length if kv_caches else 0
+        seq = tokens.shape[1]
+        if start + seq > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {start + seq} tokens exceeds model.max_seq_len = {self.cfg.max_seq_len}.")
+        x = self.tok_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start, start + seq, device=tokens.device))
+        x = self.emb_dropout(x)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
+        for i, block in enumerate(self.blocks.values()):
+            x = block(x, rope, kv_caches[i] if kv_caches else None)
+        return self.lm_head(self.norm(x))
+
+    # ---- accounting -------------------------------------------------------------------------
+
+    def num_params(self) -> int:
+        """Unique parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts from the config alone (no allocation), split by kind."""
+    d, v, h = cfg.dim, cfg.vocab_size, cfg.head_dim
+    b = 1 if cfg.bias else 0
+    norm = d * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
+    attn = d * h * (cfg.n_heads + 2 * cfg.kv_heads) + b * h * (cfg.n_heads + 2 * cfg.kv_heads)
+    attn += cfg.n_heads * h * d + b * d
+    f = cfg.ffn_dim
+    mlp = (3 * d * f + b * (2 * f + d)) if cfg.activation == "swiglu" else (2 * d * f + b * (f + d))
+    block = attn + mlp + 2 * norm
+    embedding = v * d
+    position = cfg.max_seq_len * d if cfg.pos_emb == "learned" else 0
+    head = 0 if cfg.tie_embeddings else v * d
+    total = embedding + position + cfg.n_layers * block + norm + head
+    return {"total": total, "embedding": embedding, "position": position, "blocks": cfg.n_layers * block,
+            "lm_head": head, "non_embedding": total - embedding - position}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM convention: 6 * N_matmul + 12 * L * d * s.
+
+    N_matmul counts the weights that take part in a matrix multiply per token: every block weight
+    and the output projection (vocab x dim, whether tied or not). The embedding lookup and a
+    learned position table do no matmul and are excluded. The 12*L*d*s term is the attention
+    score and value matmuls (forward + backward), with s the sequence length.
+    """
+    counts = count_params(cfg)
+    n_matmul = counts["blocks"] + cfg.vocab_size * cfg.dim
+    return 6.0 * n_matmul + 12.0 * cfg.n_layers * cfg.dim * seq_len
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:
+    """Construct on the meta device, materialise on `device`, initialise deterministically."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model
+
+
+def _normal_(t: torch.Tensor, std: float, gen: torch.Generator | None) -> None:
+    """Fill `t` from N(0, std). Drawn on the CPU with `gen` so the init is identical on any device."""
+    if gen is None:
+        nn.init.normal_(t, 0.0, std)
+        return
+    t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(std))

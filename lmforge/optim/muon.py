@@ -1,0 +1,162 @@
+"""Muon (Keller Jordan 2024, "Muon: An optimizer for hidden layers in neural networks").
+
+For a hidden weight matrix W (rows x cols) with gradient G, at every step:
+
+    B = mu * B + (1 - mu) * G                     (momentum buffer, EMA form)
+    U = (1 - mu) * G + mu * B  if nesterov else B
+    O = NewtonSchulz5(U)                          (approximately U V^T of U's SVD)
+    W = W * (1 - lr * weight_decay) - lr * sqrt(max(1, rows / cols)) * O
+
+The EMA form of the buffer differs from the "B = mu * B + G" form only by the factor (1 - mu),
+which the Frobenius normalisation inside Newton-Schulz removes.
+
+Why hand-written: torch 2.13 has `torch.optim.Muon`, but it refuses every non-2-D parameter, so
+a model would need two optimizers (and two schedulers, two checkpoints). This class keeps one
+optimizer: param groups flagged `use_muon=True` get the update above; groups flagged
+`use_muon=False` (embeddings, lm_head, norms, biases) run AdamW through torch's own functional
+AdamW (`torch.optim.adam.adam` with decoupled weight decay), so that half is torch's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as torch_functional_adam
+
+from lmforge.optim._common import check_betas, check_non_negative, evaluate_closure, grad_of
+
+# Quintic Newton-Schulz coefficients (a, b, c) from Keller Jordan's post: chosen to maximise the
+# slope at zero, so 5 steps push every singular value into roughly [0.5, 1.5] rather than to 1.
+NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+
+
+def zeropower_via_newtonschulz5(
+    g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7
+) -> torch.Tensor:
+    """Approximately orthogonalise a 2-D matrix: returns ~U V^T (singular values ~1), in `dtype`.
+
+    X = G / (||G||_F + eps) (so the spectral norm is <= 1), transposed to be wide, then
+    `steps` times: A = X X^T;  X = a X + (b A + c A A) X.  Singular values land in ~[0.5, 1.5]
+    (not exactly 1: the coefficients trade accuracy for speed of growth near zero).
+    """
+    assert g.ndim == 2, f"Newton-Schulz expects a matrix, got shape {tuple(g.shape)}"
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    transposed = x.size(0) > x.size(1)
+    if transposed:  # iterate on the wide orientation: the Gram matrix X X^T is the smaller one
+        x = x.T
+    x = x / (x.norm() + eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        # addmm rounds each "beta * input + alpha * (m1 @ m2)" once: noticeably closer to the
+        # exact iteration in bf16 than separate multiply/add ops.
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if transposed else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for matrices (`use_muon=True` groups) + AdamW for the rest (`use_muon=False` groups).
+
+    Muon-group keys: lr, momentum, nesterov, ns_steps, ns_dtype, weight_decay.
+    AdamW-group keys: lr, betas, eps, weight_decay. A group without `use_muon` defaults to True.
+    State: `momentum_buffer` for Muon params; `step`, `exp_avg`, `exp_avg_sq` (torch's AdamW
+    layout) for the others. Parameters with more than 2 dims are flattened to (dim0, rest).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        foreach: bool | None = None,
+    ) -> None:
+        check_non_negative(lr=lr, weight_decay=weight_decay, eps=eps)
+        check_betas(betas)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum={momentum} must be in [0, 1) (Muon default 0.95)")
+        if ns_steps < 1:
+            raise ValueError(f"ns_steps={ns_steps} must be >= 1 (default 5)")
+        defaults = {
+            "use_muon": True, "lr": lr, "momentum": momentum, "nesterov": nesterov,
+            "ns_steps": ns_steps, "ns_dtype": ns_dtype, "weight_decay": weight_decay,
+            "betas": tuple(betas), "eps": eps, "foreach": foreach,
+        }
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, then reject vectors in Muon groups."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["use_muon"]:
+            for p in group["params"]:
+                if p.ndim < 2:
+                    raise ValueError(
+                        f"Muon got a parameter of shape {tuple(p.shape)} in a use_muon=True group; "
+                        "Muon orthogonalises matrices, put vectors in a group with use_muon=False (AdamW)"
+                    )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """One update: Muon on `use_muon` groups, AdamW on the others."""
+        loss = evaluate_closure(closure)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group(group)
+            else:
+                self._adamw_group(group)
+        return loss
+
+    def _muon_group(self, group: dict[str, Any]) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            g = grad_of(p, "Muon")
+            if g is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g, 1.0 - mu)
+            update = g.lerp(buf, mu) if group["nesterov"] else buf
+            matrix = update.reshape(update.size(0), -1)
+            ortho = zeropower_via_newtonschulz5(matrix, group["ns_steps"], group["ns_dtype"])
+            rows, cols = matrix.shape
+            scale = max(1.0, rows / cols) ** 0.5
+            if wd != 0:
+                p.mul_(1.0 - lr * wd)
+            p.add_(ortho.view_as(p).to(p.dtype), alpha=-lr * scale)
+
+    def _adamw_group(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            g = grad_of(p, "Muon (AdamW part)")
+            if g is None:
+                continue
+            state = self.state[p]
+            if "step" not in state:  # same layout as torch.optim.AdamW (step on the host)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(g)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        torch_functional_adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=group["foreach"], decoupled_weight_decay=True, amsgrad=False,
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=False,
+        )

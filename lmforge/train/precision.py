@@ -1,0 +1,69 @@
+"""Mixed precision: autocast for the forward pass, fp32 master weights, GradScaler for fp16.
+
+Parameters and optimizer state always stay in fp32 (the "master weights"); autocast runs the
+matmuls in bf16/fp16. bf16 has fp32's exponent range and needs no loss scaling; fp16 does, so
+its gradients go through `torch.amp.GradScaler` (dynamic loss scale, skipped steps on inf/nan),
+and the trainer unscales them before clipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Precision:
+    name: str
+    device_type: str
+    scaler: torch.amp.GradScaler
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.name]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+
+def _time_matmul(dtype: torch.dtype, n: int = 512, reps: int = 3) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up (library dispatch, packing)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return (time.perf_counter() - start) / reps
+
+
+def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
+    """Turn 'auto' into a concrete precision for `device`; returns (precision, reason).
+
+    CUDA: bf16 where the GPU supports it, else fp16. CPU: bf16 only if this CPU really runs
+    bf16 matmuls faster than fp32 (AMX / AVX512-BF16 CPUs do, by 2-6x; on AVX2-only CPUs
+    oneDNN emulates bf16 and it is 10-100x *slower*), decided by timing one 512^3 matmul each.
+    """
+    if name != "auto":
+        return name, "as configured"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "GPU supports bf16"
+        return "fp16", "GPU lacks bf16"
+    fp32, bf16 = _time_matmul(torch.float32), _time_matmul(torch.bfloat16)
+    if bf16 < fp32 / 1.2:
+        return "bf16", f"bf16 matmul {fp32 / bf16:.1f}x faster than fp32 on this CPU"
+    return "fp32", f"bf16 matmul {bf16 / fp32:.1f}x slower than fp32 on this CPU (no native bf16 units)"
+
+
+def make_precision(name: str, device: torch.device) -> Precision:
+    """Precision for `name` ('auto' must be resolved first with `resolve_precision`)."""
+    if name not in DTYPES:
+        raise ValueError(f"train.precision = {name!r} is not one of {', '.join(DTYPES)}.")
+    scaler = torch.amp.GradScaler(device.type, enabled=(name == "fp16"))
+    return Precision(name=name, device_type=device.type, scaler=scaler)

@@ -1,0 +1,46 @@
+"""Shared fixtures: a small on-disk corpus prepared once per session (no network)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+WORDS = ("the king and queen walked to the castle where a knight told a story of the sea and the "
+         "storm while the people of the town sang songs about love honour and war").split()
+
+
+def make_corpus(root: Path, n_docs: int = 12, words_per_doc: int = 1500, seed: int = 0) -> list[Path]:
+    """Pseudo-English documents from a small vocabulary with local structure (learnable fast)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    files = []
+    for d in range(n_docs):
+        sentences = []
+        for _ in range(words_per_doc // 10):
+            start = rng.randrange(len(WORDS) - 10)
+            sentences.append(" ".join(WORDS[start:start + rng.randint(5, 10)]).capitalize() + ".")
+        path = root / f"doc{d:02d}.txt"
+        path.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+        files.append(path)
+    return files
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    from lmforge.data.prepare import prepare_texts
+
+    root = tmp_path_factory.mktemp("corpus")
+    files = make_corpus(root / "text")
+    return prepare_texts(files, root / "cache", tokenizer="bpe", vocab_size=320, val_fraction=0.1)
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Tiny tensors run far faster on one thread on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

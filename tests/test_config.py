@@ -1,0 +1,122 @@
+"""Config loading, overrides and up-front validation: every bad input names its key and the fix."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from lmforge.config import (Config, ConfigError, available_presets, describe, load_config, parse_cli_overrides,
+                            to_toml)
+from lmforge.model.transformer import count_params
+
+
+def test_every_preset_loads_and_validates():
+    names = available_presets()
+    for required in ("tiny", "gpt2-124m", "llama-1b", "gpt3-175b", "llama2-70b", "chinchilla-70b", "mistral-7b"):
+        assert required in names
+    for name in names:
+        cfg = load_config(name)
+        assert cfg.preset == name
+        assert cfg.description
+
+
+@pytest.mark.parametrize("preset, billions, tol", [
+    ("gpt2-124m", 0.124, 0.01), ("llama-1b", 1.08, 0.05), ("gpt3-175b", 175.0, 1.0),
+    ("llama2-70b", 68.98, 0.2), ("mistral-7b", 7.24, 0.05)])
+def test_presets_have_published_parameter_counts(preset, billions, tol):
+    total = count_params(load_config(preset).model)["total"] - (
+        # GPT-2's published 124M counts the real 50257-row vocabulary, not the padded 50304
+        (50304 - 50257) * 768 if preset == "gpt2-124m" else 0)
+    assert abs(total / 1e9 - billions) < tol, total
+
+
+def test_recipe_presets_carry_published_hyperparameters():
+    gpt3 = load_config("gpt3-175b")
+    assert (gpt3.optim.lr, gpt3.optim.beta2, gpt3.optim.weight_decay, gpt3.optim.grad_clip) == (6e-5, 0.95, 0.1, 1.0)
+    assert gpt3.tokens_per_step == 1536 * 2048
+    llama = load_config("llama2-70b")
+    assert (llama.optim.lr, llama.optim.eps, llama.schedule.warmup_steps, llama.model.n_kv_heads) == (1.5e-4, 1e-5, 2000, 8)
+    assert llama.tokens_per_step == 4 * 1024 * 1024
+    chin = load_config("chinchilla-70b")
+    assert chin.optim.lr == 1e-4 and chin.schedule.min_lr_ratio == 0.1
+    mistral = load_config("mistral-7b")
+    assert (mistral.model.ffn_hidden, mistral.model.n_kv_heads) == (14336, 8)
+
+
+def test_overrides_are_typed_and_applied():
+    cfg = load_config("tiny", parse_cli_overrides(["--optim.lr", "3e-4", "--model.n_layers=2",
+                                                   "--train.compile", "true", "--model.n_kv_heads", "none"]))
+    assert cfg.optim.lr == 3e-4 and cfg.model.n_layers == 2 and cfg.train.compile is True
+    assert cfg.model.n_kv_heads is None
+    # ints are accepted where floats are expected
+    assert load_config("tiny", {"optim.lr": 1}).optim.lr == 1.0
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"optim.lrr": 1e-3}, "unknown config key 'optim.lrr'; did you mean optim.'lr'"),
+    ({"modle.dim": 64}, "unknown config key 'modle'"),
+    ({"model.dim": "big"}, "model.dim = 'big' must be an integer"),
+    ({"train.compile": 1}, "train.compile = 1 must be true or false"),
+    ({"train.precision": "fp8"}, "train.precision = 'fp8' is not one of"),
+    ({"model.n_heads": 7}, "model.n_heads = 7 does not divide model.dim = 192"),
+    ({"model.n_kv_heads": 4}, "model.n_kv_heads = 4 must divide model.n_heads = 6"),
+    ({"train.global_batch_size": 30}, "train.global_batch_size = 30 is not divisible by train.micro_batch_size (32)"),
+    ({"parallel.dp_shard": 4, "train.global_batch_size": 32}, "data-parallel degree (4"),
+    ({"data.seq_len": 512}, "data.seq_len = 512 exceeds model.max_seq_len = 256"),
+    ({"schedule.warmup_steps": 1000}, "schedule.warmup_steps = 1000 must be < train.steps"),
+    ({"optim.lr": -1.0}, "optim.lr = -1.0 must be > 0"),
+    ({"optim.name": "adamax"}, "optim.name = 'adamax' is not one of"),
+    ({"parallel.tp": 4}, "parallel.tp = 4 must divide model.n_heads"),
+    ({"parallel.pp": 3}, "parallel.pp = 3 must divide model.n_layers"),
+    ({"data.tokenizer_vocab_size": 8192}, "data.tokenizer_vocab_size = 8192 exceeds model.vocab_size = 4096"),
+    ({"model.dim": 0}, "model.dim = 0 must be >= 1"),
+])
+def test_bad_configs_are_rejected_with_the_key_named(overrides, needle):
+    with pytest.raises(ConfigError) as exc:
+        load_config("tiny", overrides)
+    assert needle in str(exc.value), str(exc.value)
+
+
+def test_batch_error_suggests_valid_values():
+    with pytest.raises(ConfigError, match="use global_batch_size = 16 or 32"):
+        load_config("tiny", {"train.global_batch_size": 20, "train.micro_batch_size": 16})
+    with pytest.raises(ConfigError, match="use global_batch_size = 64 or 128"):
+        load_config("tiny", {"train.global_batch_size": 100, "parallel.dp_shard": 2})
+
+
+def test_unknown_preset_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown preset 'nope'; available presets: .*tiny"):
+        load_config("nope")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\ndim = 3")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(str(bad))
+
+
+def test_inherit_and_round_trip(tmp_path):
+    child = tmp_path / "child.toml"
+    child.write_text('inherit = "tiny"\n[model]\nn_layers = 2\n')
+    cfg = load_config(str(child))
+    assert cfg.model.n_layers == 2 and cfg.model.dim == load_config("tiny").model.dim
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert load_config(str(again)).to_dict() == {**cfg.to_dict(), "preset": "child"}
+
+
+def test_every_field_is_documented():
+    rows = describe(Config)
+    assert len(rows) > 50
+    undocumented = [key for key, _, doc in rows if len(doc) < 10]
+    assert not undocumented, undocumented
+    for section in dataclasses.fields(Config):
+        assert section.metadata.get("doc"), section.name
+
+
+def test_cli_reports_config_errors_with_exit_code_2():
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "train", "--model.n_heads", "7"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "model.n_heads = 7 does not divide model.dim" in proc.stderr

@@ -1,0 +1,112 @@
+"""The transformer: shapes, parameter accounting, causality, GQA, RoPE, KV cache, meta init."""
+
+import math
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.eval.generate import generate_tokens
+from lmforge.model.layers import apply_rope, rope_tables
+from lmforge.model.transformer import Transformer, build_model, count_params, flops_per_token
+
+LLAMA = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, max_seq_len=64)
+GPT2 = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, max_seq_len=64, pos_emb="learned", norm="layernorm",
+            activation="gelu", bias=True, tie_embeddings=True)
+VARIANTS = {"llama": LLAMA, "gpt2": GPT2, "gqa": {**LLAMA, "n_kv_heads": 2, "tie_embeddings": False},
+            "mqa": {**LLAMA, "n_kv_heads": 1}}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_param_count_matches_config_formula(name):
+    cfg = ModelConfig(**VARIANTS[name])
+    model = build_model(cfg, seed=0)
+    assert model.num_params() == count_params(cfg)["total"]
+    assert model(torch.randint(0, 97, (2, 10))).shape == (2, 10, 97)
+
+
+def test_gpt2_124m_parameter_count_without_allocating():
+    cfg = ModelConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12, max_seq_len=1024, pos_emb="learned",
+                      norm="layernorm", activation="gelu", bias=True, tie_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert model.num_params() == count_params(cfg)["total"] == 124_439_808  # the published GPT-2 small count
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_meta_init_is_deterministic_and_ties_weights():
+    cfg = ModelConfig(**GPT2)
+    a, b = build_model(cfg, seed=3), build_model(cfg, seed=3)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    assert a.lm_head.weight is a.tok_emb.weight
+    c = build_model(cfg, seed=4)
+    assert not torch.equal(a.tok_emb.weight, c.tok_emb.weight)
+    # residual projections get the scaled std
+    std = a.blocks["0"].mlp.proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(4)) < 0.003
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_causal_future_tokens_do_not_change_past_logits(name):
+    model = build_model(ModelConfig(**VARIANTS[name]), seed=0)
+    x = torch.randint(0, 97, (1, 12))
+    y = x.clone()
+    y[0, 8:] = (y[0, 8:] + 1) % 97
+    la, lb = model(x), model(y)
+    assert torch.allclose(la[0, :8], lb[0, :8], atol=1e-5)
+    assert not torch.allclose(la[0, 8:], lb[0, 8:], atol=1e-3)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    gqa_cfg = ModelConfig(**{**LLAMA, "n_kv_heads": 2})
+    mha_cfg = ModelConfig(**LLAMA)
+    gqa, mha = build_model(gqa_cfg, seed=0), build_model(mha_cfg, seed=1)
+    state = gqa.state_dict()
+    hd = gqa_cfg.head_dim
+    for key in list(state):
+        if key.endswith(("attn.wk.weight", "attn.wv.weight")):  # (kv_heads*hd, dim) -> (heads*hd, dim)
+            w = state[key].view(2, hd, -1)
+            state[key] = w.repeat_interleave(2, dim=0).reshape(4 * hd, -1)
+    mha.load_state_dict(state, strict=False)
+    x = torch.randint(0, 97, (2, 9))
+    assert torch.allclose(gqa(x), mha(x), atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cos, sin = rope_tables(8, 32, 10000.0)
+    q, k = torch.randn(8), torch.randn(8)
+
+    def score(i, j):
+        qi = apply_rope(q.view(1, 1, 1, 8), cos[i:i + 1], sin[i:i + 1]).flatten()
+        kj = apply_rope(k.view(1, 1, 1, 8), cos[j:j + 1], sin[j:j + 1]).flatten()
+        return float(qi @ kj)
+
+    assert abs(score(3, 1) - score(13, 11)) < 1e-4
+    assert abs(score(3, 1) - score(3, 2)) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gqa"])
+def test_kv_cache_generation_equals_full_recompute(name):
+    model = build_model(ModelConfig(**VARIANTS[name]), seed=0)
+    prompt = [5, 17, 3]
+    cached = list(generate_tokens(model, prompt, 20, temperature=0.0, use_cache=True))
+    plain = list(generate_tokens(model, prompt, 20, temperature=0.0, use_cache=False))
+    assert cached == plain and len(cached) == 20
+    # sampling is reproducible by seed
+    s1 = list(generate_tokens(model, prompt, 10, temperature=1.0, seed=7))
+    s2 = list(generate_tokens(model, prompt, 10, temperature=1.0, seed=7))
+    assert s1 == s2
+
+
+def test_flops_per_token_formula():
+    cfg = ModelConfig(**LLAMA)
+    c = count_params(cfg)
+    expected = 6 * (c["blocks"] + 97 * 32) + 12 * 2 * 32 * 64
+    assert flops_per_token(cfg, 64) == expected
+
+
+def test_sequence_longer_than_max_is_rejected():
+    model = build_model(ModelConfig(**LLAMA), seed=0)
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len = 64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
