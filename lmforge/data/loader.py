@@ -1,0 +1,299 @@
+"""Packed, shuffled, rank-sharded batches of fixed-length windows over token shards.
+
+Each token stream (one :class:`TokenShards`, or each source of a :class:`TokenMixture`) is cut
+into ``n = (len - 1) // seq_len`` non-overlapping windows of ``seq_len + 1`` tokens (window i
+starts at ``i * seq_len``; consecutive windows share one boundary token so every token is a
+target exactly once). Samples form one endless *global* stream that does not depend on the
+number of ranks:
+
+* one stream: global sample ``g`` is window ``perm_e[g % n]`` with ``e = g // n`` and
+  ``perm_e = default_rng((seed, e)).permutation(n)``;
+* a mixture of S sources with weights w_s: the global stream is cut into blocks of
+  ``MIX_BLOCK`` samples; every block holds ``c_s`` samples of source s (``w_s * MIX_BLOCK``
+  rounded by largest remainder, at least 1), spread evenly through the block in a fixed order.
+  The k-th sample of source s is window ``perm_{s,e}[k % n_s]``, ``e = k // n_s``, with
+  ``perm_{s,e} = default_rng((seed, s, e)).permutation(n_s)``. So every prefix of the stream
+  has the weighted proportions to within one block rounding (|realised - w_s| <= 1/MIX_BLOCK
+  plus the partial last block), and each source goes through its own epochs: a small source
+  is repeated (up-sampled), a large one only partly seen (sub-sampled) in the same time.
+
+Each step consumes the next ``batch_size * world_size`` global samples; rank r takes every
+``world_size``-th of them starting at r. So ranks are disjoint, their union is the global
+stream, and resuming with another world size but the same global batch continues with exactly
+the same samples (the state is the global position only).
+
+``mask_doc_boundaries=True`` sets a target to -100 (ignored by the loss) where the input
+token is EOS, i.e. where the model would be asked to predict the first token of an unrelated
+next document from the previous one. x/y shapes are unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmforge.data.shards import MANIFEST, TokenShards
+
+log = logging.getLogger("lmforge.data")
+
+MIX_BLOCK = 1000  # samples per mixture block (weights resolved to 1/MIX_BLOCK)
+IGNORE_INDEX = -100
+
+
+class TokenMixture:
+    """Several token-shard sets with mixture weights (normalised to sum to 1)."""
+
+    def __init__(self, sources: Sequence[tuple[str, TokenShards, float]],
+                 dir: Path | None = None) -> None:
+        if not sources:
+            raise ValueError("a token mixture needs at least one source")
+        names = [n for n, _, _ in sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mixture source names must be unique: {names}")
+        for n, _, w in sources:
+            if not w > 0:
+                raise ValueError(f"mixture source {n!r}: weight {w} must be > 0")
+        vocab = {sh.vocab_size for _, sh, _ in sources}
+        if len(vocab) != 1:
+            raise ValueError(f"mixture sources have different vocab sizes {sorted(vocab)}: "
+                             f"they were prepared with different tokenizers")
+        total = sum(w for _, _, w in sources)
+        self.names = names
+        self.shards = [sh for _, sh, _ in sources]
+        self.weights = [w / total for _, _, w in sources]
+        self.dir = Path(dir) if dir is not None else self.shards[0].dir.parent
+        self.manifest = self.shards[0].manifest
+
+    @classmethod
+    def open(cls, dir: Path, weights: dict[str, float] | None = None,
+             verify_checksums: bool = False) -> "TokenMixture":
+        """Open ``dir/mixture.json`` (written by ``lmforge prepare``); ``weights`` override."""
+        dir = Path(dir)
+        path = dir / "mixture.json"
+        if not path.is_file():
+            raise ValueError(f"{path} not found: {dir} is not a prepared train mixture")
+        try:
+            spec = json.loads(path.read_text())
+            entries = [(e["name"], e["dir"], float(e["weight"])) for e in spec["sources"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: invalid mixture file ({e})") from e
+        if weights:
+            unknown = set(weights) - {n for n, _, _ in entries}
+            if unknown:
+                raise ValueError(f"mixture weights name unknown sources {sorted(unknown)}; "
+                                 f"known: {[n for n, _, _ in entries]}")
+            entries = [(n, d, float(weights.get(n, w))) for n, d, w in entries]
+        return cls([(n, TokenShards(dir / d, verify_checksums), w) for n, d, w in entries],
+                   dir=dir)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shards[0].vocab_size
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.shards)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}={w:.3f}" for n, w in zip(self.names, self.weights))
+        return f"TokenMixture({str(self.dir)!r}, {parts})"
+
+
+def open_tokens(dir: Path, verify_checksums: bool = False) -> TokenShards | TokenMixture:
+    """A shard directory (``manifest.json``) or a prepared train mixture (``mixture.json``)."""
+    dir = Path(dir)
+    if (dir / MANIFEST).is_file() or not (dir / "mixture.json").is_file():
+        return TokenShards(dir, verify_checksums)
+    return TokenMixture.open(dir, verify_checksums=verify_checksums)
+
+
+def _mixture_block(weights: Sequence[float], block: int) -> tuple[np.ndarray, np.ndarray,
+                                                                   np.ndarray]:
+    """(per-source counts c, block order of source ids, prefix counts (S, block+1))."""
+    S = len(weights)
+    if S == 1:
+        block = 1
+    block = max(block, S)
+    raw = np.asarray(weights, dtype=np.float64) * block
+    c = np.maximum(np.floor(raw).astype(np.int64), 1)
+    while c.sum() > block:  # the minimum of 1 overshot: take from the largest
+        c[np.argmax(c)] -= 1
+    rem = raw - np.floor(raw)
+    for s in np.argsort(-rem, kind="stable")[: block - int(c.sum())]:
+        c[s] += 1
+    keys = [((j + 0.5) / c[s], s) for s in range(S) for j in range(int(c[s]))]
+    order = np.array([s for _, s in sorted(keys)], dtype=np.int64)
+    prefix = np.zeros((S, len(order) + 1), dtype=np.int64)
+    for s in range(S):
+        prefix[s, 1:] = np.cumsum(order == s)
+    return c, order, prefix
+
+
+class PackedLoader:
+    """Batches ``(x, y)`` of int64 tensors of shape ``(batch_size, seq_len)``, ``y = x`` shifted."""
+
+    def __init__(self, shards: TokenShards | TokenMixture, seq_len: int, batch_size: int,
+                 seed: int, rank: int = 0, world_size: int = 1,
+                 mask_doc_boundaries: bool = False, eos_id: int | None = None) -> None:
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if isinstance(shards, TokenMixture):
+            streams, weights = shards.shards, shards.weights
+        else:
+            streams, weights = [shards], [1.0]
+        counts = []
+        for st in streams:
+            n = (len(st) - 1) // seq_len
+            if n < 1:
+                raise ValueError(
+                    f"{st.dir} has {len(st)} tokens, fewer than seq_len+1={seq_len + 1}; "
+                    f"use a smaller seq_len or more data (for val: a larger val_fraction)")
+            counts.append(n)
+        self.shards = shards
+        self.streams = streams
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = int(seed)
+        self.rank = rank
+        self.world_size = world_size
+        self.windows_per_source = counts
+        self.num_windows = int(sum(counts))
+        self.position = 0  # global samples consumed (all ranks)
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._mix_c, self._mix_order, self._mix_prefix = _mixture_block(weights, MIX_BLOCK)
+        self.mask_doc_boundaries = bool(mask_doc_boundaries)
+        self.eos_id = eos_id
+        if self.mask_doc_boundaries and eos_id is None:
+            self.eos_id = streams[0].manifest.get("meta", {}).get("eos_id")
+            if self.eos_id is None:
+                raise ValueError(f"mask_doc_boundaries needs eos_id: {streams[0].dir} has no "
+                                 f"meta.eos_id in its manifest; pass eos_id=")
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next global sample (for a mixture: in units of all windows)."""
+        return self.position // self.num_windows
+
+    def _perm(self, source: int, epoch: int) -> np.ndarray:
+        key = (source, epoch)
+        if key not in self._perms:
+            mine = [k for k in self._perms if k[0] == source]
+            if len(mine) >= 2:
+                self._perms.pop(min(mine))
+            n = self.windows_per_source[source]
+            rng_seed = (self.seed, epoch) if len(self.streams) == 1 else \
+                (self.seed, source, epoch)
+            self._perms[key] = np.random.default_rng(rng_seed).permutation(n)
+        return self._perms[key]
+
+    def sources_and_windows(self, global_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, window index) of the given global sample indices."""
+        global_idx = np.asarray(global_idx, dtype=np.int64)
+        B = len(self._mix_order)
+        blk, i = np.divmod(global_idx, B)
+        src = self._mix_order[i]
+        k = blk * self._mix_c[src] + self._mix_prefix[src, i]
+        n = np.asarray(self.windows_per_source, dtype=np.int64)[src]
+        epochs, pos = np.divmod(k, n)
+        out = np.empty_like(global_idx)
+        for s in np.unique(src):
+            for e in np.unique(epochs[src == s]):
+                sel = (src == s) & (epochs == e)
+                out[sel] = self._perm(int(s), int(e))[pos[sel]]
+        return src, out
+
+    def _windows(self, global_idx: np.ndarray) -> np.ndarray:
+        """Window indices of the given global sample indices (single-stream data)."""
+        return self.sources_and_windows(global_idx)[1]
+
+    def _batch(self, windows: np.ndarray, sources: np.ndarray | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if sources is None:
+            sources = np.zeros_like(windows)
+        rows = np.empty((windows.size, self.seq_len + 1), dtype=np.int64)
+        for s in np.unique(sources):
+            sel = sources == s
+            rows[sel] = self.streams[int(s)].gather(windows[sel] * self.seq_len,
+                                                    self.seq_len + 1)
+        rows_t = torch.from_numpy(rows)
+        x, y = rows_t[:, :-1].contiguous(), rows_t[:, 1:].contiguous()
+        if self.mask_doc_boundaries:
+            y[x == self.eos_id] = IGNORE_INDEX
+        return x, y
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next batch; advances the global position by batch_size * world_size."""
+        g = self.position + self.rank + self.world_size * np.arange(self.batch_size,
+                                                                    dtype=np.int64)
+        self.position += self.batch_size * self.world_size
+        src, win = self.sources_and_windows(g)
+        return self._batch(win, src)
+
+    def _fingerprint(self) -> list:
+        names = getattr(self.shards, "names", None) or [""]
+        return [[n, int(c), round(float(w), 9)] for n, c, w in
+                zip(names, self.windows_per_source,
+                    getattr(self.shards, "weights", [1.0]))]
+
+    def state_dict(self) -> dict:
+        sd = {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        if len(self.streams) > 1:
+            sd["mixture"] = self._fingerprint()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Resume so that the next batch is the one that followed ``sd``'s last batch.
+
+        Works for any rank / world_size (the state is the global position).
+        """
+        try:
+            position, seed, epoch = int(sd["position"]), int(sd["seed"]), int(sd["epoch"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"loader state {sd!r} needs integer 'position', 'seed', "
+                             f"'epoch' ({e})") from e
+        if position < 0:
+            raise ValueError(f"loader state position={position} must be >= 0")
+        if epoch != position // self.num_windows:
+            raise ValueError(
+                f"loader state epoch={epoch} at position={position} does not match this "
+                f"dataset ({self.num_windows} windows of seq_len={self.seq_len}): the data "
+                f"or seq_len changed since the checkpoint")
+        if len(self.streams) > 1 or "mixture" in sd:
+            if sd.get("mixture") != self._fingerprint():
+                raise ValueError(
+                    f"loader state mixture {sd.get('mixture')} does not match this data "
+                    f"{self._fingerprint()} ([name, windows, weight] per source): the "
+                    f"sources, their weights or seq_len changed since the checkpoint")
+        if seed != self.seed:
+            log.warning("data: resuming loader with checkpoint seed %d (config says %d)",
+                        seed, self.seed)
+        self.seed, self.position = seed, position
+        self._perms.clear()
+
+    def iter_eval_batches(self, max_batches: int | None = None
+                          ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Sequential (unshuffled) windows for evaluation, strided across ranks.
+
+        The windows of all sources are taken in order (source by source). Rank r takes
+        windows r, r+W, ... of the first ``(n // W) * W`` windows, so every rank yields the
+        same number of batches (the last may hold fewer than batch_size rows).
+        """
+        usable = (self.num_windows // self.world_size) * self.world_size
+        mine = np.arange(self.rank, usable, self.world_size, dtype=np.int64)
+        if mine.size == 0:
+            raise ValueError(f"{self.shards.dir}: {self.num_windows} eval windows cannot feed "
+                             f"{self.world_size} ranks; use more validation data or a "
+                             f"smaller seq_len")
+        starts = np.concatenate([[0], np.cumsum(self.windows_per_source)])
+        for b, lo in enumerate(range(0, mine.size, self.batch_size)):
+            if max_batches is not None and b >= max_batches:
+                return
+            idx = mine[lo:lo + self.batch_size]
+            src = np.searchsorted(starts, idx, side="right") - 1
+            yield self._batch(idx - starts[src], src)

