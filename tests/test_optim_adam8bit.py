@@ -125,3 +125,18 @@ def test_state_is_about_two_bytes_per_param() -> None:
     assert opt.state[p]["exp_avg_codes"].dtype == torch.uint8
     # 2 one-byte codes + 2 fp32 scales per 256 elements = 2.03125 bytes/param exactly here.
     assert math.isclose(measured_state_bytes(opt) / p.numel(), 2 + 8 / 256, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_fast_nearest_code_equals_bucketize(signed):
+    """The log-domain code lookup must give bucketize's answer exactly, boundaries included."""
+    from lmforge.optim.quant8 import nearest_code, quant_map
+
+    gen = torch.Generator().manual_seed(0)
+    values, boundaries = quant_map(signed, torch.device("cpu"))
+    y = torch.randn(100_000, generator=gen) * torch.logspace(-14, 0, 100_000)
+    y = y / y.abs().max()
+    if not signed:
+        y = y.abs()
+    y = torch.cat([y, values, boundaries, torch.zeros(2)])
+    assert torch.equal(nearest_code(y, boundaries, signed), torch.bucketize(y, boundaries))

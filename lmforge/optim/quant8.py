@@ -70,11 +70,39 @@ def quantize_blockwise(
     scales = blocks.abs().amax(dim=1)
     normalised = blocks / torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
     values, boundaries = quant_map(signed, x.device)
-    codes = torch.bucketize(normalised, boundaries)
+    codes = nearest_code(normalised, boundaries, signed)
     if not signed:  # never round a positive second moment down to exactly 0
         codes = torch.where(normalised > 0, codes.clamp_min(1), codes)
     # bucketize returns indices in [0, len(boundaries)] = [0, len(values) - 1]: always a valid code.
     return codes.to(torch.uint8).view(-1), scales
+
+
+def nearest_code(y: torch.Tensor, boundaries: torch.Tensor, signed: bool) -> torch.Tensor:
+    """`torch.bucketize(y, boundaries)` for our log-spaced maps, without a binary search.
+
+    bucketize is a per-element binary search and took ~70% of an 8-bit Adam step on CPU. The codes
+    are log-spaced, so log(|y|) gives the index up to +-1 float rounding; two comparisons against
+    the same fp32 boundaries then fix it, so the result equals bucketize's (right=False: a value
+    exactly on a boundary takes the lower code).
+    """
+    n = boundaries.numel()  # codes are 0..n
+    if signed:
+        zero, min_ratio, n_mag = (n // 2), SIGNED_MIN_RATIO, 127
+    else:
+        zero, min_ratio, n_mag = 0, UNSIGNED_MIN_RATIO, 255
+    log_step = -math.log(min_ratio) / (n_mag - 1)
+    mag = y.abs().clamp_min(min_ratio * 1e-3)
+    # magnitude index k: 0 for the zero code, k >= 1 for min_ratio * step^(k-1)
+    k = torch.floor(torch.log(mag / min_ratio) / log_step).add_(1.5).clamp_(0, n_mag).to(torch.int64)
+    sign = torch.where(y < 0, -1, 1) if signed else 1
+    guess = (zero + sign * k).clamp_(0, n)
+    # fix the guess: move up while y > boundary[guess], down while y <= boundary[guess - 1]
+    for _ in range(2):
+        up = (guess < n) & (y > boundaries[guess.clamp(max=n - 1)])
+        guess = guess + up.to(guess.dtype)
+        down = (guess > 0) & (y <= boundaries[(guess - 1).clamp(min=0)])
+        guess = guess - down.to(guess.dtype)
+    return guess
 
 
 def dequantize_blockwise(

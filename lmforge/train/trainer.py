@@ -28,16 +28,18 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.config import Config, to_toml
-from lmforge.data.loader import PackedLoader
-from lmforge.data.prepare import PreparedData, prepare_default, unigram_entropy
+from lmforge.data.loader import PackedLoader, open_tokens
+from lmforge.data.prepare import PreparedData, load_prepared, prepare_default, unigram_entropy
 from lmforge.data.shards import TokenShards
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
 from lmforge.model.transformer import Transformer, build_model, count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
-from lmforge.optim.schedules import build_scheduler
+from lmforge.optim.schedules import BatchRampup, build_scheduler
 from lmforge.train.activation_ckpt import apply_activation_checkpointing
-from lmforge.train.metrics import MetricsWriter, format_duration
+from lmforge.train.metrics import HealthMonitor, MetricsWriter, Timers, format_duration, make_sinks, memory_gb
+from lmforge.train.profiler import StepProfiler, device_peak, format_flops
+from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.precision import make_precision, resolve_precision
 
 log = logging.getLogger("lmforge.train")
@@ -83,9 +85,12 @@ def cache_dir(cfg: Config) -> Path:
 def prepare_data(cfg: Config) -> PreparedData:
     """Corpus -> tokenizer -> train/val token shards (cached; instant on the second run)."""
     if cfg.data.corpus != "default":
-        raise ValueError(
-            f"data.corpus = {cfg.data.corpus!r}: only the embedded 'default' corpus is wired into "
-            f"`lmforge train` so far; run `lmforge prepare` for your own corpus.")
+        path = Path(cfg.data.corpus).expanduser()
+        if not (path / "prepare.json").is_file():
+            raise ValueError(
+                f"data.corpus = {cfg.data.corpus!r} is neither 'default' nor a folder written by "
+                f"`lmforge prepare` (no prepare.json there); run `lmforge prepare --config C` first.")
+        return load_prepared(path)
     return prepare_default(cache_dir(cfg), tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab_size,
                            val_fraction=cfg.data.val_fraction)
 
@@ -117,10 +122,12 @@ class Trainer:
                 f"the tokenizer has {self.data.tokenizer.vocab_size} tokens but model.vocab_size = "
                 f"{cfg.model.vocab_size}; raise model.vocab_size to at least that (a multiple of 64 is fastest).")
         shutil.copyfile(self.data.tokenizer_path, self.out_dir / "tokenizer.json")
-        self.train_shards = TokenShards(self.data.train_dir)
+        self.train_shards = open_tokens(self.data.train_dir)  # one shard set, or a weighted mixture
         self.val_shards = TokenShards(self.data.val_dir)
         # Parallel layouts set rank/world_size here (data-parallel rank, dp degree).
-        self.loader = PackedLoader(self.train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed)
+        self.loader = PackedLoader(self.train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed,
+                                   mask_doc_boundaries=cfg.data.mask_doc_boundaries,
+                                   eos_id=self.data.tokenizer.eos_id)
 
         # model: built on the meta device, materialised and initialised on the target device
         self.model: Transformer = build_model(cfg.model, self.device, seed=t.seed)
@@ -135,16 +142,29 @@ class Trainer:
         o, s = cfg.optim, cfg.schedule
         self.optimizer = build_optimizer(
             self.model, o.name, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
-            momentum=o.momentum, nesterov=o.nesterov, decay_embeddings=o.decay_embeddings)
+            momentum=o.momentum, nesterov=o.nesterov, decay_embeddings=o.decay_embeddings,
+            **({"muon_lr": o.muon_lr, "muon_momentum": o.muon_momentum} if o.name == "muon" else {}))
         self.scheduler = build_scheduler(
             self.optimizer, schedule=s.name, peak_lr=o.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
             min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction)
         precision, reason = resolve_precision(t.precision, self.device)
         log.info("precision: %s (%s)", precision, reason)
         self.precision = make_precision(precision, self.device)
+        self.rampup = None
+        if s.batch_rampup_start:
+            self.rampup = BatchRampup(s.batch_rampup_start, t.global_batch_size, s.batch_rampup_tokens,
+                                      s.batch_rampup_increment or t.micro_batch_size * cfg.parallel.dp,
+                                      cfg.data.seq_len)
         self.step = 0
         self.tokens_seen = 0
-        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl")
+        # operability: metrics (JSONL + TensorBoard/W&B, rank 0), health signals, timers, profiler
+        rank0 = is_rank0()
+        self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", make_sinks(
+            self.out_dir, t.tensorboard and rank0, t.wandb and rank0, cfg.to_dict(), self.out_dir.name), enabled=rank0)
+        self.health = HealthMonitor(t.spike_threshold, t.health_window, t.grad_growth_factor)
+        self.timers = Timers()  # `with self.timers("checkpoint"):` around blocking saves -> ckpt_s
+        self.profiler = StepProfiler(t.profile_steps, self.out_dir / "profile", self.device)
+        self._peak = None
 
     # ------------------------------------------------------------------------------------------
     # one optimizer step
@@ -190,9 +210,17 @@ class Trainer:
         self.scheduler.step()
         return grad_norm
 
+    def global_batch_now(self) -> int:
+        """Global batch (sequences) of the next step: the target, or the ramp-up's current value."""
+        if self.rampup is None:
+            return self.cfg.train.global_batch_size
+        return self.rampup.batch_at(self.tokens_seen)
+
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches for the next step (more of them as a batch ramp-up grows)."""
+        t = self.cfg.train
         out = []
-        for _ in range(self.cfg.grad_accum_steps):
+        for _ in range(self.global_batch_now() // (t.micro_batch_size * self.cfg.parallel.dp)):
             x, y = self.loader.next_batch()
             out.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
         return out
@@ -210,6 +238,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
+        if not is_rank0():
+            log.setLevel(logging.WARNING)  # only rank 0 prints progress and info lines
         self.setup()
         cfg, t = self.cfg, self.cfg.train
         counts = count_params(cfg.model)
@@ -223,46 +253,76 @@ class Trainer:
                  "device %s, %d threads", t.global_batch_size, cfg.data.seq_len, f"{cfg.tokens_per_step:,}",
                  t.micro_batch_size, cfg.grad_accum_steps, self.precision.name, self.device, torch.get_num_threads())
 
+        peak = self.peak
+        log.info("mfu: 6N + 12*L*d*s = %.1f MFLOPs/token against %s per device (%s)",
+                 self.flops_per_token / 1e6, format_flops(peak.flops), peak.source)
+        progress = Progress(t.steps, t.progress)
         initial = self.evaluate()
-        log.info("step 0: val loss %.4f, perplexity %.1f", initial["loss"], initial["perplexity"])
+        self.metrics.write({"step": self.step, "val_loss": initial["loss"], "val_perplexity": initial["perplexity"]})
+        progress.write(f"step {self.step}: val loss {initial['loss']:.4f}, perplexity {initial['perplexity']:.1f}")
         history: list[dict] = []
-        pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+        pending: list[tuple] = []
         start_time = time.perf_counter()
-        window_start, window_tokens = start_time, 0
+        window_start, window_tokens, window_steps, window_data, window_eval = start_time, 0, 0, 0.0, 0.0
         last_loss = float("nan")
 
         while self.step < t.steps:
+            self.profiler.step_begin(self.step + 1)
+            step_tokens = self.global_batch_now() * cfg.data.seq_len
+            data_t0 = time.perf_counter()
             batches = self.next_micro_batches()
+            data_s = time.perf_counter() - data_t0
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.train_step(batches)
             self.step += 1
-            self.tokens_seen += cfg.tokens_per_step
-            window_tokens += cfg.tokens_per_step
-            pending.append((self.step, loss, grad_norm, lr))
+            self.profiler.step_end(self.step)
+            self.tokens_seen += step_tokens
+            window_tokens += step_tokens
+            window_steps += 1
+            window_data += data_s
+            pending.append((self.step, loss, grad_norm, lr, self.tokens_seen, data_s))
 
             if self.step % t.log_every == 0 or self.step == t.steps:
+                if self.device.type == "cuda":  # the log line's one sync, before timing the window
+                    torch.cuda.synchronize(self.device)
                 now = time.perf_counter()
-                tok_s = window_tokens / max(now - window_start, 1e-9)
-                window_start, window_tokens = now, 0
-                for step, l, g, step_lr in pending:  # one host sync per log line, not per step
+                busy = max(now - window_start - window_eval, 1e-9)  # validation time is not training time
+                tok_s = window_tokens / busy
+                window_stats = {
+                    "tokens_per_s": tok_s,
+                    "mfu": tok_s * self.flops_per_token / (peak.flops * cfg.parallel.world_size),
+                    "step_time_s": busy / window_steps, "data_share": window_data / busy,
+                    "ckpt_s": self.timers.take("checkpoint"), "mem_gb": memory_gb(self.device),
+                    "elapsed_s": now - start_time}
+                window_start, window_tokens, window_steps, window_data, window_eval = now, 0, 0, 0.0, 0.0
+                for step, l, g, step_lr, tokens, d_s in pending:  # one host sync per log line, not per step
                     rec = {"step": step, "loss": float(l), "grad_norm": float(g), "lr": step_lr,
-                           "tokens": step * cfg.tokens_per_step, "tokens_per_s": tok_s}
+                           "tokens": tokens, **window_stats, "data_s": d_s}
                     history.append(rec)
                     self.metrics.write(rec)
+                    for event in self.health.update(step, rec["loss"], rec["grad_norm"]):
+                        self.metrics.write(event)
+                        progress.write(f"warning: {event['message']}", logging.WARNING)
                 pending.clear()
+                self.metrics.flush()
                 last_loss = history[-1]["loss"]
                 if not math.isfinite(last_loss):
+                    progress.close()
                     raise FloatingPointError(
                         f"loss became {last_loss} at step {self.step}; lower optim.lr or use precision = 'bf16'.")
                 eta = (t.steps - self.step) * (now - start_time) / self.step
-                log.info("step %d/%d | loss %.4f | lr %.2e | grad norm %.2f | %s tok/s | eta %s", self.step, t.steps,
-                         last_loss, lr, history[-1]["grad_norm"], f"{tok_s:,.0f}", format_duration(eta))
+                progress.update(self.step, history[-1], eta)
 
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                eval_t0 = time.perf_counter()
                 val = self.evaluate()
+                window_eval += time.perf_counter() - eval_t0
                 self.metrics.write({"step": self.step, "val_loss": val["loss"], "val_perplexity": val["perplexity"]})
-                log.info("step %d: val loss %.4f, perplexity %.1f", self.step, val["loss"], val["perplexity"])
+                self.metrics.flush()
+                progress.write(f"step {self.step}: val loss {val['loss']:.4f}, perplexity {val['perplexity']:.1f}")
 
+        progress.close()
+        self.profiler.close()
         elapsed = time.perf_counter() - start_time
         final = self.evaluate()
         self.metrics.write({"step": self.step, "val_loss": final["loss"], "val_perplexity": final["perplexity"]})
@@ -278,7 +338,8 @@ class Trainer:
         if cfg.checkpoint.save_final:
             from lmforge.ckpt.export import save_weights
 
-            save_weights(self.model, self.out_dir / "model.safetensors")
+            with self.timers("checkpoint"):
+                save_weights(self.model, self.out_dir / "model.safetensors")
 
         result = TrainResult(
             steps=self.step, tokens=self.tokens_seen, train_loss=last_loss, val_loss=final["loss"],
@@ -286,6 +347,41 @@ class Trainer:
             sample=sample, out_dir=str(self.out_dir), seconds=elapsed,
             tokens_per_second=self.tokens_seen / max(elapsed, 1e-9), history=history)
         summary = {k: v for k, v in result.__dict__.items() if k != "history"}
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary.update(self.operability_summary(history))
+        if is_rank0():
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.metrics.close()
+        if t.plot and is_rank0():
+            try:
+                from lmforge.report.plots import plot_runs
+
+                plot_runs([self.out_dir], self.out_dir / "report")
+            except ImportError:
+                log.info("plots skipped: `pip install matplotlib` to get %s/report/*.png", self.out_dir)
         return result
+
+    # ------------------------------------------------------------------------------------------
+    # operability: MFU peak, summary numbers
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def peak(self):
+        """MFU denominator (lmforge.train.profiler.Peak): catalogue peak on known GPUs, else measured."""
+        if self._peak is None:
+            self._peak = device_peak(self.device, self.precision.name)
+        return self._peak
+
+    def operability_summary(self, history: list[dict]) -> dict:
+        """Extra `summary.json` keys: throughput/MFU, time shares, health counts, hardware."""
+        import platform
+
+        last = history[-len(history) // 2:] or [{}]  # second half: past warm-up / compilation
+        mean = lambda key: sum(r.get(key, 0.0) for r in last) / len(last)
+        hw = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+              "device": str(self.device), "device_name": self.peak.device_name, "threads": torch.get_num_threads(),
+              "world_size": self.cfg.parallel.world_size}
+        return {"mfu": mean("mfu"), "peak_flops": self.peak.flops, "peak_source": self.peak.source,
+                "flops_per_token": self.flops_per_token, "n_params": self.n_params,
+                "data_share": mean("data_share"), "checkpoint_s": self.timers.total.get("checkpoint", 0.0),
+                "peak_mem_gb": memory_gb(self.device), "loss_spikes": self.health.n_spikes,
+                "grad_norm_warnings": self.health.n_growth, "hardware": hw}
