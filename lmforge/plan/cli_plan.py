@@ -1,0 +1,155 @@
+"""`lmforge plan`: will it fit, how long, how much, and which layout, from the config alone.
+
+    lmforge plan --model PRESET_OR_TOML --gpus 8xA100-80GB [--nodes N]
+                 [--layout dp=8,zero=3,tp=1,pp=1,mb=1,ac=full] [--global-batch-tokens T]
+                 [--seq-len S] [--tokens D] [--mfu 0.4] [--flops palm|6N] [--ideal] [--price 2.0] [--optimizer adamw]
+                 [--precision bf16] [--weights megatron|lmforge|both] [--devices extra.toml]
+                 [--search [--allow-offload]] [--top 10] [--json]
+
+Defaults come from the model's config: sequence length `data.seq_len`, global batch
+`train.global_batch_size` x seq_len tokens, training tokens `train.steps` x that batch,
+optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device has it, else fp16, else fp32), micro-batch `train.micro_batch_size`,
+activation checkpointing `train.activation_checkpoint`, tp/pp from `[parallel]`; the default
+layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lmforge.plan.flops import estimate_step
+from lmforge.plan.hardware import load_devices, parse_cluster
+from lmforge.plan.memory import Layout, estimate_memory
+from lmforge.plan.report import candidates_table, memory_table, step_table, to_json
+from lmforge.plan.search import search_layouts
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmforge plan", description="Memory, time, cost and the best layout for a model on a cluster.")
+    p.add_argument("--model", required=True, help="preset name (e.g. llama2-70b) or path to a config TOML")
+    p.add_argument("--gpus", required=True, help="cluster: 8xA100-80GB (one node), 64x8xH100 (nodes x GPUs x device) or H100")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (multiplies a one-node --gpus spec)")
+    p.add_argument("--layout", default=None, help="dp=8,zero=3,tp=1,pp=1,mb=1,ga=4,ac=full,sp=1,sched=1f1b,v=1,offload=0")
+    p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step (default: from the config)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: data.seq_len)")
+    p.add_argument("--tokens", type=float, default=None, help="training tokens D (default: train.steps x batch tokens)")
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the matmuls (default 0.4)")
+    p.add_argument("--flops", default="palm", choices=("palm", "6N"),
+                   help="FLOPs per token: palm = 6N_matmul + 12*L*h*s (default) or 6N = 6 x all parameters")
+    p.add_argument("--ideal", action="store_true",
+                   help="apply --mfu as is (no matmul-shape heuristic), for back-of-envelope 6ND/(GPUs x peak x MFU)")
+    p.add_argument("--price", type=float, default=None, help="price per GPU-hour for the cost estimate")
+    p.add_argument("--optimizer", default=None, help="optimizer (default: optim.name)")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32", "fp8"), help="default: train.precision")
+    p.add_argument("--weights", default="both", choices=("megatron", "lmforge", "both"),
+                   help="memory convention: literature (16 B/param Adam) or what lmforge allocates (default: both)")
+    p.add_argument("--devices", default=None, help="TOML file with extra devices")
+    p.add_argument("--usable", type=float, default=0.9, help="fraction of device memory a plan may use (default 0.9)")
+    p.add_argument("--search", action="store_true", help="enumerate and rank layouts that fit")
+    p.add_argument("--allow-offload", action="store_true", help="let --search also try CPU offload of optimizer states")
+    p.add_argument("--top", type=int, default=10, help="candidates to show with --search")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return p
+
+
+def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_text: str | None) -> Layout:
+    par, tr = cfg.parallel, cfg.train
+    base = {"tp": par.tp, "pp": par.pp, "micro_batch": tr.micro_batch_size, "ac": tr.activation_checkpoint,
+            "ac_every": tr.ac_every, "precision": precision, "zero": 3 if par.dp_shard > 1 else 0}
+    given = Layout.parse(layout_text or "", **base).validate(cfg.model)  # values, then vs. the model
+    explicit = {item.split("=", 1)[0].strip().lower() for item in (layout_text or "").split(",") if "=" in item}
+    if not ({"dp"} & explicit):
+        if world % (given.tp * given.pp):
+            raise ValueError(f"tp x pp = {given.tp * given.pp} does not divide the {world} GPUs")
+        given.dp = world // (given.tp * given.pp)
+    if given.world_size > world:
+        raise ValueError(f"layout uses dp x tp x pp = {given.world_size} GPUs but --gpus gives {world}")
+    if not ({"mb", "micro_batch"} & explicit) and seq_sequences % given.dp == 0:
+        # the config's micro-batch, lowered to the largest divisor of the per-replica batch
+        per_dp = seq_sequences // given.dp
+        given.micro_batch = max(k for k in range(1, min(given.micro_batch, per_dp) + 1) if per_dp % k == 0)
+    if not ({"ga", "grad_accum", "m"} & explicit):
+        per = given.micro_batch * given.dp
+        if seq_sequences % per:
+            raise ValueError(f"global batch of {seq_sequences} sequences is not divisible by micro-batch "
+                             f"{given.micro_batch} x dp {given.dp}; change --global-batch-tokens or mb=")
+        given.grad_accum = seq_sequences // per
+    if given.zero and given.dp == 1:
+        given.zero = 0
+    return given
+
+
+def _resolve_precision(precision: str, device) -> str:
+    """'auto' (the trainer's default) -> bf16 where the device has a bf16 peak, else fp16, else fp32."""
+    if precision != "auto":
+        return precision
+    for p in ("bf16", "fp16", "fp32"):
+        if getattr(device, f"{p}_tflops"):
+            return p
+    raise ValueError(f"{device.name} lists no bf16/fp16/fp32 peak; pass --precision")
+
+
+def plan_main(argv: list[str]) -> int:
+    """Entry point of `lmforge plan`. Returns a process exit code (2 on bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        from lmforge.config import load_config
+
+        cfg = load_config(args.model)
+        devices = load_devices(args.devices)
+        cluster = parse_cluster(args.gpus, nodes=args.nodes, devices=devices)
+        seq_len = args.seq_len or cfg.data.seq_len
+        if seq_len > cfg.model.max_seq_len:
+            raise ValueError(f"--seq-len {seq_len} exceeds model.max_seq_len = {cfg.model.max_seq_len}")
+        batch_tokens = args.global_batch_tokens or cfg.train.global_batch_size * seq_len
+        if batch_tokens % seq_len:
+            raise ValueError(f"--global-batch-tokens {batch_tokens} is not a multiple of the sequence length {seq_len}")
+        sequences = batch_tokens // seq_len
+        precision = _resolve_precision(args.precision or cfg.train.precision, cluster.device)
+        optimizer = args.optimizer or cfg.optim.name
+        train_tokens = args.tokens if args.tokens is not None else float(cfg.train.steps * batch_tokens)
+        if not 0 < args.mfu <= 1:
+            raise ValueError(f"--mfu {args.mfu} must be in (0, 1]")
+        layout = _default_layout(cfg, cluster.world_size, sequences, precision, args.layout)
+        conventions = ["megatron", "lmforge"] if args.weights == "both" else [args.weights]
+        mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]
+        step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
+                             price_per_gpu_hour=args.price, flops_convention=args.flops,
+                             use_shape_efficiency=not args.ideal)
+        cands = []
+        if args.search:
+            cands = search_layouts(cfg.model, cluster, sequences, seq_len, optimizer=optimizer, mfu=args.mfu,
+                                   precision=precision, weights=conventions[0], usable_fraction=args.usable,
+                                   top=args.top, model_name=cfg.preset, allow_offload=args.allow_offload)
+    except ValueError as exc:  # ConfigError is a ValueError
+        print(f"lmforge plan: error: {exc}", file=sys.stderr)
+        return 2
+    budget = args.usable * cluster.device.memory_bytes
+    if args.json:
+        report = {"model": cfg.preset, "cluster": cluster.to_dict(), "seq_len": seq_len,
+                  "global_batch_tokens": batch_tokens, "optimizer": optimizer, "precision": precision,
+                  "layout": layout.to_dict(), "usable_fraction": args.usable,
+                  "memory": {m.convention: m.as_dict() | {"fits": m.total <= budget} for m in mems},
+                  "compute": step.as_dict(), "assumed_mfu": args.mfu}
+        if args.search:
+            report["search"] = [c.as_dict() for c in cands]
+        print(to_json(report))
+        return 0
+    print(f"lmforge plan: {cfg.preset} on {cluster} ({cluster.world_size} GPUs), layout {layout.short()}")
+    print()
+    print(memory_table(mems, cluster.device.memory_bytes, args.usable))
+    print()
+    print(step_table(step, cluster, args.mfu, precision))
+    if args.search:
+        print()
+        print(candidates_table(cands))
+    return 0
+
+
+def main() -> None:  # pragma: no cover - convenience for `python -m lmforge.plan.cli_plan`
+    raise SystemExit(plan_main(sys.argv[1:]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,195 @@
+"""Hardware catalogue: accelerators with memory, dense peak FLOP/s and bandwidths.
+
+Conventions (stated once, used everywhere in `lmforge.plan`):
+
+- Memory is in decimal gigabytes (1 GB = 1e9 bytes), the vendors' marketed capacity. The planner
+  keeps headroom for the CUDA context, allocator fragmentation and workspaces separately
+  (`usable_fraction` in the search), rather than shrinking the figures here.
+- Peaks are *dense* tensor-core TFLOP/s (no 2:4 sparsity), per device, from the vendors' data
+  sheets. `None` means the precision is not supported by the matrix units (e.g. bf16 on V100):
+  asking for it raises a ValueError rather than silently using another number.
+- Bandwidths are GB/s per device, *one direction*: `intra_node_gbps` is the NVLink/ICI (or PCIe)
+  bandwidth to the other devices of the same node, `inter_node_gbps` is the network bandwidth per
+  device across nodes (one NIC per GPU: 100/200/400 Gb/s InfiniBand = 12.5/25/50 GB/s).
+
+Extra devices come from a TOML file, one table per device:
+
+    [MI300X]
+    memory_gb = 192
+    bf16_tflops = 1307
+    fp16_tflops = 1307
+    fp32_tflops = 163
+    fp8_tflops = 2615
+    intra_node_gbps = 448
+    inter_node_gbps = 50
+    gpus_per_node = 8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or a CPU socket treated as one device)."""
+
+    name: str
+    memory_gb: float
+    bf16_tflops: float | None
+    fp16_tflops: float | None
+    fp32_tflops: float | None
+    fp8_tflops: float | None
+    intra_node_gbps: float
+    inter_node_gbps: float
+    gpus_per_node: int = 8
+    hbm_gbps: float | None = None
+    aliases: tuple[str, ...] = field(default=())
+    notes: str = ""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense peak FLOP/s (not TFLOP/s) for `precision`; ValueError if unsupported."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+        tflops = getattr(self, f"{precision}_tflops")
+        if not tflops:
+            supported = [p for p in PRECISIONS if getattr(self, f"{p}_tflops")]
+            raise ValueError(
+                f"{self.name} has no {precision} matrix peak; supported: {', '.join(supported)}")
+        return float(tflops) * 1e12
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["aliases"] = list(self.aliases)
+        return d
+
+
+def _catalogue() -> dict[str, Device]:
+    devices = [
+        Device("V100", 32, None, 125, 15.7, None, 150, 12.5, 8, 900, ("V100-32GB", "V100-SXM2"),
+               "SXM2 32GB; NVLink2 300 GB/s bidirectional; 100 Gb/s IB per GPU. No bf16."),
+        Device("A100-40GB", 40, 312, 312, 19.5, None, 300, 25, 8, 1555, ("A100-SXM-40GB",),
+               "SXM4; fp32 is non-tensor (TF32 156); NVLink3 600 GB/s bidir; 200 Gb/s HDR per GPU."),
+        Device("A100-80GB", 80, 312, 312, 19.5, None, 300, 25, 8, 2039, ("A100", "A100-SXM-80GB"),
+               "SXM4 80GB; as A100-40GB with HBM2e."),
+        Device("H100-SXM", 80, 989, 989, 67, 1979, 450, 50, 8, 3350, ("H100", "H100-80GB", "H100-SXM5"),
+               "SXM5; NVLink4 900 GB/s bidir; 400 Gb/s NDR per GPU."),
+        Device("H100-PCIe", 80, 756, 756, 51, 1513, 64, 50, 8, 2000, ("H100-PCIE-80GB",),
+               "PCIe Gen5 x16 (64 GB/s per direction) between GPUs of a node."),
+        Device("H200", 141, 989, 989, 67, 1979, 450, 50, 8, 4800, ("H200-SXM",),
+               "H100 compute with 141 GB HBM3e."),
+        Device("B200", 180, 2250, 2250, 75, 4500, 900, 50, 8, 8000, ("B200-SXM",),
+               "DGX B200 (180 GB usable per GPU); NVLink5 1.8 TB/s bidir."),
+        Device("TPU-v4", 32, 275, None, None, None, 150, 25, 4, 1200, ("TPUv4", "v4"),
+               "One chip; ICI 6 links; 4 chips per host; bf16 only on the MXUs."),
+        Device("CPU", 24, 2.0, None, 0.33, None, 10, 1.25, 1, 40, ("cpu",),
+               "This project's 2-core CPU machine, measured (bf16 AMX 2048^3 matmul)."),
+    ]
+    return {d.name: d for d in devices}
+
+
+CATALOGUE: dict[str, Device] = _catalogue()
+
+
+def _index(devices: dict[str, Device]) -> dict[str, Device]:
+    idx: dict[str, Device] = {}
+    for dev in devices.values():
+        for key in (dev.name, *dev.aliases):
+            idx[key.lower()] = dev
+    return idx
+
+
+def load_devices(extra_toml: str | Path | None = None, base: dict[str, Device] | None = None) -> dict[str, Device]:
+    """The catalogue, plus the devices of `extra_toml` (one table per device; same field names
+    as `Device`; `gpus_per_node` defaults to 8). A device of the same name replaces the built-in."""
+    devices = dict(CATALOGUE if base is None else base)
+    if extra_toml is None:
+        return devices
+    path = Path(extra_toml).expanduser()
+    if not path.is_file():
+        raise ValueError(f"device file {str(path)!r} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"device file {str(path)!r}: invalid TOML: {exc}") from exc
+    names = {f.name for f in dataclasses.fields(Device)}
+    required = {"memory_gb", "intra_node_gbps", "inter_node_gbps"}
+    for dev_name, table in raw.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"device file {str(path)!r}: {dev_name!r} must be a table [{dev_name}]")
+        unknown = set(table) - names
+        if unknown:
+            raise ValueError(f"device {dev_name!r}: unknown field(s) {sorted(unknown)}; valid: {sorted(names - {'name'})}")
+        missing = required - set(table)
+        if missing:
+            raise ValueError(f"device {dev_name!r}: missing field(s) {sorted(missing)}")
+        kw = {p + "_tflops": None for p in PRECISIONS}
+        kw.update(table)
+        kw["aliases"] = tuple(kw.get("aliases", ()))
+        if not any(kw[p + "_tflops"] for p in PRECISIONS):
+            raise ValueError(f"device {dev_name!r}: give at least one of {[p + '_tflops' for p in PRECISIONS]}")
+        devices[dev_name] = Device(name=dev_name, **kw)
+    return devices
+
+
+def get_device(name: str, devices: dict[str, Device] | None = None) -> Device:
+    """Look a device up by name or alias (case-insensitive); ValueError listing the catalogue."""
+    devices = CATALOGUE if devices is None else devices
+    dev = _index(devices).get(name.strip().lower())
+    if dev is None:
+        raise ValueError(f"unknown GPU {name!r}; known devices: {', '.join(sorted(devices))} "
+                         "(or add one with a devices TOML file)")
+    return dev
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` x `gpus_per_node` identical devices."""
+
+    device: Device
+    nodes: int = 1
+    gpus_per_node: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def __str__(self) -> str:
+        return f"{self.nodes}x{self.gpus_per_node}x{self.device.name}"
+
+    def to_dict(self) -> dict:
+        return {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "world_size": self.world_size,
+                "device": self.device.to_dict()}
+
+
+_CLUSTER_RE = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?(?:(\d+)\s*[xX*]\s*)?(\S.*?)\s*$")
+
+
+def parse_cluster(spec: str, nodes: int | None = None, devices: dict[str, Device] | None = None) -> Cluster:
+    """Parse "64x8xH100" (nodes x GPUs per node x device), "8xA100-80GB" (one node) or "H100"
+    (one device). `nodes` (the CLI's --nodes) multiplies a one-node spec."""
+    m = _CLUSTER_RE.match(spec or "")
+    if not m:
+        raise ValueError(f"cluster spec {spec!r} must look like 8xH100 or 64x8xH100")
+    a, b, name = m.group(1), m.group(2), m.group(3)
+    device = get_device(name, devices)
+    if a is not None and b is not None:
+        n, g = int(a), int(b)
+        if nodes is not None and nodes != n:
+            raise ValueError(f"--nodes {nodes} contradicts cluster spec {spec!r} ({n} nodes)")
+    else:
+        g = int(a) if a is not None else 1
+        n = nodes if nodes is not None else 1
+    if n < 1 or g < 1:
+        raise ValueError(f"cluster spec {spec!r}: node and GPU counts must be >= 1")
+    return Cluster(device=device, nodes=n, gpus_per_node=g)
