@@ -33,7 +33,7 @@ and :class:`lmforge.data.loader.PackedLoader` draws windows from the sources in 
 proportions (a small source is repeated, i.e. up-sampled, a large one sub-sampled).
 
 Parallelism (measured by ``benchmarks/data_throughput.py`` on the shared 2-core CPU; see
-benchmarks/RESULTS_data.md). About 90% of the tokenize stage is the Rust ``encode_batch`` call,
+benchmarks/RESULTS.md). About 90% of the tokenize stage is the Rust ``encode_batch`` call,
 which releases the GIL and already uses every core through tokenizers' thread pool; the rest is
 Python (ids -> numpy, split, shard files). The default ``threads`` mode therefore encodes in
 this process and overlaps the next chunk's encoding with the Python work of the previous one

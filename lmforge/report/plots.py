@@ -1,0 +1,114 @@
+"""PNG plots of one or several runs (overlaid), from their `metrics.jsonl`. matplotlib, Agg backend.
+
+    plot_runs([run_a, run_b], out_dir) -> {"loss": out_dir/loss.png, "lr": ..., "grad_norm": ..., "throughput": ...}
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from lmforge.train.metrics import read_metrics, split_metrics
+
+PLOTS = ("loss", "lr", "grad_norm", "throughput")
+
+
+def run_label(run_dir: Path, all_dirs: list[Path]) -> str:
+    """Shortest readable name: the folder name, or parent/name when names collide."""
+    names = [d.name for d in all_dirs]
+    return run_dir.name if names.count(run_dir.name) == 1 else f"{run_dir.parent.name}/{run_dir.name}"
+
+
+def load_run_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return split_metrics(read_metrics(path)) if path.is_file() else ([], [], [])
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finite(xs, ys):
+    pts = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
+    """Write loss.png (train solid, validation dashed with markers), lr.png, grad_norm.png and
+    throughput.png (tokens/s, and MFU on a second axis for a single run) into `out_dir`."""
+    plt = _pyplot()
+    run_dirs = [Path(d) for d in run_dirs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {d: load_run_metrics(d) for d in run_dirs}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    paths: dict[str, Path] = {}
+    single = len(run_dirs) == 1
+
+    def figure(title: str, ylabel: str, log_y: bool = False):
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if log_y:
+            ax.set_yscale("log")
+        return fig, ax
+
+    def save(fig, ax, name: str) -> None:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths[name] = path
+
+    fig, ax = figure("loss (train solid, validation dashed)", "cross-entropy (nats/token)")
+    for i, d in enumerate(run_dirs):
+        train, val, events = data[d]
+        c, label = colors[i % len(colors)], run_label(d, run_dirs)
+        xs, ys = _finite([r["step"] for r in train], [r["loss"] for r in train])
+        ax.plot(xs, ys, color=c, lw=1.2, alpha=0.9, label=f"{label} train" if single else label)
+        xs, ys = _finite([r["step"] for r in val], [r["val_loss"] for r in val])
+        if xs:
+            ax.plot(xs, ys, color=c, lw=1.5, ls="--", marker="o", ms=4, label=f"{label} val")
+        spikes = [e for e in events if e.get("event") == "loss_spike" and "loss" in e]
+        if spikes:
+            ax.scatter([e["step"] for e in spikes], [e["loss"] for e in spikes], color=c, marker="x", s=40,
+                       label=f"{label} loss spikes")
+    save(fig, ax, "loss")
+
+    fig, ax = figure("learning rate", "lr")
+    for i, d in enumerate(run_dirs):
+        train = data[d][0]
+        ax.plot([r["step"] for r in train], [r["lr"] for r in train], color=colors[i % len(colors)],
+                label=run_label(d, run_dirs))
+    save(fig, ax, "lr")
+
+    fig, ax = figure("gradient norm (before clipping)", "L2 norm", log_y=True)
+    for i, d in enumerate(run_dirs):
+        train = data[d][0]
+        xs, ys = _finite([r["step"] for r in train], [r["grad_norm"] for r in train])
+        ax.plot(xs, [max(y, 1e-12) for y in ys], color=colors[i % len(colors)], lw=1, label=run_label(d, run_dirs))
+    save(fig, ax, "grad_norm")
+
+    fig, ax = figure("throughput", "tokens/s")
+    for i, d in enumerate(run_dirs):
+        train = data[d][0]
+        ax.plot([r["step"] for r in train], [r.get("tokens_per_s", float("nan")) for r in train],
+                color=colors[i % len(colors)], label=f"{run_label(d, run_dirs)} tokens/s")
+    if single and data[run_dirs[0]][0] and "mfu" in data[run_dirs[0]][0][-1]:
+        ax2 = ax.twinx()
+        train = data[run_dirs[0]][0]
+        ax2.plot([r["step"] for r in train], [100 * r.get("mfu", float("nan")) for r in train], color="gray",
+                 ls=":", label="MFU %")
+        ax2.set_ylabel("MFU (%)")
+        ax2.legend(loc="lower right", fontsize=8)
+    save(fig, ax, "throughput")
+    return paths

@@ -1,0 +1,156 @@
+"""`lmforge sweep`: grid or random search over config keys, resumable, ranked by validation loss.
+
+    lmforge sweep --grid optim.lr=1e-3,3e-4 --grid schedule.warmup_steps=10,20        # 2x2 grid
+    lmforge sweep --random 8 --seed 0 --range optim.lr=1e-4:1e-2:log --grid train.global_batch_size=16,32
+    lmforge sweep --spec sweep.toml --parallel 2 --out runs/sweep-lr -- --train.steps 100
+    lmforge sweep --base gpt2-124m --grid optim.lr=6e-4,3e-4 --train.steps 2000      # base config + overrides
+
+Any `--section.key value` that is not a sweep option is a base override applied to every trial.
+`--range KEY=LOW:HIGH[:log|:int]` draws from a continuous range (random search only). A spec file
+(TOML) holds the same things:
+
+    config = "tiny"
+    random = 8          # omit for a full grid
+    seed = 0
+    parallel = 2
+    [base]
+    "train.steps" = 100
+    [grid]
+    "optim.lr" = [1e-3, 3e-4]
+    [range]
+    "schedule.warmup_steps" = [5, 50, "int"]
+
+Re-running the same command resumes: finished trials (with summary.json) are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import ConfigError, parse_cli_overrides, parse_override_value
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def parse_grid(text: str):
+    from lmforge.sweep.core import Dimension
+
+    if "=" not in text:
+        raise ConfigError(f"--grid {text!r}: use KEY=V1,V2,... e.g. --grid optim.lr=1e-3,3e-4")
+    key, values = text.split("=", 1)
+    vals = [parse_override_value(v.strip()) for v in values.split(",") if v.strip()]
+    if not vals:
+        raise ConfigError(f"--grid {text!r}: no values")
+    return Dimension(key.strip().lstrip("-").replace("-", "_"), values=vals)
+
+
+def parse_range(text: str):
+    from lmforge.sweep.core import Dimension
+
+    try:
+        key, rest = text.split("=", 1)
+        parts = rest.split(":")
+        low, high = float(parts[0]), float(parts[1])
+        scale = parts[2] if len(parts) > 2 else "linear"
+    except (ValueError, IndexError):
+        raise ConfigError(f"--range {text!r}: use KEY=LOW:HIGH[:log|:int], e.g. optim.lr=1e-4:1e-2:log") from None
+    if scale not in ("linear", "log", "int") or not low < high or (scale == "log" and low <= 0):
+        raise ConfigError(f"--range {text!r}: need LOW < HIGH (both > 0 for log) and scale linear, log or int")
+    return Dimension(key.strip().replace("-", "_"), low=low, high=high, scale=scale)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmforge sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", "--base", dest="config", default=None,
+                   help="preset name or TOML file of the base config (default: tiny)")
+    p.add_argument("--spec", type=Path, default=None, help="sweep spec TOML (see `lmforge sweep --help`)")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="discrete values of a key")
+    p.add_argument("--range", action="append", default=[], metavar="KEY=LO:HI[:log|:int]",
+                   help="continuous range of a key (with --random)")
+    p.add_argument("--random", type=int, default=None, metavar="N", help="random search: N trials (default: grid)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the random search (default 0)")
+    p.add_argument("--parallel", type=int, default=None, metavar="K", help="trials run at once (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per trial (default: cores / parallel when parallel > 1)")
+    p.add_argument("--metric", default=None, help="summary.json key to rank by, lower is better (default val_loss)")
+    p.add_argument("--out", type=Path, default=None, help="sweep folder (default runs/sweep-<config>)")
+    p.add_argument("--no-report", action="store_true", help="skip the HTML report of overlaid curves")
+    return p
+
+
+def parse_sweep_args(argv: list[str] | None):
+    """(SweepSpec, parallel, out folder, threads per trial, report?) from the command line (+ spec file)."""
+    from lmforge.sweep.core import Dimension, SweepSpec
+
+    args, rest = build_parser().parse_known_args(argv)
+    rest = [a for a in rest if a != "--"]
+    file: dict[str, Any] = {}
+    if args.spec is not None:
+        try:
+            file = tomllib.loads(args.spec.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"--spec {args.spec}: {exc}") from exc
+    space: dict[str, Dimension] = {}
+    for key, values in _flatten(file.get("grid", {})).items():
+        space[key] = Dimension(key, values=list(values) if isinstance(values, list) else [values])
+    for key, r in _flatten(file.get("range", {})).items():
+        if not isinstance(r, list) or len(r) not in (2, 3) or (len(r) == 3 and r[2] not in ("linear", "log", "int")):
+            raise ConfigError(f"spec [range] {key} = {r!r}: use [low, high] or [low, high, \"log\"|\"int\"]")
+        space[key] = Dimension(key, low=float(r[0]), high=float(r[1]), scale=r[2] if len(r) == 3 else "linear")
+    for text in args.grid:
+        d = parse_grid(text)
+        space[d.key] = d
+    for text in args.range:
+        d = parse_range(text)
+        space[d.key] = d
+    base = {**_flatten(file.get("base", {})), **parse_cli_overrides(rest)}
+    spec = SweepSpec(
+        config=args.config or file.get("config", "tiny"), base=base, space=list(space.values()),
+        random_trials=args.random if args.random is not None else int(file.get("random", 0)),
+        seed=args.seed if args.seed is not None else int(file.get("seed", 0)),
+        metric=args.metric or file.get("metric", "val_loss"))
+    parallel = args.parallel or int(file.get("parallel", 1))
+    if parallel < 1:
+        raise ConfigError(f"--parallel {parallel} must be >= 1")
+    out = args.out or Path(file.get("out", f"runs/sweep-{Path(spec.config).stem}"))
+    return spec, parallel, out, args.threads, not args.no_report
+
+
+def sweep_main(argv: list[str] | None = None) -> int:
+    from lmforge.sweep.core import format_table, run_sweep
+
+    try:
+        spec, parallel, out, threads, report = parse_sweep_args(argv)
+        trials = run_sweep(spec, out, parallel=parallel, threads_per_trial=threads, report=report)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    import json
+
+    rows = json.loads((out / "results.json").read_text())
+    print(f"\nresults ranked by {spec.metric} ({out / 'results.csv'}, plot {out / 'sweep.png'}):")
+    print(format_table(rows, [d.key for d in spec.space]))
+    failed = [t for t in trials if t.status == "failed"]
+    if failed:
+        print(f"\n{len(failed)} trial(s) failed; their train.log says why. Re-run to retry them.")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(sweep_main())

@@ -1,0 +1,346 @@
+"""Hyperparameter sweeps: grid or random search over dotted config keys, one `lmforge train`
+subprocess per trial, resumable, ranked by validation loss.
+
+Layout of a sweep folder:
+
+    SWEEP/sweep.json            the spec (base config, base overrides, search space, trials)
+    SWEEP/t000-<hash>/          one run folder per trial (config.toml, metrics.jsonl, summary.json,
+                                train.log with the trial's stdout/stderr)
+    SWEEP/results.json, .csv    every trial with its parameters, status and final metrics, ranked
+    SWEEP/sweep.png             validation loss per trial and against each swept key
+    SWEEP/report/index.html     overlaid curves of all trials (`lmforge report SWEEP` makes it too)
+
+`parallel` trials run at once: on a CPU with cores/parallel torch threads each, on a machine with
+several GPUs one GPU each (CUDA_VISIBLE_DEVICES per trial).
+
+A trial is done when its folder has `summary.json` (the trainer writes it last). Re-running the
+same command skips done trials and re-runs the others from scratch, so an interrupted sweep
+resumes. The trial folder name holds a hash of its full override set, so a changed spec never
+mistakes an old run for a new trial.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import ConfigError, load_config
+
+
+@dataclass
+class Dimension:
+    """One swept key: discrete `values`, or a continuous range [low, high] (random search only)."""
+
+    key: str
+    values: list[Any] | None = None
+    low: float | None = None
+    high: float | None = None
+    scale: str = "linear"  # 'linear' | 'log' | 'int'
+
+    def sample(self, rng: random.Random) -> Any:
+        if self.values is not None:
+            return rng.choice(self.values)
+        assert self.low is not None and self.high is not None
+        if self.scale == "log":
+            return float(f"{math.exp(rng.uniform(math.log(self.low), math.log(self.high))):.4g}")
+        if self.scale == "int":
+            return rng.randint(int(self.low), int(self.high))
+        return float(f"{rng.uniform(self.low, self.high):.4g}")
+
+
+@dataclass
+class SweepSpec:
+    config: str = "tiny"
+    base: dict[str, Any] = field(default_factory=dict)  # overrides applied to every trial
+    space: list[Dimension] = field(default_factory=list)
+    random_trials: int = 0  # 0 = full grid
+    seed: int = 0
+    metric: str = "val_loss"
+
+    def trials(self) -> list[dict[str, Any]]:
+        """The trials' overrides, in a deterministic order (same spec + seed -> same list)."""
+        if not self.space:
+            raise ConfigError("sweep: nothing to sweep; give --grid KEY=V1,V2 (or --range KEY=LO:HI with --random N).")
+        if self.random_trials:
+            rng = random.Random(self.seed)
+            seen, out = set(), []
+            for _ in range(self.random_trials * 50):
+                trial = {d.key: d.sample(rng) for d in self.space}
+                sig = json.dumps(trial, sort_keys=True)
+                if sig not in seen:
+                    seen.add(sig)
+                    out.append(trial)
+                if len(out) == self.random_trials:
+                    break
+            return out
+        ranged = [d.key for d in self.space if d.values is None]
+        if ranged:
+            raise ConfigError(f"sweep: {', '.join(ranged)} given as a range; a grid needs value lists "
+                              f"(--grid KEY=V1,V2) or use random search (--random N).")
+        keys = [d.key for d in self.space]
+        return [dict(zip(keys, combo)) for combo in itertools.product(*(d.values for d in self.space))]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "base": self.base, "space": [asdict(d) for d in self.space],
+                "random_trials": self.random_trials, "seed": self.seed, "metric": self.metric}
+
+
+def check_trials(spec: SweepSpec, trials: list[dict[str, Any]]) -> None:
+    """Every trial's config must load and validate before anything runs (errors name the trial)."""
+    for trial in trials:
+        try:
+            load_config(spec.config, {**spec.base, **trial})
+        except ConfigError as exc:
+            raise ConfigError(f"sweep trial {trial}: {exc}") from exc
+
+
+def trial_name(index: int, overrides: dict[str, Any], spec: SweepSpec) -> str:
+    full = json.dumps({"config": spec.config, **spec.base, **overrides}, sort_keys=True, default=str)
+    return f"t{index:03d}-{hashlib.sha256(full.encode()).hexdigest()[:8]}"
+
+
+def _cli_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)  # TOML string: survives parse_override_value unchanged
+    return repr(v)
+
+
+def train_command(spec: SweepSpec, overrides: dict[str, Any], out_dir: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "lmforge", "train", "--config", spec.config]
+    for k, v in {**spec.base, **overrides, "train.out_dir": str(out_dir), "train.progress": "lines"}.items():
+        cmd += [f"--{k}", _cli_value(v)]
+    return cmd
+
+
+@dataclass
+class Trial:
+    index: int
+    name: str
+    params: dict[str, Any]
+    out_dir: Path
+    status: str = "pending"  # pending | running | done | failed | skipped(done before)
+    seconds: float = 0.0
+    returncode: int | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return (self.out_dir / "summary.json").is_file()
+
+    def load_summary(self) -> None:
+        try:
+            self.summary = json.loads((self.out_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            self.summary = {}
+
+
+def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_trial: int | None = None,
+              echo=print, report: bool = True) -> list[Trial]:
+    """Run the sweep's unfinished trials (`parallel` at a time), then write results and plots."""
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    overrides = spec.trials()
+    check_trials(spec, overrides)
+    trials = [Trial(i, trial_name(i, o, spec), o, sweep_dir / trial_name(i, o, spec)) for i, o in enumerate(overrides)]
+    (sweep_dir / "sweep.json").write_text(json.dumps(
+        {**spec.to_dict(), "trials": [{"name": t.name, "params": t.params} for t in trials]}, indent=2,
+        default=str) + "\n")
+
+    todo = []
+    for t in trials:
+        if t.finished:
+            t.status = "skipped"
+            t.load_summary()
+        else:
+            todo.append(t)
+    echo(f"sweep: {len(trials)} trials ({len(trials) - len(todo)} already done), {parallel} at a time, "
+         f"in {sweep_dir}")
+    if threads_per_trial is None and parallel > 1 and "train.threads" not in spec.base:
+        threads_per_trial = max(1, (os.cpu_count() or 1) // parallel)
+
+    gpus = visible_gpus() if parallel > 1 else []
+    if gpus:
+        echo(f"sweep: parallel trials spread over GPU(s) {', '.join(gpus)} (one GPU per trial)")
+    running: list[tuple[Trial, subprocess.Popen, float, Any, int]] = []
+    free_slots = list(range(parallel))
+    queue = list(todo)
+    interrupted = False
+    try:
+        while queue or running:
+            while queue and len(running) < parallel:
+                t = queue.pop(0)
+                if t.out_dir.exists():  # an interrupted attempt: start it over
+                    shutil.rmtree(t.out_dir)
+                t.out_dir.mkdir(parents=True)
+                extra = {"train.threads": threads_per_trial} if threads_per_trial else {}
+                cmd = train_command(spec, {**t.params, **extra}, t.out_dir)
+                logf = open(t.out_dir / "train.log", "w")
+                slot = free_slots.pop(0)
+                env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+                if gpus:  # parallel trials spread over the GPUs, one GPU per trial
+                    env["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
+                proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+                t.status = "running"
+                running.append((t, proc, time.perf_counter(), logf, slot))
+                echo(f"  start {t.name}: {_params_text(t.params)}")
+            time.sleep(0.2)
+            for item in list(running):
+                t, proc, t0, logf, slot = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                free_slots.append(slot)
+                logf.close()
+                t.seconds, t.returncode = time.perf_counter() - t0, proc.returncode
+                if proc.returncode == 0 and t.finished:
+                    t.status = "done"
+                    t.load_summary()
+                    echo(f"  done  {t.name}: {spec.metric} {t.summary.get(spec.metric, float('nan')):.4f} "
+                         f"({t.seconds:.0f} s)")
+                else:
+                    t.status = "failed"
+                    tail = (t.out_dir / "train.log").read_text(errors="replace").strip().splitlines()[-3:]
+                    echo(f"  FAILED {t.name} (exit {proc.returncode}); see {t.out_dir / 'train.log'}: "
+                         + " / ".join(tail))
+    except KeyboardInterrupt:
+        interrupted = True
+        for t, proc, _, logf, _ in running:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            logf.close()
+            t.status = "interrupted"
+        echo("sweep interrupted: re-run the same command to resume (finished trials are kept)")
+    write_results(trials, sweep_dir, spec)
+    if not interrupted:
+        try:
+            plot_sweep(trials, sweep_dir / "sweep.png", spec)
+            if report and any(t.finished for t in trials):
+                from lmforge.report.html import build_report
+
+                build_report([t.out_dir for t in trials if t.finished], sweep_dir / "report",
+                             title=f"sweep {sweep_dir.name}")
+        except ImportError:
+            echo("sweep: plots skipped (`pip install matplotlib`)")
+    if interrupted:
+        raise KeyboardInterrupt
+    return trials
+
+
+def visible_gpus() -> list[str]:
+    """CUDA device ids the trials may use: CUDA_VISIBLE_DEVICES if set, else all GPUs torch sees."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def ranked(trials: list[Trial], metric: str = "val_loss") -> list[Trial]:
+    """Finished trials by ascending metric (non-finite last), then the unfinished ones."""
+    def key(t: Trial):
+        v = t.summary.get(metric)
+        ok = isinstance(v, (int, float)) and math.isfinite(v)
+        return (0 if ok else 1, v if ok else 0.0, t.index)
+
+    return sorted(trials, key=key)
+
+
+RESULT_COLUMNS = ("val_loss", "val_perplexity", "train_loss", "tokens_per_second", "mfu", "seconds")
+
+
+def write_results(trials: list[Trial], sweep_dir: Path, spec: SweepSpec) -> list[dict[str, Any]]:
+    """results.json + results.csv, ranked by the metric; returns the rows."""
+    keys = [d.key for d in spec.space]
+    rows = []
+    for rank, t in enumerate(ranked(trials, spec.metric), 1):
+        has = t.status in ("done", "skipped") and spec.metric in t.summary
+        rows.append({"rank": rank if has else None, "trial": t.name, **{k: t.params.get(k) for k in keys},
+                     **{c: t.summary.get(c) for c in RESULT_COLUMNS}, "status": t.status,
+                     "out_dir": str(t.out_dir)})
+    (sweep_dir / "results.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    with open(sweep_dir / "results.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["trial"])
+        w.writeheader()
+        w.writerows(rows)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], keys: list[str]) -> str:
+    """A plain-text table of the ranked results."""
+    cols = ["rank", "trial", *keys, "val_loss", "val_perplexity", "tokens_per_second", "status"]
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+        return str(v)
+
+    table = [cols] + [[cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot_sweep(trials: list[Trial], path: Path, spec: SweepSpec) -> Path | None:
+    """Left: the metric per trial, ranked (bars). Then one panel per swept key: metric vs value."""
+    from lmforge.report.plots import _pyplot
+
+    done = [t for t in ranked(trials, spec.metric) if isinstance(t.summary.get(spec.metric), (int, float))]
+    if not done:
+        return None
+    plt = _pyplot()
+    keys = [d.key for d in spec.space]
+    fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4.5 * (1 + len(keys)), 4), dpi=100, squeeze=False)
+    ax = axes[0][0]
+    ax.barh([t.name for t in done][::-1], [t.summary[spec.metric] for t in done][::-1], color="tab:blue")
+    ax.set_xlabel(spec.metric)
+    ax.set_title(f"trials ranked by {spec.metric}")
+    lo = min(t.summary[spec.metric] for t in done)
+    hi = max(t.summary[spec.metric] for t in done)
+    ax.set_xlim(lo - 0.1 * (hi - lo + 1e-3), hi + 0.05 * (hi - lo + 1e-3))
+    for ax, key in zip(axes[0][1:], keys):
+        xs = [t.params[key] for t in done]
+        ys = [t.summary[spec.metric] for t in done]
+        numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
+        if numeric:
+            ax.scatter(xs, ys, color="tab:orange")
+            if min(xs) > 0 and max(xs) / min(xs) >= 10:
+                ax.set_xscale("log")
+        else:
+            ax.scatter([str(x) for x in xs], ys, color="tab:orange")
+        ax.set_xlabel(key)
+        ax.set_ylabel(spec.metric)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

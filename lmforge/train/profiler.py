@@ -1,0 +1,231 @@
+"""Device peak FLOP/s for MFU, and the torch profiler switch (`train.profile_steps`).
+
+MFU = tokens/s x flops_per_token / peak, with flops_per_token = 6N + 12*L*d*s (PaLM convention,
+`lmforge.model.transformer.flops_per_token`). The peak comes from:
+
+- CUDA: the hardware catalogue (`lmforge.plan.hardware`), dense tensor-core peak of the detected
+  GPU (`torch.cuda.get_device_name`) at the run's precision. A GPU the catalogue does not know is
+  measured instead (see below), and the log says so.
+- CPU: no spec sheet gives a usable number, so it is measured once per process: the best of a few
+  timed 1024^3 matmuls in the run's compute dtype (bf16 under bf16 autocast, else fp32) on the
+  threads torch uses. MFU on CPU is therefore "fraction of what a big matmul achieves here".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("lmforge.train")
+
+# Used only if lmforge.plan.hardware is missing: dense peak TFLOP/s (bf16, fp16, fp32) from the
+# vendors' data sheets.
+_FALLBACK_TFLOPS = {
+    "B200": (2250, 2250, 75), "H200": (989, 989, 67), "H100-PCIe": (756, 756, 51), "H100-SXM": (989, 989, 67),
+    "A100-80GB": (312, 312, 19.5), "A100-40GB": (312, 312, 19.5), "V100": (None, 125, 15.7),
+}
+
+
+def format_flops(flops: float) -> str:
+    """1.23e14 -> '123.0 TFLOP/s'; 4.3e10 -> '43.0 GFLOP/s'."""
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops >= scale:
+            return f"{flops / scale:.1f} {unit}"
+    return f"{flops / 1e6:.1f} MFLOP/s"
+
+
+@dataclass
+class Peak:
+    flops: float  # FLOP/s
+    source: str  # where the number comes from, for the log line
+    device_name: str
+    measured: bool
+
+
+def catalogue_name(gpu_name: str) -> str | None:
+    """Map a CUDA device name ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-40GB') to a catalogue name."""
+    n = gpu_name.lower()
+    if "b200" in n:
+        return "B200"
+    if "h200" in n:
+        return "H200"
+    if "h100" in n:
+        return "H100-PCIe" if "pcie" in n else "H100-SXM"
+    if "a100" in n:
+        return "A100-40GB" if "40gb" in n.replace(" ", "").replace("-", "") else "A100-80GB"
+    if "v100" in n:
+        return "V100"
+    return None
+
+
+def catalogue_peak(gpu_name: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of a known GPU at `precision` ('bf16' | 'fp16' | 'fp32'), else None."""
+    name = catalogue_name(gpu_name)
+    if name is None:
+        return None
+    try:
+        from lmforge.plan.hardware import get_device
+
+        return get_device(name).peak_flops(precision)
+    except ImportError:
+        tflops = _FALLBACK_TFLOPS.get(name)
+        idx = {"bf16": 0, "fp16": 1, "fp32": 2}.get(precision)
+        return None if tflops is None or idx is None or tflops[idx] is None else tflops[idx] * 1e12
+    except ValueError:
+        return None
+
+
+_MEASURED: dict[tuple[str, torch.dtype, int], float] = {}
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 3,
+                         budget_s: float = 0.5) -> float:
+    """Best-of-`reps` FLOP/s of an n^3 matmul on `device` (cached per device, dtype and thread count).
+
+    A 256^3 probe runs first; where the full size would take longer than `budget_s` per matmul
+    (e.g. bf16 emulated on a CPU without AMX/AVX512-BF16), the probe's rate is the answer.
+    """
+    key = (str(device), dtype, torch.get_num_threads())
+    if key in _MEASURED:
+        return _MEASURED[key]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def best_rate(size: int, times: int) -> float:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        a = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(size, size, generator=g).to(device=device, dtype=dtype)
+        a @ b  # warm-up
+        sync()
+        best = float("inf")
+        for _ in range(times):
+            t0 = time.perf_counter()
+            a @ b
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return 2.0 * size**3 / max(best, 1e-9)
+
+    flops = best_rate(256, 2)
+    if n > 256 and 2.0 * n**3 / flops <= budget_s:
+        flops = max(flops, best_rate(n, reps))
+    _MEASURED[key] = flops
+    return flops
+
+
+def cpu_name() -> str:
+    """The CPU model ('Intel(R) Xeon(R) ...') from /proc/cpuinfo where there is one."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_peak(device: torch.device, precision: str) -> Peak:
+    """The MFU denominator for this device and precision ('fp32', 'bf16', 'fp16'), with its source."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = catalogue_peak(name, precision)
+        if peak:
+            return Peak(peak, f"catalogue dense {precision} peak of {catalogue_name(name)}", name, False)
+        flops = measure_matmul_flops(device, dtype, n=4096)
+        return Peak(flops, f"{name} is not in the hardware catalogue: measured {precision} 4096^3 matmul "
+                           f"(add it with a devices TOML for a spec-sheet MFU)", name, True)
+    if device.type == "cpu":
+        name = cpu_name()
+        # The faster of the compute dtype and fp32: where bf16/fp16 are emulated (no AMX), fp32 is
+        # the machine's real peak, and the run is then measured against what it could have had.
+        fp32 = measure_matmul_flops(device, torch.float32)
+        low = measure_matmul_flops(device, dtype) if dtype != torch.float32 else 0.0
+        label = "fp32" if fp32 >= low else ("bf16" if dtype == torch.bfloat16 else "fp16")
+        note = f" (faster than {precision} here)" if dtype != torch.float32 and label == "fp32" else ""
+        return Peak(max(fp32, low), f"CPU has no spec-sheet peak: measured {label} matmul{note} on "
+                                    f"{torch.get_num_threads()} threads", name, True)
+    flops = measure_matmul_flops(device, dtype)
+    return Peak(flops, f"measured {precision} 1024^3 matmul on {device}", str(device), True)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch profiler
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_steps(spec: str) -> list[int]:
+    """'5' -> [5]; '5-7' -> [5, 6, 7]; '3,5-6' -> [3, 5, 6]. Empty -> []."""
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"train.profile_steps = {spec!r}: use step numbers and ranges like '5-7' or '3,10'.")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if lo < 1 or hi < lo:
+            raise ValueError(f"train.profile_steps = {spec!r}: ranges must be 1-based and increasing.")
+        steps.update(range(lo, hi + 1))
+    return sorted(steps)
+
+
+class StepProfiler:
+    """Profile chosen (1-based) optimizer steps with torch.profiler.
+
+    Each contiguous run of chosen steps becomes one Chrome/Perfetto trace,
+    `<run>/profile/trace_steps_A-B.json` (open in https://ui.perfetto.dev or chrome://tracing), plus
+    `summary_steps_A-B.txt`, the ops ranked by total time. Steps outside the set run unprofiled.
+    """
+
+    def __init__(self, steps: list[int] | str, out_dir: Path, device: torch.device):
+        self.steps = set(parse_steps(steps) if isinstance(steps, str) else steps)
+        self.out_dir = Path(out_dir)
+        self.device = device
+        self._prof = None
+        self._first = 0
+        self.traces: list[Path] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.steps)
+
+    def step_begin(self, step: int) -> None:
+        if step not in self.steps or self._prof is not None:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            acts.append(ProfilerActivity.CUDA)
+        self._prof = profile(activities=acts, record_shapes=True, profile_memory=True, with_stack=False)
+        self._prof.__enter__()
+        self._first = step
+
+    def step_end(self, step: int) -> None:
+        if self._prof is None:
+            return
+        self._prof.step()
+        if step + 1 in self.steps:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tag = f"{self._first}-{step}"
+        trace = self.out_dir / f"trace_steps_{tag}.json"
+        prof.export_chrome_trace(str(trace))
+        sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        (self.out_dir / f"summary_steps_{tag}.txt").write_text(
+            prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+        self.traces.append(trace)
+        log.info("profiler: steps %s traced to %s", tag, trace)
+
+    def close(self) -> None:
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof = None

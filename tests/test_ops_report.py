@@ -1,0 +1,83 @@
+"""`lmforge report`: PNG plots (valid images) and an HTML page that references them; runs overlaid."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from lmforge.config import load_config
+from lmforge.report.cli import report_main
+from lmforge.train.trainer import Trainer
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = {
+    "model.vocab_size": 320, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
+    "data.seq_len": 32, "data.tokenizer_vocab_size": 320,
+    "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.steps": 10, "train.eval_every": 5,
+    "train.eval_batches": 2, "train.log_every": 5, "train.sample_tokens": 8, "train.precision": "fp32",
+    "schedule.warmup_steps": 2, "train.progress": "none", "train.tensorboard": False,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(small_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    torch.set_num_threads(1)
+    out = []
+    for name, lr in (("lr-3e-3", 3e-3), ("lr-1e-3", 1e-3)):
+        cfg = load_config("tiny", {**SMALL, "optim.lr": lr, "train.plot": name == "lr-3e-3"})
+        Trainer(cfg, out_dir=root / name, data=small_data).fit()
+        out.append(root / name)
+    return out
+
+
+def assert_valid_png(path):
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] >= 300 and im.size[1] >= 200
+
+
+def test_training_writes_its_own_plots(runs):
+    for name in ("loss", "lr", "grad_norm", "throughput"):
+        assert_valid_png(runs[0] / "report" / f"{name}.png")
+    assert not (runs[1] / "report").exists()  # train.plot = false
+
+
+def test_report_compares_runs_in_png_and_html(runs, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert report_main([str(r) for r in runs] + ["--out", str(out)]) == 0
+    assert "2 runs" in capsys.readouterr().out
+    page = (out / "index.html").read_text()
+    srcs = re.findall(r"<img src='([^']+)'", page)
+    assert srcs == ["loss.png", "lr.png", "grad_norm.png", "throughput.png"]  # relative references
+    for src in srcs:
+        assert_valid_png(out / src)
+    for run in runs:
+        assert run.name in page
+        assert (run / "sample.txt").read_text().strip()[:5] in page  # sample text
+    assert "[optim]" in page and "lr = 0.003" in page and "lr = 0.001" in page  # both configs
+    assert torch.__version__ in page and "platform" in page  # hardware
+    assert "val loss" in page and "MFU" in page and "tokens/s" in page  # final metrics
+    # ranked by validation loss: the higher LR learns faster in 10 steps and comes first
+    first = page.index("<td class='l'>lr-3e-3</td>")
+    assert first < page.index("<td class='l'>lr-1e-3</td>")
+
+
+def test_single_run_report_default_folder_and_embed(runs, tmp_path):
+    assert report_main([str(runs[1])]) == 0
+    assert (runs[1] / "report" / "index.html").is_file()
+    out = tmp_path / "embedded"
+    assert report_main([str(runs[1]), "--out", str(out), "--embed"]) == 0
+    page = (out / "index.html").read_text()
+    assert page.count("src='data:image/png;base64,") == 4
+
+
+def test_report_of_nothing_is_a_clear_error(tmp_path, capsys):
+    assert report_main([str(tmp_path)]) == 2
+    assert "no run folder" in capsys.readouterr().err
