@@ -18,14 +18,6 @@ from lmforge.optim.quant8 import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: extra intra-op threads only add contention (10-50x slower on a busy
-    2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _ratio_bound(min_ratio: float, levels: int) -> float:

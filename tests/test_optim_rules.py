@@ -14,14 +14,6 @@ from lmforge.optim.muon import Muon, zeropower_via_newtonschulz5
 from lmforge.optim.optimizers import build_optimizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: extra intra-op threads only add contention (10-50x slower on a busy
-    2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 # All hand computations run in fp64 against fp64 parameters: the only differences are the order of
 # floating-point operations (~1e-15), so rtol 1e-10 is tight enough to catch any rule change.

@@ -15,14 +15,6 @@ from lmforge.optim.optimizers import OPTIMIZER_NAMES, build_optimizer, measured_
 from lmforge.optim.state_memory import optimizer_state_bytes_per_param
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: extra intra-op threads only add contention (10-50x slower on a busy
-    2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class _TinyLM(nn.Module):

@@ -9,14 +9,6 @@ from torch import nn
 from lmforge.optim.optimizers import build_optimizer, describe_groups, param_groups
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: extra intra-op threads only add contention (10-50x slower on a busy
-    2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 STEPS = 20
 LR = 1e-2
