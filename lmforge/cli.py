@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
@@ -27,7 +28,15 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = load_config(args.config, parse_cli_overrides(rest))  # validate before the heavy imports
     from lmforge.train.trainer import Trainer
 
-    result = Trainer(cfg).fit()
+    try:
+        result = Trainer(cfg).fit()
+    except Exception as exc:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # name the rank (e.g. a collective timeout)
+            print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+        raise
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # only rank 0 reports
     print(f"\nvalidation loss {result.val_loss:.4f} (perplexity {result.val_perplexity:.1f}); "
           f"unigram entropy of the corpus {result.unigram_entropy:.3f}")
     if result.sample:

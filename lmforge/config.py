@@ -164,6 +164,12 @@ class ParallelConfig:
     dp_shard: int = _f(1, "Data-parallel shards (FSDP/ZeRO dimension).")
     tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
     pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
+    timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
+    ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
+    powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
+    zero_stage: int = _f(0, "ZeRO stage over the dp_shard ranks. 0 = from the layout (dp_shard > 1: FSDP2 fully_shard, resharding per parallel.reshard_after_forward); 1 = optimizer state sharded only (DDP + torch ZeroRedundancyOptimizer; needs dp_replicate = 1); 2 = fully_shard with reshard_after_forward = false (params kept gathered between forward and backward); 3 = fully_shard with reshard_after_forward = true (params, grads and optimizer state all sharded). Stages 1-3 need dp_shard > 1.")
+    reshard_after_forward: bool = _f(True, "FSDP2: free the gathered parameters after each block's forward and gather again in backward (true = ZeRO-3 memory; false = ZeRO-2-like, less communication). Overridden by zero_stage 2/3.")
+    cpu_offload: bool = _f(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy). Needs a CUDA GPU.")
 
     @property
     def dp(self) -> int:
@@ -302,6 +308,27 @@ class Config:
                 f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and the kv heads = {m.kv_heads}.")
         if m.n_layers % p.pp:
             raise ConfigError(f"parallel.pp = {p.pp} must divide model.n_layers = {m.n_layers}.")
+        if p.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s = {p.timeout_s} must be > 0.")
+        if p.powersgd_rank < 1:
+            raise ConfigError(f"parallel.powersgd_rank = {p.powersgd_rank} must be >= 1.")
+        if p.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage = {p.zero_stage} must be 0 (from the layout), 1, 2 or 3.")
+        if p.zero_stage and p.dp_shard < 2:
+            raise ConfigError(
+                f"parallel.zero_stage = {p.zero_stage} shards state over the parallel.dp_shard ranks, but "
+                f"parallel.dp_shard = {p.dp_shard}; set parallel.dp_shard >= 2 (or zero_stage = 0 for plain DDP).")
+        if p.zero_stage == 1 and p.dp_replicate != 1:
+            raise ConfigError(
+                f"parallel.zero_stage = 1 (ZeroRedundancyOptimizer over all ranks) needs parallel.dp_replicate = 1, "
+                f"got {p.dp_replicate}; put all data-parallel ranks in parallel.dp_shard.")
+        sharded = p.dp_shard > 1 and p.zero_stage != 1
+        if p.ddp_comm_hook != "none" and sharded:
+            raise ConfigError(
+                f"parallel.ddp_comm_hook = {p.ddp_comm_hook!r} applies to DDP only, but parallel.dp_shard = "
+                f"{p.dp_shard} uses FSDP; set ddp_comm_hook = 'none' or use dp_replicate instead of dp_shard.")
+        if p.cpu_offload and not sharded:
+            raise ConfigError("parallel.cpu_offload = true needs FSDP (parallel.dp_shard >= 2, zero_stage 0, 2 or 3).")
         return self
 
     def resolved_device(self) -> str:

@@ -19,10 +19,12 @@ def _unwrap_name(name: str) -> str:
     return name
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Plain state dict with wrapper prefixes removed and tied weights stored once."""
+def model_state(model: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain state dict (of a module, or a given full state dict) with wrapper prefixes removed
+    and tied weights stored once."""
     state, seen = {}, set()
-    for name, tensor in model.state_dict().items():
+    items = model.items() if isinstance(model, dict) else model.state_dict().items()
+    for name, tensor in items:
         key = _unwrap_name(name)
         if tensor.untyped_storage().data_ptr() in seen and key == "lm_head.weight":
             continue
@@ -33,6 +35,11 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
     """Atomically write the model's weights as safetensors (temp file, fsync, rename)."""
+    save_state(model, path)
+
+
+def save_state(model: torch.nn.Module | dict[str, torch.Tensor], path: Path) -> None:
+    """Atomically write a module's weights, or a full state dict, as safetensors."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file(model_state(model), str(tmp), metadata={"format": "lmforge"})

@@ -13,6 +13,7 @@ Parallel layouts, checkpoint/resume and the spike guard plug into the marked pla
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -36,6 +37,8 @@ from lmforge.eval.perplexity import evaluate_loss
 from lmforge.model.transformer import Transformer, build_model, count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.optim.schedules import BatchRampup, build_scheduler
+from lmforge.parallel.distributed import (DistInfo, all_reduce_sum, apply_ddp, apply_fsdp, clip_grad_norm,
+                                          destroy_distributed, init_distributed, layout_kind, wrap_optimizer_zero1)
 from lmforge.train.activation_ckpt import apply_activation_checkpointing
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, Timers, format_duration, make_sinks, memory_gb
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
@@ -110,22 +113,33 @@ class Trainer:
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = resolve_device(t.device)
+        # parallel layout: process group + mesh under torchrun (validated first), else nothing
+        self.dist: DistInfo = init_distributed(cfg)
+        self.layout = layout_kind(cfg)
+        self.device = self.dist.device if self.dist.distributed else resolve_device(t.device)
         seed_everything(t.seed)
+        rank0 = is_rank0()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.toml").write_text(to_toml(cfg))
+        if rank0:
+            (self.out_dir / "config.toml").write_text(to_toml(cfg))
 
-        # data
+        # data (rank 0 prepares/caches first, the others then read the cache)
+        if self.dist.distributed and self._data is None and not rank0:
+            torch.distributed.barrier()
         self.data = self._data or prepare_data(cfg)
+        if self.dist.distributed and self._data is None and rank0:
+            torch.distributed.barrier()
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ValueError(
                 f"the tokenizer has {self.data.tokenizer.vocab_size} tokens but model.vocab_size = "
                 f"{cfg.model.vocab_size}; raise model.vocab_size to at least that (a multiple of 64 is fastest).")
-        shutil.copyfile(self.data.tokenizer_path, self.out_dir / "tokenizer.json")
+        if rank0:
+            shutil.copyfile(self.data.tokenizer_path, self.out_dir / "tokenizer.json")
         self.train_shards = open_tokens(self.data.train_dir)  # one shard set, or a weighted mixture
         self.val_shards = TokenShards(self.data.val_dir)
-        # Parallel layouts set rank/world_size here (data-parallel rank, dp degree).
+        # rank r of W data-parallel ranks takes global samples r, r+W, ... (the 1-rank order, split)
         self.loader = PackedLoader(self.train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed,
+                                   rank=self.dist.dp_rank, world_size=self.dist.dp_size,
                                    mask_doc_boundaries=cfg.data.mask_doc_boundaries,
                                    eos_id=self.data.tokenizer.eos_id)
 
@@ -137,6 +151,15 @@ class Trainer:
         if t.compile:
             for block in self.model.blocks.values():
                 block.compile()
+        precision, reason = resolve_precision(t.precision, self.device)
+
+        # data parallelism: self.model stays the Transformer (FSDP shards it in place);
+        # self.train_model is what forward/backward run through (the DDP wrapper for DDP/ZeRO-1)
+        self.train_model: torch.nn.Module = self.model
+        if self.layout in ("ddp", "zero1"):
+            self.train_model = apply_ddp(self.model, cfg, self.dist)
+        elif self.layout == "fsdp":
+            apply_fsdp(self.model, cfg, self.dist, precision)
 
         # optimizer, schedule, precision
         o, s = cfg.optim, cfg.schedule
@@ -144,10 +167,11 @@ class Trainer:
             self.model, o.name, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
             momentum=o.momentum, nesterov=o.nesterov, decay_embeddings=o.decay_embeddings,
             **({"muon_lr": o.muon_lr, "muon_momentum": o.muon_momentum} if o.name == "muon" else {}))
+        if self.layout == "zero1":
+            self.optimizer = wrap_optimizer_zero1(self.optimizer)
         self.scheduler = build_scheduler(
             self.optimizer, schedule=s.name, peak_lr=o.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
             min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction)
-        precision, reason = resolve_precision(t.precision, self.device)
         log.info("precision: %s (%s)", precision, reason)
         self.precision = make_precision(precision, self.device)
         self.rampup = None
@@ -158,7 +182,6 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         # operability: metrics (JSONL + TensorBoard/W&B, rank 0), health signals, timers, profiler
-        rank0 = is_rank0()
         self.metrics = MetricsWriter(self.out_dir / "metrics.jsonl", make_sinks(
             self.out_dir, t.tensorboard and rank0, t.wandb and rank0, cfg.to_dict(), self.out_dir.name), enabled=rank0)
         self.health = HealthMonitor(t.spike_threshold, t.health_window, t.grad_growth_factor)
@@ -186,16 +209,31 @@ class Trainer:
         Each micro-batch's loss is its summed token NLL divided by the number of target tokens
         in the *whole step*, so the accumulated gradient is exactly that of one big batch (also
         when -100 targets make micro-batches unequal).
+
+        Data parallel: the token count is all-reduced (SUM) over the dp ranks first, so it is the
+        count of the whole *global* step. DDP and FSDP average gradients over the dp ranks, so each
+        rank's loss is also multiplied by the dp size: mean_r(dp * nll_r / N) = sum_r(nll_r) / N,
+        the one-big-batch gradient, also when ranks hold different numbers of target tokens. The
+        returned loss is all-reduced too (the global step's mean token loss, equal on all ranks).
         """
-        n_tokens = sum((y != -100).sum() for _, y in micro_batches).clamp(min=1)
+        n_tokens = sum((y != -100).sum() for _, y in micro_batches)
+        dp = self.dist.dp_size if self.dist.distributed else 1
+        if dp > 1:
+            n_tokens = all_reduce_sum(n_tokens.to(self.device))
+        n_tokens = n_tokens.clamp(min=1)
         loss_sum = torch.zeros((), device=self.device)
-        for x, y in micro_batches:
-            with self.precision.autocast():
-                logits = self.model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                                   reduction="sum") / n_tokens
-            self.precision.scaler.scale(loss).backward()
+        ddp = self.train_model is not self.model  # a DDP wrapper: skip the all-reduce until the last micro-batch
+        for i, (x, y) in enumerate(micro_batches):
+            sync = (not ddp) or i == len(micro_batches) - 1
+            with (contextlib.nullcontext() if sync else self.train_model.no_sync()):
+                with self.precision.autocast():
+                    logits = self.train_model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
+                                       reduction="sum") / n_tokens
+                self.precision.scaler.scale(loss * dp if dp > 1 else loss).backward()
             loss_sum += loss.detach()
+        if dp > 1:
+            all_reduce_sum(loss_sum)
         return loss_sum
 
     def optimizer_update(self) -> torch.Tensor:
@@ -203,7 +241,10 @@ class Trainer:
         opt, scaler = self.optimizer, self.precision.scaler
         scaler.unscale_(opt)  # true gradients before clipping (a no-op unless fp16)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
+        if self.layout == "fsdp":  # DTensor shards: the norm is reduced over all shards
+            grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
         scaler.step(opt)  # skips the update if fp16 gradients overflowed
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -238,9 +279,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
+        try:
+            return self._fit()
+        finally:
+            if getattr(self, "dist", None) is not None and self.dist.distributed:
+                destroy_distributed()
+
+    def _fit(self) -> TrainResult:
         if not is_rank0():
             log.setLevel(logging.WARNING)  # only rank 0 prints progress and info lines
         self.setup()
+        if not is_rank0():
+            log.setLevel(logging.WARNING)
         cfg, t = self.cfg, self.cfg.train
         counts = count_params(cfg.model)
         entropy = unigram_entropy(self.train_shards)
@@ -331,15 +381,14 @@ class Trainer:
                  format_duration(elapsed))
 
         sample = ""
-        if t.sample_tokens:
+        if t.sample_tokens:  # every rank runs it (FSDP forwards are collective); same seed -> same text
             sample = generate_text(self.model, self.data.tokenizer, t.sample_prompt, t.sample_tokens,
                                    temperature=0.8, top_k=50, seed=t.seed)
-            (self.out_dir / "sample.txt").write_text(t.sample_prompt + sample + "\n")
+            if is_rank0():
+                (self.out_dir / "sample.txt").write_text(t.sample_prompt + sample + "\n")
         if cfg.checkpoint.save_final:
-            from lmforge.ckpt.export import save_weights
-
             with self.timers("checkpoint"):
-                save_weights(self.model, self.out_dir / "model.safetensors")
+                self.save_final_weights(self.out_dir / "model.safetensors")
 
         result = TrainResult(
             steps=self.step, tokens=self.tokens_seen, train_loss=last_loss, val_loss=final["loss"],
@@ -359,6 +408,23 @@ class Trainer:
             except ImportError:
                 log.info("plots skipped: `pip install matplotlib` to get %s/report/*.png", self.out_dir)
         return result
+
+    def save_final_weights(self, path: Path) -> None:
+        """safetensors weights, written by rank 0 only. FSDP: the full state dict is gathered first
+        (a collective: every rank calls this)."""
+        from lmforge.ckpt.export import save_state, save_weights
+
+        if self.layout != "fsdp":
+            if is_rank0():
+                save_weights(self.model, path)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if is_rank0():
+            if self.cfg.model.tie_embeddings:
+                state.pop("lm_head.weight", None)  # tied: stored once, as tok_emb.weight
+            save_state(state, path)
 
     # ------------------------------------------------------------------------------------------
     # operability: MFU peak, summary numbers

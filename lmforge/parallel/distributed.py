@@ -1,0 +1,217 @@
+"""Process group, device mesh and data-parallel wrapping (DDP, ZeRO-1, FSDP2 / ZeRO-2/3, HSDP).
+
+    info = init_distributed(cfg)        # no-op outside torchrun; validates the world size first
+    dp = wrap_data_parallel(model, cfg, info, precision)   # DDP / fully_shard, per the layout
+    ...
+    destroy_distributed()
+
+Layouts (world size = dp_replicate x dp_shard; tp = pp = 1 in this part):
+
+* ``dp_replicate = N``: DDP (bucketed all-reduce overlapped with backward; ``no_sync`` on all but
+  the last micro-batch; optional bf16 / fp16 / PowerSGD compression hooks).
+* ``dp_shard = N, zero_stage = 1``: DDP + ``ZeroRedundancyOptimizer`` (optimizer state sharded).
+* ``dp_shard = N`` (zero_stage 0/2/3): FSDP2 ``fully_shard`` on every transformer block, then the
+  root. ``reshard_after_forward`` true = ZeRO-3, false = ZeRO-2-like.
+* both > 1 (zero_stage 0/2/3): HSDP on the 2-D mesh ("dp_replicate", "dp_shard").
+
+Gradient scale: DDP and FSDP both *average* gradients over the data-parallel ranks. The trainer
+divides every rank's summed token loss by the token count of the whole global step (all-reduced)
+and multiplies by the dp size, so the averaged gradient is exactly that of one big batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.config import Config, ConfigError
+
+log = logging.getLogger("lmforge.parallel")
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits. Single process: rank 0 of 1, no process group, no mesh."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: object | None = None  # torch DeviceMesh with dims ("dp_replicate", "dp_shard")
+    backend: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or self.backend is not None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank  # tp = pp = 1: every rank is a data-parallel rank, in mesh order
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_layout(cfg: Config, world_size: int, cuda: bool) -> None:
+    """Up-front checks of the parallel layout against the launch (no collective involved)."""
+    p = cfg.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(
+            f"parallel.tp = {p.tp} / parallel.pp = {p.pp}: tensor and pipeline parallelism are not yet "
+            f"supported by `lmforge train`; use parallel.dp_replicate / parallel.dp_shard (tp = pp = 1).")
+    if p.world_size != world_size:
+        how = ("torchrun started " f"{world_size} process(es)") if world_size > 1 or launched_by_torchrun() \
+            else "this is a single process (not launched by torchrun)"
+        raise ConfigError(
+            f"the parallel layout needs parallel.dp_replicate ({p.dp_replicate}) x parallel.dp_shard "
+            f"({p.dp_shard}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {p.world_size} processes, but "
+            f"{how} (world size {world_size}); launch with `torchrun --nproc-per-node {p.world_size} -m lmforge "
+            f"train ...` or change the layout so the product equals {world_size}.")
+    if p.ddp_comm_hook == "bf16" and not cuda:
+        raise ConfigError(
+            "parallel.ddp_comm_hook = 'bf16': torch's bf16_compress_hook only runs with CUDA + NCCL; on a CPU "
+            "(gloo) run use parallel.ddp_comm_hook = 'fp16' or 'powersgd'.")
+    if p.cpu_offload and not cuda:
+        raise ConfigError(
+            "parallel.cpu_offload = true needs a CUDA GPU: FSDP2's CPUOffloadPolicy moves shards between GPU "
+            "and CPU memory, and on a CPU-only run the parameters already live in CPU memory; set "
+            "parallel.cpu_offload = false.")
+
+
+def init_distributed(cfg: Config) -> DistInfo:
+    """Form the process group and device mesh when launched under torchrun; else a no-op.
+
+    The world size is validated against the config *before* any collective, so a wrong
+    ``--nproc-per-node`` is a clear ConfigError on every rank rather than a hang.
+    """
+    cuda_wanted = cfg.train.device.startswith("cuda") or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if not launched_by_torchrun():
+        check_layout(cfg, 1, cuda_wanted)
+        return DistInfo()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    check_layout(cfg, world, cuda_wanted)
+    if cuda_wanted:
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s),
+                                **({"device_id": device} if backend == "nccl" else {}))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    p = cfg.parallel
+    mesh = init_device_mesh(device.type, (p.dp_replicate, p.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    log.info("distributed: %d ranks, backend %s, mesh dp_replicate=%d x dp_shard=%d, timeout %.0f s",
+             world, backend, p.dp_replicate, p.dp_shard, p.timeout_s)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh, backend=backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def layout_kind(cfg: Config) -> str:
+    """'single', 'ddp', 'zero1' or 'fsdp' (FSDP2 incl. HSDP)."""
+    p = cfg.parallel
+    if p.dp == 1:
+        return "single"
+    if p.dp_shard > 1 and p.zero_stage != 1:
+        return "fsdp"
+    return "zero1" if p.zero_stage == 1 else "ddp"
+
+
+def reshard_after_forward(cfg: Config) -> bool:
+    p = cfg.parallel
+    if p.zero_stage == 2:
+        return False
+    if p.zero_stage == 3:
+        return True
+    return p.reshard_after_forward
+
+
+def apply_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
+    """DistributedDataParallel over all ranks, with the configured compression hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+              broadcast_buffers=False)  # RoPE caches are deterministic buffers: nothing to broadcast
+    hook = cfg.parallel.ddp_comm_hook
+    if hook == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
+    elif hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        ddp.register_comm_hook(state=None, hook=fp16_compress_hook)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.parallel.powersgd_rank,
+                                   start_powerSGD_iter=2, random_seed=cfg.train.seed)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    return ddp
+
+
+def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str) -> nn.Module:
+    """FSDP2: fully_shard every transformer block, then the root (HSDP on a 2-D mesh)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    p = cfg.parallel
+    mesh = info.mesh if p.dp_replicate > 1 else info.mesh["dp_shard"]
+    kw: dict = {"mesh": mesh}
+    if precision == "bf16":  # bf16 compute copies of the params, gradients reduced in fp32
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if p.cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    reshard = reshard_after_forward(cfg)
+    for block in model.blocks.values():
+        fully_shard(block, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=reshard, **kw)
+    return model
+
+
+def wrap_optimizer_zero1(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Rebuild `optimizer` as a ZeroRedundancyOptimizer: each rank keeps the state of ~1/N params."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
+    import inspect
+
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+    return zero
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """In-place SUM over all ranks (identity in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global gradient L2 norm (over *all* shards for FSDP DTensor grads) and clip to `max_norm`."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(total, DTensor):  # a partial norm per shard: reduce to the full norm
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

@@ -1,0 +1,172 @@
+"""Data parallelism on CPU/gloo: DDP, ZeRO-1, ZeRO-2, ZeRO-3 (FSDP2) against one process.
+
+Real `torchrun --nproc_per_node 2 -m lmforge train` jobs on a tiny prepared corpus; each run's
+per-step training losses (metrics.jsonl) are compared with a single-process run of the same seed,
+data and global batch (8 sequences = 1 process x 4 micro x 2 accumulation = 2 ranks x 2 micro x 2
+accumulation). `data.mask_doc_boundaries = true` makes the ranks' target-token counts unequal, so
+the loss normalisation (global token count all-reduced, x dp size against the gradient averaging)
+is exercised too.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import ConfigError, load_config
+from tests.conftest import make_corpus
+
+TINY = {
+    "model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
+    "data.seq_len": 32, "data.tokenizer_vocab_size": 320, "data.mask_doc_boundaries": "true",
+    "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.steps": 20, "train.eval_every": 0,
+    "train.eval_batches": 2, "train.log_every": 5, "train.sample_tokens": 4, "train.precision": "fp32",
+    "train.tensorboard": "false", "train.plot": "false", "train.progress": "lines", "train.threads": 1,
+    "schedule.warmup_steps": 3, "optim.lr": 3e-3,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def overrides(corpus: Path, out: Path, **extra) -> list[str]:
+    args = {**TINY, "data.corpus": str(corpus), "train.out_dir": str(out), **extra}
+    return [a for k, v in args.items() for a in (f"--{k}", str(v))]
+
+
+def train(corpus: Path, out: Path, nproc: int = 1, timeout: int = 180, **extra) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "lmforge"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master-port", str(free_port()), "-m", "lmforge"]
+    return subprocess.run(launch + ["train"] + overrides(corpus, out, **extra), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def losses(run: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dp")
+    make_corpus(root / "raw")
+    out = root / "prepared"
+    (root / "prep.toml").write_text(f'[prepare]\noutput_dir = "{out}"\nvocab_size = 320\nval_fraction = 0.1\n'
+                                    f'[[prepare.sources]]\npath = "raw/*.txt"\n')
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "prepare", "--config", str(root / "prep.toml")],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("single") / "run"
+    proc = train(corpus, out, **{"train.micro_batch_size": 4})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ref = losses(out)
+    assert sorted(ref) == list(range(1, 21))
+    return ref
+
+
+LAYOUTS = {
+    "ddp": {"parallel.dp_replicate": 2},
+    "zero1": {"parallel.dp_shard": 2, "parallel.zero_stage": 1},
+    "zero2": {"parallel.dp_shard": 2, "parallel.zero_stage": 2},
+    "zero3": {"parallel.dp_shard": 2, "parallel.zero_stage": 3},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_data_parallel_layout_matches_one_process(corpus, single, tmp_path, layout):
+    out = tmp_path / layout
+    proc = train(corpus, out, nproc=2, **LAYOUTS[layout])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = losses(out)
+    assert got.keys() == single.keys()
+    # fp32, same seed/data/global batch: only the reduction order differs (all-reduce / reduce-scatter
+    # vs. one process's accumulation). Observed max relative difference over 20 steps ~2e-7; the
+    # tolerance is 1e-5 relative.
+    worst = max(abs(got[s] - single[s]) / abs(single[s]) for s in single)
+    print(f"\n{layout}: max relative loss difference vs one process over 20 steps = {worst:.2e}")
+    assert worst < 1e-5, (layout, worst, got, single)
+    # only rank 0 writes the run folder; FSDP gathers the full state dict for the weights
+    for name in ("metrics.jsonl", "model.safetensors", "summary.json", "config.toml"):
+        assert (out / name).is_file(), name
+    from lmforge.ckpt.export import load_run
+
+    _, model = load_run(out)  # the saved (gathered) weights load into an unsharded model
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    {"parallel.dp_replicate": 2, "parallel.ddp_comm_hook": "powersgd", "parallel.powersgd_rank": 2},
+    {"parallel.dp_shard": 2, "train.precision": "bf16"},  # FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)
+], ids=["powersgd", "fsdp-bf16"])
+def test_compressed_and_mixed_precision_runs_still_learn(corpus, single, tmp_path, extra):
+    """(The fp16_compress_hook run is left out to keep this file short; by hand it matched the
+    one-process losses to 8.4e-6 relative over 20 steps.)"""
+    out = tmp_path / "run"
+    proc = train(corpus, out, nproc=2, **extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = losses(out)
+    assert got[20] < got[1] - 1.0, got  # lossy communication / bf16, but it still learns
+    assert got[20] < single[20] * 1.15, (got[20], single[20])  # and lands near the exact run
+
+
+@pytest.mark.slow
+def test_world_size_mismatch_is_a_clear_error_not_a_hang(corpus, tmp_path):
+    """torchrun starts 2 processes, the layout says 1: every rank stops before any collective."""
+    proc = train(corpus, tmp_path / "run", nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert "parallel.dp_replicate (1) x parallel.dp_shard (1)" in proc.stderr, proc.stderr[-2000:]
+    assert "world size 2" in proc.stderr
+
+
+BATCH = {"train.global_batch_size": 64, "train.micro_batch_size": 16}  # divisible by dp = 2 and 4
+
+
+def test_layout_errors_without_torchrun(tmp_path, monkeypatch):
+    from lmforge.parallel.distributed import check_layout, init_distributed
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load_config("tiny", {**BATCH, "parallel.dp_replicate": 2})
+    with pytest.raises(ConfigError, match="not launched by torchrun"):
+        init_distributed(cfg)
+    cfg = load_config("tiny", {**BATCH, "parallel.dp_shard": 2, "parallel.cpu_offload": True})
+    with pytest.raises(ConfigError, match="cpu_offload = true needs a CUDA GPU"):
+        check_layout(cfg, 2, cuda=False)
+    check_layout(cfg, 2, cuda=True)  # fine where a GPU exists
+    cfg = load_config("tiny", {**BATCH, "parallel.dp_replicate": 2, "parallel.ddp_comm_hook": "bf16"})
+    with pytest.raises(ConfigError, match="fp16"):
+        check_layout(cfg, 2, cuda=False)
+    cfg = load_config("tiny", {**BATCH, "parallel.tp": 2})
+    with pytest.raises(ConfigError, match="not yet supported"):
+        init_distributed(cfg)
+    assert init_distributed(load_config("tiny")).distributed is False  # one process: no process group
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"parallel.zero_stage": 2}, "parallel.dp_shard >= 2"),
+    ({"parallel.zero_stage": 4, "parallel.dp_shard": 2}, "zero_stage = 4"),
+    ({"parallel.zero_stage": 1, "parallel.dp_shard": 2, "parallel.dp_replicate": 2}, "dp_replicate = 1"),
+    ({"parallel.dp_shard": 2, "parallel.ddp_comm_hook": "powersgd"}, "applies to DDP only"),
+    ({"parallel.cpu_offload": True}, "needs FSDP"),
+    ({"parallel.timeout_s": 0}, "timeout_s"),
+    ({"parallel.powersgd_rank": 0}, "powersgd_rank"),
+])
+def test_parallel_config_validation(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", {**BATCH, **bad})
