@@ -52,24 +52,14 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
 
     from lmforge.ckpt.export import load_run
     from lmforge.data.tokenizer import Tokenizer
-    from lmforge.eval.generate import generate_tokens
+    from lmforge.eval.generate import stream_text
 
     cfg, model = load_run(args.ckpt)
     tokenizer = Tokenizer.load(Path(args.ckpt) / "tokenizer.json")
     print(args.prompt, end="", flush=True)
-    out: list[int] = []
-    printed = ""
-    for tok in generate_tokens(model, tokenizer.encode(args.prompt), args.max_tokens, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=tokenizer.eos_id):
-        if tok == tokenizer.eos_id:
-            break
-        out.append(tok)
-        text = tokenizer.decode(out)
-        if args.stop and args.stop in text:
-            print(text[len(printed):text.index(args.stop)], end="", flush=True)
-            break
-        print(text[len(printed):], end="", flush=True)  # stream as tokens arrive
-        printed = text
+    for piece in stream_text(model, tokenizer, args.prompt, args.max_tokens, stop=[args.stop] if args.stop else None,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+        print(piece, end="", flush=True)  # stream as tokens arrive
     print()
     return 0
 

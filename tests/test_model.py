@@ -110,3 +110,24 @@ def test_sequence_longer_than_max_is_rejected():
     model = build_model(ModelConfig(**LLAMA), seed=0)
     with pytest.raises(ValueError, match="exceeds model.max_seq_len = 64"):
         model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_streamed_text_never_contains_a_stop_string(monkeypatch):
+    """Streaming holds back text that could begin a stop string, so a stop string split across
+    tokens ('\\n' then '\\n') is cut whole, and the pieces join to generate_text's answer."""
+    from lmforge.eval import generate as gen
+
+    class Tok:
+        eos_id = None
+
+        def encode(self, text):
+            return [1]
+
+        def decode(self, ids):
+            return "".join("ab\n\ncd"[i % 6] for i in range(len(ids)))
+
+    monkeypatch.setattr(gen, "generate_tokens", lambda model, prompt, n, eos_id=None, **kw: iter(range(n)))
+    pieces = list(gen.stream_text(None, Tok(), "x", 6, stop=["\n\n"]))
+    assert "".join(pieces) == "ab" == gen.generate_text(None, Tok(), "x", 6, stop=["\n\n"])
+    assert gen.generate_text(None, Tok(), "x", 6) == "ab\n\ncd"
+    assert list(gen.stream_text(None, Tok(), "x", 3)) == ["a", "b", "\n"]  # no stops: nothing held back

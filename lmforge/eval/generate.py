@@ -68,18 +68,33 @@ def generate_tokens(model: Transformer, prompt: list[int], max_new_tokens: int, 
         model.train(was_training)
 
 
-def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, *, stop: list[str] | None = None,
-                  **kwargs) -> str:
-    """Prompt text -> generated continuation text (without the prompt), cut at the first stop string."""
-    ids = tokenizer.encode(prompt)
+def stream_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, *, stop: list[str] | None = None,
+                **kwargs) -> Iterator[str]:
+    """Yield the continuation of `prompt` as text pieces while tokens arrive; stops at end-of-text
+    or just before the first stop string. The last len(longest stop) - 1 characters are held back
+    until they cannot start a stop string, so no part of one is ever yielded."""
+    stops = [s for s in stop or () if s]
+    hold = max((len(s) for s in stops), default=1) - 1
     out: list[int] = []
-    text = ""
-    for tok in generate_tokens(model, ids, max_new_tokens, eos_id=tokenizer.eos_id, **kwargs):
+    text = emitted = ""
+    for tok in generate_tokens(model, tokenizer.encode(prompt), max_new_tokens, eos_id=tokenizer.eos_id, **kwargs):
         if tok == tokenizer.eos_id:
             break
         out.append(tok)
         text = tokenizer.decode(out)
-        if stop and any(s in text for s in stop):
-            cut = min(text.index(s) for s in stop if s in text)
-            return text[:cut]
-    return text
+        hits = [text.index(s) for s in stops if s in text]
+        if hits:
+            yield text[len(emitted):min(hits)]
+            return
+        safe = len(text) - hold
+        if safe > len(emitted):
+            yield text[len(emitted):safe]
+            emitted = text[:safe]
+    if len(text) > len(emitted):
+        yield text[len(emitted):]
+
+
+def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, *, stop: list[str] | None = None,
+                  **kwargs) -> str:
+    """Prompt text -> generated continuation text (without the prompt), cut at the first stop string."""
+    return "".join(stream_text(model, tokenizer, prompt, max_new_tokens, stop=stop, **kwargs))

@@ -5,8 +5,8 @@ Conventions:
 
 - FLOPs per token (training, forward + backward) follow PaLM: 6N + 12*L*h*s, where N counts the
   weights that take part in a matmul (blocks + output projection; embedding lookups excluded) and
-  the 12*L*h*s term is the attention scores and values (identical to
-  `lmforge.model.transformer.flops_per_token`, recomputed here without importing torch);
+  the 12*L*h*s term is the attention scores and values (`lmforge.model.accounting.flops_per_token`,
+  the trainer's own torch-free function);
   `convention="6N"` gives the plain 6 x (all parameters) figure
   used by back-of-envelope estimates (e.g. GPT-3: 6 * 175e9 * 300e9 = 3.15e23 FLOPs).
 - MFU is model FLOPs (the above, recomputation *not* counted) / (GPUs x dense peak x time). Full
@@ -41,8 +41,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lmforge.config import ModelConfig
+from lmforge.model.accounting import flops_per_token as model_flops_per_token
 from lmforge.plan.hardware import Cluster, Device
-from lmforge.plan.memory import Layout, cfg_key, param_specs, stage_specs, total_params, tp_shape
+from lmforge.plan.memory import Layout, cfg_key, stage_specs, total_params, tp_shape
 
 _CACHE: dict[tuple, float] = {}
 
@@ -58,13 +59,16 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int, convention: str = "pal
         return 6.0 * total_params(model_cfg)
     if convention != "palm":
         raise ValueError(f"FLOPs convention {convention!r} must be 'palm' or '6N'")
-    # Same formula as lmforge.model.transformer.flops_per_token (a test keeps them equal),
-    # computed from the config so that planning never imports torch.
-    key = ("n_matmul", cfg_key(model_cfg))
+    # The trainer's own formula (torch-free module), so plan and the training log agree.
+    return model_flops_per_token(model_cfg, seq_len)
+
+
+def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int) -> float:
+    """Parameters one rank of pipeline stage 0 holds under TP degree `tp` (cached)."""
+    key = ("stage0", cfg_key(model_cfg), pp, tp)
     if key not in _CACHE:
-        _CACHE[key] = sum(s.numel for s in param_specs(model_cfg) if s.where == "block") + model_cfg.vocab_size * model_cfg.dim
-    n_matmul = _CACHE[key]
-    return 6.0 * n_matmul + 12.0 * model_cfg.n_layers * model_cfg.dim * seq_len
+        _CACHE[key] = sum(math.prod(tp_shape(sp, tp)) for sp in stage_specs(model_cfg, pp, 0))
+    return _CACHE[key]
 
 
 def recompute_factor(layout: Layout, n_layers: int) -> float:
@@ -173,10 +177,7 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
         comm["pp"] = 2 * m * act_bytes / t / _group_bandwidth(cluster, t * layout.pp, layout.pp)
     if layout.dp > 1:
         n = layout.dp
-        key = ("stage0", cfg_key(model_cfg), layout.pp, t)
-        if key not in _CACHE:
-            _CACHE[key] = sum(math.prod(tp_shape(sp, t)) for sp in stage_specs(model_cfg, layout.pp, 0))
-        stage_params = _CACHE[key]
+        stage_params = _stage0_params(model_cfg, layout.pp, t)
         size = 2 * stage_params  # 16-bit gradients / weights
         ring = (n - 1) / n * size
         if layout.zero <= 1:
@@ -187,10 +188,7 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
             vol = m * 3 * ring
         comm["dp"] = vol / _group_bandwidth(cluster, t * layout.pp * n, n)
     if layout.cpu_offload:
-        key = ("stage0", cfg_key(model_cfg), layout.pp, t)
-        if key not in _CACHE:
-            _CACHE[key] = sum(math.prod(tp_shape(sp, t)) for sp in stage_specs(model_cfg, layout.pp, 0))
-        shard = _CACHE[key] / (layout.dp if layout.zero else 1)
+        shard = _stage0_params(model_cfg, layout.pp, t) / (layout.dp if layout.zero else 1)
         # gradients down and weights up over PCIe (4 + 4 bytes), and the optimizer update on the
         # host streaming ~16 bytes/param through host memory; not overlapped.
         comm["offload"] = shard * (8 / OFFLOAD_PCIE_BPS + 16 / OFFLOAD_HOST_BPS)

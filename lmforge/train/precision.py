@@ -9,10 +9,11 @@ and the trainer unscales them before clipping.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
+
+from lmforge.train.profiler import measure_matmul_flops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,21 +34,13 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
 
-def _time_matmul(dtype: torch.dtype, n: int = 512, reps: int = 3) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up (library dispatch, packing)
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return (time.perf_counter() - start) / reps
-
-
 def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
     """Turn 'auto' into a concrete precision for `device`; returns (precision, reason).
 
     CUDA: bf16 where the GPU supports it, else fp16. CPU: bf16 only if this CPU really runs
     bf16 matmuls faster than fp32 (AMX / AVX512-BF16 CPUs do, by 2-6x; on AVX2-only CPUs
-    oneDNN emulates bf16 and it is 10-100x *slower*), decided by timing one 512^3 matmul each.
+    oneDNN emulates bf16 and it is 10-100x *slower*), decided by timing a matmul in each dtype
+    (the same cached measurement the MFU peak uses, so it is taken once per run).
     """
     if name != "auto":
         return name, "as configured"
@@ -55,10 +48,11 @@ def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
         if torch.cuda.is_bf16_supported():
             return "bf16", "GPU supports bf16"
         return "fp16", "GPU lacks bf16"
-    fp32, bf16 = _time_matmul(torch.float32), _time_matmul(torch.bfloat16)
-    if bf16 < fp32 / 1.2:
-        return "bf16", f"bf16 matmul {fp32 / bf16:.1f}x faster than fp32 on this CPU"
-    return "fp32", f"bf16 matmul {bf16 / fp32:.1f}x slower than fp32 on this CPU (no native bf16 units)"
+    fp32 = measure_matmul_flops(device, torch.float32)  # FLOP/s
+    bf16 = measure_matmul_flops(device, torch.bfloat16)
+    if bf16 > 1.2 * fp32:
+        return "bf16", f"bf16 matmul {bf16 / fp32:.1f}x faster than fp32 on this CPU"
+    return "fp32", f"bf16 matmul {fp32 / bf16:.1f}x slower than fp32 on this CPU (no native bf16 units)"
 
 
 def make_precision(name: str, device: torch.device) -> Precision:

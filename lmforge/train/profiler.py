@@ -21,15 +21,9 @@ from pathlib import Path
 
 import torch
 
+from lmforge.plan.hardware import get_device
+
 log = logging.getLogger("lmforge.train")
-
-# Used only if lmforge.plan.hardware is missing: dense peak TFLOP/s (bf16, fp16, fp32) from the
-# vendors' data sheets.
-_FALLBACK_TFLOPS = {
-    "B200": (2250, 2250, 75), "H200": (989, 989, 67), "H100-PCIe": (756, 756, 51), "H100-SXM": (989, 989, 67),
-    "A100-80GB": (312, 312, 19.5), "A100-40GB": (312, 312, 19.5), "V100": (None, 125, 15.7),
-}
-
 
 def format_flops(flops: float) -> str:
     """1.23e14 -> '123.0 TFLOP/s'; 4.3e10 -> '43.0 GFLOP/s'."""
@@ -69,14 +63,8 @@ def catalogue_peak(gpu_name: str, precision: str) -> float | None:
     if name is None:
         return None
     try:
-        from lmforge.plan.hardware import get_device
-
         return get_device(name).peak_flops(precision)
-    except ImportError:
-        tflops = _FALLBACK_TFLOPS.get(name)
-        idx = {"bf16": 0, "fp16": 1, "fp32": 2}.get(precision)
-        return None if tflops is None or idx is None or tflops[idx] is None else tflops[idx] * 1e12
-    except ValueError:
+    except ValueError:  # the catalogue has no peak for this precision (e.g. bf16 on a V100)
         return None
 
 
