@@ -182,11 +182,32 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpointing of the run."""
+    """Fault-tolerant checkpoints (torch.distributed.checkpoint: sharded, resharded on load)."""
 
-    every_steps: int = _f(0, "Save a checkpoint every this many steps (0 = only at the end).")
-    keep_last: int = _f(2, "Keep the newest N checkpoints.")
-    save_final: bool = _f(True, "Save a checkpoint (and safetensors weights) at the end of training.")
+    every_steps: int = _f(0, "Save a checkpoint every this many optimizer steps (0 = not by step count).")
+    every_minutes: float = _f(0.0, "Also save when this many minutes have passed since the last save (0 = off); rank 0's clock decides for all ranks.")
+    dir: str = _f("", "Checkpoint folder ('' = <train.out_dir>/checkpoints).")
+    keep_last: int = _f(2, "Keep the newest N valid checkpoints; older ones are deleted only after a newer one was validated.")
+    keep_every: int = _f(0, "Also keep every checkpoint whose step is a multiple of this forever (0 = off).")
+    async_save: bool = _f(True, "Write in the background: training blocks only while the state is copied to host memory.")
+    validate: bool = _f(True, "After writing, re-read every file's checksum and test-load the checkpoint before older ones are rotated away.")
+    resume: str = _f("auto", "'auto' = continue from the newest valid checkpoint in the folder (or the S3 backup) if there is one; 'none' = start fresh; or a path to a checkpoint folder to start from.")
+    save_final: bool = _f(True, "At the end of training, save a final checkpoint and the weights as <out_dir>/model.safetensors.")
+    s3_bucket: str = _f("", "Secondary backup: S3 bucket ('' = no backup). Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, or any boto3 source).")
+    s3_prefix: str = _f("lmforge", "Key prefix inside the bucket; checkpoints go to <prefix>/<run name>/step_NNNNNNNN/.")
+    s3_endpoint: str = _f("", "S3-compatible endpoint URL (MinIO, Ceph, R2, ...); '' = AWS or $AWS_ENDPOINT_URL.")
+
+
+@dataclass
+class GuardConfig:
+    """Loss-spike and NaN guard: skip bad updates, roll back on repeated trouble."""
+
+    enabled: bool = _f(True, "Check every step's loss and gradient norm before the optimizer update (one host sync per step).")
+    sigma: float = _f(6.0, "Skip the update when the loss or grad norm exceeds the rolling mean by more than this many standard deviations (0 = only non-finite values).")
+    window: int = _f(100, "Rolling window (accepted steps) for the mean and standard deviation.")
+    min_history: int = _f(20, "Accepted steps needed before the sigma rule applies.")
+    rollback_after: int = _f(3, "After this many consecutive skipped steps, reload the last checkpoint and skip the offending batches (0 = never roll back).")
+    max_rollbacks: int = _f(3, "Stop with an error after this many rollbacks in one run.")
 
 
 @dataclass
@@ -202,6 +223,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training loop."})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"doc": "Parallel layout."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
+    guard: GuardConfig = field(default_factory=GuardConfig, metadata={"doc": "Loss-spike / NaN guard."})
 
     # ---- derived quantities -----------------------------------------------------------------
 
@@ -227,6 +249,7 @@ class Config:
             "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
             "parallel.dp_replicate": p.dp_replicate, "parallel.dp_shard": p.dp_shard,
             "parallel.tp": p.tp, "parallel.pp": p.pp, "checkpoint.keep_last": self.checkpoint.keep_last,
+            "guard.window": self.guard.window,
         }
         for key, value in positive.items():
             if value < 1:
@@ -234,7 +257,11 @@ class Config:
         non_negative = {"optim.weight_decay": o.weight_decay, "optim.grad_clip": o.grad_clip,
                         "schedule.warmup_steps": s.warmup_steps, "train.eval_every": t.eval_every,
                         "train.sample_tokens": t.sample_tokens, "train.threads": t.threads,
-                        "checkpoint.every_steps": self.checkpoint.every_steps}
+                        "checkpoint.every_steps": self.checkpoint.every_steps,
+                        "checkpoint.every_minutes": self.checkpoint.every_minutes,
+                        "checkpoint.keep_every": self.checkpoint.keep_every, "guard.sigma": self.guard.sigma,
+                        "guard.min_history": self.guard.min_history, "guard.rollback_after": self.guard.rollback_after,
+                        "guard.max_rollbacks": self.guard.max_rollbacks}
         for key, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{key} = {value} must be >= 0.")

@@ -61,7 +61,7 @@ def format_line(step: int, total: int, rec: dict[str, Any], eta_s: float) -> str
 
 class Progress:
     def __init__(self, total_steps: int, mode: str = "auto", stream: TextIO | None = None,
-                 rank0: bool | None = None):
+                 rank0: bool | None = None, initial: int = 0):
         self.total = total_steps
         self.stream = stream or sys.stdout
         self.rank0 = is_rank0() if rank0 is None else rank0
@@ -78,7 +78,7 @@ class Progress:
             except ImportError:  # pragma: no cover - tqdm is a dependency
                 self.mode = "lines"
             else:
-                self._bar = tqdm(total=total_steps, file=self.stream, unit="step", dynamic_ncols=True,
+                self._bar = tqdm(total=total_steps, initial=initial, file=self.stream, unit="step", dynamic_ncols=True,
                                  smoothing=0.1, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
                                                            "[{elapsed}<{remaining}]{postfix}")
 

@@ -8,7 +8,11 @@
                optimizer step -> schedule step; log every `log_every`, validate every `eval_every`
       finish:  final validation + perplexity, sample text, weights (safetensors) + metrics on disk
 
-Parallel layouts, checkpoint/resume and the spike guard plug into the marked places.
+Checkpoints (lmforge.ckpt): `setup` resumes from the newest valid checkpoint (checkpoint.resume =
+"auto"); the loop saves every `checkpoint.every_steps` steps / `every_minutes` minutes in the
+background. The spike guard (lmforge.train.guard) sits between clipping and the optimizer step: a
+non-finite or k-sigma loss / grad norm skips the update; repeated skips roll back to the last
+checkpoint and skip the offending batches.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lmforge.ckpt import trainer_io
 from lmforge.config import Config, to_toml
 from lmforge.data.loader import PackedLoader, open_tokens
 from lmforge.data.prepare import PreparedData, load_prepared, prepare_default, unigram_entropy
@@ -40,6 +45,7 @@ from lmforge.optim.schedules import BatchRampup, build_scheduler
 from lmforge.parallel.distributed import (DistInfo, all_reduce_sum, apply_ddp, apply_fsdp, clip_grad_norm,
                                           destroy_distributed, init_distributed, layout_kind, wrap_optimizer_zero1)
 from lmforge.train.activation_ckpt import apply_activation_checkpointing
+from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, Timers, format_duration, make_sinks, memory_gb
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
@@ -189,6 +195,20 @@ class Trainer:
         self.profiler = StepProfiler(t.profile_steps, self.out_dir / "profile", self.device)
         self._peak = None
 
+        # fault tolerance: spike guard, checkpoint manager, resume (every rank, same decisions)
+        g = cfg.guard
+        self.guard = SpikeGuard(g.sigma, g.window, g.min_history, g.rollback_after) if g.enabled else None
+        self.batches_drawn = 0          # step-batches taken from the loader (skipped ones included)
+        self.skip_batches: set[int] = set()  # batch indices that rolled the run back: never trained on
+        self.rollbacks = 0
+        self.last_loss = float("nan")
+        self._skipped_batches: list[int] = []  # batch indices of the current run of skipped steps
+        self._rollback_requested = False
+        self.ckpt = trainer_io.make_manager(self)
+        self.resumed_from = trainer_io.resolve_resume(self)
+        if self.resumed_from is not None:
+            trainer_io.load_checkpoint(self, self.resumed_from)
+
     # ------------------------------------------------------------------------------------------
     # one optimizer step
     # ------------------------------------------------------------------------------------------
@@ -200,7 +220,7 @@ class Trainer:
         do it only when they log.
         """
         loss = self.forward_backward(micro_batches)
-        grad_norm = self.optimizer_update()
+        grad_norm = self.optimizer_update(loss)
         return loss, grad_norm
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -236,8 +256,8 @@ class Trainer:
             all_reduce_sum(loss_sum)
         return loss_sum
 
-    def optimizer_update(self) -> torch.Tensor:
-        """Unscale (fp16) -> clip the global grad norm -> step -> zero grads -> advance the LR."""
+    def optimizer_update(self, loss: torch.Tensor | None = None) -> torch.Tensor:
+        """Unscale (fp16) -> clip the global grad norm -> guard -> step -> zero grads -> advance the LR."""
         opt, scaler = self.optimizer, self.precision.scaler
         scaler.unscale_(opt)  # true gradients before clipping (a no-op unless fp16)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
@@ -245,11 +265,76 @@ class Trainer:
             grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
-        scaler.step(opt)  # skips the update if fp16 gradients overflowed
-        scaler.update()
+        if self.guard is not None and loss is not None and not self.guard_allows(float(loss), float(grad_norm)):
+            scaler.update()  # (fp16) still adapt the loss scale to an overflow
+        else:
+            scaler.step(opt)  # skips the update if fp16 gradients overflowed
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         self.scheduler.step()
         return grad_norm
+
+    def guard_allows(self, loss: float, grad_norm: float) -> bool:
+        """The spike guard's verdict on this step (same on every rank: global loss and norm)."""
+        if self.precision.name == "fp16" and math.isfinite(loss) and not math.isfinite(grad_norm):
+            return True  # an fp16 overflow: the GradScaler skips the step and lowers its scale
+        verdict = self.guard.check(loss, grad_norm)
+        if not verdict.skip:
+            self._skipped_batches.clear()
+            return True
+        self._skipped_batches.append(self.batches_drawn - 1)
+        self.log_event({"step": self.step + 1, "event": "skipped_update", "loss": loss, "grad_norm": grad_norm,
+                        "batch": self.batches_drawn - 1,
+                        "message": f"step {self.step + 1}: update skipped ({verdict.reason})"})
+        self._rollback_requested = verdict.rollback
+        return False
+
+    def log_event(self, event: dict) -> None:
+        """An event (skipped update, rollback, checkpoint, ...) into metrics.jsonl and the log."""
+        if not is_rank0():
+            return
+        rec = {"step": self.step, **event}
+        self.metrics.write(rec)
+        self.metrics.flush()
+        if event.get("event") not in ("checkpoint", "backup"):  # (those log their own info line)
+            log.warning("%s", event.get("message", event.get("event")))
+
+    def rollback(self) -> None:
+        """Repeated bad steps: reload the last checkpoint and never train on the offending batches."""
+        bad = list(self._skipped_batches)
+        self.skip_batches.update(bad)
+        self._skipped_batches.clear()
+        self._rollback_requested = False
+        self.guard.consecutive = 0
+        self.ckpt.wait()
+        path = self.ckpt.latest_valid()
+        if path is None:
+            self.log_event({"event": "rollback_impossible", "batches": bad,
+                            "message": f"{len(bad)} consecutive skipped steps but no checkpoint to roll back to; "
+                                       f"going on (set checkpoint.every_steps to enable rollbacks)"})
+            return
+        self.rollbacks += 1
+        if self.rollbacks > self.cfg.guard.max_rollbacks:
+            raise FloatingPointError(
+                f"training rolled back {self.rollbacks - 1} times and still produces bad steps (last batches {bad}); "
+                f"lower optim.lr, raise optim.warmup, or use precision = 'bf16'.")
+        rollbacks, skip = self.rollbacks, set(self.skip_batches)
+        trainer_io.load_checkpoint(self, path)
+        self.rollbacks, self.skip_batches = rollbacks, skip
+        self.log_event({"event": "rollback", "to_step": self.step, "path": str(path), "skip_batches": bad,
+                        "message": f"rolled back to {path.name} (step {self.step}); batches {bad} will be skipped"})
+
+    def checkpoint_due(self, last_save_time: float) -> bool:
+        """Periodic checkpoint now? (step count, or rank 0's clock broadcast to every rank)"""
+        c = self.cfg.checkpoint
+        if c.every_steps and self.step % c.every_steps == 0:
+            return True
+        if c.every_minutes > 0:
+            due = torch.tensor([1 if time.time() - last_save_time >= 60 * c.every_minutes else 0])
+            if self.dist.distributed:
+                torch.distributed.broadcast(due, src=0)
+            return bool(due.item())
+        return False
 
     def global_batch_now(self) -> int:
         """Global batch (sequences) of the next step: the target, or the ramp-up's current value."""
@@ -258,8 +343,17 @@ class Trainer:
         return self.rampup.batch_at(self.tokens_seen)
 
     def next_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches for the next step (more of them as a batch ramp-up grows)."""
+        """This rank's micro-batches for the next step (more of them as a batch ramp-up grows);
+        batches that once rolled the run back are drawn and dropped."""
+        while self.batches_drawn in self.skip_batches:
+            self._draw_micro_batches()
+            self.log_event({"event": "skipped_batch", "batch": self.batches_drawn - 1,
+                            "message": f"batch {self.batches_drawn - 1} skipped (it caused a rollback)"})
+        return self._draw_micro_batches()
+
+    def _draw_micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t = self.cfg.train
+        self.batches_drawn += 1
         out = []
         for _ in range(self.global_batch_now() // (t.micro_batch_size * self.cfg.parallel.dp)):
             x, y = self.loader.next_batch()
@@ -282,6 +376,8 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            if getattr(self, "ckpt", None) is not None:
+                self.ckpt.close()  # never leave a save half-written behind an exception
             if getattr(self, "dist", None) is not None and self.dist.distributed:
                 destroy_distributed()
 
@@ -306,7 +402,11 @@ class Trainer:
         peak = self.peak
         log.info("mfu: 6N + 12*L*d*s = %.1f MFLOPs/token against %s per device (%s)",
                  self.flops_per_token / 1e6, format_flops(peak.flops), peak.source)
-        progress = Progress(t.steps, t.progress)
+        if self.resumed_from is not None:
+            done = " (the run is already complete: use --checkpoint.resume none or another --train.out_dir " \
+                   "to start over)" if self.step >= t.steps else ""
+            log.info("resuming at step %d of %d from %s%s", self.step, t.steps, self.resumed_from, done)
+        progress = Progress(t.steps, t.progress, initial=self.step)
         initial = self.evaluate()
         self.metrics.write({"step": self.step, "val_loss": initial["loss"], "val_perplexity": initial["perplexity"]})
         progress.write(f"step {self.step}: val loss {initial['loss']:.4f}, perplexity {initial['perplexity']:.1f}")
@@ -314,7 +414,7 @@ class Trainer:
         pending: list[tuple] = []
         start_time = time.perf_counter()
         window_start, window_tokens, window_steps, window_data, window_eval = start_time, 0, 0, 0.0, 0.0
-        last_loss = float("nan")
+        start_step, last_save_time = self.step, time.time()
 
         while self.step < t.steps:
             self.profiler.step_begin(self.step + 1)
@@ -332,7 +432,7 @@ class Trainer:
             window_data += data_s
             pending.append((self.step, loss, grad_norm, lr, self.tokens_seen, data_s))
 
-            if self.step % t.log_every == 0 or self.step == t.steps:
+            if self.step % t.log_every == 0 or self.step == t.steps or self._rollback_requested:
                 if self.device.type == "cuda":  # the log line's one sync, before timing the window
                     torch.cuda.synchronize(self.device)
                 now = time.perf_counter()
@@ -355,13 +455,16 @@ class Trainer:
                         progress.write(f"warning: {event['message']}", logging.WARNING)
                 pending.clear()
                 self.metrics.flush()
-                last_loss = history[-1]["loss"]
-                if not math.isfinite(last_loss):
+                self.last_loss = history[-1]["loss"]
+                if not math.isfinite(self.last_loss) and self.guard is None:
                     progress.close()
-                    raise FloatingPointError(
-                        f"loss became {last_loss} at step {self.step}; lower optim.lr or use precision = 'bf16'.")
-                eta = (t.steps - self.step) * (now - start_time) / self.step
+                    raise FloatingPointError(f"loss became {self.last_loss} at step {self.step}; lower optim.lr, "
+                                             f"use precision = 'bf16', or enable the guard (guard.enabled).")
+                eta = (t.steps - self.step) * (now - start_time) / max(self.step - start_step, 1)
                 progress.update(self.step, history[-1], eta)
+            if self._rollback_requested:
+                self.rollback()
+                continue
 
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                 eval_t0 = time.perf_counter()
@@ -370,6 +473,11 @@ class Trainer:
                 self.metrics.write({"step": self.step, "val_loss": val["loss"], "val_perplexity": val["perplexity"]})
                 self.metrics.flush()
                 progress.write(f"step {self.step}: val loss {val['loss']:.4f}, perplexity {val['perplexity']:.1f}")
+
+            if (self.step < t.steps or not cfg.checkpoint.save_final) and self.checkpoint_due(last_save_time):
+                self.last_loss = float(loss)
+                trainer_io.save_checkpoint(self)
+                last_save_time = time.time()
 
         progress.close()
         self.profiler.close()
@@ -387,11 +495,14 @@ class Trainer:
             if is_rank0():
                 (self.out_dir / "sample.txt").write_text(t.sample_prompt + sample + "\n")
         if cfg.checkpoint.save_final:
+            if self.step > start_step or self.resumed_from is None:  # (not if resumed from this very step)
+                trainer_io.save_checkpoint(self)
             with self.timers("checkpoint"):
                 self.save_final_weights(self.out_dir / "model.safetensors")
+        self.ckpt.close()  # the last save is written, validated and backed up before we report
 
         result = TrainResult(
-            steps=self.step, tokens=self.tokens_seen, train_loss=last_loss, val_loss=final["loss"],
+            steps=self.step, tokens=self.tokens_seen, train_loss=self.last_loss, val_loss=final["loss"],
             val_perplexity=final["perplexity"], initial_val_loss=initial["loss"], unigram_entropy=entropy,
             sample=sample, out_dir=str(self.out_dir), seconds=elapsed,
             tokens_per_second=self.tokens_seen / max(elapsed, 1e-9), history=history)
@@ -450,4 +561,8 @@ class Trainer:
                 "flops_per_token": self.flops_per_token, "n_params": self.n_params,
                 "data_share": mean("data_share"), "checkpoint_s": self.timers.total.get("checkpoint", 0.0),
                 "peak_mem_gb": memory_gb(self.device), "loss_spikes": self.health.n_spikes,
-                "grad_norm_warnings": self.health.n_growth, "hardware": hw}
+                "grad_norm_warnings": self.health.n_growth, "hardware": hw,
+                "skipped_updates": self.guard.n_skipped if self.guard is not None else 0, "rollbacks": self.rollbacks,
+                "checkpoints": {"saves": self.ckpt.saves, "failures": self.ckpt.failures,
+                                "blocking_s": self.ckpt.blocking_s, "last": self.ckpt.last_save,
+                                "resumed_from": str(self.resumed_from) if self.resumed_from else None}}

@@ -1,0 +1,343 @@
+"""Checkpoint folder management: asynchronous, atomic, checksummed, validated, rotated, backed up.
+
+    <dir>/step_00000200/          a finished checkpoint
+        __0_0.distcp, ...         DCP shards (each rank writes its own)
+        .metadata                 DCP's index of the shards
+        trainer_state.json        step, tokens, data position, scheduler, scaler, guard, ... (JSON)
+        meta.json                 written last: step, loss, time, versions, config, sha256 + size per file
+    <dir>/step_00000300.tmp/      a checkpoint being written (never read; removed at start-up)
+
+Save (every rank calls it; collectives inside):
+  1. wait for the previous save to finish (that wait is the only blocking besides step 2)
+  2. copy the state to host memory (DCP async staging) and return to training
+  3. background: DCP writes the shards (+ fsync) -> rank 0 writes trainer_state.json and meta.json
+     with the checksums, fsyncs, renames `.tmp` to the final name, fsyncs the parent folder ->
+     validates (re-hash + test load) -> rotates older checkpoints (keep-last-N + keep-every-M) ->
+     uploads to S3 (if configured).
+A crash at any point leaves either the complete new checkpoint or only a `.tmp` folder; older
+checkpoints are deleted only after a newer one passed validation. A failed write (disk full, ...)
+is logged, its `.tmp` removed, and training goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+import lmforge
+from lmforge.ckpt.safe_io import SafeFileSystemReader, check_relative, safe_read_metadata
+
+log = logging.getLogger("lmforge.ckpt")
+# DCP warns on every single-process save/load; lmforge passes no_dist deliberately there
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+META = "meta.json"
+TRAINER_STATE = "trainer_state.json"
+FORMAT = 1
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Finished checkpoint folders (by name), newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def read_meta(folder: Path) -> dict:
+    path = folder / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{folder}: no {META} (the checkpoint was never finished)") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: unreadable ({e})") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
+        raise ValueError(f"{path}: not an lmforge checkpoint metadata file (no 'files' / 'step')")
+    if meta.get("format", 0) > FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta['format']} is newer than this lmforge "
+                         f"({lmforge.__version__}) reads ({FORMAT}); upgrade lmforge.")
+    return meta
+
+
+def verify_checkpoint(folder: Path, test_load: bool = False) -> dict:
+    """Checks a finished checkpoint: meta.json readable, every listed file present inside the folder
+    with its recorded size and sha256, no unlisted shard, DCP metadata safe; optionally reads every
+    tensor back (a test load). Returns the meta; raises ValueError naming the problem."""
+    meta = read_meta(folder)
+    for name, rec in meta["files"].items():
+        path = check_relative(folder, name)
+        if not path.is_file():
+            raise ValueError(f"{folder}: file {name} listed in {META} is missing")
+        size = path.stat().st_size
+        if size != rec.get("bytes"):
+            raise ValueError(f"{folder}: {name} has {size} bytes, {META} says {rec.get('bytes')} (truncated?)")
+        if sha256_file(path) != rec.get("sha256"):
+            raise ValueError(f"{folder}: {name} fails its sha256 checksum (corrupted)")
+    for extra in folder.iterdir():
+        if extra.name.endswith(".distcp") and extra.name not in meta["files"]:
+            raise ValueError(f"{folder}: shard {extra.name} is not listed in {META}")
+    metadata = safe_read_metadata(folder)
+    if test_load:
+        # read every tensor back into host memory, in batches of <= 256 MB (no process group involved)
+        batch: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        items = list(metadata.state_dict_metadata.items())
+        for i, (key, md) in enumerate(items):
+            batch[key] = torch.empty(md.size, dtype=md.properties.dtype)
+            nbytes += batch[key].numel() * batch[key].element_size()
+            if nbytes >= 256 << 20 or i == len(items) - 1:
+                dcp.load(batch, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
+                batch, nbytes = {}, 0
+    return meta
+
+
+@dataclass
+class SaveRequest:
+    step: int
+    trainer_state: dict[str, Any]
+    meta: dict[str, Any]
+
+
+class CheckpointManager:
+    """Owns a checkpoint folder for one run. Every rank creates one; rank 0 does the file work."""
+
+    def __init__(self, root: Path, *, rank: int = 0, world_size: int = 1, async_save: bool = True,
+                 validate: bool = True, keep_last: int = 2, keep_every: int = 0,
+                 backup: "Any | None" = None, process_group: Any = None,
+                 on_event: Callable[[dict], None] | None = None):
+        self.root = Path(root)
+        self.rank, self.world_size = rank, world_size
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.async_save = async_save
+        self.validate = validate
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.backup = backup
+        self.pg = process_group
+        self.on_event = on_event or (lambda e: None)
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.blocking_s = 0.0  # time the training loop spent blocked on checkpoints
+        self.last_save: dict[str, Any] = {}
+        self.saves = 0
+        self.failures = 0
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("step_*.tmp"):
+                log.warning("checkpoint: removing %s left by an interrupted save", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        self._barrier()
+
+    # ---------------------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.pg)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is finished, validated and rotated."""
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            self._pending.join()
+            self.blocking_s += time.perf_counter() - t0
+            self._pending = None
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
+             meta: dict[str, Any]) -> None:
+        """Checkpoint `step` (every rank, same order). Returns once the state is staged in host
+        memory when async, or fully written and validated otherwise."""
+        t0 = time.perf_counter()
+        self.wait()
+        tmp = self.root / (step_name(step) + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        writer = FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
+        started = time.time()
+        future: Future | None = None
+        error: BaseException | None = None
+        try:
+            if self.async_save:
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg,
+                                        no_dist=not self.distributed)
+            else:
+                dcp.save(tensors, storage_writer=writer, process_group=self.pg, no_dist=not self.distributed)
+        except BaseException as e:  # noqa: BLE001 - reported; training continues
+            error = e
+        req = SaveRequest(step, trainer_state, meta)
+        staged_s = time.perf_counter() - t0
+        self.blocking_s += staged_s
+        self._pending = threading.Thread(target=self._finish, args=(req, tmp, future, error, started, staged_s),
+                                         name=f"lmforge-ckpt-{step}", daemon=True)
+        self._pending.start()
+        if not self.async_save:
+            self.wait()
+
+    def _finish(self, req: SaveRequest, tmp: Path, future: Future | None, error: BaseException | None,
+                started: float, staged_s: float) -> None:
+        try:
+            if error is None and future is not None:
+                try:
+                    future.result()
+                except BaseException as e:  # noqa: BLE001
+                    error = e
+            if self.distributed:
+                # agree on success before rank 0 publishes (gloo group reserved for checkpoints)
+                flag = torch.tensor([1 if error is None else 0], dtype=torch.int32)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
+                if error is None and flag.item() == 0:
+                    error = RuntimeError("another rank failed to write its shard")
+            if error is not None:
+                raise error
+            if self.rank == 0:
+                self._publish(req, tmp, started, staged_s)
+        except BaseException as e:  # noqa: BLE001 - a failed checkpoint must not kill the run
+            self.failures += 1
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.error("checkpoint at step %d FAILED (%s: %s); previous checkpoints are intact, training goes on",
+                      req.step, type(e).__name__, e)
+            self.on_event({"step": req.step, "event": "checkpoint_failed", "error": f"{type(e).__name__}: {e}",
+                           "message": f"checkpoint at step {req.step} failed: {e}"})
+
+    def _publish(self, req: SaveRequest, tmp: Path, started: float, staged_s: float) -> None:
+        write_json_atomic(tmp / TRAINER_STATE, req.trainer_state)
+        files = {}
+        for path in sorted(tmp.iterdir()):
+            if path.is_file() and not path.name.endswith(".part"):
+                files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        meta = {**req.meta, "format": FORMAT, "step": req.step, "files": files,
+                "lmforge_version": lmforge.__version__, "torch_version": torch.__version__,
+                "world_size": self.world_size,
+                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        write_json_atomic(tmp / META, meta)
+        fsync_dir(tmp)
+        final = self.root / step_name(req.step)
+        if final.exists():  # left by a run that rolled back or crashed after resuming earlier
+            aside = final.with_name(final.name + ".replaced")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        written_s = time.time() - started
+        if self.validate:
+            verify_checkpoint(final, test_load=True)
+        size = sum(rec["bytes"] for rec in files.values())
+        self.saves += 1
+        self.last_save = {"step": req.step, "path": str(final), "bytes": size, "blocking_s": staged_s,
+                          "total_s": time.time() - started, "write_s": written_s}
+        log.info("checkpoint: step %d -> %s (%.1f MB; %.2fs blocking, %.2fs total%s)", req.step, final,
+                 size / 1e6, staged_s, self.last_save["total_s"], ", validated" if self.validate else "")
+        self.on_event({"step": req.step, "event": "checkpoint", "path": str(final), "bytes": size,
+                       "blocking_s": staged_s, "total_s": self.last_save["total_s"]})
+        self.rotate()
+        if self.backup is not None:
+            self.backup.upload(final, keep=[p.name for _, p in list_checkpoints(self.root)])
+
+    def rotate(self) -> None:
+        """Delete checkpoints beyond keep-last-N (valid ones counted) except keep-every-M steps."""
+        kept_valid = 0
+        for step, path in list_checkpoints(self.root):
+            if kept_valid < self.keep_last:
+                try:
+                    read_meta(path)
+                    kept_valid += 1
+                    continue
+                except ValueError:
+                    pass  # an unfinished/corrupt folder does not count towards keep_last
+            if self.keep_every and step % self.keep_every == 0:
+                continue
+            log.info("checkpoint: rotating away %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ---------------------------------------------------------------------------------------
+    def latest_valid(self) -> Path | None:
+        """Newest checkpoint that passes `verify_checkpoint` (rank 0's answer, on every rank)."""
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            for step, path in list_checkpoints(self.root):
+                try:
+                    verify_checkpoint(path)
+                    choice[0] = str(path)
+                    break
+                except ValueError as e:
+                    log.warning("checkpoint: skipping %s: %s", path, e)
+                    self.on_event({"step": step, "event": "checkpoint_invalid", "path": str(path), "error": str(e),
+                                   "message": f"skipping invalid checkpoint {path}: {e}"})
+            if choice[0] is None and self.backup is not None:
+                restored = self.backup.restore_latest(self.root)
+                choice[0] = str(restored) if restored else None
+        if self.distributed:
+            dist.broadcast_object_list(choice, src=0, group=self.pg)
+        return Path(choice[0]) if choice[0] else None
+
+    def load(self, folder: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        """Read the tensors this run asks for (in its own layout) from `folder`; returns
+        (meta, trainer_state)."""
+        meta = read_meta(folder)
+        ts_path = folder / TRAINER_STATE
+        try:
+            trainer_state = json.loads(ts_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{ts_path}: unreadable ({e})") from e
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), process_group=self.pg,
+                 no_dist=not self.distributed)
+        return meta, trainer_state
+
+    def close(self) -> None:
+        self.wait()
+        if self.backup is not None:
+            self.backup.wait()

@@ -1,0 +1,142 @@
+"""Secondary checkpoint backup to S3-compatible object storage (AWS S3, MinIO, Ceph, R2, ...).
+
+Rank 0 uploads each finished, validated checkpoint in a background thread: the shard files first,
+`meta.json` last (a remote checkpoint without its meta.json is incomplete and ignored), each object
+carrying its sha256 as user metadata; every upload is verified (size and checksum of the stored
+object) and remote checkpoints that were rotated away locally are deleted. When no valid local
+checkpoint exists, `restore_latest` downloads the newest remote one, verifies every checksum and
+publishes it atomically into the local folder.
+
+Credentials come from the environment / boto3's usual sources; the endpoint from the config or
+$AWS_ENDPOINT_URL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from lmforge.ckpt.manager import META, STEP_DIR, fsync_dir, sha256_file, verify_checkpoint
+from lmforge.ckpt.safe_io import check_relative
+
+log = logging.getLogger("lmforge.ckpt.s3")
+
+
+class S3Backup:
+    def __init__(self, bucket: str, prefix: str, run_name: str, endpoint: str = "",
+                 on_event: Callable[[dict], None] | None = None):
+        try:
+            import boto3
+        except ImportError as e:
+            raise ValueError("checkpoint.s3_bucket is set but boto3 is not installed: `pip install boto3` "
+                             "(or `pip install lmforge[s3]`).") from e
+        self.bucket = bucket
+        self.prefix = "/".join(p for p in (prefix.strip("/"), run_name) if p) + "/"
+        self.client = boto3.client("s3", endpoint_url=endpoint or os.environ.get("AWS_ENDPOINT_URL") or None)
+        self.on_event = on_event or (lambda e: None)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.uploaded: list[str] = []
+        self.errors: list[str] = []
+
+    # ---- upload (background) -----------------------------------------------------------------
+    def upload(self, folder: Path, keep: list[str]) -> None:
+        """Queue `folder` for upload; afterwards delete remote checkpoints not named in `keep`."""
+        self._queue.put((Path(folder), list(keep)))
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._worker, name="lmforge-s3", daemon=True)
+            self._thread.start()
+
+    def wait(self) -> None:
+        self._queue.join()
+
+    def _worker(self) -> None:
+        while True:
+            try:
+                folder, keep = self._queue.get(timeout=5)
+            except queue.Empty:
+                return
+            try:
+                self._upload(folder)
+                self._prune(keep)
+            except Exception as e:  # noqa: BLE001 - a failed backup must not stop training
+                msg = f"S3 backup of {folder.name} failed: {type(e).__name__}: {e}"
+                self.errors.append(msg)
+                log.error(msg)
+                self.on_event({"event": "backup_failed", "path": str(folder), "message": msg})
+            finally:
+                self._queue.task_done()
+
+    def _upload(self, folder: Path) -> None:
+        meta = json.loads((folder / META).read_text())
+        names = sorted(meta["files"]) + [META]  # meta.json last: it marks the remote copy complete
+        for name in names:
+            path = folder / name
+            digest = meta["files"][name]["sha256"] if name in meta["files"] else sha256_file(path)
+            key = self.prefix + folder.name + "/" + name
+            self.client.upload_file(str(path), self.bucket, key, ExtraArgs={"Metadata": {"sha256": digest}})
+            head = self.client.head_object(Bucket=self.bucket, Key=key)
+            if head["ContentLength"] != path.stat().st_size or head.get("Metadata", {}).get("sha256") != digest:
+                raise IOError(f"s3://{self.bucket}/{key}: stored object does not match the local file")
+        self.uploaded.append(folder.name)
+        log.info("checkpoint: %s backed up to s3://%s/%s%s/", folder.name, self.bucket, self.prefix, folder.name)
+        self.on_event({"event": "backup", "path": f"s3://{self.bucket}/{self.prefix}{folder.name}/",
+                       "message": f"backed up {folder.name}"})
+
+    def remote_checkpoints(self) -> list[str]:
+        """Names of remote checkpoint folders (step_NNNNNNNN), newest first."""
+        names = set()
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix, Delimiter="/"):
+            for cp in page.get("CommonPrefixes", []):
+                name = cp["Prefix"][len(self.prefix):].rstrip("/")
+                if STEP_DIR.match(name):
+                    names.add(name)
+        return sorted(names, reverse=True)
+
+    def _prune(self, keep: list[str]) -> None:
+        for name in self.remote_checkpoints():
+            if name in keep:
+                continue
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{self.prefix}{name}/"):
+                objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if objs:
+                    self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objs})
+
+    # ---- restore -----------------------------------------------------------------------------
+    def restore_latest(self, root: Path) -> Path | None:
+        """Download the newest complete, checksum-valid remote checkpoint into `root`."""
+        for name in self.remote_checkpoints():
+            tmp = root / (name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            try:
+                base = f"{self.prefix}{name}/"
+                try:
+                    self.client.download_file(self.bucket, base + META, str(tmp / META))
+                except Exception as e:  # noqa: BLE001 - no meta.json = incomplete upload
+                    raise ValueError(f"no {META} ({type(e).__name__})") from e
+                meta: dict[str, Any] = json.loads((tmp / META).read_text())
+                for fname in meta.get("files", {}):
+                    self.client.download_file(self.bucket, base + fname, str(check_relative(tmp, fname)))
+                verify_checkpoint(tmp)
+                final = root / name
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                fsync_dir(root)
+                log.warning("checkpoint: no valid local checkpoint; restored %s from s3://%s/%s", name,
+                            self.bucket, base)
+                self.on_event({"event": "restored_from_backup", "path": str(final),
+                               "message": f"restored {name} from s3://{self.bucket}/{base}"})
+                return final
+            except Exception as e:  # noqa: BLE001 - try the next older one
+                log.warning("checkpoint: remote %s unusable: %s", name, e)
+                shutil.rmtree(tmp, ignore_errors=True)
+        return None
