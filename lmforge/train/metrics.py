@@ -159,6 +159,17 @@ def make_sinks(out_dir: Path, tensorboard: bool, wandb: bool, config: dict[str, 
     return sinks
 
 
+def _drop_partial_last_line(path: Path) -> None:
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as fh:
+        fh.seek(-1, 2)
+        if fh.read(1) == b"\n":
+            return
+        data = fh.seek(0) or fh.read()
+        fh.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsWriter:
     """Append-only JSONL metrics file (flushed after each record, so a crash loses nothing), fanned
     out to optional sinks (TensorBoard, W&B), which are flushed only by `flush()`."""
@@ -169,6 +180,7 @@ class MetricsWriter:
         self._fh = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_partial_last_line(self.path)  # a process killed mid-write (the run then resumed)
             self._fh = open(self.path, "a", encoding="utf-8")
         self.sinks = list(sinks or []) if enabled else []
 
