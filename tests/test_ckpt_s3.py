@@ -1,0 +1,105 @@
+"""S3 backup against a real S3-compatible server on loopback (moto_server, started here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lmforge.ckpt.manager import list_checkpoints
+from lmforge.config import load_config
+from lmforge.train.trainer import Trainer
+from tests.test_ckpt import SMALL, events, weights
+
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto")
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("moto_server did not start")
+            time.sleep(0.2)
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def bucket(s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    client = boto3.client("s3", endpoint_url=s3_server)
+    name = f"ckpt-{time.time_ns()}"
+    client.create_bucket(Bucket=name)
+    return client, name
+
+
+def test_backup_upload_verify_prune_and_restore(small_data, tmp_path, s3_server, bucket):
+    client, name = bucket
+    s3 = {"checkpoint.s3_bucket": name, "checkpoint.s3_endpoint": s3_server, "checkpoint.s3_prefix": "team/exp"}
+    out = tmp_path / "run"
+    straight = Trainer(load_config("tiny", {**SMALL, **s3}), out_dir=out, data=small_data)
+    straight.fit()
+    ref = weights(straight.model)
+
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=name)["Contents"])
+    remote = sorted({k.split("/")[3] for k in keys})
+    local = sorted(p.name for _, p in list_checkpoints(out / "checkpoints"))
+    assert remote == local == ["step_00000008", "step_00000012"]  # pruned like the local folder
+    assert all(k.startswith("team/exp/run/") for k in keys)
+    meta = json.loads(client.get_object(Bucket=name, Key="team/exp/run/step_00000012/meta.json")["Body"].read())
+    shard = next(f for f in meta["files"] if f.endswith(".distcp"))
+    head = client.head_object(Bucket=name, Key=f"team/exp/run/step_00000012/{shard}")
+    assert head["Metadata"]["sha256"] == meta["files"][shard]["sha256"]
+    assert sum(e["event"] == "backup" for e in events(out)) == 3
+
+    # the local disk is lost: keep only the step-8 backup remotely, then resume from it
+    shutil.rmtree(out / "checkpoints")
+    for k in keys:
+        if "step_00000012" in k:
+            client.delete_object(Bucket=name, Key=k)
+    resumed = Trainer(load_config("tiny", {**SMALL, **s3}), out_dir=out, data=small_data)
+    resumed.fit()
+    assert resumed.resumed_from.name == "step_00000008"
+    assert any(e["event"] == "restored_from_backup" for e in events(out))
+    for k, v in weights(resumed.model).items():
+        assert torch.equal(v, ref[k]), k
+
+
+def test_incomplete_remote_checkpoint_is_not_restored(small_data, tmp_path, s3_server, bucket):
+    """A remote folder without meta.json (an upload cut short) or with a bad shard is skipped."""
+    client, name = bucket
+    s3 = {"checkpoint.s3_bucket": name, "checkpoint.s3_endpoint": s3_server}
+    out = tmp_path / "run"
+    Trainer(load_config("tiny", {**SMALL, **s3, "train.steps": 8}), out_dir=out, data=small_data).fit()
+    shutil.rmtree(out / "checkpoints")
+    prefix = "lmforge/run/"
+    client.delete_object(Bucket=name, Key=prefix + "step_00000008/meta.json")
+    meta = json.loads(client.get_object(Bucket=name, Key=prefix + "step_00000004/meta.json")["Body"].read())
+    shard = next(f for f in meta["files"] if f.endswith(".distcp"))
+    client.put_object(Bucket=name, Key=prefix + "step_00000004/" + shard, Body=b"garbage")
+    trainer = Trainer(load_config("tiny", {**SMALL, **s3, "train.steps": 8}), out_dir=out, data=small_data)
+    trainer.setup()
+    assert trainer.resumed_from is None and trainer.step == 0  # nothing usable: a fresh start
