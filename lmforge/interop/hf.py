@@ -297,16 +297,29 @@ def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[M
     except ValueError as exc:
         raise ValueError(f"{cfg_path}: invalid JSON ({exc})") from exc
     cfg = model_config_from_hf(hf_cfg, str(cfg_path))
-    state = from_hf_state(read_hf_weights(hf_dir), cfg, str(hf_dir))
     model = build_model(cfg, device)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"{hf_dir}: {name} has shape {tuple(tensor.shape)}, config.json implies {expected[name]}.")
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    model.tie_weights()
+    load_hf_weights(model, hf_dir)
     model.eval()
     return cfg, model
+
+
+@torch.no_grad()
+def load_hf_weights(model: Transformer, hf_dir: str | Path) -> None:
+    """Copy the weights of a transformers folder into `model` (whose config must match it);
+    ValueError names the first tensor whose shape differs or that is missing."""
+    hf_dir = Path(hf_dir)
+    state = from_hf_state(read_hf_weights(hf_dir), model.cfg, str(hf_dir))
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{hf_dir}: {name} has shape {tuple(tensor.shape)}, config.json implies "
+                             f"{tuple(expected[name].shape)}.")
+    dtype = model.tok_emb.weight.dtype
+    missing, _ = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    missing = [k for k in missing if not k.startswith("rope_") and not (k == "lm_head.weight" and model.cfg.tie_embeddings)]
+    if missing:
+        raise ValueError(f"{hf_dir}: no weights for {missing[:5]}.")
+    model.tie_weights()
 
 
 def import_hf_tokenizer(hf_dir: Path):
