@@ -86,6 +86,19 @@ def test_export_writes_a_tokenizer_that_transformers_loads(tmp_path):
     assert hf_tok.decode(tok.encode(text)) == text
 
 
+@torch.no_grad()
+def _randomise_and_save(model, tmp_path):
+    """transformers initialises norms to 1, biases to 0 and weights with std 0.02: make every
+    vector random (so a mix-up shows) and weights 10x larger (attention far from uniform)."""
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.add_(0.1 * torch.randn_like(p))
+        else:
+            p.mul_(10.0)
+    model.save_pretrained(str(tmp_path / "hf"))
+    return model.eval()
+
+
 def _hf_llama(tmp_path, tie: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -93,15 +106,7 @@ def _hf_llama(tmp_path, tie: bool):
     cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=48,
                       rope_theta=10000.0, tie_word_embeddings=tie)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: make them random so a mix-up shows
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.mul_(10.0)  # std 0.2: attention far from uniform
-    model.save_pretrained(str(tmp_path / "hf"))
-    return model
+    return _randomise_and_save(LlamaForCausalLM(cfg), tmp_path)
 
 
 def _hf_gpt2(tmp_path):
@@ -110,15 +115,7 @@ def _hf_gpt2(tmp_path):
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=48, bos_token_id=0,
                      eos_token_id=0)
-    model = GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-            else:
-                p.mul_(10.0)  # std 0.2: attention far from uniform
-    model.save_pretrained(str(tmp_path / "hf"))
-    return model
+    return _randomise_and_save(GPT2LMHeadModel(cfg), tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["llama_mqa", "llama_tied", "gpt2"])

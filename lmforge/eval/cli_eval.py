@@ -126,36 +126,29 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
 
 def format_table(results: dict[str, Any]) -> str:
     """The results as aligned `metric  value` lines, one section per evaluation."""
-    lines = [f"run: {results['run']}"]
-
-    def row(name: str, value: Any) -> None:
-        text = f"{value:.4f}" if isinstance(value, float) else str(value)
-        lines.append(f"  {name:28s} {text:>12s}")
-
+    sections = []  # (title, [(label, value), ...])
     if "perplexity" in results:
         p = results["perplexity"]
-        lines.append(f"perplexity ({p['source']}, window {p['window']}, stride {p['stride']})")
-        row("loss (nats/token)", p["loss"])
-        row("perplexity", p["perplexity"])
-        row("tokens scored", p["tokens"])
+        sections.append((f"perplexity ({p['source']}, window {p['window']}, stride {p['stride']})",
+                         [("loss (nats/token)", p["loss"]), ("perplexity", p["perplexity"]),
+                          ("tokens scored", p["tokens"])]))
     if "bleu" in results:
         b = results["bleu"]
-        lines.append(f"generation vs references ({b['file']}, greedy)")
-        row("BLEU", b["bleu"])
-        row("chrF", b["chrf"])
-        row("items", b["n"])
+        sections.append((f"generation vs references ({b['file']}, greedy)",
+                         [("BLEU", b["bleu"]), ("chrF", b["chrf"]), ("items", b["n"])]))
     for f, r in results.get("multiple_choice", {}).items():
-        lines.append(f"multiple choice ({f})")
-        row("acc", r["acc"])
-        row("acc_norm", r["acc_norm"])
-        row("items", r["n"])
+        sections.append((f"multiple choice ({f})", [("acc", r["acc"]), ("acc_norm", r["acc_norm"]), ("items", r["n"])]))
     if "fluency" in results:
-        lines.append(f"fluency of {results['fluency']['samples']} samples (prompt {results['fluency']['prompt']!r})")
-        for k, v in results["fluency"].items():
-            if k not in ("prompt", "samples"):
-                row(k, v)
-        for s in results["samples"][:2]:
-            lines.append("  sample: " + " ".join(s.split())[:100])
+        fl = results["fluency"]
+        sections.append((f"fluency of {fl['samples']} samples (prompt {fl['prompt']!r})",
+                         [(k, v) for k, v in fl.items() if k not in ("prompt", "samples")]))
+    lines = [f"run: {results['run']}"]
+    for title, rows in sections:
+        lines.append(title)
+        for name, value in rows:
+            text = f"{value:.4f}" if isinstance(value, float) else str(value)
+            lines.append(f"  {name:28s} {text:>12s}")
+    lines += ["  sample: " + " ".join(s.split())[:100] for s in results.get("samples", [])[:2]]
     return "\n".join(lines)
 
 

@@ -10,35 +10,32 @@ import argparse
 import sys
 
 
-def export_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lmforge export", description="Write a run as a transformers folder "
-                                "(LlamaForCausalLM or GPT2LMHeadModel) that from_pretrained loads offline.")
-    p.add_argument("--run", required=True, help="lmforge run folder (config.toml + model.safetensors)")
+def _run(argv: list[str], prog: str, description: str, source: str, source_help: str, convert) -> int:
+    """Parse `--<source> PATH --out DIR`, run `convert(path, out)`, print the result or the error."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument(f"--{source}", required=True, help=source_help)
     p.add_argument("--out", required=True, help="output folder")
     args = p.parse_args(argv)
-    from lmforge.interop.hf import export_hf
-
     try:
-        out = export_hf(args.run, args.out)
+        out = convert(getattr(args, source), args.out)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    print(f"wrote {out}")
     return 0
+
+
+def export_main(argv: list[str]) -> int:
+    from lmforge.interop.hf import export_hf
+
+    return _run(argv, "lmforge export", "Write a run as a transformers folder (LlamaForCausalLM or "
+                "GPT2LMHeadModel) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
+                "lmforge run folder (config.toml + model.safetensors)", export_hf)
 
 
 def import_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lmforge import", description="Turn a local transformers Llama or GPT-2 "
-                                "folder into an lmforge run folder (for generate, eval and fine-tuning).")
-    p.add_argument("--hf", required=True, help="transformers folder (config.json + safetensors or pytorch_model.bin)")
-    p.add_argument("--out", required=True, help="output run folder")
-    args = p.parse_args(argv)
     from lmforge.interop.hf import import_hf_run
 
-    try:
-        out = import_hf_run(args.hf, args.out)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} (try: lmforge generate --ckpt {out})")
-    return 0
+    return _run(argv, "lmforge import", "Turn a local transformers Llama or GPT-2 folder into an lmforge run "
+                "folder (for generate, eval and fine-tuning).", "hf",
+                "transformers folder (config.json + safetensors or pytorch_model.bin)", import_hf_run)
