@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from lmforge.config import ModelConfig
 from lmforge.data.instruct import InstructLoader, tokenize_examples
-from lmforge.model.lora import LoRALinear, apply_lora, lora_parameters, merge_lora
+from lmforge.model.lora import LoRALinear, apply_lora, lora_parameters, merge_lora, merged_state_dict
 from lmforge.model.transformer import build_model
-from lmforge.train.finetune import load_pretrained
+from lmforge.train.finetune import checkpoint_model_config, load_pretrained
 from tests.tiny_lm import MODEL, tiny_tokenizer, write_run
 
 PAIRS = [
@@ -170,7 +170,9 @@ def test_lora_starts_as_the_base_model_trains_only_adapters_and_merges_exactly(t
     with torch.no_grad():
         tuned = model(tokens)
         assert (tuned - base_logits).abs().max() > 1e-3
+        from_tensors = merged_state_dict(model.state_dict(), rank=4, alpha=8)  # e.g. gathered from FSDP
         merge_lora(model)
+        assert all(torch.equal(from_tensors[k], v) for k, v in model.state_dict().items())
         assert (model(tokens) - tuned).abs().max() < 1e-5
     assert set(model.state_dict()) == set(base_state)  # plain base names again: save/export as usual
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
@@ -197,6 +199,7 @@ def test_load_pretrained_from_run_folder_and_transformers_folder(tok, tmp_path):
         want = source(tokens)
     run = write_run(tmp_path / "run", source, tok)
     export_hf(source, tmp_path / "hf")
+    assert checkpoint_model_config(run) == source.cfg and checkpoint_model_config(tmp_path) is None
     for origin in (run, tmp_path / "hf", run / "model.safetensors"):
         model = _model(seed=2)
         load_pretrained(model, origin)

@@ -3,6 +3,7 @@ shared by the evaluation, interop and fine-tuning tests (a helper module, not a 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -20,8 +21,19 @@ def tiny_tokenizer():
     return train_bpe([TEXT], vocab_size=300)
 
 
+@functools.lru_cache(maxsize=2)
 def train_tiny(steps: int = 150, seed: int = 0):
-    """(tokenizer, model trained on TEXT); the loss ends far below the uniform ln(320)."""
+    """(tokenizer, model trained on TEXT); the loss ends far below the uniform ln(320). Cached:
+    trained once per test process (callers must not modify the model)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module-scoped fixtures run before conftest's single-thread fixture
+    try:
+        return _train(steps, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(steps: int, seed: int):
     from lmforge.model.transformer import build_model
 
     tok = tiny_tokenizer()

@@ -114,6 +114,21 @@ def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
 
 
+@torch.no_grad()
+def merged_state_dict(state: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
+    """A full state dict with adapters (``<m>.lora_a`` / ``<m>.lora_b``, e.g. gathered from FSDP
+    shards) -> the base model's state dict with ``<m>.weight += (alpha / rank) * B A``. The same
+    result as `merge_lora` on the module, for code that only holds the tensors."""
+    out = {k: v for k, v in state.items() if not k.endswith((".lora_a", ".lora_b"))}
+    for key in state:
+        if key.endswith(".lora_a"):
+            module = key[: -len(".lora_a")]
+            w = state[module + ".weight"]
+            delta = (state[module + ".lora_b"].float() @ state[key].float()) * (alpha / rank)
+            out[module + ".weight"] = (w.float() + delta).to(w.dtype)
+    return out
+
+
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and restore plain nn.Linear modules (in place);
     returns the model. Its state dict then has exactly the base model's names."""

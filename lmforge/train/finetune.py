@@ -37,7 +37,9 @@ def architecture_differences(want: ModelConfig, have: ModelConfig) -> list[str]:
     return diffs
 
 
-def _checkpoint_config(path: Path) -> ModelConfig | None:
+def checkpoint_model_config(path: str | Path) -> ModelConfig | None:
+    """The ModelConfig of an lmforge run folder or a transformers folder (None for anything else)."""
+    path = Path(path)
     if (path / "config.toml").is_file():
         from lmforge.config import load_config
 
@@ -70,7 +72,7 @@ def load_pretrained(model: Transformer, init_from: str | Path) -> ModelConfig | 
             raise ValueError(f"{path}: weights do not fit the model config ({str(exc).splitlines()[-1].strip()}).") \
                 from exc
         return None
-    have = _checkpoint_config(path)
+    have = checkpoint_model_config(path)
     if have is None:
         raise ValueError(f"{path} holds neither config.toml (an lmforge run) nor config.json (a transformers model).")
     diffs = architecture_differences(model.cfg, have)
