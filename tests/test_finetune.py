@@ -101,6 +101,12 @@ def test_order_is_deterministic_per_epoch_resumable_and_split_across_ranks(tok, 
     r0, r1 = (InstructLoader(data, tok, 32, 1, seed=3, rank=r, world_size=2) for r in (0, 1))
     for i in range(6):
         assert torch.equal(torch.cat([r0.next_batch()[0], r1.next_batch()[0]]), stream[2 * i:2 * i + 2])
+    # validation: every row once, in file order, split across ranks
+    val = [y for _, y in InstructLoader(data, tok, 32, 2, seed=3).iter_eval_batches()]
+    assert [b.shape[0] for b in val] == [2, 2, 1]
+    assert torch.equal(torch.cat(val), torch.stack([one.row(i)[1] for i in range(5)]))
+    r1_val = list(InstructLoader(data, tok, 32, 2, seed=3, rank=1, world_size=2).iter_eval_batches())
+    assert torch.equal(torch.cat([x for x, _ in r1_val]), torch.stack([one.row(i)[0] for i in (1, 3)]))
     with pytest.raises(ValueError, match="the data, seq_len or packing changed"):
         InstructLoader(data, tok, 48, 2, seed=3, pack=True).load_state_dict(a.state_dict())
 

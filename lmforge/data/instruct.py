@@ -24,6 +24,7 @@ size) continues exactly where the checkpoint stopped.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,19 @@ class InstructLoader:
         self.position += self.batch_size * self.world_size
         rows = [self.row(int(self._perm(int(e))[i])) for e, i in zip(*np.divmod(g, self.num_rows))]
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows in file order (unshuffled) for validation; rank r takes rows r, r+W, ... of the
+        first (n // W) * W rows, so every rank yields the same number of batches."""
+        usable = (self.num_rows // self.world_size) * self.world_size
+        mine = list(range(self.rank, usable, self.world_size))
+        if not mine:
+            raise ValueError(f"{self.path}: {self.num_rows} rows cannot feed {self.world_size} ranks; add examples.")
+        for b, lo in enumerate(range(0, len(mine), self.batch_size)):
+            if max_batches is not None and b >= max_batches:
+                return
+            rows = [self.row(i) for i in mine[lo:lo + self.batch_size]]
+            yield torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rows": self.num_rows}
