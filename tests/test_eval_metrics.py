@@ -106,3 +106,16 @@ def test_fluency_metrics_by_hand():
     report = fluency_report(["go go go go go go"])
     assert report["repetition_rate_4gram"] == pytest.approx(1 - 1 / 3)
     assert report["distinct_1"] == pytest.approx(1 / 6) and report["mean_words"] == 6
+
+
+def test_kv_cache_in_chunks_equals_one_full_pass(model):
+    """Prefill, then several tokens at once, then one: the logits of every position equal those of
+    one full forward pass (the chunk after a cache needs an offset causal mask)."""
+    from lmforge.model.layers import KVCache
+
+    tokens = _tokens(12)[None]
+    with torch.no_grad():
+        full = model(tokens)
+        caches = [KVCache() for _ in range(model.cfg.n_layers)]
+        parts = [model(tokens[:, a:b], caches) for a, b in ((0, 5), (5, 11), (11, 12))]
+    assert (torch.cat(parts, 1) - full).abs().max() < 1e-5
