@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lmforge.config import ModelConfig  # noqa: E402
-from lmforge.interop.hf import export_hf, import_hf  # noqa: E402
+from lmforge.interop.hf import export_hf, import_hf, import_hf_run  # noqa: E402
 from lmforge.model.transformer import build_model  # noqa: E402
 
 TOL = 1e-4
@@ -171,3 +171,37 @@ def test_import_rejects_weights_that_do_not_match_config(tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="layers.2.*is missing"):
         import_hf(tmp_path / "hf")
+
+
+def test_import_sharded_safetensors_and_pytorch_bin(tmp_path):
+    """Large checkpoints come sharded (model.safetensors.index.json) or as pytorch_model.bin
+    (read with weights_only=True)."""
+    import shutil
+
+    hf = _hf_llama(tmp_path, tie=False)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(str(sharded), max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    shutil.copy(tmp_path / "hf" / "config.json", binary / "config.json")
+    torch.save(hf.state_dict(), binary / "pytorch_model.bin")
+    tokens = _tokens(100, 12)
+    with torch.no_grad():
+        want = hf(tokens).logits
+        for folder in (sharded, binary):
+            _, model = import_hf(folder)
+            assert (model(tokens) - want).abs().max().item() < TOL, folder
+
+
+def test_tokenizer_survives_export_and_import(tmp_path):
+    from lmforge.data.tokenizer import Tokenizer
+    from tests.tiny_lm import MODEL, tiny_tokenizer, write_run
+
+    tok = tiny_tokenizer()
+    run = write_run(tmp_path / "run", build_model(ModelConfig(**MODEL), seed=0), tok)
+    export_hf(run, tmp_path / "hf")
+    import_hf_run(tmp_path / "hf", tmp_path / "back")
+    back = Tokenizer.load(tmp_path / "back" / "tokenizer.json")
+    text = "the cat sat on the mat."
+    assert back.encode(text) == tok.encode(text) and back.eos_id == tok.eos_id
