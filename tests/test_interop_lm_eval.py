@@ -29,7 +29,8 @@ def test_loglikelihood_on_tuples_and_instances(lm):
     assert good > bad and good_greedy and not bad_greedy
     # by hand: the continuation's tokens after the context's, from one forward pass
     tok, model = lm.tokenizer, lm.model
-    ctx, cont = tok.encode("the cat sat on the"), tok.encode("the cat sat on the mat.")[len(tok.encode("the cat sat on the")):]
+    ctx = tok.encode("the cat sat on the")
+    cont = tok.encode("the cat sat on the mat.")[len(ctx):]
     with torch.no_grad():
         logp = model(torch.tensor([ctx + cont[:-1]]))[0].double().log_softmax(-1)
     assert abs(good - sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))) < 1e-4
