@@ -1,4 +1,5 @@
-"""Validation loss and perplexity over held-out batches."""
+"""Validation loss and perplexity: over held-out batches, and over a long token stream with a
+sliding window."""
 
 from __future__ import annotations
 
@@ -30,5 +31,55 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
     model.train(was_training)
     if total_tokens == 0:
         raise ValueError("validation set produced no tokens; raise data.val_fraction or lower train.eval_batches.")
-    loss = float(total_nll) / total_tokens
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": total_tokens}
+    return perplexity_report(float(total_nll), total_tokens)
+
+
+@torch.no_grad()
+def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int, batch_size: int = 8,
+                       device: torch.device | str = "cpu") -> tuple[float, int]:
+    """(summed NLL in nats, number of scored tokens) of a token stream under a sliding window.
+
+    Token 0 has no context and is not scored; every later token is scored exactly once. A
+    window of `window` input tokens starts every `stride` tokens; it scores only the targets the
+    previous window did not, so after the first window each token is predicted from at least
+    `window - stride` tokens of context (stride = window: disjoint windows, the fastest and the
+    least context). When the stream fits in one window, this is the plain full-context NLL.
+    """
+    if window < 1 or not 1 <= stride <= window:
+        raise ValueError(f"window = {window} and stride = {stride} must satisfy 1 <= stride <= window.")
+    tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
+    n = tokens.numel()
+    if n < 2:
+        raise ValueError(f"perplexity needs at least 2 tokens, got {n}.")
+    windows: list[tuple[int, int, int]] = []  # (begin, end, targets already scored before this window)
+    begin, scored = 0, 0  # `scored`: targets 1..scored done
+    while scored < n - 1:
+        end = min(begin + window, n - 1)
+        windows.append((begin, end, scored))
+        scored, begin = end, begin + stride
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for lo in range(0, len(windows), batch_size):
+        group = windows[lo:lo + batch_size]
+        width = max(e - b for b, e, _ in group)
+        x = torch.zeros(len(group), width, dtype=torch.long)
+        y = torch.full((len(group), width), -100, dtype=torch.long)
+        for row, (b, e, done) in enumerate(group):
+            x[row, :e - b] = tokens[b:e]
+            y[row, :e - b] = tokens[b + 1:e + 1]
+            y[row, :done - b] = -100  # targets b+1..done were scored by an earlier window
+        logits = model(x.to(device)).float()
+        y = y.to(device)
+        total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum").double().cpu()
+        count += int((y != -100).sum())
+    model.train(was_training)
+    assert count == n - 1, (count, n)
+    return float(total), count
+
+
+def perplexity_report(nll_sum: float, count: int) -> dict[str, float]:
+    """Mean NLL per scored token and its exp."""
+    loss = nll_sum / count
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}

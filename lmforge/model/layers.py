@@ -62,12 +62,14 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        # With a cache and more than one new token (prefill), causality needs an explicit offset
-        # mask; for one new token it attends to everything cached.
-        causal = kv_cache is None or start == 0
+        # New tokens after cached ones (a chunk of seq > 1 appended to a cache of `start`): query i
+        # sees keys 0 .. start + i, an explicit offset mask; one new token sees everything cached.
+        mask = None
+        if start > 0 and seq > 1:
+            mask = torch.ones(seq, start + seq, dtype=torch.bool, device=x.device).tril(diagonal=start)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal and seq > 1, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=k.shape[1] != q.shape[1])
+            q, k, v, attn_mask=mask, is_causal=start == 0 and seq > 1,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

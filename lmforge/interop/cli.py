@@ -1,0 +1,41 @@
+"""`lmforge export` and `lmforge import`: run folders to and from Hugging Face transformers folders.
+
+    lmforge export --run RUN_DIR --out HF_DIR     # config.json + model.safetensors + tokenizer files
+    lmforge import --hf HF_DIR --out RUN_DIR      # config.toml + model.safetensors + tokenizer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _run(argv: list[str], prog: str, description: str, source: str, source_help: str, convert) -> int:
+    """Parse `--<source> PATH --out DIR`, run `convert(path, out)`, print the result or the error."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument(f"--{source}", required=True, help=source_help)
+    p.add_argument("--out", required=True, help="output folder")
+    args = p.parse_args(argv)
+    try:
+        out = convert(getattr(args, source), args.out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    from lmforge.interop.hf import export_hf
+
+    return _run(argv, "lmforge export", "Write a run as a transformers folder (LlamaForCausalLM or "
+                "GPT2LMHeadModel) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
+                "lmforge run folder (config.toml + model.safetensors)", export_hf)
+
+
+def import_main(argv: list[str]) -> int:
+    from lmforge.interop.hf import import_hf_run
+
+    return _run(argv, "lmforge import", "Turn a local transformers Llama or GPT-2 folder into an lmforge run "
+                "folder (for generate, eval and fine-tuning).", "hf",
+                "transformers folder (config.json + safetensors or pytorch_model.bin)", import_hf_run)

@@ -1,0 +1,121 @@
+"""Perplexity (full context and sliding window), BLEU/chrF and fluency metrics, each against an
+independent hand computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.eval.bleu import bleu_chrf, load_bleu_items
+from lmforge.eval.fluency import distinct_n, fluency_report, repetition_rate
+from lmforge.eval.perplexity import sliding_window_nll
+from lmforge.model.transformer import build_model
+
+CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=64, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(ModelConfig(**CFG), seed=0).eval()
+
+
+def _tokens(n: int) -> torch.Tensor:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n))
+
+
+def _nll_by_hand(model, context: torch.Tensor, target: int) -> float:
+    """-log p(target | context) from the model's logits of the last context position."""
+    with torch.no_grad():
+        logits = model(context[None])[0, -1].double()
+    return float(-(logits[target] - torch.logsumexp(logits, 0)))
+
+
+def test_perplexity_is_exp_of_mean_token_nll_when_the_text_fits(model):
+    tokens = _tokens(40)
+    nll, count = sliding_window_nll(model, tokens, window=64, stride=32)
+    by_hand = [_nll_by_hand(model, tokens[:j], int(tokens[j])) for j in range(1, 40)]
+    assert count == 39
+    assert abs(nll - sum(by_hand)) < 1e-3
+    assert abs(math.exp(nll / count) - math.exp(sum(by_hand) / 39)) < 1e-3 * math.exp(nll / count)
+
+
+@pytest.mark.parametrize("window,stride", [(8, 1), (8, 3), (8, 8)])
+def test_sliding_window_scores_each_token_once_with_its_window_context(model, window, stride):
+    """Each target is scored once, by the first window that reaches it, from that window's
+    tokens only: recomputed here one target (one forward pass) at a time."""
+    tokens = _tokens(30)
+    nll, count = sliding_window_nll(model, tokens, window, stride, batch_size=3)
+    expected, scored, begin = 0.0, 0, 0
+    while scored < 29:
+        end = min(begin + window, 29)
+        for j in range(scored + 1, end + 1):
+            expected += _nll_by_hand(model, tokens[begin:j], int(tokens[j]))
+        scored, begin = end, begin + stride
+    assert count == 29
+    assert abs(nll - expected) < 1e-3
+    if stride == 1:  # every token after the first window sees exactly `window` tokens of context
+        last = _nll_by_hand(model, tokens[29 - window:29], int(tokens[29]))
+        full = _nll_by_hand(model, tokens[:29], int(tokens[29]))
+        assert abs(last - full) > 1e-4  # and that context differs from the full prefix
+
+
+def test_sliding_window_rejects_bad_arguments(model):
+    with pytest.raises(ValueError, match="stride"):
+        sliding_window_nll(model, _tokens(10), window=4, stride=5)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        sliding_window_nll(model, _tokens(1), window=4, stride=2)
+
+
+def test_bleu_and_chrf():
+    same = bleu_chrf(["the cat sat on the mat"], [["the cat sat on the mat"]])
+    assert same["bleu"] == pytest.approx(100.0) and same["chrf"] == pytest.approx(100.0)
+    other = bleu_chrf(["the cat sat on the mat"], [["a dog ran in the big park"]])
+    assert other["bleu"] < 10 and other["chrf"] < 40
+    # a second reference that matches lifts the score to 100
+    two = bleu_chrf(["the cat sat on the mat"], [["a dog ran in the big park", "the cat sat on the mat"]])
+    assert two["bleu"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="2 hypotheses but 1"):
+        bleu_chrf(["a", "b"], [["a"]])
+
+
+def test_bleu_file_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "a", "reference": "b"}\n{"prompt": "c"}\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl:2: missing key 'reference' or 'references'"):
+        load_bleu_items(path)
+    path.write_text('{"prompt": "a", "reference": "b"}\n\n{"prompt": "c", "reference": "d",}\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl:3: invalid JSON"):
+        load_bleu_items(path)
+    path.write_text('{"prompt": "a", "references": ["b", "c"]}\n{"prompt": "c", "reference": "d"}\n')
+    with pytest.raises(ValueError, match="item 2 has 1 references, item 1 has 2"):
+        load_bleu_items(path)
+
+
+def test_fluency_metrics_by_hand():
+    texts = ["a b a b a", "c d e"]
+    # words a b a b a c d e: 5 distinct of 8; bigrams ab ba ab ba cd de: 4 of 6; trigrams aba bab aba cde: 3 of 4
+    assert distinct_n(texts, 1) == pytest.approx(5 / 8)
+    assert distinct_n(texts, 2) == pytest.approx(4 / 6)
+    assert distinct_n(texts, 3) == pytest.approx(3 / 4)
+    # bigrams per text: ab ba ab ba -> 1 - 2/4 = 0.5; cd de -> 0; mean 0.25
+    assert repetition_rate(texts, 2) == pytest.approx(0.25)
+    assert repetition_rate(["x y"], 4) == 0.0  # no 4-gram: nothing to repeat
+    report = fluency_report(["go go go go go go"])
+    assert report["repetition_rate_4gram"] == pytest.approx(1 - 1 / 3)
+    assert report["distinct_1"] == pytest.approx(1 / 6) and report["mean_words"] == 6
+
+
+def test_kv_cache_in_chunks_equals_one_full_pass(model):
+    """Prefill, then several tokens at once, then one: the logits of every position equal those of
+    one full forward pass (the chunk after a cache needs an offset causal mask)."""
+    from lmforge.model.layers import KVCache
+
+    tokens = _tokens(12)[None]
+    with torch.no_grad():
+        full = model(tokens)
+        caches = [KVCache() for _ in range(model.cfg.n_layers)]
+        parts = [model(tokens[:, a:b], caches) for a, b in ((0, 5), (5, 11), (11, 12))]
+    assert (torch.cat(parts, 1) - full).abs().max() < 1e-5

@@ -1,0 +1,207 @@
+"""Hugging Face interop: lmforge -> transformers and transformers -> lmforge give the same logits.
+
+Tolerance: fp32 on CPU, max |logit difference| < 1e-4 (the two implementations compute RoPE,
+attention and norms in different but mathematically equal orders; observed ~1e-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lmforge.config import ModelConfig  # noqa: E402
+from lmforge.interop.hf import export_hf, import_hf, import_hf_run  # noqa: E402
+from lmforge.model.transformer import build_model  # noqa: E402
+
+TOL = 1e-4
+# init_std 0.2 (not 0.02): attention far from uniform, so a q/k or RoPE mix-up shows in the logits
+BASE = dict(vocab_size=128, dim=32, n_layers=2, n_heads=4, max_seq_len=32, init_std=0.2)
+CONFIGS = {
+    "llama_gqa": dict(BASE, n_kv_heads=2, ffn_hidden=48, tie_embeddings=False, rope_theta=500000.0),
+    "llama_tied_bias": dict(BASE, bias=True, tie_embeddings=True, norm_eps=1e-6),
+    "gpt2": dict(BASE, pos_emb="learned", norm="layernorm", activation="gelu", bias=True, tie_embeddings=True),
+    "gpt2_nobias_untied": dict(BASE, pos_emb="learned", norm="layernorm", activation="gelu", bias=False,
+                               tie_embeddings=False),
+}
+
+
+def _random_model(kw: dict):
+    """A model whose every parameter (norm weights and biases too) is random, so a mapping
+    mistake anywhere changes the logits."""
+    model = build_model(ModelConfig(**kw), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def _tokens(vocab: int, seq: int = 20) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(2))
+
+
+def _hf_logits(path, tokens):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_export_logits_match_transformers(name, tmp_path):
+    model = _random_model(CONFIGS[name])
+    export_hf(model, tmp_path / "hf")
+    tokens = _tokens(model.cfg.vocab_size)
+    with torch.no_grad():
+        ours = model(tokens)
+    theirs = _hf_logits(tmp_path / "hf", tokens)
+    assert (ours - theirs).abs().max().item() < TOL
+    # and back: the import reproduces the exported weights bit for bit (a GPT-2 without biases
+    # comes back with zero biases, the same function)
+    _, back = import_hf(tmp_path / "hf")
+    theirs_state = back.state_dict()
+    for key, value in theirs_state.items():
+        if key.startswith("rope_"):
+            continue
+        mine = model.state_dict().get(key)
+        assert torch.equal(value, mine if mine is not None else torch.zeros_like(value)), key
+
+
+def test_export_writes_a_tokenizer_that_transformers_loads(tmp_path):
+    from transformers import AutoTokenizer
+
+    from lmforge.data.tokenizer import train_bpe
+
+    tok = train_bpe(["the king and the queen walked to the castle"] * 20, vocab_size=300)
+    model = _random_model(dict(CONFIGS["llama_gqa"], vocab_size=320))
+    export_hf(model, tmp_path / "hf", tokenizer=tok)
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "the queen walked"
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+    assert hf_tok.eos_token_id == tok.eos_id
+    assert hf_tok.decode(tok.encode(text)) == text
+
+
+@torch.no_grad()
+def _randomise_and_save(model, tmp_path):
+    """transformers initialises norms to 1, biases to 0 and weights with std 0.02: make every
+    vector random (so a mix-up shows) and weights 10x larger (attention far from uniform)."""
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.add_(0.1 * torch.randn_like(p))
+        else:
+            p.mul_(10.0)
+    model.save_pretrained(str(tmp_path / "hf"))
+    return model.eval()
+
+
+def _hf_llama(tmp_path, tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=48,
+                      rope_theta=10000.0, tie_word_embeddings=tie)
+    return _randomise_and_save(LlamaForCausalLM(cfg), tmp_path)
+
+
+def _hf_gpt2(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=48, bos_token_id=0,
+                     eos_token_id=0)
+    return _randomise_and_save(GPT2LMHeadModel(cfg), tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["llama_mqa", "llama_tied", "gpt2"])
+def test_import_reproduces_transformers_logits(kind, tmp_path):
+    hf = _hf_gpt2(tmp_path) if kind == "gpt2" else _hf_llama(tmp_path, tie=kind == "llama_tied")
+    cfg, model = import_hf(tmp_path / "hf")
+    tokens = _tokens(100, 30)
+    with torch.no_grad():
+        diff = (model(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff < TOL
+    if kind == "llama_mqa":
+        assert cfg.kv_heads == 1 and cfg.ffn_dim == 40 and not cfg.tie_embeddings
+
+
+def test_import_cli_writes_a_run_folder_generate_can_use(tmp_path):
+    from lmforge.ckpt.export import load_run
+    from lmforge.cli import main
+
+    hf = _hf_gpt2(tmp_path)
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    cfg, model = load_run(tmp_path / "run")
+    tokens = _tokens(100, 10)
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() < TOL
+    # and out again through the export command
+    assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")]) == 0
+    assert (_hf_logits(tmp_path / "hf2", tokens) - hf(tokens).logits).abs().max().item() < TOL
+
+
+def test_unrepresentable_configs_are_rejected_clearly(tmp_path):
+    mixed = build_model(ModelConfig(**dict(BASE, norm="layernorm")), seed=0)
+    with pytest.raises(ValueError, match="matches neither LlamaForCausalLM"):
+        export_hf(mixed, tmp_path / "a")
+    gqa_gpt2 = build_model(ModelConfig(**dict(CONFIGS["gpt2"], n_kv_heads=2)), seed=0)
+    with pytest.raises(ValueError, match="grouped-query attention"):
+        export_hf(gqa_gpt2, tmp_path / "b")
+    with pytest.raises(ValueError, match="config.json is missing"):
+        import_hf(tmp_path)
+
+
+def test_import_rejects_weights_that_do_not_match_config(tmp_path):
+    import json
+
+    _hf_llama(tmp_path, tie=False)
+    path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["intermediate_size"] = 64
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="mlp.gate.weight has shape"):
+        import_hf(tmp_path / "hf")
+    del cfg["intermediate_size"], cfg["num_hidden_layers"]
+    cfg.update(intermediate_size=40, num_hidden_layers=3)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="layers.2.*is missing"):
+        import_hf(tmp_path / "hf")
+
+
+def test_import_sharded_safetensors_and_pytorch_bin(tmp_path):
+    """Large checkpoints come sharded (model.safetensors.index.json) or as pytorch_model.bin
+    (read with weights_only=True)."""
+    import shutil
+
+    hf = _hf_llama(tmp_path, tie=False)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(str(sharded), max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    shutil.copy(tmp_path / "hf" / "config.json", binary / "config.json")
+    torch.save(hf.state_dict(), binary / "pytorch_model.bin")
+    tokens = _tokens(100, 12)
+    with torch.no_grad():
+        want = hf(tokens).logits
+        for folder in (sharded, binary):
+            _, model = import_hf(folder)
+            assert (model(tokens) - want).abs().max().item() < TOL, folder
+
+
+def test_tokenizer_survives_export_and_import(tmp_path):
+    from lmforge.data.tokenizer import Tokenizer
+    from tests.tiny_lm import MODEL, tiny_tokenizer, write_run
+
+    tok = tiny_tokenizer()
+    run = write_run(tmp_path / "run", build_model(ModelConfig(**MODEL), seed=0), tok)
+    export_hf(run, tmp_path / "hf")
+    import_hf_run(tmp_path / "hf", tmp_path / "back")
+    back = Tokenizer.load(tmp_path / "back" / "tokenizer.json")
+    text = "the cat sat on the mat."
+    assert back.encode(text) == tok.encode(text) and back.eos_id == tok.eos_id
