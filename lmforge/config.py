@@ -211,6 +211,21 @@ class GuardConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Fine-tuning: pre-trained weights, instruction data (loss on responses), LoRA."""
+
+    init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama / GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
+    data: str = _f("", "Instruction data: jsonl of {\"prompt\": ..., \"response\": ...} lines; the loss covers response tokens (and end-of-text) only. '' = train on data.corpus as in pre-training.")
+    val_data: str = _f("", "Held-out instruction jsonl for validation ('' = the validation split of data.corpus).")
+    pack: bool = _f(False, "Pack several whole examples per sequence instead of one example per padded row.")
+    lora_rank: int = _f(0, "LoRA rank; 0 = full fine-tuning (every weight trains).")
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) * B A.")
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA branch input.")
+    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq.")
+    merge_lora: bool = _f(True, "Fold the adapters into the weights before writing model.safetensors (a plain model for generate/eval/export).")
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -224,6 +239,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"doc": "Parallel layout."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
     guard: GuardConfig = field(default_factory=GuardConfig, metadata={"doc": "Loss-spike / NaN guard."})
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig, metadata={"doc": "Fine-tuning."})
 
     # ---- derived quantities -----------------------------------------------------------------
 
@@ -356,6 +372,20 @@ class Config:
                 f"{p.dp_shard} uses FSDP; set ddp_comm_hook = 'none' or use dp_replicate instead of dp_shard.")
         if p.cpu_offload and not sharded:
             raise ConfigError("parallel.cpu_offload = true needs FSDP (parallel.dp_shard >= 2, zero_stage 0, 2 or 3).")
+        c = self.checkpoint
+        if c.resume not in ("auto", "none") and not c.resume.strip():
+            raise ConfigError("checkpoint.resume = '' : use 'auto', 'none' or a checkpoint folder path.")
+        if self.guard.sigma < 0:
+            raise ConfigError(f"guard.sigma = {self.guard.sigma} must be >= 0 (0 = only non-finite values).")
+        ft = self.finetune
+        if ft.lora_rank < 0:
+            raise ConfigError(f"finetune.lora_rank = {ft.lora_rank} must be >= 0 (0 = full fine-tuning).")
+        if ft.lora_rank and ft.lora_alpha <= 0:
+            raise ConfigError(f"finetune.lora_alpha = {ft.lora_alpha} must be > 0.")
+        if not 0.0 <= ft.lora_dropout < 1.0:
+            raise ConfigError(f"finetune.lora_dropout = {ft.lora_dropout} must be in [0, 1).")
+        if ft.val_data and not ft.data:
+            raise ConfigError("finetune.val_data is set but finetune.data is not; set both or neither.")
         return self
 
     def resolved_device(self) -> str:

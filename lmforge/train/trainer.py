@@ -148,9 +148,29 @@ class Trainer:
                                    rank=self.dist.dp_rank, world_size=self.dist.dp_size,
                                    mask_doc_boundaries=cfg.data.mask_doc_boundaries,
                                    eos_id=self.data.tokenizer.eos_id)
+        ft = cfg.finetune
+        self.val_instruct = None
+        if ft.data:  # supervised fine-tuning: prompt/response rows, loss on the response only
+            from lmforge.data.instruct import InstructLoader
+
+            sft = dict(tokenizer=self.data.tokenizer, seq_len=cfg.data.seq_len, batch_size=t.micro_batch_size,
+                       rank=self.dist.dp_rank, world_size=self.dist.dp_size, pack=ft.pack)
+            self.loader = InstructLoader(ft.data, seed=t.seed, **sft)
+            if ft.val_data:
+                self.val_instruct = InstructLoader(ft.val_data, seed=0, **sft)
 
         # model: built on the meta device, materialised and initialised on the target device
         self.model: Transformer = build_model(cfg.model, self.device, seed=t.seed)
+        if ft.init_from:  # fine-tuning: pre-trained weights (lmforge run, HF folder or safetensors)
+            from lmforge.train.finetune import load_pretrained
+
+            load_pretrained(self.model, ft.init_from)
+        if ft.lora_rank:  # before activation checkpointing / compile / DDP / FSDP wrap the blocks
+            from lmforge.model.lora import apply_lora
+
+            adapted = apply_lora(self.model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, seed=t.seed)
+            log.info("LoRA: rank %d on %d layers; %s trainable parameters", ft.lora_rank, len(adapted),
+                     f"{sum(p.numel() for p in self.model.parameters() if p.requires_grad):,}")
         self.n_params = self.model.num_params()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         apply_activation_checkpointing(self.model.blocks, t.activation_checkpoint, t.ac_every)
@@ -365,6 +385,8 @@ class Trainer:
         return evaluate_loss(self.model, batches, self.precision.autocast, self.device)
 
     def val_loader_batches(self):
+        if self.val_instruct is not None:
+            return self.val_instruct.iter_eval_batches(self.cfg.train.eval_batches)
         loader = PackedLoader(self.val_shards, self.cfg.data.seq_len, self.cfg.train.micro_batch_size, seed=0)
         return loader.iter_eval_batches(self.cfg.train.eval_batches)
 
@@ -521,17 +543,22 @@ class Trainer:
         return result
 
     def save_final_weights(self, path: Path) -> None:
-        """safetensors weights, written by rank 0 only. FSDP: the full state dict is gathered first
-        (a collective: every rank calls this)."""
-        from lmforge.ckpt.export import save_state, save_weights
+        """safetensors weights, written by rank 0 only (LoRA adapters folded in unless
+        finetune.merge_lora = false). FSDP: the full state dict is gathered first (a collective:
+        every rank calls this)."""
+        from lmforge.ckpt.export import save_state
 
+        ft = self.cfg.finetune
         if self.layout != "fsdp":
-            if is_rank0():
-                save_weights(self.model, path)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            state = self.model.state_dict()
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if ft.lora_rank and ft.merge_lora:
+            from lmforge.model.lora import merged_state_dict
+
+            state = merged_state_dict(state, ft.lora_rank, ft.lora_alpha)
         if is_rank0():
             if self.cfg.model.tie_embeddings:
                 state.pop("lm_head.weight", None)  # tied: stored once, as tok_emb.weight
