@@ -153,3 +153,18 @@ def test_elastic_restart_after_a_rank_is_killed(corpus, tmp_path):  # noqa: F811
     verify_checkpoint(list_checkpoints(out / "checkpoints")[0][1], test_load=True)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["checkpoints"]["resumed_from"] is not None
+
+
+def test_zero1_checkpoint_resumes_in_one_process(corpus, tmp_path):  # noqa: F811
+    """ZeRO-1 keeps each rank's optimizer partition in its local optimizer: every rank writes its own
+    part, and one process reads all of it back by name (the next steps' losses match)."""
+    ref = tmp_path / "zero1"
+    finish(launch(corpus, ref, nproc=2, **{"parallel.dp_shard": 2, "parallel.zero_stage": 1,
+                                            "checkpoint.keep_every": 8}), ref)
+    out = tmp_path / "run"
+    shutil.copytree(ref / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
+    finish(launch(corpus, out, **{"checkpoint.every_steps": 0}), out)
+    want, got = losses(ref), losses(out)
+    assert sorted(got) == list(range(9, 17))
+    worst = max(abs(got[s] - want[s]) / want[s] for s in got)
+    assert worst < 1e-5, (got, want)

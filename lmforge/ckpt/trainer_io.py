@@ -152,6 +152,13 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> None:
     sched = _from_json(state["scheduler"])
     sched["lr_lambdas"] = [None] * len(sched.get("lr_lambdas", []))  # the schedule's shape comes from this run's config (steps may have grown)
     trainer.scheduler.load_state_dict(sched)
+    # the LR of the next step from this run's schedule (the optimizer's saved lr may be stale: ZeRO-1's
+    # local optimizer only sees the scheduler's value at its next step)
+    lrs = [base * factor(trainer.scheduler.last_epoch)
+           for base, factor in zip(trainer.scheduler.base_lrs, trainer.scheduler.lr_lambdas)]
+    for group, lr in zip(trainer.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    trainer.scheduler._last_lr = lrs
     if state.get("scaler"):
         trainer.precision.scaler.load_state_dict(_from_json(state["scaler"]))
     if trainer.guard is not None and state.get("guard"):
