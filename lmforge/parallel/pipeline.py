@@ -123,17 +123,13 @@ class PipelineRunner:
         self.bubble = bubble_fraction(p.pp, self.microbatches, self.v)
         self._n_tokens = torch.ones(())
         self._dp = 1
-        self._losses: list[torch.Tensor] = []
         log.info("pipeline: %s schedule, %d ranks x %d stage(s) each = %d stages, %d micro-batches per step; "
                  "bubble fraction (p-1)/(%sm+p-1) = %.3f", p.pp_schedule, p.pp, self.v, n_stages, self.microbatches,
                  "v" if self.v > 1 else "", self.bubble)
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        from lmforge.parallel.tensor_parallel import to_local_value  # noqa: F401
-
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
         loss = nll / self._n_tokens
-        self._losses.append(loss.detach())
         return loss * self._dp if self._dp > 1 else loss
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: torch.Tensor,
@@ -143,20 +139,21 @@ class PipelineRunner:
         from lmforge.parallel.tensor_parallel import loss_parallel_context, to_local_value
 
         assert len(micro_batches) == self.microbatches, (len(micro_batches), self.microbatches)
-        self._n_tokens, self._dp, self._losses = n_tokens, dp, []
+        self._n_tokens, self._dp = n_tokens, dp
+        losses: list[torch.Tensor] = []  # the schedule's per-micro-batch loss_fn outputs (last stage)
         x = torch.cat([mb[0] for mb in micro_batches])
         y = torch.cat([mb[1] for mb in micro_batches])
         with loss_parallel_context(self.tp), self.autocast():
             if self.first:
-                self.schedule.step(x, target=y if self.last else None)
+                self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None)
             elif self.last:
-                self.schedule.step(target=y)
+                self.schedule.step(target=y, losses=losses)
             else:
                 self.schedule.step()
         total = torch.zeros((), device=self.info.device)
         if self.last:
-            for loss in self._losses:
-                total += to_local_value(loss).to(total.device)
+            for loss in losses:  # (not counted inside loss_fn: the first step also runs it for shape inference)
+                total += to_local_value(loss.detach()).to(total.device) / dp
             if self.info.tp_rank != 0:  # every TP rank of the last stage holds the same value: count it once
                 total.zero_()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)  # over dp (partial sums) and pp (only the last stage)
