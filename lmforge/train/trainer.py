@@ -285,17 +285,15 @@ class Trainer:
                      p.tp, "sequence parallel" if p.sequence_parallel else "no sequence parallelism")
 
     def _build_pipeline(self, precision: str) -> None:
-        """Wrap each stage chunk for data parallelism (DDP over the dp group / FSDP2 on the dp mesh)
-        and build the schedule."""
+        """Wrap each stage chunk for data parallelism (FSDP2 on the dp sub-mesh: sharded over dp_shard,
+        replicated over dp_replicate) and build the schedule."""
         from lmforge.parallel.pipeline import PipelineRunner
 
         cfg = self.cfg
 
-        def wrap(chunk):
-            if self.layout == "fsdp":
+        def wrap(chunk):  # dp_replicate only: FSDP2 on the (dp_replicate, dp_shard=1) mesh = pure replication
+            if self.layout in ("fsdp", "ddp"):  # (DDP's bucket rebuild breaks under pipeline schedules)
                 return apply_fsdp(chunk, cfg, self.dist, precision)
-            if self.layout == "ddp":
-                return apply_ddp(chunk, cfg, self.dist)
             return chunk
 
         self.pipeline = PipelineRunner(self.model, self._stage_ids, cfg, self.dist, wrap,
