@@ -1,11 +1,18 @@
-"""Process group, device mesh and data-parallel wrapping (DDP, ZeRO-1, FSDP2 / ZeRO-2/3, HSDP).
+"""Process group, the DeviceMesh, and the parallel layouts (data, tensor, pipeline, async SGD).
 
     info = init_distributed(cfg)        # no-op outside torchrun; validates the world size first
-    dp = wrap_data_parallel(model, cfg, info, precision)   # DDP / fully_shard, per the layout
+    model = apply_ddp(model, cfg, info)  or  apply_fsdp(model, cfg, info, precision)  # per layout_kind(cfg)
     ...
     destroy_distributed()
 
-Layouts (world size = dp_replicate x dp_shard; tp = pp = 1 in this part):
+world size = parallel.dp_replicate x parallel.dp_shard x parallel.tp x parallel.pp, laid out on one
+DeviceMesh with named dims ("pp", "dp_replicate", "dp_shard", "tp"), outermost to innermost
+(torchtitan's order): the TP group is neighbouring ranks (most traffic: one node / NVLink), data
+parallel next, pipeline stages outermost (least traffic: point-to-point activations).
+``DistInfo.dp_rank / dp_size`` are the data-parallel coordinate: all ranks of one TP group and of
+one pipeline read the same micro-batches.
+
+Layouts (every degree can be 1; all combinations below are tested against one process on gloo):
 
 * ``dp_replicate = N``: DDP (bucketed all-reduce overlapped with backward; ``no_sync`` on all but
   the last micro-batch; optional bf16 / fp16 / PowerSGD compression hooks).
@@ -13,10 +20,27 @@ Layouts (world size = dp_replicate x dp_shard; tp = pp = 1 in this part):
 * ``dp_shard = N`` (zero_stage 0/2/3): FSDP2 ``fully_shard`` on every transformer block, then the
   root. ``reshard_after_forward`` true = ZeRO-3, false = ZeRO-2-like.
 * both > 1 (zero_stage 0/2/3): HSDP on the 2-D mesh ("dp_replicate", "dp_shard").
+* ``tp = T`` (lmforge.parallel.tensor_parallel): DTensor column/row-parallel attention and MLP,
+  vocab-parallel embedding, ``loss_parallel`` cross-entropy; ``sequence_parallel`` shards the
+  norms' activations along the sequence. With data parallelism: FSDP2 on the dp sub-mesh after TP
+  (2-D FSDP x TP; use dp_shard, not dp_replicate).
+* ``pp = P`` (lmforge.parallel.pipeline): ``torch.distributed.pipelining`` stages of consecutive
+  blocks, GPipe / 1F1B / interleaved 1F1B (``pp_virtual_stages`` chunks per rank); each stage
+  chunk is TP-sharded (TP x PP) and/or wrapped with FSDP2 on the dp sub-mesh (DP x PP; pure
+  replication is FSDP2 on a (dp_replicate, dp_shard = 1) mesh, as DDP's bucket rebuild breaks
+  under a pipeline schedule). Untied embeddings only.
+* ``async_sgd`` (lmforge.parallel.param_server): rank 0 parameter server, other ranks workers,
+  point-to-point push/pull with a staleness bound.
+
+With tp / pp > 1, evaluation, sampling and the saved weights use a full model gathered on every
+rank (DTensor ``full_tensor`` + an all-gather of the stages' state dicts over the pp group), and
+the gradient norm for clipping is summed over every shard and stage exactly once
+(``clip_grad_norm_model_parallel``).
 
 Gradient scale: DDP and FSDP both *average* gradients over the data-parallel ranks. The trainer
-divides every rank's summed token loss by the token count of the whole global step (all-reduced)
-and multiplies by the dp size, so the averaged gradient is exactly that of one big batch.
+divides every rank's summed token loss by the token count of the whole global step (all-reduced
+over the dp group) and multiplies by the dp size, so the averaged gradient is exactly that of one
+big batch; TP ranks and pipeline stages share a dp coordinate and do not change the count.
 """
 
 from __future__ import annotations
@@ -107,9 +131,6 @@ def check_layout(cfg: Config, world_size: int, cuda: bool) -> None:
             "parallel.cpu_offload = true needs a CUDA GPU: FSDP2's CPUOffloadPolicy moves shards between GPU "
             "and CPU memory, and on a CPU-only run the parameters already live in CPU memory; set "
             "parallel.cpu_offload = false.")
-    if p.async_sgd and world_size < 2:
-        raise ConfigError("parallel.async_sgd = true needs torchrun with >= 2 processes (rank 0 = parameter server, "
-                          "the others = workers).")
 
 
 def init_distributed(cfg: Config) -> DistInfo:

@@ -38,7 +38,10 @@ log = logging.getLogger("lmforge.parallel")
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+    """(p-1)/(v m + p-1): the planner's formula (lmforge.plan.flops.pipeline_bubble), one definition."""
+    from lmforge.plan.flops import pipeline_bubble
+
+    return pipeline_bubble(pp, microbatches, virtual_stages)
 
 
 def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
@@ -123,9 +126,10 @@ class PipelineRunner:
         self.bubble = bubble_fraction(p.pp, self.microbatches, self.v)
         self._n_tokens = torch.ones(())
         self._dp = 1
-        log.info("pipeline: %s schedule, %d ranks x %d stage(s) each = %d stages, %d micro-batches per step; "
-                 "bubble fraction (p-1)/(%sm+p-1) = %.3f", p.pp_schedule, p.pp, self.v, n_stages, self.microbatches,
-                 "v" if self.v > 1 else "", self.bubble)
+        if info.rank == 0:
+            log.info("pipeline: %s schedule, %d ranks x %d stage(s) each = %d stages, %d micro-batches per step; "
+                     "bubble fraction (p-1)/(%sm+p-1) = %.3f", p.pp_schedule, p.pp, self.v, n_stages, self.microbatches,
+                     "v" if self.v > 1 else "", self.bubble)
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
