@@ -374,8 +374,9 @@ class Config:
                               f"set parallel.pp_schedule = 'interleaved' or pp_virtual_stages = 1.")
         stages = p.pp * (v if p.pp > 1 else 1)
         if m.n_layers % stages:
-            what = f"parallel.pp = {p.pp}" + (f" x parallel.pp_virtual_stages = {v}" if p.pp > 1 and v > 1 else "")
-            raise ConfigError(f"{what} = {stages} pipeline stages must divide model.n_layers = {m.n_layers}; "
+            what = f"parallel.pp = {p.pp}" + (f" x parallel.pp_virtual_stages = {v} = {stages} pipeline stages"
+                                              if p.pp > 1 and v > 1 else "")
+            raise ConfigError(f"{what} must divide model.n_layers = {m.n_layers}; "
                               f"choose a divisor of {m.n_layers} or change n_layers.")
         if p.pp > 1:
             accum = self.grad_accum_steps
