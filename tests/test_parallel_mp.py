@@ -78,6 +78,25 @@ def test_model_parallel_layout_matches_one_process(corpus, reference, tmp_path, 
 
 
 @pytest.mark.slow
+def test_tied_embeddings_under_tensor_parallel(corpus, tmp_path):  # noqa: F811
+    """Embedding and head both vocab-sharded: the head is re-pointed at the embedding's DTensor, so the
+    tie (one parameter, two gradient contributions) holds. TP=2 + SP against one process, tied."""
+    tied = {"model.n_layers": 2, "model.tie_embeddings": "true"}
+    ref_out, out = tmp_path / "single", tmp_path / "tp"
+    proc = train(corpus, ref_out, **tied)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = train(corpus, out, nproc=2, timeout=300, **tied, **{"parallel.tp": 2, "parallel.sequence_parallel": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref, got = losses(ref_out), losses(out)
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    print(f"\ntied tp2-sp: max relative loss difference vs one process over 20 steps = {worst:.2e}")
+    assert worst < TOL, (worst, got, ref)
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))  # stored once, as tok_emb.weight
+
+
+@pytest.mark.slow
 def test_async_sgd_parameter_server_learns_and_reports_staleness(corpus, tmp_path):  # noqa: F811
     out = tmp_path / "async"
     proc = train(corpus, out, nproc=3, timeout=300, **{
