@@ -170,6 +170,11 @@ class ParallelConfig:
     zero_stage: int = _f(0, "ZeRO stage over the dp_shard ranks. 0 = from the layout (dp_shard > 1: FSDP2 fully_shard, resharding per parallel.reshard_after_forward); 1 = optimizer state sharded only (DDP + torch ZeroRedundancyOptimizer; needs dp_replicate = 1); 2 = fully_shard with reshard_after_forward = false (params kept gathered between forward and backward); 3 = fully_shard with reshard_after_forward = true (params, grads and optimizer state all sharded). Stages 1-3 need dp_shard > 1.")
     reshard_after_forward: bool = _f(True, "FSDP2: free the gathered parameters after each block's forward and gather again in backward (true = ZeRO-3 memory; false = ZeRO-2-like, less communication). Overridden by zero_stage 2/3.")
     cpu_offload: bool = _f(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy). Needs a CUDA GPU.")
+    sequence_parallel: bool = _f(False, "Tensor parallel only (tp > 1): also shard the activations along the sequence between the TP matmuls (norms run on 1/tp of the tokens; all-gather before / reduce-scatter after each column/row-parallel pair). Needs data.seq_len divisible by tp and RoPE positions.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = _f("1f1b", "Pipeline schedule (pp > 1): gpipe (all forwards, then all backwards), 1f1b (one forward one backward: at most pp micro-batches of activations held), interleaved (interleaved 1F1B over parallel.pp_virtual_stages model chunks per rank: smaller bubble). The pipeline's micro-batches are the step's micro-batches: global_batch_size / (micro_batch_size x dp), which must be >= pp.")
+    pp_virtual_stages: int = _f(1, "Model chunks per pipeline rank for pp_schedule = 'interleaved' (>= 2; rank r holds stages r, r + pp, ...). pp x pp_virtual_stages must divide model.n_layers. 1 for gpipe / 1f1b.")
+    async_sgd: bool = _f(False, "Asynchronous SGD through a parameter server (lmforge.parallel.param_server): rank 0 holds the parameters and the optimizer, ranks 1..N-1 are workers that pull parameters, compute the gradient of one micro-batch (train.micro_batch_size sequences) and push it; the server applies each gradient as it arrives (train.steps = server updates). Needs dp_replicate = world size >= 2 (tp = pp = dp_shard = 1).")
+    max_staleness: int = _f(4, "async_sgd: a pushed gradient computed on parameters more than this many server updates old is dropped (not applied) and the worker re-pulls fresh parameters; observed staleness (mean/max) and dropped counts go to the metrics.")
 
     @property
     def dp(self) -> int:
@@ -264,8 +269,8 @@ class Config:
             "train.micro_batch_size": t.micro_batch_size, "train.ac_every": t.ac_every,
             "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
             "parallel.dp_replicate": p.dp_replicate, "parallel.dp_shard": p.dp_shard,
-            "parallel.tp": p.tp, "parallel.pp": p.pp, "checkpoint.keep_last": self.checkpoint.keep_last,
-            "guard.window": self.guard.window,
+            "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.pp_virtual_stages": p.pp_virtual_stages,
+            "checkpoint.keep_last": self.checkpoint.keep_last, "guard.window": self.guard.window,
         }
         for key, value in positive.items():
             if value < 1:
@@ -346,11 +351,7 @@ class Config:
                 f"train.global_batch_size = {t.global_batch_size} is not divisible by train.micro_batch_size "
                 f"({t.micro_batch_size}) x data-parallel degree ({p.dp} = parallel.dp_replicate x "
                 f"parallel.dp_shard); use global_batch_size = {hint}, or change micro_batch_size.")
-        if m.n_heads % p.tp or m.kv_heads % p.tp:
-            raise ConfigError(
-                f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and the kv heads = {m.kv_heads}.")
-        if m.n_layers % p.pp:
-            raise ConfigError(f"parallel.pp = {p.pp} must divide model.n_layers = {m.n_layers}.")
+        self._validate_model_parallel()
         if p.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s = {p.timeout_s} must be > 0.")
         if p.powersgd_rank < 1:
@@ -387,6 +388,92 @@ class Config:
         if ft.val_data and not ft.data:
             raise ConfigError("finetune.val_data is set but finetune.data is not; set both or neither.")
         return self
+
+    def _validate_model_parallel(self) -> None:
+        """Tensor / pipeline parallel degrees and the parameter server against the model and the batch."""
+        m, d, t, s, p = self.model, self.data, self.train, self.schedule, self.parallel
+        if m.n_heads % p.tp or m.kv_heads % p.tp:
+            ok = [k for k in _divisors(m.kv_heads) if m.n_heads % k == 0]
+            raise ConfigError(
+                f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and the kv heads = {m.kv_heads} "
+                f"(each TP rank holds whole heads); choose parallel.tp among {ok}.")
+        if p.tp > 1:
+            if m.vocab_size % p.tp:
+                raise ConfigError(
+                    f"parallel.tp = {p.tp} must divide model.vocab_size = {m.vocab_size} (vocab-parallel embedding "
+                    f"and loss); pad model.vocab_size to a multiple of {p.tp} (a multiple of 64 is fastest).")
+            if m.ffn_dim % p.tp:
+                raise ConfigError(f"parallel.tp = {p.tp} must divide the MLP hidden size {m.ffn_dim}; set "
+                                  f"model.ffn_hidden to a multiple of {p.tp}.")
+            if p.dp_replicate > 1 and p.dp_shard == 1:
+                raise ConfigError(
+                    f"parallel.tp = {p.tp} with parallel.dp_replicate = {p.dp_replicate}: data parallelism next to "
+                    f"tensor parallelism goes through FSDP2 on the DeviceMesh; use parallel.dp_shard = "
+                    f"{p.dp_replicate} (dp_replicate = 1) instead.")
+        if p.sequence_parallel:
+            if p.tp < 2:
+                raise ConfigError("parallel.sequence_parallel = true needs parallel.tp >= 2 (it shards activations "
+                                  "over the tensor-parallel ranks); set parallel.tp or sequence_parallel = false.")
+            if d.seq_len % p.tp:
+                raise ConfigError(f"parallel.sequence_parallel: data.seq_len = {d.seq_len} must be divisible by "
+                                  f"parallel.tp = {p.tp}.")
+            if m.pos_emb == "learned":
+                raise ConfigError("parallel.sequence_parallel = true supports RoPE positions only; set "
+                                  "model.pos_emb = 'rope' or parallel.sequence_parallel = false.")
+        v = p.pp_virtual_stages
+        if p.pp_schedule == "interleaved":
+            if p.pp > 1 and v < 2:
+                raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages >= 2 "
+                                  "(model chunks per rank); set it to 2, or use pp_schedule = '1f1b'.")
+        elif v != 1:
+            raise ConfigError(f"parallel.pp_virtual_stages = {v} applies to pp_schedule = 'interleaved' only; "
+                              f"set parallel.pp_schedule = 'interleaved' or pp_virtual_stages = 1.")
+        stages = p.pp * (v if p.pp > 1 else 1)
+        if m.n_layers % stages:
+            what = f"parallel.pp = {p.pp}" + (f" x parallel.pp_virtual_stages = {v} = {stages} pipeline stages"
+                                              if p.pp > 1 and v > 1 else "")
+            raise ConfigError(f"{what} must divide model.n_layers = {m.n_layers}; "
+                              f"choose a divisor of {m.n_layers} or change n_layers.")
+        if p.pp > 1:
+            accum = self.grad_accum_steps
+            if accum < p.pp:
+                raise ConfigError(
+                    f"parallel.pp = {p.pp}: the pipeline runs the step's {accum} micro-batch(es) (global_batch_size "
+                    f"{t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x dp {p.dp})), fewer than the "
+                    f"stages; lower train.micro_batch_size so there are >= {p.pp} micro-batches per step.")
+            if p.pp_schedule == "interleaved" and accum % p.pp:
+                raise ConfigError(
+                    f"parallel.pp_schedule = 'interleaved': the step's {accum} micro-batches must be a multiple of "
+                    f"parallel.pp = {p.pp}; change train.micro_batch_size or train.global_batch_size.")
+            if m.tie_embeddings:
+                raise ConfigError("parallel.pp > 1 with model.tie_embeddings = true: the embedding (first stage) and "
+                                  "the output head (last stage) live on different ranks; set "
+                                  "model.tie_embeddings = false.")
+            if s.batch_rampup_start:
+                raise ConfigError("schedule.batch_rampup_start with parallel.pp > 1: the pipeline schedule has a fixed "
+                                  "micro-batch count; turn the batch ramp-up off.")
+        if (p.tp > 1 or p.pp > 1) and t.precision == "fp16":
+            raise ConfigError("train.precision = 'fp16' (GradScaler) is not supported with parallel.tp / parallel.pp "
+                              "> 1; use 'bf16' or 'fp32'.")
+        if (p.tp > 1 or p.pp > 1) and p.zero_stage == 1:
+            raise ConfigError("parallel.zero_stage = 1 (ZeroRedundancyOptimizer) is not combined with tp / pp; use "
+                              "zero_stage 0, 2 or 3 (FSDP2 on parallel.dp_shard).")
+        if p.max_staleness < 0:
+            raise ConfigError(f"parallel.max_staleness = {p.max_staleness} must be >= 0.")
+        if p.async_sgd:
+            if p.tp > 1 or p.pp > 1 or p.dp_shard > 1 or p.dp_replicate < 2:
+                raise ConfigError(
+                    "parallel.async_sgd = true needs a pure data-parallel launch: parallel.dp_replicate = world size "
+                    ">= 2 (1 server + workers) and tp = pp = dp_shard = 1.")
+            if p.ddp_comm_hook != "none" or p.zero_stage:
+                raise ConfigError("parallel.async_sgd = true: ddp_comm_hook and zero_stage do not apply; leave them "
+                                  "at 'none' / 0.")
+            if s.batch_rampup_start:
+                raise ConfigError("parallel.async_sgd = true: schedule.batch_rampup_start does not apply; turn it off.")
+            if self.checkpoint.every_steps or self.checkpoint.every_minutes:
+                raise ConfigError("parallel.async_sgd = true does not write periodic checkpoints (the parameter "
+                                  "server's state is not checkpointed yet); set checkpoint.every_steps = 0 and "
+                                  "checkpoint.every_minutes = 0.")
 
     def resolved_device(self) -> str:
         if self.train.device != "auto":

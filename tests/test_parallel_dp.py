@@ -153,7 +153,7 @@ def test_layout_errors_without_torchrun(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="fp16"):
         check_layout(cfg, 2, cuda=False)
     cfg = load_config("tiny", {**BATCH, "parallel.tp": 2})
-    with pytest.raises(ConfigError, match="not yet supported"):
+    with pytest.raises(ConfigError, match=r"parallel.tp \(2\) x parallel.pp \(1\) = 2 processes"):
         init_distributed(cfg)
     assert init_distributed(load_config("tiny")).distributed is False  # one process: no process group
 

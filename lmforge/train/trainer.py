@@ -42,8 +42,9 @@ from lmforge.eval.perplexity import evaluate_loss
 from lmforge.model.transformer import Transformer, build_model, count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.optim.schedules import BatchRampup, build_scheduler
-from lmforge.parallel.distributed import (DistInfo, all_reduce_sum, apply_ddp, apply_fsdp, clip_grad_norm,
-                                          destroy_distributed, init_distributed, layout_kind, wrap_optimizer_zero1)
+from lmforge.parallel.distributed import (DistInfo, all_reduce_sum, all_reduce_sum_group, apply_ddp, apply_fsdp,
+                                          clip_grad_norm, clip_grad_norm_model_parallel, destroy_distributed,
+                                          init_distributed, layout_kind, wrap_optimizer_zero1)
 from lmforge.train.activation_ckpt import apply_activation_checkpointing
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, Timers, format_duration, make_sinks, memory_gb
@@ -173,6 +174,12 @@ class Trainer:
                      f"{sum(p.numel() for p in self.model.parameters() if p.requires_grad):,}")
         self.n_params = self.model.num_params()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        # model parallelism (before activation checkpointing / compile, which rename the modules):
+        # pipeline split (this rank keeps its stages' modules), then tensor-parallel sharding
+        self.model_parallel = cfg.parallel.tp > 1 or cfg.parallel.pp > 1
+        self.pipeline = None
+        if self.model_parallel:
+            self._apply_model_parallel()
         apply_activation_checkpointing(self.model.blocks, t.activation_checkpoint, t.ac_every)
         if t.compile:
             for block in self.model.blocks.values():
@@ -182,7 +189,11 @@ class Trainer:
         # data parallelism: self.model stays the Transformer (FSDP shards it in place);
         # self.train_model is what forward/backward run through (the DDP wrapper for DDP/ZeRO-1)
         self.train_model: torch.nn.Module = self.model
-        if self.layout in ("ddp", "zero1"):
+        if cfg.parallel.async_sgd:
+            pass  # the parameter server moves parameters and gradients itself (lmforge.parallel.param_server)
+        elif cfg.parallel.pp > 1:  # stages wrapped per layout, then the pipeline schedule
+            self._build_pipeline(precision)
+        elif self.layout in ("ddp", "zero1"):
             self.train_model = apply_ddp(self.model, cfg, self.dist)
         elif self.layout == "fsdp":
             apply_fsdp(self.model, cfg, self.dist, precision)
@@ -195,6 +206,10 @@ class Trainer:
             **({"muon_lr": o.muon_lr, "muon_momentum": o.muon_momentum} if o.name == "muon" else {}))
         if self.layout == "zero1":
             self.optimizer = wrap_optimizer_zero1(self.optimizer)
+        if self.model_parallel:  # foreach kernels need DTensor and plain parameters in separate groups
+            from lmforge.parallel.tensor_parallel import split_dtensor_param_groups
+
+            split_dtensor_param_groups(self.optimizer)
         self.scheduler = build_scheduler(
             self.optimizer, schedule=s.name, peak_lr=o.lr, warmup_steps=s.warmup_steps, total_steps=t.steps,
             min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction)
@@ -256,6 +271,8 @@ class Trainer:
         the one-big-batch gradient, also when ranks hold different numbers of target tokens. The
         returned loss is all-reduced too (the global step's mean token loss, equal on all ranks).
         """
+        if self.model_parallel:
+            return self.forward_backward_model_parallel(micro_batches)
         n_tokens = sum((y != -100).sum() for _, y in micro_batches)
         dp = self.dist.dp_size if self.dist.distributed else 1
         if dp > 1:
@@ -281,7 +298,9 @@ class Trainer:
         opt, scaler = self.optimizer, self.precision.scaler
         scaler.unscale_(opt)  # true gradients before clipping (a no-op unless fp16)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
-        if self.layout == "fsdp":  # DTensor shards: the norm is reduced over all shards
+        if self.model_parallel:  # TP / FSDP shards and pipeline stages: one norm of the whole model
+            grad_norm = clip_grad_norm_model_parallel(list(self.model.parameters()), clip, self.dist)
+        elif self.layout == "fsdp":  # DTensor shards: the norm is reduced over all shards
             grad_norm = clip_grad_norm(list(self.model.parameters()), clip)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
@@ -356,6 +375,88 @@ class Trainer:
             return bool(due.item())
         return False
 
+    # ---- model parallelism (tensor / pipeline), see lmforge/parallel/{tensor_parallel,pipeline}.py ----
+
+    def _apply_model_parallel(self) -> None:
+        """Pipeline split (keep this rank's stages), then TP sharding over the "tp" sub-mesh."""
+        from lmforge.parallel.pipeline import split_model
+        from lmforge.parallel.tensor_parallel import apply_tensor_parallel
+
+        p = self.cfg.parallel
+        self._stage_ids = split_model(self.model, self.cfg, self.dist.pp_rank) if p.pp > 1 else None
+        if p.tp > 1:
+            apply_tensor_parallel(self.model, self.dist.sub_mesh("tp"), p.sequence_parallel)
+            log.info("tensor parallel: %d ranks, %s, vocab-parallel embedding + loss_parallel cross-entropy",
+                     p.tp, "sequence parallel" if p.sequence_parallel else "no sequence parallelism")
+
+    def _build_pipeline(self, precision: str) -> None:
+        """Wrap each stage chunk for data parallelism (FSDP2 on the dp sub-mesh: sharded over dp_shard,
+        replicated over dp_replicate) and build the schedule."""
+        from lmforge.parallel.pipeline import PipelineRunner
+
+        cfg = self.cfg
+
+        def wrap(chunk):  # dp_replicate only: FSDP2 on the (dp_replicate, dp_shard=1) mesh = pure replication
+            if self.layout in ("fsdp", "ddp"):  # (DDP's bucket rebuild breaks under pipeline schedules)
+                return apply_fsdp(chunk, cfg, self.dist, precision)
+            return chunk
+
+        self.pipeline = PipelineRunner(self.model, self._stage_ids, cfg, self.dist, wrap,
+                                       lambda: self.precision.autocast())
+
+    def forward_backward_model_parallel(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """forward_backward for TP and/or PP layouts: same normalisation (summed token NLL / token count
+        of the global step, x dp), the count all-reduced over the *data-parallel* group only (TP ranks
+        and pipeline stages share a dp coordinate and read the same data)."""
+        from lmforge.parallel.tensor_parallel import loss_parallel_context, to_local_value
+
+        n_tokens = sum((y != -100).sum() for _, y in micro_batches).to(self.device)
+        dp = self.dist.dp_size
+        if dp > 1:
+            all_reduce_sum_group(n_tokens, self.dist.dp_group)
+        n_tokens = n_tokens.clamp(min=1)
+        if self.pipeline is not None:
+            return self.pipeline.step(micro_batches, n_tokens, dp)
+        loss_sum = torch.zeros((), device=self.device)
+        for x, y in micro_batches:  # TP (+ FSDP on dp_shard): FSDP2 reduces gradients in the last backward
+            with loss_parallel_context(self.cfg.parallel.tp):
+                with self.precision.autocast():
+                    logits = self.train_model(x)  # DTensor sharded over the vocabulary
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
+                                       reduction="sum") / n_tokens
+                (loss * dp if dp > 1 else loss).backward()
+            loss_sum += to_local_value(loss.detach())
+        if dp > 1:
+            all_reduce_sum_group(loss_sum, self.dist.dp_group)
+        return loss_sum
+
+    def eval_model(self) -> torch.nn.Module:
+        """The model evaluation and sampling run on: the training model, or for TP / PP a full
+        unsharded copy gathered on every rank (rebuilt when the step changed)."""
+        if not self.model_parallel:
+            return self.model
+        if getattr(self, "_gathered_at", None) != self.step:
+            self._gathered = build_model(self.cfg.model, self.device, seed=self.cfg.train.seed)
+            self._gathered.load_state_dict(self.full_state_dict())
+            self._gathered.tie_weights()
+            self._gathered_at = self.step
+        return self._gathered
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights of the whole model on every rank (a collective): DTensor shards (TP,
+        FSDP) are all-gathered, pipeline stages exchanged over the pp group."""
+        from torch.distributed.tensor import DTensor
+
+        state = {}
+        for name, t in self.model.state_dict().items():
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            state[name] = t.detach().cpu()
+        if self.cfg.parallel.pp > 1:
+            parts: list = [None] * self.cfg.parallel.pp
+            torch.distributed.all_gather_object(parts, state, group=self.dist.group("pp"))
+            state = {k: v for part in parts for k, v in part.items()}
+        return state
+
     def global_batch_now(self) -> int:
         """Global batch (sequences) of the next step: the target, or the ramp-up's current value."""
         if self.rampup is None:
@@ -382,7 +483,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         batches = self.val_loader_batches()
-        return evaluate_loss(self.model, batches, self.precision.autocast, self.device)
+        return evaluate_loss(self.eval_model(), batches, self.precision.autocast, self.device)
 
     def val_loader_batches(self):
         if self.val_instruct is not None:
@@ -396,6 +497,10 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         try:
+            if self.cfg.parallel.async_sgd:  # asynchronous SGD: its own loop (parameter server + workers)
+                from lmforge.parallel.param_server import fit_async
+
+                return fit_async(self)
             return self._fit()
         finally:
             if getattr(self, "ckpt", None) is not None:
@@ -512,7 +617,7 @@ class Trainer:
 
         sample = ""
         if t.sample_tokens:  # every rank runs it (FSDP forwards are collective); same seed -> same text
-            sample = generate_text(self.model, self.data.tokenizer, t.sample_prompt, t.sample_tokens,
+            sample = generate_text(self.eval_model(), self.data.tokenizer, t.sample_prompt, t.sample_tokens,
                                    temperature=0.8, top_k=50, seed=t.seed)
             if is_rank0():
                 (self.out_dir / "sample.txt").write_text(t.sample_prompt + sample + "\n")
@@ -544,12 +649,14 @@ class Trainer:
 
     def save_final_weights(self, path: Path) -> None:
         """safetensors weights, written by rank 0 only (LoRA adapters folded in unless
-        finetune.merge_lora = false). FSDP: the full state dict is gathered first (a collective:
-        every rank calls this)."""
+        finetune.merge_lora = false). FSDP / TP / PP: the full state dict is gathered first (a
+        collective: every rank calls this)."""
         from lmforge.ckpt.export import save_state
 
         ft = self.cfg.finetune
-        if self.layout != "fsdp":
+        if self.model_parallel:  # TP / PP: gathered on every rank (a collective)
+            state = self.full_state_dict()
+        elif self.layout != "fsdp":
             state = self.model.state_dict()
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

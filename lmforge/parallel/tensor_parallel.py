@@ -1,0 +1,112 @@
+"""Tensor parallelism (Megatron-style) with DTensor: `torch.distributed.tensor.parallel`.
+
+Per transformer block (on the "tp" sub-mesh of the DeviceMesh):
+
+* attention: q/k/v column-parallel (each rank holds n_heads/tp query heads and kv_heads/tp kv
+  heads: attention is local, the reshape uses -1 heads), output projection ``wo`` row-parallel;
+* MLP: gate/up (SwiGLU) or fc (GELU) column-parallel, down/proj row-parallel;
+* token embedding vocab-parallel (RowwiseParallel on the embedding: each rank holds vocab/tp rows);
+* output head column-parallel with DTensor logits sharded over the vocabulary, consumed by
+  ``loss_parallel()`` cross-entropy (the full logits are never gathered);
+* sequence parallel (``parallel.sequence_parallel``): the norms run on a sequence shard
+  (``SequenceParallel``); ``PrepareModuleInput`` all-gathers the sequence before attention / MLP
+  and the row-parallel outputs reduce-scatter back to sequence shards.
+
+Tied embeddings: the embedding and the head are both sharded along the vocabulary (dim 0 of the
+shared weight), so after sharding the head's weight is re-pointed at the embedding's DTensor
+parameter and the tie holds (one parameter, both gradients accumulate into it).
+
+Apply before activation checkpointing / compile (the plan names the modules) and before FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict:
+    """`parallelize_module` plan for a Transformer or a pipeline stage chunk (keys of present modules)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    sp = sequence_parallel
+    plan: dict = {}
+    if getattr(model, "tok_emb", None) is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    if getattr(model, "lm_head", None) is not None:
+        if sp:
+            plan["norm"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
+                                          use_local_output=local_logits)
+    for name, block in model.blocks.items():
+        pre = f"blocks.{name}"
+        row_out = {"output_layouts": Shard(1)} if sp else {}
+        plan[f"{pre}.attn.wq"] = ColwiseParallel()
+        plan[f"{pre}.attn.wk"] = ColwiseParallel()
+        plan[f"{pre}.attn.wv"] = ColwiseParallel()
+        plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
+        up = ("gate", "up") if hasattr(block.mlp, "gate") else ("fc",)
+        down = "down" if hasattr(block.mlp, "down") else "proj"
+        for n in up:
+            plan[f"{pre}.mlp.{n}"] = ColwiseParallel()
+        plan[f"{pre}.mlp.{down}"] = RowwiseParallel(**row_out)
+        if sp:
+            plan[f"{pre}.attn_norm"] = SequenceParallel()
+            plan[f"{pre}.mlp_norm"] = SequenceParallel()
+            plan[f"{pre}.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                     desired_input_layouts=(Replicate(), None, None),
+                                                     use_local_output=True)
+            plan[f"{pre}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                    use_local_output=True)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool, local_logits: bool = False) -> nn.Module:
+    """Shard `model` (a Transformer or a pipeline chunk) in place over `tp_mesh`."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tied = (getattr(model, "tok_emb", None) is not None and getattr(model, "lm_head", None) is not None
+            and model.lm_head.weight is model.tok_emb.weight)
+    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, local_logits))
+    if tied:  # both sharded along the vocabulary: point the head back at the embedding's DTensor
+        assert model.lm_head.weight.placements == model.tok_emb.weight.placements
+        model.lm_head.weight = model.tok_emb.weight
+    return model
+
+
+def loss_parallel_context(tp: int):
+    """`loss_parallel()` for vocab-sharded DTensor logits, else a no-op context."""
+    if tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def to_local_value(t: torch.Tensor) -> torch.Tensor:
+    """A (replicated) DTensor scalar -> a plain tensor holding its full value."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def split_dtensor_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Split each param group into its DTensor and its plain-tensor parameters (in place, before any
+    step): torch's foreach optimizer kernels refuse lists mixing the two, and without sequence
+    parallelism the norm weights stay plain (replicated) tensors next to TP-sharded DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    groups = []
+    for g in optimizer.param_groups:
+        for kind in (True, False):
+            params = [p for p in g["params"] if isinstance(p, DTensor) == kind]
+            if params:
+                groups.append({**g, "params": params})
+    optimizer.param_groups = []
+    for g in groups:
+        optimizer.add_param_group(g)
+    return optimizer
