@@ -116,8 +116,9 @@ def fsdp2(corpus, tmp_path_factory) -> Path:  # noqa: F811
 
 
 @pytest.mark.parametrize("nproc, layout", [(1, {}), (4, {"parallel.dp_shard": 4, "train.micro_batch_size": 2}),
-                                           (4, {"parallel.dp_replicate": 4, "train.micro_batch_size": 2})],
-                         ids=["1-process", "fsdp-4", "ddp-4"])
+                                           (4, {"parallel.dp_replicate": 4, "train.micro_batch_size": 2}),
+                                           (2, {"parallel.tp": 2, "train.micro_batch_size": 2})],
+                         ids=["1-process", "fsdp-4", "ddp-4", "tp-2"])
 def test_checkpoint_from_2_ranks_resumes_on_another_world_size(corpus, fsdp2, tmp_path, nproc, layout):  # noqa: F811
     """The step-8 checkpoint written by 2 FSDP ranks continues on 1 process and on 4 ranks (DCP
     reshards by name); steps 9-16 match the 2-rank run (fp32; only reduction order differs)."""
@@ -164,6 +165,23 @@ def test_zero1_checkpoint_resumes_in_one_process(corpus, tmp_path):  # noqa: F81
     out = tmp_path / "run"
     shutil.copytree(ref / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
     finish(launch(corpus, out, **{"checkpoint.every_steps": 0}), out)
+    want, got = losses(ref), losses(out)
+    assert sorted(got) == list(range(9, 17))
+    worst = max(abs(got[s] - want[s]) / want[s] for s in got)
+    assert worst < 1e-5, (got, want)
+
+
+@pytest.mark.parametrize("layout", [{"parallel.tp": 2}, {"parallel.pp": 2}], ids=["tp-2", "pp-2"])
+def test_model_parallel_checkpoint_resumes_in_one_process(corpus, tmp_path, layout):  # noqa: F811
+    """Tensor-parallel shards (DTensor) and pipeline stages (each rank its own layers) are written by
+    name: one process reads the whole model and optimizer back and continues the run."""
+    untied = {"model.tie_embeddings": "false"}  # (pipeline stages cannot share a weight)
+    ref = tmp_path / "mp"
+    finish(launch(corpus, ref, nproc=2, **{**untied, **layout, "train.micro_batch_size": 2,
+                                            "checkpoint.keep_every": 8}), ref)
+    out = tmp_path / "run"
+    shutil.copytree(ref / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
+    finish(launch(corpus, out, **{**untied, "checkpoint.every_steps": 0}), out)
     want, got = losses(ref), losses(out)
     assert sorted(got) == list(range(9, 17))
     worst = max(abs(got[s] - want[s]) / want[s] for s in got)

@@ -124,14 +124,18 @@ def load_model_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
         current = get_optimizer_state_dict(model, inner, options=StateDictOptions())
         set_optimizer_state_dict(model, inner, {"state": state, "param_groups": current["param_groups"]},
                                  options=opts)
-        # hyperparameters by group index (set_optimizer_state_dict matches groups through parameter
-        # names and can drop a group's keys when a group holds a tied weight)
-        saved = other.get("optim_groups", [])
-        if len(saved) != len(inner.param_groups):
+        # hyperparameters, matched by the group's name (lmforge's groups are named "decay", "no_decay", ...;
+        # a layout may split a group, e.g. TP into DTensor / plain parameters), else by position.
+        # (set_optimizer_state_dict matches groups through parameter names and can drop a group's keys
+        # when a group holds a tied weight, so they are set here.)
+        saved = [_from_json(g) for g in other.get("optim_groups", [])]
+        by_name = {g.get("group"): g for g in saved}
+        named = None not in by_name and all(g.get("group") in by_name for g in inner.param_groups)
+        if not named and len(saved) != len(inner.param_groups):
             raise ValueError(f"checkpoint: the optimizer has {len(inner.param_groups)} parameter groups but "
                              f"the checkpoint {len(saved)}; was it written with another optim.name?")
-        for group, hyper in zip(inner.param_groups, saved):
-            group.update({k: _from_json(v) for k, v in hyper.items()})
+        for i, group in enumerate(inner.param_groups):
+            group.update(by_name[group.get("group")] if named else saved[i])
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -149,8 +149,12 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> None:
     trainer.rollbacks = max(trainer.rollbacks, int(state.get("rollbacks", 0)))
     trainer.last_loss = float(state.get("last_loss", float("nan")))
     trainer.loader.load_state_dict(state["loader"])
-    sched = _from_json(state["scheduler"])
-    sched["lr_lambdas"] = [None] * len(sched.get("lr_lambdas", []))  # the schedule's shape comes from this run's config (steps may have grown)
+    # the schedule's position comes from the checkpoint; its shape (steps, base LRs, number of param
+    # groups, which a layout may split) from this run's config
+    saved = _from_json(state["scheduler"])
+    sched = trainer.scheduler.state_dict()
+    sched.update({k: saved[k] for k in ("last_epoch", "_step_count") if k in saved})
+    sched["lr_lambdas"] = [None] * len(trainer.scheduler.lr_lambdas)
     trainer.scheduler.load_state_dict(sched)
     # the LR of the next step from this run's schedule (the optimizer's saved lr may be stale: ZeRO-1's
     # local optimizer only sees the scheduler's value at its next step)
