@@ -186,3 +186,27 @@ def test_model_parallel_checkpoint_resumes_in_one_process(corpus, tmp_path, layo
     assert sorted(got) == list(range(9, 17))
     worst = max(abs(got[s] - want[s]) / want[s] for s in got)
     assert worst < 1e-5, (got, want)
+
+
+def test_3d_layout_matches_one_process_and_its_checkpoint_resumes_in_one(corpus, tmp_path):  # noqa: F811
+    """dp_shard 2 x tp 2 x pp 2 = 8 processes on one DeviceMesh: per-step losses equal one process's
+    (fp32; observed ~2e-7 relative), and its step-8 checkpoint (FSDP x TP shards of each pipeline stage)
+    continues in one process."""
+    untied = {"model.tie_embeddings": "false"}
+    single = tmp_path / "single"
+    finish(launch(corpus, single, **{**untied, "checkpoint.every_steps": 0}), single)
+    mesh3d = tmp_path / "3d"
+    finish(launch(corpus, mesh3d, nproc=8, **{**untied, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.pp": 2,
+                                               "train.micro_batch_size": 2, "checkpoint.every_steps": 8}), mesh3d,
+           timeout=400)
+    want, got = losses(single), losses(mesh3d)
+    assert sorted(got) == list(range(1, 17))
+    worst = max(abs(got[s] - want[s]) / want[s] for s in got)
+    print(f"\n3-D (dp_shard 2 x tp 2 x pp 2): max relative loss difference vs one process = {worst:.2e}")
+    assert worst < 1e-5, (got, want)
+    out = tmp_path / "run"
+    shutil.copytree(mesh3d / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
+    finish(launch(corpus, out, **{**untied, "checkpoint.every_steps": 0}), out)
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(9, 17))
+    assert max(abs(resumed[s] - want[s]) / want[s] for s in resumed) < 1e-5
