@@ -54,6 +54,12 @@ TRAINER_STATE = "trainer_state.json"
 FORMAT = 1
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -168,6 +174,7 @@ class CheckpointManager:
         self.pg = process_group
         self.on_event = on_event or (lambda e: None)
         self._pending: threading.Thread | None = None
+        self._staging: dict[str, torch.Tensor] = {}  # host copies of the last save, reused by the next
         self._error: BaseException | None = None
         self.blocking_s = 0.0  # time the training loop spent blocked on checkpoints
         self.last_save: dict[str, Any] = {}
@@ -208,29 +215,53 @@ class CheckpointManager:
         started = time.time()
         future: Future | None = None
         error: BaseException | None = None
+        write = None
         try:
-            if self.async_save:
+            if not self.async_save:
+                dcp.save(tensors, storage_writer=writer, process_group=self.pg, no_dist=not self.distributed)
+            elif all(_local(t).device.type == "cpu" for t in tensors.values()):
+                # host tensors: one copy here, the (synchronous) DCP write in the background thread.
+                # Measured on CPU this stages ~1.6x faster and writes ~2x faster than dcp.async_save,
+                # whose stager copies into shared memory first (benchmarks/RESULTS.md).
+                staged = self._stage(tensors)
+                write = lambda: dcp.save(staged, storage_writer=writer, process_group=self.pg,  # noqa: E731
+                                         no_dist=not self.distributed)
+            else:  # accelerator tensors: DCP's own staging into host memory, then a background write
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg,
                                         no_dist=not self.distributed)
-            else:
-                dcp.save(tensors, storage_writer=writer, process_group=self.pg, no_dist=not self.distributed)
         except BaseException as e:  # noqa: BLE001 - reported; training continues
             error = e
         req = SaveRequest(step, trainer_state, meta)
         staged_s = time.perf_counter() - t0
         self.blocking_s += staged_s
-        self._pending = threading.Thread(target=self._finish, args=(req, tmp, future, error, started, staged_s),
+        self._pending = threading.Thread(target=self._finish, args=(req, tmp, future, write, error, started, staged_s),
                                          name=f"lmforge-ckpt-{step}", daemon=True)
         self._pending.start()
         if not self.async_save:
             self.wait()
 
-    def _finish(self, req: SaveRequest, tmp: Path, future: Future | None, error: BaseException | None,
-                started: float, staged_s: float) -> None:
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy into host buffers kept from the previous save (allocating fresh ones costs a page fault
+        per 4 KB: ~1 s per GB on this VM); the previous save is finished, so they are free."""
+        staged = {}
+        for k, t in tensors.items():
+            buf = self._staging.get(k)
+            t = t.detach()
+            if buf is None or type(buf) is not type(t) or buf.shape != t.shape or buf.dtype != t.dtype or (
+                    hasattr(t, "placements") and buf.placements != t.placements):
+                buf = t.clone()
+            else:
+                buf.copy_(t)
+            staged[k] = buf
+        self._staging = staged
+        return staged
+
+    def _finish(self, req: SaveRequest, tmp: Path, future: Future | None, write: Callable[[], Any] | None,
+                error: BaseException | None, started: float, staged_s: float) -> None:
         try:
-            if error is None and future is not None:
+            if error is None and (future is not None or write is not None):
                 try:
-                    future.result()
+                    future.result() if future is not None else write()
                 except BaseException as e:  # noqa: BLE001
                     error = e
             if self.distributed:
