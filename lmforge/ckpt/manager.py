@@ -22,7 +22,6 @@ is logged, its `.tmp` removed, and training goes on.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import lmforge
 from lmforge.ckpt.safe_io import SafeFileSystemReader, check_relative, safe_read_metadata
+from lmforge.data.corpus import sha256_file
 
 log = logging.getLogger("lmforge.ckpt")
 # DCP warns on every single-process save/load; lmforge passes no_dist deliberately there
@@ -62,14 +62,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
