@@ -190,7 +190,7 @@ class CheckpointConfig:
     """Fault-tolerant checkpoints (torch.distributed.checkpoint: sharded, resharded on load)."""
 
     every_steps: int = _f(0, "Save a checkpoint every this many optimizer steps (0 = not by step count).")
-    every_minutes: float = _f(0.0, "Also save when this many minutes have passed since the last save (0 = off); rank 0's clock decides for all ranks.")
+    every_minutes: float = _f(30.0, "Also save when this many minutes have passed since the last save (0 = off), checked at log steps; rank 0's clock decides for all ranks.")
     dir: str = _f("", "Checkpoint folder ('' = <train.out_dir>/checkpoints).")
     keep_last: int = _f(2, "Keep the newest N valid checkpoints; older ones are deleted only after a newer one was validated.")
     keep_every: int = _f(0, "Also keep every checkpoint whose step is a multiple of this forever (0 = off).")
@@ -470,10 +470,10 @@ class Config:
                                   "at 'none' / 0.")
             if s.batch_rampup_start:
                 raise ConfigError("parallel.async_sgd = true: schedule.batch_rampup_start does not apply; turn it off.")
-            if self.checkpoint.every_steps or self.checkpoint.every_minutes:
+            if self.checkpoint.every_steps:
                 raise ConfigError("parallel.async_sgd = true does not write periodic checkpoints (the parameter "
-                                  "server's state is not checkpointed yet); set checkpoint.every_steps = 0 and "
-                                  "checkpoint.every_minutes = 0.")
+                                  "server's state is not checkpointed yet; checkpoint.every_minutes is ignored); set "
+                                  "checkpoint.every_steps = 0.")
 
     def resolved_device(self) -> str:
         if self.train.device != "auto":

@@ -364,11 +364,11 @@ class Trainer:
                         "message": f"rolled back to {path.name} (step {self.step}); batches {bad} will be skipped"})
 
     def checkpoint_due(self, last_save_time: float) -> bool:
-        """Periodic checkpoint now? (step count, or rank 0's clock broadcast to every rank)"""
+        """Periodic checkpoint now? (step count, or rank 0's clock, read at log steps and broadcast)"""
         c = self.cfg.checkpoint
         if c.every_steps and self.step % c.every_steps == 0:
             return True
-        if c.every_minutes > 0:
+        if c.every_minutes > 0 and self.step % self.cfg.train.log_every == 0:  # (at log steps: no extra sync)
             due = torch.tensor([1 if time.time() - last_save_time >= 60 * c.every_minutes else 0])
             if self.dist.distributed:
                 torch.distributed.broadcast(due, src=0)
