@@ -219,8 +219,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.guard_arm and guard is not None:
         arms["lmforge_no_guard"] = None
 
+    data_s: list[float] = []
+
     def lmforge_step() -> None:
-        trainer.train_step(trainer.next_micro_batches())
+        d0 = time.perf_counter()
+        batches = trainer.next_micro_batches()
+        data_s.append(time.perf_counter() - d0)
+        trainer.train_step(batches)
 
     def lmforge_no_guard_step() -> None:
         trainer.guard = None
@@ -305,6 +310,10 @@ def run(args: argparse.Namespace) -> dict:
             arm["mfu_vs_fp32_peak"] = tok_s * fpt / peaks["fp32"]
             arm["mfu_vs_bf16_peak"] = tok_s * fpt / peaks["bf16"]
         results["arms"][name] = arm
+    if data_s:  # lmforge's loader on the critical path: memmap gather + host->device copy per step
+        d = statistics.median(data_s[args.warmup:] or data_s)
+        results["arms"]["lmforge"]["data_s_per_step_median"] = d
+        results["arms"]["lmforge"]["data_share"] = d / results["arms"]["lmforge"]["step_time_s_median"]
     if device.type == "cuda":
         results["resident_gb"] = torch.cuda.memory_allocated(device) / 1e9
     ratios = {}
@@ -359,6 +368,10 @@ def format_table(res: dict) -> str:
     lines.append("peaks: " + ", ".join(f"{k} {v / 1e9:,.1f} GFLOP/s" for k, v in pk.items())
                  + f" ({res['peak_source']}); FLOPs/token {res['config']['flops_per_token'] / 1e6:.1f} M "
                    f"({res['config']['flops_formula']})")
+    lm = res["arms"]["lmforge"]
+    if "data_share" in lm:
+        lines.append(f"lmforge data fetch (next_micro_batches): {lm['data_s_per_step_median'] * 1e3:.3f} ms/step "
+                     f"= {100 * lm['data_share']:.3f}% of the step")
     for k, v in res["paired_ratios"].items():
         lines.append(f"median paired ratio {k}: {v:.3f}")
     lines.append(f"load average: {res['machine']['load_average']}; threads {res['machine']['threads']}; "

@@ -47,6 +47,7 @@ def test_quick_mode_reports_finite_positive_numbers(tmp_path):
                     "cpu_s_per_step_median", "mfu", "mfu_vs_fp32_peak", "mfu_vs_bf16_peak", "peak_mem_gb"):
             assert positive(arm[key]), (name, key, arm[key])
         assert len(arm["step_times_s"]) == 2
+    assert on_disk["arms"]["lmforge"]["data_s_per_step_median"] > 0
     for key in ("lmforge/reference", "lmforge_no_guard/reference", "lmforge/lmforge_no_guard"):
         assert positive(on_disk["paired_ratios"][key]), key
     table = bench.format_table(on_disk)

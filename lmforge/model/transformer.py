@@ -18,6 +18,7 @@ from torch import nn
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
 from lmforge.model.layers import Block, KVCache, make_norm, rope_tables
+from lmforge.model.loss import linear_cross_entropy_sum
 
 
 class Transformer(nn.Module):
@@ -77,8 +78,15 @@ class Transformer(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
-        """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
+    def forward(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None,
+                targets: torch.Tensor | None = None, loss_chunk: int = 0) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab).
+
+        With `targets` (batch, seq; -100 = ignored): the summed token NLL instead (fp32 scalar),
+        computed by `lmforge.model.loss.linear_cross_entropy_sum` over `loss_chunk` tokens at a
+        time, fused with the output projection, so the full logits never exist (train.loss_chunk).
+        Inside forward so DDP/FSDP hooks see the output projection's use as usual.
+        """
         start = kv_caches[0].length if kv_caches else 0
         seq = tokens.shape[1]
         if start + seq > self.cfg.max_seq_len:
@@ -91,6 +99,8 @@ class Transformer(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         for i, block in enumerate(self.blocks.values()):
             x = block(x, rope, kv_caches[i] if kv_caches else None)
+        if targets is not None:
+            return linear_cross_entropy_sum(self.norm(x), self.lm_head.weight, targets, loss_chunk)
         return self.lm_head(self.norm(x))
 
     # ---- accounting -------------------------------------------------------------------------
