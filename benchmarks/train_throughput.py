@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> dict:
 
     fns = {"lmforge": lmforge_step, "reference": reference.step if reference else None,
            "lmforge_no_guard": lmforge_no_guard_step}
-    peaks_before = measure_peaks(device, precision) if rank0 or device.type == "cuda" else {}
+    peaks_before = measure_peaks(device, precision)
 
     t0 = time.perf_counter()
     for name in arms:  # warm-up (allocator, compile, optimizer state)
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
                 mem[name] = max(mem[name], torch.cuda.max_memory_allocated(device) / 1e9)
         say(f"[rep {rep + 1}/{args.reps}] " + ", ".join(f"{a} {wall[a][-1] * 1e3:.1f} ms" for a in arms), flush=True)
 
-    peaks_after = measure_peaks(device, precision) if rank0 or device.type == "cuda" else {}
+    peaks_after = measure_peaks(device, precision)
     peaks = dict(peaks_after)
     for key in ("fp32", "bf16", "run"):
         if key in peaks_before:
@@ -374,6 +374,8 @@ def format_table(res: dict) -> str:
                      f"= {100 * lm['data_share']:.3f}% of the step")
     for k, v in res["paired_ratios"].items():
         lines.append(f"median paired ratio {k}: {v:.3f}")
+    if "note" in res:
+        lines.append(res["note"])
     lines.append(f"load average: {res['machine']['load_average']}; threads {res['machine']['threads']}; "
                  f"commit {res['git_commit']}")
     return "\n".join(lines)
