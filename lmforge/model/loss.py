@@ -8,7 +8,8 @@ copy; for a 128k vocabulary it dominates activation memory.
 `linear_cross_entropy_sum(hidden, weight, targets, chunk)` computes the same summed token NLL
 chunk by chunk (`chunk` tokens at a time) and, in the same pass, the gradients with respect to
 `hidden` and `weight` (d loss / d logits = softmax - one_hot, then two matmuls). Only one chunk
-of logits exists at a time; what is kept for backward is grad_hidden ([B*T, d], the size of the
+of logits exists at a time (fp32 [chunk, vocab], turned into the softmax gradient in place, plus
+the compute-dtype matmul output); what is kept for backward is grad_hidden ([B*T, d], the size of the
 hidden states) and grad_weight ([vocab, d] fp32, the size of the weight). Backward multiplies
 them by the incoming scalar gradient. FLOPs equal the plain path's (no recomputation:
 forward matmul + the two backward matmuls, done in the forward).
@@ -21,7 +22,6 @@ Targets equal to -100 are ignored (zero loss, zero gradient).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
@@ -48,9 +48,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             logits = (hc @ w.t()).float()
             valid = yc != IGNORE_INDEX
             safe = torch.where(valid, yc, 0)
-            total += F.cross_entropy(logits, yc, ignore_index=IGNORE_INDEX, reduction="sum")
+            lse = torch.logsumexp(logits, dim=-1)
+            total += ((lse - logits.gather(1, safe[:, None]).squeeze(1)) * valid).sum()
             if need_h or need_w:
-                g = torch.softmax(logits, dim=-1)  # d(sum NLL)/d logits = softmax - one_hot
+                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d(sum NLL)/d logits = softmax - one_hot
                 g.scatter_add_(1, safe[:, None], torch.full_like(g[:, :1], -1.0))
                 g.mul_(valid[:, None])
                 g = g.to(cdtype)
