@@ -146,3 +146,24 @@ def test_fp8_filter_selects_block_linears_only():
     assert len(chosen) == 2 * 7  # wq wk wv wo gate up down per block
     assert "lm_head" not in chosen and all(n.startswith("blocks.") for n in chosen)
     assert fp8_supported(torch.device("cpu"))[0] is False
+
+
+def test_loss_chunk_with_a_lora_head_uses_the_adapter():
+    """A LoRA-wrapped (untied) lm_head must not be bypassed by the fused loss: same loss and grads."""
+    from lmforge.model.lora import apply_lora
+    from lmforge.model.transformer import build_model
+
+    cfg = load_config("tiny", {"model.dim": 64, "model.n_heads": 4, "model.n_layers": 2,
+                               "model.tie_embeddings": False})
+    model = build_model(cfg.model, seed=0)
+    apply_lora(model, "wq,lm_head", rank=4, seed=0)
+    with torch.no_grad():
+        model.lm_head.lora_b.normal_()  # a non-zero adapter, so bypassing it would show
+    x = torch.randint(0, 4096, (2, 16))
+    y = torch.randint(0, 4096, (2, 16))
+    plain = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
+    g_plain = torch.autograd.grad(plain, model.lm_head.lora_b)[0]
+    fused = model(x, targets=y, loss_chunk=8)
+    g_fused = torch.autograd.grad(fused, model.lm_head.lora_b)[0]
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g_fused, g_plain, rtol=1e-5, atol=1e-6)

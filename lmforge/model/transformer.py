@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config import ModelConfig
@@ -100,7 +101,11 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks.values()):
             x = block(x, rope, kv_caches[i] if kv_caches else None)
         if targets is not None:
-            return linear_cross_entropy_sum(self.norm(x), self.lm_head.weight, targets, loss_chunk)
+            h = self.norm(x)
+            if type(self.lm_head) is nn.Linear:  # a LoRA (or other wrapped) head runs its own forward
+                return linear_cross_entropy_sum(h, self.lm_head.weight, targets, loss_chunk)
+            return F.cross_entropy(self.lm_head(h).float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                   reduction="sum")
         return self.lm_head(self.norm(x))
 
     # ---- accounting -------------------------------------------------------------------------
