@@ -109,6 +109,7 @@ class OptimConfig:
     momentum: float = _f(0.9, "Momentum for the 'momentum' (SGD) optimizer.")
     nesterov: bool = _f(False, "Nesterov momentum for the 'momentum' optimizer.")
     grad_clip: float = _f(1.0, "Clip the global gradient L2 norm to this value (0 = no clipping).")
+    fused: Literal["auto", "on", "off"] = _f("auto", "Kernel of torch's SGD/Adam/AdamW: 'auto' = fused on CUDA, foreach (multi-tensor) elsewhere; 'on' = fused kernels everywhere (torch also has CPU ones: ~5x less CPU time per step than foreach on the tiny model); 'off' = foreach everywhere. Only for optim.name in sgd, momentum, adam, adamw.")
     muon_lr: float = _f(0.02, "Muon only: learning rate of the orthogonalised updates of 2-D weight matrices (embeddings, lm_head, norms and biases use AdamW at optim.lr).")
     muon_momentum: float = _f(0.95, "Muon only: momentum (Nesterov) of the matrix updates.")
 
@@ -137,6 +138,8 @@ class TrainConfig:
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
     compile: bool = _f(False, "Compile each transformer block with torch.compile.")
+    loss_chunk: int = _f(0, "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass). 0 = off (the plain logits + F.cross_entropy). Try 1024-8192 with large vocabularies. Not with parallel.tp > 1 or parallel.pp > 1.")
+    fp8: bool = _f(False, "Train the transformer blocks' nn.Linear layers with FP8 matmuls (torchao.float8 dynamic scaling; the output projection stays in the run's precision). Needs the `torchao` package and a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: L4, H100, H200, B200).")
     seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     threads: int = _f(0, "CPU threads for torch (0 = leave torch's default: one per core).")
@@ -278,6 +281,7 @@ class Config:
         non_negative = {"optim.weight_decay": o.weight_decay, "optim.grad_clip": o.grad_clip,
                         "schedule.warmup_steps": s.warmup_steps, "train.eval_every": t.eval_every,
                         "train.sample_tokens": t.sample_tokens, "train.threads": t.threads,
+                        "train.loss_chunk": t.loss_chunk,
                         "checkpoint.every_steps": self.checkpoint.every_steps,
                         "checkpoint.every_minutes": self.checkpoint.every_minutes,
                         "checkpoint.keep_every": self.checkpoint.keep_every, "guard.sigma": self.guard.sigma,
@@ -371,6 +375,27 @@ class Config:
             raise ConfigError(
                 f"parallel.ddp_comm_hook = {p.ddp_comm_hook!r} applies to DDP only, but parallel.dp_shard = "
                 f"{p.dp_shard} uses FSDP; set ddp_comm_hook = 'none' or use dp_replicate instead of dp_shard.")
+        if t.loss_chunk and (p.tp > 1 or p.pp > 1):
+            raise ConfigError(
+                f"train.loss_chunk = {t.loss_chunk} is not supported with parallel.tp = {p.tp} / parallel.pp = {p.pp} "
+                f"yet; set train.loss_chunk = 0.")
+        if o.fused != "auto" and o.name not in ("sgd", "momentum", "adam", "adamw"):
+            raise ConfigError(
+                f"optim.fused = {o.fused!r} applies to torch's sgd, momentum, adam and adamw only, not "
+                f"optim.name = {o.name!r}; set optim.fused = 'auto'.")
+        if t.fp8:
+            import importlib.util
+
+            if p.tp > 1:
+                raise ConfigError("train.fp8 = true with parallel.tp > 1 needs torchao's float8 tensor-parallel "
+                                  "styles, which lmforge does not wire yet; set train.fp8 = false or parallel.tp = 1.")
+
+            if t.device == "cpu":
+                raise ConfigError("train.fp8 = true needs a CUDA GPU with FP8 tensor cores (H100/H200/L4/B200); "
+                                  "train.device = 'cpu'. Set train.fp8 = false.")
+            if importlib.util.find_spec("torchao") is None:
+                raise ConfigError("train.fp8 = true needs the torchao package (torchao.float8), which is not "
+                                  "installed: `pip install torchao`, or set train.fp8 = false.")
         if p.cpu_offload and not sharded:
             raise ConfigError("parallel.cpu_offload = true needs FSDP (parallel.dp_shard >= 2, zero_stage 0, 2 or 3).")
         c = self.checkpoint

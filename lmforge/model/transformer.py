@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
 from lmforge.model.layers import Block, KVCache, make_norm, rope_tables
+from lmforge.model.loss import linear_cross_entropy_sum
 
 
 class Transformer(nn.Module):
@@ -77,8 +79,15 @@ class Transformer(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
-        """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
+    def forward(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None,
+                targets: torch.Tensor | None = None, loss_chunk: int = 0) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> logits (batch, seq, vocab).
+
+        With `targets` (batch, seq; -100 = ignored): the summed token NLL instead (fp32 scalar),
+        computed by `lmforge.model.loss.linear_cross_entropy_sum` over `loss_chunk` tokens at a
+        time, fused with the output projection, so the full logits never exist (train.loss_chunk).
+        Inside forward so DDP/FSDP hooks see the output projection's use as usual.
+        """
         start = kv_caches[0].length if kv_caches else 0
         seq = tokens.shape[1]
         if start + seq > self.cfg.max_seq_len:
@@ -91,6 +100,12 @@ class Transformer(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         for i, block in enumerate(self.blocks.values()):
             x = block(x, rope, kv_caches[i] if kv_caches else None)
+        if targets is not None:
+            h = self.norm(x)
+            if type(self.lm_head) is nn.Linear:  # a LoRA (or other wrapped) head runs its own forward
+                return linear_cross_entropy_sum(h, self.lm_head.weight, targets, loss_chunk)
+            return F.cross_entropy(self.lm_head(h).float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                   reduction="sum")
         return self.lm_head(self.norm(x))
 
     # ---- accounting -------------------------------------------------------------------------

@@ -174,6 +174,10 @@ class Trainer:
                      f"{sum(p.numel() for p in self.model.parameters() if p.requires_grad):,}")
         self.n_params = self.model.num_params()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        if t.fp8:  # torchao Float8Linear in the blocks (before AC, compile and FSDP)
+            from lmforge.train.fp8 import apply_fp8
+
+            log.info("fp8: %d block linears converted to torchao Float8Linear", apply_fp8(self.model, self.device))
         # model parallelism (before activation checkpointing / compile, which rename the modules):
         # pipeline split (this rank keeps its stages' modules), then tensor-parallel sharding
         self.model_parallel = cfg.parallel.tp > 1 or cfg.parallel.pp > 1
@@ -203,6 +207,7 @@ class Trainer:
         self.optimizer = build_optimizer(
             self.model, o.name, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
             momentum=o.momentum, nesterov=o.nesterov, decay_embeddings=o.decay_embeddings,
+            fused={"auto": None, "on": True, "off": False}[o.fused],
             **({"muon_lr": o.muon_lr, "muon_momentum": o.muon_momentum} if o.name == "muon" else {}))
         if self.layout == "zero1":
             self.optimizer = wrap_optimizer_zero1(self.optimizer)
@@ -283,15 +288,22 @@ class Trainer:
         for i, (x, y) in enumerate(micro_batches):
             sync = (not ddp) or i == len(micro_batches) - 1
             with (contextlib.nullcontext() if sync else self.train_model.no_sync()):
-                with self.precision.autocast():
-                    logits = self.train_model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                                       reduction="sum") / n_tokens
+                loss = self.token_nll_sum(x, y) / n_tokens
                 self.precision.scaler.scale(loss * dp if dp > 1 else loss).backward()
             loss_sum += loss.detach()
         if dp > 1:
             all_reduce_sum(loss_sum)
         return loss_sum
+
+    def token_nll_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Summed token NLL (fp32) of one micro-batch through `train_model`. With train.loss_chunk the
+        model computes it fused with the output projection, chunk by chunk (no [B, T, vocab] logits)."""
+        chunk = self.cfg.train.loss_chunk
+        with self.precision.autocast():
+            if chunk:
+                return self.train_model(x, targets=y, loss_chunk=chunk)
+            logits = self.train_model(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
 
     def optimizer_update(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Unscale (fp16) -> clip the global grad norm -> guard -> step -> zero grads -> advance the LR."""

@@ -1,0 +1,54 @@
+"""benchmarks/train_throughput.py --quick on a very small config: it runs the real Trainer and
+the reference loop and reports finite positive numbers in the documented JSON schema."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
+         "data.seq_len=64", "data.tokenizer_vocab_size=300", "train.micro_batch_size=4",
+         "train.global_batch_size=8"]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "benchmarks" / "train_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_mode_reports_finite_positive_numbers(tmp_path):
+    bench = load_bench()
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--guard-arm", "--threads", "1", "--warmup", "1", "--reps", "2", "--json", str(out)]
+    for s in SMALL:
+        argv += ["--set", s]
+    res = bench.main(argv)
+    on_disk = json.loads(out.read_text())
+    assert on_disk["schema"] == res["schema"] == "lmforge.train_throughput/1"
+    for key in ("date", "git_commit", "command", "machine", "config", "protocol", "peak_flops", "peak_source",
+                "arms", "paired_ratios"):
+        assert key in on_disk, key
+    assert on_disk["config"]["grad_accum_steps"] == 2
+    assert on_disk["config"]["tokens_per_step_per_rank"] == 8 * 64
+    assert len(on_disk["machine"]["load_average"]) == 3
+    assert set(on_disk["arms"]) == {"lmforge", "reference", "lmforge_no_guard"}
+    assert positive(on_disk["peak_flops"]["fp32"]) and positive(on_disk["peak_flops"]["bf16"])
+    for name, arm in on_disk["arms"].items():
+        for key in ("step_time_s_median", "step_time_s_best", "tokens_per_s_median", "tokens_per_s_best",
+                    "cpu_s_per_step_median", "mfu", "mfu_vs_fp32_peak", "mfu_vs_bf16_peak", "peak_mem_gb"):
+            assert positive(arm[key]), (name, key, arm[key])
+        assert len(arm["step_times_s"]) == 2
+    assert on_disk["arms"]["lmforge"]["data_s_per_step_median"] > 0
+    for key in ("lmforge/reference", "lmforge_no_guard/reference", "lmforge/lmforge_no_guard"):
+        assert positive(on_disk["paired_ratios"][key]), key
+    table = bench.format_table(on_disk)
+    assert "| lmforge |" in table and "| reference |" in table and "6N + 12*L*d*s" in table
