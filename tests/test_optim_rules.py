@@ -157,7 +157,7 @@ def test_muon_matrix_update_agrees_with_torch_muon() -> None:
     """Cross-check against torch.optim.Muon (2-D only), both orthogonalising in bf16."""
     w0 = torch.randn(32, 48)
     ours, theirs = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
-    opt_ours = Muon([ours], lr=0.02, weight_decay=0.1)
+    opt_ours = Muon([ours], lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)  # (CPU default: fp32)
     opt_theirs = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1)
     grads = [[g] for g in _grads(5, 32, 48, seed=8)]
     _run(opt_ours, [ours], [[g[0].float()] for g in grads])

@@ -109,7 +109,7 @@ def _muon_groups(
         "momentum": extra.pop("muon_momentum", 0.95),
         "nesterov": extra.pop("muon_nesterov", True),
         "ns_steps": extra.pop("muon_ns_steps", 5),
-        "ns_dtype": extra.pop("muon_ns_dtype", torch.bfloat16),
+        "ns_dtype": extra.pop("muon_ns_dtype", None),
         "weight_decay": extra.pop("muon_weight_decay", weight_decay),
     }
     decay, no_decay = param_groups(model, weight_decay, decay_embeddings)
@@ -150,7 +150,7 @@ def build_optimizer(
           torch's Adafactor always uses the relative step rho_t = min(lr, 1/sqrt(t)) and
           parameter scaling, keeps no first moment, and decays weights by lr * weight_decay.
       muon: muon_lr (0.02), muon_momentum (0.95), muon_nesterov (True), muon_ns_steps (5),
-          muon_ns_dtype (torch.bfloat16), muon_weight_decay (= weight_decay),
+          muon_ns_dtype (None = bf16 on GPUs, fp32 on CPUs), muon_weight_decay (= weight_decay),
           muon_exclude (("lm_head",): name substrings of matrices kept on AdamW).
           `lr`, `betas`, `eps` are the AdamW settings for embeddings, lm_head, norms, biases.
       adam8bit: block_size (256), min_8bit_size (4096).
