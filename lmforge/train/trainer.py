@@ -256,8 +256,8 @@ class Trainer:
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: forward/backward over the micro-batches, then the update.
 
-        Returns (mean loss, grad norm) as tensors: reading them forces a host sync, so callers
-        do it only when they log.
+        Returns (mean loss, grad norm) as tensors: reading them forces a host sync, so the loop
+        does it only when it logs (the spike guard, when enabled, reads both once per step).
         """
         loss = self.forward_backward(micro_batches)
         grad_norm = self.optimizer_update(loss)
