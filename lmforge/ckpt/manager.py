@@ -347,10 +347,9 @@ class CheckpointManager:
             dist.broadcast_object_list(choice, src=0, group=self.pg)
         return Path(choice[0]) if choice[0] else None
 
-    def load(self, folder: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-        """Read the tensors this run asks for (in its own layout) from `folder`; returns
-        (meta, trainer_state)."""
-        meta = read_meta(folder)
+    def load(self, folder: Path, tensors: dict[str, torch.Tensor]) -> dict:
+        """Read the tensors this run asks for (in its own layout) from `folder`, in place; returns
+        its trainer state."""
         ts_path = folder / TRAINER_STATE
         try:
             trainer_state = json.loads(ts_path.read_text())
@@ -358,7 +357,7 @@ class CheckpointManager:
             raise ValueError(f"{ts_path}: unreadable ({e})") from e
         dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)), process_group=self.pg,
                  no_dist=not self.distributed)
-        return meta, trainer_state
+        return trainer_state
 
     def close(self) -> None:
         self.wait()

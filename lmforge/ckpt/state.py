@@ -144,6 +144,16 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
+def json_tensor(obj: Any) -> torch.Tensor:
+    """A JSON-able object as a uint8 tensor (so DCP stores it per rank without pickling)."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def tensor_json(t: torch.Tensor) -> Any:
+    """Inverse of `json_tensor`."""
+    return json.loads(bytes(t.to(torch.uint8).cpu().numpy()).decode())
+
+
 # ---------------------------------------------------------------------------------------------
 # RNG
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +168,7 @@ def rng_tensors(rank: int) -> dict[str, torch.Tensor]:
                       int(np_state[2]), int(np_state[3]), float(np_state[4])]}
     key = f"rng{SEP}rank{rank}{SEP}"
     out = {key + "torch": torch.get_rng_state(),
-           key + "host": torch.frombuffer(bytearray(json.dumps(host).encode()), dtype=torch.uint8)}
+           key + "host": json_tensor(host)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out[key + "cuda"] = torch.cuda.get_rng_state()
     return out
@@ -173,7 +183,7 @@ def set_rng(rank: int, tensors: dict[str, torch.Tensor]) -> bool:
     torch.set_rng_state(tensors[key + "torch"].to(torch.uint8).cpu())
     if key + "cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors[key + "cuda"].to(torch.uint8).cpu())
-    host = json.loads(bytes(tensors[key + "host"].to(torch.uint8).cpu().numpy()).decode())
+    host = tensor_json(tensors[key + "host"])
     version, state, gauss = host["python"]
     random.setstate((version, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = host["numpy"]

@@ -13,7 +13,6 @@ are restored, so N steps + kill + resume + N steps equals 2N straight steps bit 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,8 @@ import torch.distributed as dist
 
 from lmforge.ckpt.manager import CheckpointManager, read_meta, verify_checkpoint
 from lmforge.ckpt.safe_io import safe_read_metadata
-from lmforge.ckpt.state import SEP, _from_json, _to_json, load_model_optim_state, model_optim_state, rng_tensors, set_rng
+from lmforge.ckpt.state import (SEP, _from_json, _to_json, json_tensor, load_model_optim_state, model_optim_state,
+                                 rng_tensors, set_rng, tensor_json)
 from lmforge.config import ConfigError
 
 if TYPE_CHECKING:
@@ -54,14 +54,6 @@ def make_manager(trainer: "Trainer") -> CheckpointManager:
                              keep_every=c.keep_every, backup=backup, process_group=pg, on_event=trainer.log_event)
 
 
-def _json_blob(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-
-
-def _read_blob(t: torch.Tensor) -> Any:
-    return json.loads(bytes(t.to(torch.uint8).cpu().numpy()).decode())
-
-
 def save_checkpoint(trainer: "Trainer") -> None:
     """Checkpoint the trainer at its current step (every rank calls this)."""
     rank = trainer.dist.rank
@@ -69,7 +61,7 @@ def save_checkpoint(trainer: "Trainer") -> None:
     tensors.update(rng_tensors(rank))
     # this rank's non-tensor optimizer state (per-parameter ints, hyperparameters) as JSON bytes:
     # with ZeRO-1 each rank owns different parameters, so every rank stores its own
-    tensors[f"json{SEP}rank{rank}"] = _json_blob(other)
+    tensors[f"json{SEP}rank{rank}"] = json_tensor(other)
     state = {
         "step": trainer.step, "tokens_seen": trainer.tokens_seen, "batches_drawn": trainer.batches_drawn,
         "skip_batches": sorted(trainer.skip_batches), "rollbacks": trainer.rollbacks,
@@ -130,10 +122,10 @@ def load_checkpoint(trainer: "Trainer", path: Path) -> None:
     for key in extra:
         md = stored[key]
         tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    _, state = trainer.ckpt.load(path, tensors)
+    state = trainer.ckpt.load(path, tensors)
     other: dict[str, Any] = {}
     for key in sorted(k for k in extra if k.startswith(f"json{SEP}")):
-        blob = _read_blob(tensors[key])
+        blob = tensor_json(tensors[key])
         groups = blob.pop("optim_groups", None)
         if groups is not None and ("optim_groups" not in other or key == f"json{SEP}rank{rank}"):
             other["optim_groups"] = groups

@@ -369,9 +369,9 @@ class Trainer:
             raise FloatingPointError(
                 f"training rolled back {self.rollbacks - 1} times and still produces bad steps (last batches {bad}); "
                 f"lower optim.lr, raise optim.warmup, or use precision = 'bf16'.")
-        rollbacks, skip, skipped = self.rollbacks, set(self.skip_batches), self.guard.n_skipped
-        trainer_io.load_checkpoint(self, path)
-        self.rollbacks, self.skip_batches, self.guard.n_skipped = rollbacks, skip, skipped
+        skipped = self.guard.n_skipped
+        trainer_io.load_checkpoint(self, path)  # (keeps the larger rollback count and the union of skips)
+        self.guard.n_skipped = skipped
         self.log_event({"event": "rollback", "to_step": self.step, "path": str(path), "skip_batches": bad,
                         "message": f"rolled back to {path.name} (step {self.step}); batches {bad} will be skipped"})
 
