@@ -67,14 +67,15 @@ def test_lamb_matches_rule_including_zero_norm_param() -> None:
 
 
 def test_adafactor_is_torch_and_matches_published_rule() -> None:
-    """build_optimizer('adafactor') is torch.optim.Adafactor; check it against the paper's rule
+    """build_optimizer('adafactor') is torch.optim.Adafactor (lmforge's subclass only adds a DTensor path);
+    check it against the paper's rule
     (factored second moment with row/column sums, beta2_t = 1 - t^-0.8, clipping d = 1,
     relative step rho_t = min(lr, 1/sqrt(t)), parameter scaling) plus torch's decoupled decay."""
     lr, wd, d, eps1, eps2 = 1e-2, 0.1, 1.0, torch.finfo(torch.float64).eps, 1e-3
     model = nn.Linear(6, 4).double()  # weight (4, 6): factored; bias (4,): full second moment
     p0s = [model.weight.detach().clone(), model.bias.detach().clone()]
     opt = build_optimizer(model, "adafactor", lr=lr, weight_decay=wd)
-    assert type(opt) is torch.optim.Adafactor
+    assert isinstance(opt, torch.optim.Adafactor)
     grads = list(zip(_grads(4, 4, 6, seed=3), _grads(4, 4, seed=4), strict=True))
     _run(opt, [model.weight, model.bias], grads)
 
@@ -101,6 +102,34 @@ def test_adafactor_is_torch_and_matches_published_rule() -> None:
             u_hat = u / max(1.0, rms(u) / d)
             theta = theta - alpha * u_hat
         torch.testing.assert_close([model.weight, model.bias][i].detach(), theta, rtol=RTOL, atol=ATOL)
+
+
+def test_adafactor_dtensor_path_equals_torch_bit_for_bit() -> None:
+    """The out-of-place update lmforge runs for DTensor parameters (FSDP2 / TP) is torch's update:
+    on a one-rank mesh (Shard(0) weight, Replicate bias) it gives torch's parameters exactly. (The
+    multi-rank case, where the norms really are reductions, is in test_parallel_optim.py.)"""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        ref = nn.Linear(6, 4)
+        sharded = nn.Linear(6, 4)
+        sharded.weight = nn.Parameter(distribute_tensor(ref.weight.detach().clone(), mesh, [Shard(0)]))
+        sharded.bias = nn.Parameter(distribute_tensor(ref.bias.detach().clone(), mesh, [Replicate()]))
+        opts = [build_optimizer(m, "adafactor", lr=1e-2, weight_decay=0.1) for m in (ref, sharded)]
+        for step_grads in zip(_grads(4, 4, 6, seed=5), _grads(4, 4, seed=6), strict=True):
+            for model, opt in zip((ref, sharded), opts, strict=True):
+                for p, g in zip((model.weight, model.bias), step_grads, strict=True):
+                    g = g.float()
+                    p.grad = distribute_tensor(g, mesh, p.placements) if hasattr(p, "placements") else g
+                opt.step()
+        assert torch.equal(sharded.weight.full_tensor(), ref.weight)
+        assert torch.equal(sharded.bias.full_tensor(), ref.bias)
+    finally:
+        dist.destroy_process_group()
 
 
 def _newton_schulz_reference(g: torch.Tensor, steps: int = 5) -> torch.Tensor:

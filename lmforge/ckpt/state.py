@@ -122,20 +122,25 @@ def load_model_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
         inner = _local_optimizer(optimizer)
         state = _unflatten("optim", tensors, other)
         current = get_optimizer_state_dict(model, inner, options=StateDictOptions())
+        own = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
         set_optimizer_state_dict(model, inner, {"state": state, "param_groups": current["param_groups"]},
                                  options=opts)
         # hyperparameters, matched by the group's name (lmforge's groups are named "decay", "no_decay", ...;
-        # a layout may split a group, e.g. TP into DTensor / plain parameters), else by position.
-        # (set_optimizer_state_dict matches groups through parameter names and can drop a group's keys
-        # when a group holds a tied weight, so they are set here.)
+        # a layout may split a group, e.g. TP into DTensor / plain parameters, or drop an empty one, e.g.
+        # Muon's AdamW-decay group when its only matrix is a tied embedding), else by position.
+        # (set_optimizer_state_dict matches groups through parameter names and can drop the keys of a
+        # group that holds a tied weight or nothing, so they are set here.)
         saved = [_from_json(g) for g in other.get("optim_groups", [])]
         by_name = {g.get("group"): g for g in saved}
-        named = None not in by_name and all(g.get("group") in by_name for g in inner.param_groups)
+        named = None not in by_name and all(g.get("group") in by_name for g in inner.param_groups if g["params"])
         if not named and len(saved) != len(inner.param_groups):
             raise ValueError(f"checkpoint: the optimizer has {len(inner.param_groups)} parameter groups but "
                              f"the checkpoint {len(saved)}; was it written with another optim.name?")
         for i, group in enumerate(inner.param_groups):
-            group.update(by_name[group.get("group")] if named else saved[i])
+            if named:  # (an empty group keeps its own settings, which the load above may have dropped)
+                group.update(by_name.get(group.get("group"), own[i]))
+            else:
+                group.update(saved[i])
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.optim.adafactor import Adafactor
 from lmforge.optim.adam8bit import Adam8bit
 from lmforge.optim.lamb import LAMB
 from lmforge.optim.lion import Lion
@@ -211,7 +212,7 @@ def _build_elementwise(
                 "which always uses the relative step and parameter scaling and keeps no first moment; "
                 "drop the option or pick another optimizer (e.g. adamw)"
             )
-    return torch.optim.Adafactor(
+    return Adafactor(
         groups, lr=lr,
         beta2_decay=extra.pop("beta2_decay", -0.8),
         d=extra.pop("clip_threshold", 1.0),
