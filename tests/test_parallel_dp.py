@@ -170,3 +170,45 @@ def test_layout_errors_without_torchrun(tmp_path, monkeypatch):
 def test_parallel_config_validation(bad, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny", {**BATCH, **bad})
+
+
+
+def _fp16_overflow_worker(rank: int, init_file: str, out: str) -> None:
+    """2 FSDP2 ranks; an inf lands in rank 1's gradient shard only; report what each rank did."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lmforge.train.precision import make_precision
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4, bias=False)
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = make_precision("fp16", torch.device("cpu")).scaler
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        if rank == 1:
+            model.weight.grad.to_local()[0, 0] = float("inf")
+        before = model.weight.to_local().clone()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        stepped = not torch.equal(before, model.weight.to_local())
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"stepped": stepped, "scale": scaler.get_scale()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_path):
+    """With FSDP2 each rank holds a different slice of every gradient, so an fp16 overflow can sit in
+    one rank's slice only. If that rank alone skipped the step, the shards would silently diverge.
+    lmforge's GradScaler sees DTensor gradients, whose overflow check DTensor all-reduces: both ranks
+    skip and halve the loss scale together (why no ShardedGradScaler is needed with FSDP2)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fp16_overflow_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got == [{"stepped": False, "scale": 2.0**15}] * 2, got
