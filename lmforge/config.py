@@ -610,7 +610,16 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     raise AssertionError(f"unsupported config type {tp} for {key}")
 
 
-def _build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+def build_dataclass(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """A config dataclass from a TOML table, every value type-checked; used for `lmforge train`'s
+    config and `lmforge prepare`'s `[prepare]` table alike.
+
+    `prefix` is the table's dotted path with a trailing dot ("" at the top level, "prepare."), so
+    each ConfigError names the full key. Nested dataclass fields are sub-tables; `list[Dataclass]`
+    fields are arrays of tables (`[[prepare.sources]]`); a field without a default is required.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.')} must be a table (section), got {raw!r}.")
     hints = typing.get_type_hints(cls)
     names = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
@@ -619,16 +628,31 @@ def _build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         if key not in names:
             close = _closest(key, names)
             raise ConfigError(
-                f"unknown config key {full!r}" + (f"; did you mean {prefix}{close!r}?" if close else "")
+                f"unknown config key {full!r}" + (f"; did you mean '{prefix}{close}'?" if close else "")
                 + f" Valid keys in [{prefix.rstrip('.') or 'top level'}]: {', '.join(names)}.")
         tp = hints[key]
+        item = _list_item_dataclass(tp)
         if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{full} must be a table (section), got {value!r}.")
-            kwargs[key] = _build_section(tp, value, f"{full}.")
+            kwargs[key] = build_dataclass(tp, value, f"{full}.")
+        elif item is not None:
+            if not isinstance(value, list):
+                raise ConfigError(f"{full} must be an array of tables ([[{full}]]), got {value!r}.")
+            kwargs[key] = [build_dataclass(item, v, f"{full}[{i}].") for i, v in enumerate(value)]
         else:
             kwargs[key] = _check_type(full, value, tp)
+    missing = [n for n, f in names.items() if n not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]}: required key is missing.")
     return cls(**kwargs)
+
+
+def _list_item_dataclass(tp: Any) -> type | None:
+    """`X` for an annotation `list[X]` where X is a dataclass, else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list and len(args) == 1 and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def _closest(key: str, names: typing.Iterable[str]) -> str | None:
@@ -671,7 +695,7 @@ def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = 
         name = path.stem
     raw.setdefault("preset", name)
     raw = apply_overrides(raw, overrides or {})
-    cfg = _build_section(Config, raw, "")
+    cfg = build_dataclass(Config, raw, "")
     if validate:
         cfg.validate()
     return cfg
@@ -699,14 +723,19 @@ def parse_cli_overrides(args: list[str]) -> dict[str, Any]:
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, doc) for every field, recursively: the reference documentation of the config."""
+    """(key, default, doc) for every field, recursively: the reference documentation of the config.
+    Fields of an array of tables are listed as `key[].field`."""
     rows = []
     for f in dataclasses.fields(cls):
         tp = typing.get_type_hints(cls)[f.name]
+        item = _list_item_dataclass(tp)
         if dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, f"{prefix}{f.name}."))
+        elif item is not None:
+            rows.extend(describe(item, f"{prefix}{f.name}[]."))
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = (f.default if f.default is not dataclasses.MISSING else
+                       f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
             rows.append((f"{prefix}{f.name}", repr(default), f.metadata.get("doc", "")))
     return rows
 

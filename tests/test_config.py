@@ -54,7 +54,7 @@ def test_overrides_are_typed_and_applied():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    ({"optim.lrr": 1e-3}, "unknown config key 'optim.lrr'; did you mean optim.'lr'"),
+    ({"optim.lrr": 1e-3}, "unknown config key 'optim.lrr'; did you mean 'optim.lr'"),
     ({"modle.dim": 64}, "unknown config key 'modle'"),
     ({"model.dim": "big"}, "model.dim = 'big' must be an integer"),
     ({"train.compile": 1}, "train.compile = 1 must be true or false"),

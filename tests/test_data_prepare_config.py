@@ -48,11 +48,11 @@ path = "/abs/books"
 
 
 @pytest.mark.parametrize("body,match", [
-    ("[prepare]\nvocab_sise = 3\n[[prepare.sources]]\npath='x'", "prepare.vocab_sise: unknown key"),
-    ("[prepare]\nvocab_size = '3'\n[[prepare.sources]]\npath='x'", "prepare.vocab_size = '3': expected an integer"),
-    ("[prepare]\nlowercase = 1\n[[prepare.sources]]\npath='x'", "prepare.lowercase = 1: expected true/false"),
-    ("[prepare]\non_bad_utf8 = 'ignore'\n[[prepare.sources]]\npath='x'", "prepare.on_bad_utf8 = 'ignore': must be one of"),
-    ("[prepare]\n[[prepare.sources]]\npath='x'\nfield='t'", r"prepare.sources\[0\].field: unknown key"),
+    ("[prepare]\nvocab_sise = 3\n[[prepare.sources]]\npath='x'", "unknown config key 'prepare.vocab_sise'; did you mean 'prepare.vocab_size'"),
+    ("[prepare]\nvocab_size = '3'\n[[prepare.sources]]\npath='x'", "prepare.vocab_size = '3' must be an integer"),
+    ("[prepare]\nlowercase = 1\n[[prepare.sources]]\npath='x'", "prepare.lowercase = 1 must be true or false"),
+    ("[prepare]\non_bad_utf8 = 'ignore'\n[[prepare.sources]]\npath='x'", "prepare.on_bad_utf8 = 'ignore' is not one of"),
+    ("[prepare]\n[[prepare.sources]]\npath='x'\nfield='t'", r"unknown config key 'prepare.sources\[0\].field'"),
     ("[prepare]\n[[prepare.sources]]\nname='a'", r"prepare.sources\[0\].path: required key"),
     ("[prepare]\n[[prepare.sources]]\npath='x'\nweight=0", r"prepare.sources\[0\].weight = 0.0 must be > 0"),
     ("[prepare]\n[[prepare.sources]]\npath='x'\nformat='csv'", r"prepare.sources\[0\].format = 'csv'"),

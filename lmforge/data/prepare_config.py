@@ -28,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from lmforge.config import build_dataclass, describe
 
 FORMATS = ("txt", "jsonl", "parquet")
 
@@ -176,67 +177,12 @@ class PrepareConfig:
         return dataclasses.asdict(self)
 
 
-# ---------------------------------------------------------------------------------------
-# Loading with type checks
-# ---------------------------------------------------------------------------------------
-
-def _check(value: Any, tp: Any, key: str) -> Any:
-    """Return ``value`` checked (and int->float widened) against annotation ``tp``."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ValueError(f"{key} = {value!r}: must be one of "
-                             f"{', '.join(repr(a) for a in typing.get_args(tp))}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key} = {value!r}: expected true/false")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} = {value!r}: expected an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{key} = {value!r}: expected a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{key} = {value!r}: expected a string")
-        return value
-    raise TypeError(f"unsupported annotation {tp} for {key}")  # programming error
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{prefix} must be a table, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        full = f"{prefix}.{key}"
-        if key not in fields:
-            raise ValueError(f"{full}: unknown key (known: {', '.join(sorted(fields))})")
-        tp = hints[key]
-        if key == "sources":
-            if not isinstance(value, list):
-                raise ValueError(f"{full} must be an array of tables ([[prepare.sources]])")
-            kwargs[key] = [_build(SourceConfig, v, f"{full}[{i}]") for i, v in enumerate(value)]
-        else:
-            kwargs[key] = _check(value, tp, full)
-    missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING and n not in kwargs]
-    if missing:
-        raise ValueError(f"{prefix}.{missing[0]}: required key is missing")
-    return cls(**kwargs)
-
-
 def prepare_config_from_dict(data: dict, base_dir: Path | None = None) -> PrepareConfig:
     """Build and validate a PrepareConfig from the contents of the ``[prepare]`` table.
 
     Relative paths are resolved against ``base_dir`` when given.
     """
-    cfg = _build(PrepareConfig, data, "prepare")
+    cfg = build_dataclass(PrepareConfig, data, "prepare.")
     if base_dir is not None:
         base = Path(base_dir)
         for s in cfg.sources:
@@ -265,13 +211,7 @@ def load_prepare_config(path: str | Path) -> PrepareConfig:
 
 def describe_prepare_config() -> list[tuple[str, str, str]]:
     """(key, default, doc) rows for every field, for help output."""
-    rows = []
-    for cls, prefix in ((PrepareConfig, "prepare"), (SourceConfig, "prepare.sources[]")):
-        for f in dataclasses.fields(cls):
-            default = (f.default if f.default is not dataclasses.MISSING else
-                       "[]" if f.default_factory is not dataclasses.MISSING else "(required)")
-            rows.append((f"{prefix}.{f.name}", repr(default), f.metadata.get("doc", "")))
-    return rows
+    return describe(PrepareConfig, "prepare.")
 
 
 __all__ = ["SourceConfig", "PrepareConfig", "load_prepare_config", "prepare_config_from_dict",
