@@ -86,6 +86,20 @@ def test_resume_is_bitwise_equal_to_a_straight_run(small_data, straight, tmp_pat
     assert_same(weights(resumed.model), ref)
 
 
+def test_resume_from_an_explicit_path(small_data, straight, tmp_path):
+    """checkpoint.resume = <folder>: that checkpoint (here another run's step 8), verified first; a
+    damaged one is an error naming the key, never a silent fresh start."""
+    ref_out, ref = straight
+    good = tmp_path / "saved" / "step_00000008"
+    shutil.copytree(ref_out / "checkpoints" / "step_00000008", good)
+    resumed = run(small_data, tmp_path / "run", **{"checkpoint.resume": str(good)})
+    assert resumed.resumed_from == good and resumed.step == 12
+    assert_same(weights(resumed.model), ref)
+    (good / "trainer_state.json").write_text("{}")  # its sha256 no longer matches meta.json
+    with pytest.raises(ValueError, match=r"checkpoint.resume = .*step_00000008.*trainer_state.json"):
+        run(small_data, tmp_path / "other", **{"checkpoint.resume": str(good)})
+
+
 def test_corrupt_newest_checkpoint_is_skipped(small_data, straight, tmp_path):
     ref_out, ref = straight
     out = tmp_path / "run"

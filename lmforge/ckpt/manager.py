@@ -347,6 +347,19 @@ class CheckpointManager:
             dist.broadcast_object_list(choice, src=0, group=self.pg)
         return Path(choice[0]) if choice[0] else None
 
+    def verify(self, path: Path) -> None:
+        """`verify_checkpoint(path)` hashed once, on rank 0; every rank raises its ValueError."""
+        error: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                verify_checkpoint(path)
+            except ValueError as e:
+                error[0] = str(e)
+        if self.distributed:
+            dist.broadcast_object_list(error, src=0, group=self.pg)
+        if error[0] is not None:
+            raise ValueError(error[0])
+
     def load(self, folder: Path, tensors: dict[str, torch.Tensor]) -> dict:
         """Read the tensors this run asks for (in its own layout) from `folder`, in place; returns
         its trainer state."""

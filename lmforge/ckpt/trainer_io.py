@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lmforge.ckpt.manager import CheckpointManager, read_meta, verify_checkpoint
+from lmforge.ckpt.manager import CheckpointManager, read_meta
 from lmforge.ckpt.safe_io import safe_read_metadata
 from lmforge.ckpt.state import (SEP, _from_json, _to_json, json_tensor, load_model_optim_state, model_optim_state,
                                  rng_tensors, set_rng, tensor_json)
@@ -100,7 +100,7 @@ def resolve_resume(trainer: "Trainer") -> Path | None:
         return trainer.ckpt.latest_valid()
     path = Path(how).expanduser()
     try:
-        verify_checkpoint(path)
+        trainer.ckpt.verify(path)  # (hashed on rank 0 only, as for "auto")
     except ValueError as e:
         raise ValueError(f"checkpoint.resume = {how!r}: {e}") from e
     return path
