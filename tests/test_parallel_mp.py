@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmforge.config import ConfigError, load_config
 from tests.test_parallel_dp import corpus, losses, train  # noqa: F401  (module-scoped corpus fixture)
@@ -77,23 +78,48 @@ def test_model_parallel_layout_matches_one_process(corpus, reference, tmp_path, 
     assert len(model.blocks) == 4
 
 
+def one_process_vs_tp2_sp(corpus: Path, tmp_path: Path, what: str, **extra) -> tuple[Path, Path]:  # noqa: F811
+    """Train one process and TP=2 + SP with the same overrides; per-step losses must agree to TOL."""
+    ref_out, out = tmp_path / "single", tmp_path / "tp"
+    proc = train(corpus, ref_out, **extra)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = train(corpus, out, nproc=2, timeout=300, **extra, **{"parallel.tp": 2, "parallel.sequence_parallel": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref, got = losses(ref_out), losses(out)
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
+    print(f"\n{what} tp2-sp: max relative loss difference vs one process over {len(ref)} steps = {worst:.2e}")
+    assert worst < TOL, (worst, got, ref)
+    return ref_out, out
+
+
 @pytest.mark.slow
 def test_tied_embeddings_under_tensor_parallel(corpus, tmp_path):  # noqa: F811
     """Embedding and head both vocab-sharded: the head is re-pointed at the embedding's DTensor, so the
     tie (one parameter, two gradient contributions) holds. TP=2 + SP against one process, tied."""
-    tied = {"model.n_layers": 2, "model.tie_embeddings": "true"}
-    ref_out, out = tmp_path / "single", tmp_path / "tp"
-    proc = train(corpus, ref_out, **tied)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    proc = train(corpus, out, nproc=2, timeout=300, **tied, **{"parallel.tp": 2, "parallel.sequence_parallel": "true"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ref, got = losses(ref_out), losses(out)
-    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref)
-    print(f"\ntied tp2-sp: max relative loss difference vs one process over 20 steps = {worst:.2e}")
-    assert worst < TOL, (worst, got, ref)
     from safetensors.torch import load_file
 
+    _, out = one_process_vs_tp2_sp(corpus, tmp_path, "tied", **{"model.n_layers": 2, "model.tie_embeddings": "true"})
+
     assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))  # stored once, as tok_emb.weight
+
+
+@pytest.mark.slow
+def test_lora_under_tensor_and_sequence_parallel_matches_one_process(corpus, tmp_path):  # noqa: F811
+    """LoRA adapters on every block linear follow their layer's TP split (column-parallel: A replicated,
+    B split; row-parallel: A split, B replicated), and the frozen norm weights stay frozen under
+    sequence parallelism (torch's SequenceParallel re-creates them trainable; lmforge re-freezes
+    them). TP=2 + SP against one process: same losses, and the same merged weights saved."""
+    from safetensors.torch import load_file
+
+    lora = {"model.n_layers": 2, "finetune.lora_rank": 4, "finetune.lora_targets": "wq,wk,wv,wo,gate,up,down",
+            "train.steps": 6, "schedule.warmup_steps": 2, "train.log_every": 1}
+    ref_out, out = one_process_vs_tp2_sp(corpus, tmp_path, "LoRA", **lora)
+    got = losses(out)
+    assert sorted(got) == list(range(1, 7)) and got[6] < got[1]
+    want, have = load_file(str(ref_out / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert want.keys() == have.keys() and not any("lora" in k for k in have)  # merged on save
+    for key in want:
+        torch.testing.assert_close(have[key], want[key], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

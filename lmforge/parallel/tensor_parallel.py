@@ -16,6 +16,11 @@ Tied embeddings: the embedding and the head are both sharded along the vocabular
 shared weight), so after sharding the head's weight is re-pointed at the embedding's DTensor
 parameter and the tie holds (one parameter, both gradients accumulate into it).
 
+LoRA adapters (`lmforge.model.lora.LoRALinear`) follow their layer's split: on a column-parallel
+layer A (rank x in) is replicated and B (out x rank) split by output rows like W; on a row-parallel
+layer A is split by input columns like W and B replicated, so x A^T is a partial sum that the
+layer's own all-reduce (or reduce-scatter) completes together with x W^T. No extra communication.
+
 Apply before activation checkpointing / compile (the plan names the modules) and before FSDP.
 """
 
@@ -30,9 +35,9 @@ from torch import nn
 def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict:
     """`parallelize_module` plan for a Transformer or a pipeline stage chunk (keys of present modules)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
+    ColwiseParallel, RowwiseParallel = _lora_aware_styles()  # noqa: N806 (torch's class names)
     sp = sequence_parallel
     plan: dict = {}
     if getattr(model, "tok_emb", None) is not None:
@@ -65,13 +70,59 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
     return plan
 
 
+def _lora_aware_styles() -> tuple[type, type]:
+    """torch's ColwiseParallel / RowwiseParallel, also splitting a LoRALinear's adapters.
+
+    torch's styles split every parameter of the module *and of its submodules* as if it were
+    nn.Linear's weight/bias (a LoRALinear's dropout submodule made them fail). These subclasses
+    handle a LoRALinear themselves (see the module docstring) and defer to torch otherwise.
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lmforge.model.lora import LoRALinear
+
+    def split(module: nn.Module, mesh, placements: dict[str, object]) -> None:
+        for name, placement in placements.items():
+            param = getattr(module, name)
+            if param is not None:
+                module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                             requires_grad=param.requires_grad))
+
+    class Colwise(ColwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if isinstance(module, LoRALinear):
+                split(module, device_mesh, {"weight": Shard(0), "bias": Shard(0), "lora_a": Replicate(),
+                                            "lora_b": Shard(0)})
+            elif not list(module.parameters(recurse=False)):
+                return  # a parameter-free submodule (the adapter's dropout)
+            else:
+                super()._partition_linear_fn(name, module, device_mesh)
+
+    class Rowwise(RowwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            if isinstance(module, LoRALinear):
+                split(module, device_mesh, {"weight": Shard(1), "bias": Replicate(), "lora_a": Shard(1),
+                                            "lora_b": Replicate()})
+            elif not list(module.parameters(recurse=False)):
+                return
+            else:
+                super()._partition_linear_fn(name, module, device_mesh)
+
+    return Colwise, Rowwise
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool, local_logits: bool = False) -> nn.Module:
     """Shard `model` (a Transformer or a pipeline chunk) in place over `tp_mesh`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tied = (getattr(model, "tok_emb", None) is not None and getattr(model, "lm_head", None) is not None
             and model.lm_head.weight is model.tok_emb.weight)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # (LoRA: the base weights)
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, local_logits))
+    for name, p in model.named_parameters():  # torch's SequenceParallel re-creates norm weights trainable
+        if name in frozen:
+            p.requires_grad_(False)
     if tied:  # both sharded along the vocabulary: point the head back at the embedding's DTensor
         assert model.lm_head.weight.placements == model.tok_emb.weight.placements
         model.lm_head.weight = model.tok_emb.weight

@@ -449,7 +449,12 @@ class Trainer:
             return self.model
         if getattr(self, "_gathered_at", None) != self.step:
             self._gathered = build_model(self.cfg.model, self.device, seed=self.cfg.train.seed)
-            self._gathered.load_state_dict(self.full_state_dict())
+            state, ft = self.full_state_dict(), self.cfg.finetune
+            if ft.lora_rank:  # the same function as the adapted model in eval mode (no dropout)
+                from lmforge.model.lora import merged_state_dict
+
+                state = merged_state_dict(state, ft.lora_rank, ft.lora_alpha)
+            self._gathered.load_state_dict(state)
             self._gathered.tie_weights()
             self._gathered_at = self.step
         return self._gathered
