@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="tiny", help="preset name or path to a TOML file (default: tiny)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("generate", help="sample text from a trained run folder")
-    p.add_argument("--ckpt", required=True, help="run folder written by `lmforge train`")
+    p.add_argument("--ckpt", "--run", dest="ckpt", required=True, help="run folder written by `lmforge train`")
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)

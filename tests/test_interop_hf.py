@@ -205,3 +205,33 @@ def test_tokenizer_survives_export_and_import(tmp_path):
     back = Tokenizer.load(tmp_path / "back" / "tokenizer.json")
     text = "the cat sat on the mat."
     assert back.encode(text) == tok.encode(text) and back.eos_id == tok.eos_id
+
+
+def test_export_and_import_never_overwrite_what_they_should_not(tmp_path):
+    """`lmforge export --out <the run folder>` used to replace the run's own model.safetensors and
+    tokenizer.json with the transformers ones (the run no longer loaded). Now: a run folder is never
+    an export target, a transformers folder never an import target, and existing files are
+    replaced only with --force."""
+    import hashlib
+
+    from lmforge.interop.cli import export_main, import_main
+    from tests.tiny_lm import MODEL, tiny_tokenizer, write_run
+
+    run = write_run(tmp_path / "run", build_model(ModelConfig(**MODEL), seed=0), tiny_tokenizer())
+    digest = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in run.iterdir() if f.is_file()}
+    with pytest.raises(ValueError, match="is an lmforge run folder .*model.safetensors"):
+        export_hf(run, run)
+    assert export_main(["--run", str(run), "--out", str(run), "--force"]) == 2  # not even with --force
+    assert {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in run.iterdir() if f.is_file()} == digest
+
+    hf = tmp_path / "hf"
+    assert export_main(["--run", str(run), "--out", str(hf)]) == 0
+    with pytest.raises(ValueError, match="already holds config.json.*--force"):
+        export_hf(run, hf)
+    assert export_main(["--run", str(run), "--out", str(hf), "--force"]) == 0
+    with pytest.raises(ValueError, match="is a transformers model folder"):
+        import_hf_run(hf, hf)
+    back = tmp_path / "back"
+    assert import_main(["--hf", str(hf), "--out", str(back)]) == 0
+    assert import_main(["--hf", str(hf), "--out", str(back)]) == 2  # config.toml etc. exist
+    assert import_main(["--hf", str(hf), "--out", str(back), "--force"]) == 0

@@ -14,10 +14,11 @@ def _run(argv: list[str], prog: str, description: str, source: str, source_help:
     """Parse `--<source> PATH --out DIR`, run `convert(path, out)`, print the result or the error."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument(f"--{source}", required=True, help=source_help)
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True, help="output folder (new or empty)")
+    p.add_argument("--force", action="store_true", help="replace files already in --out")
     args = p.parse_args(argv)
     try:
-        out = convert(getattr(args, source), args.out)
+        out = convert(getattr(args, source), args.out, overwrite=args.force)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -218,12 +218,35 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: str) ->
 # --------------------------------------------------------------------------------------------
 
 
-def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, tokenizer=None) -> Path:
+HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+RUN_FILES = ("config.toml", "model.safetensors", "tokenizer.json")
+
+
+def check_output_folder(out: Path, writes: tuple[str, ...], foreign: str, overwrite: bool) -> None:
+    """Refuse to write `writes` into `out` when that would destroy something: never into a folder
+    holding `foreign` (an lmforge run's config.toml for an export, a transformers config.json for
+    an import: the files share names, e.g. model.safetensors), and not over existing files unless
+    `overwrite`."""
+    if (out / foreign).exists():
+        kind = "an lmforge run folder" if foreign == "config.toml" else "a transformers model folder"
+        raise ValueError(f"{out} is {kind} ({foreign}); writing there would replace its files "
+                         f"({', '.join(w for w in writes if (out / w).exists())}). Choose another --out.")
+    existing = [w for w in writes if (out / w).exists()]
+    if existing and not overwrite:
+        raise ValueError(f"{out} already holds {', '.join(existing)}; choose an empty or new --out, "
+                         "or pass --force (overwrite=True) to replace them.")
+
+
+def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, tokenizer=None,
+              overwrite: bool = False) -> Path:
     """Write a transformers folder (config.json, generation_config.json, model.safetensors, and
     tokenizer.json + tokenizer_config.json when a tokenizer is known) for an lmforge run folder or
     model. `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained`
-    then load it offline. `tokenizer`: an lmforge Tokenizer (default: the run's tokenizer.json)."""
+    then load it offline. `tokenizer`: an lmforge Tokenizer (default: the run's tokenizer.json).
+    Existing files are replaced only with `overwrite`; a run folder is never written into."""
     from lmforge.data.tokenizer import Tokenizer
+
+    check_output_folder(Path(out_dir), HF_FILES, "config.toml", overwrite)
 
     if isinstance(run_or_model, Transformer):
         model = run_or_model
@@ -338,12 +361,14 @@ def import_hf_tokenizer(hf_dir: Path):
     return load_gpt2_files(*files) if files else None
 
 
-def import_hf_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
+def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write an lmforge run folder (config.toml, model.safetensors, tokenizer.json if the source
-    has a tokenizer) from a transformers folder, usable by `lmforge generate/eval` and fine-tuning."""
+    has a tokenizer) from a transformers folder, usable by `lmforge generate/eval` and fine-tuning.
+    Existing files are replaced only with `overwrite`; a transformers folder is never written into."""
     from lmforge.ckpt.export import save_weights
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
+    check_output_folder(out, RUN_FILES, "config.json", overwrite)
     cfg, model = import_hf(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = import_hf_tokenizer(hf_dir)
