@@ -159,3 +159,20 @@ def test_compiled_blocks_match_eager(small_data, tmp_path):
     g1 = {n.replace("_orig_mod.", ""): g for n, g in grads(compiled.model).items()}
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("marker", ["prepare.json", "manifest.json", "config.json"])
+def test_out_dir_that_is_a_data_or_transformers_folder_is_refused_untouched(small_data, tmp_path, marker):
+    """A run writes config.toml, tokenizer.json and model.safetensors into train.out_dir; pointed at a
+    prepared dataset, a shard folder or a transformers folder it would clobber their files."""
+    from lmforge.config import ConfigError
+
+    folder = tmp_path / "not-a-run"
+    folder.mkdir()
+    (folder / marker).write_text("{}")
+    (folder / "tokenizer.json").write_text("keep me")
+    trainer = Trainer(load_config("tiny", SMALL), out_dir=folder, data=small_data)
+    with pytest.raises(ConfigError, match=f"train.out_dir = .*not-a-run.*{marker}"):
+        trainer.fit()
+    assert sorted(p.name for p in folder.iterdir()) == sorted([marker, "tokenizer.json"])
+    assert (folder / "tokenizer.json").read_text() == "keep me"

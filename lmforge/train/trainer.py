@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.ckpt import trainer_io
-from lmforge.config import Config, to_toml
+from lmforge.config import Config, ConfigError, to_toml
 from lmforge.data.loader import PackedLoader, open_tokens
 from lmforge.data.prepare import PreparedData, load_prepared, prepare_default, unigram_entropy
 from lmforge.data.shards import TokenShards
@@ -105,6 +105,16 @@ def prepare_data(cfg: Config) -> PreparedData:
                            val_fraction=cfg.data.val_fraction)
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse a run folder that is another kind of lmforge/transformers folder: a run writes
+    config.toml, tokenizer.json and model.safetensors there, which would clobber its files."""
+    for marker, kind in (("prepare.json", "a prepared dataset (`lmforge prepare` output)"),
+                         ("manifest.json", "a token-shard folder"), ("config.json", "a transformers model folder")):
+        if (out_dir / marker).is_file() and not (out_dir / "config.toml").is_file():
+            raise ConfigError(f"train.out_dir = {str(out_dir)!r} is {kind} ({marker}); a run would write its "
+                              "config.toml, tokenizer.json and model.safetensors there. Choose another train.out_dir.")
+
+
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, data: PreparedData | None = None):
         self.cfg = cfg.validate()
@@ -126,6 +136,7 @@ class Trainer:
         self.device = self.dist.device if self.dist.distributed else resolve_device(t.device)
         seed_everything(t.seed)
         rank0 = is_rank0()
+        check_out_dir(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if rank0:
             (self.out_dir / "config.toml").write_text(to_toml(cfg))
