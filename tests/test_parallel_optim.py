@@ -30,7 +30,8 @@ OPTIMIZERS = ("adam8bit", "adafactor", "lamb", "muon")
 TOL = {"adam8bit": 2e-4}
 DRIVER = str(Path(__file__).with_name("optim_layout_driver.py"))
 SETTINGS = {**TINY, "train.steps": 6, "train.log_every": 1, "schedule.warmup_steps": 2,
-            "checkpoint.every_steps": 3, "checkpoint.keep_every": 3, "checkpoint.every_minutes": 0}
+            "checkpoint.every_steps": 3, "checkpoint.keep_every": 3, "checkpoint.every_minutes": 0,
+            "checkpoint.save_final": "false", "train.sample_tokens": 0}
 
 
 def drive(corpus: Path, out: Path, nproc: int, **extra) -> None:
