@@ -130,5 +130,7 @@ def test_fast_nearest_code_equals_bucketize(signed):
     y = y / y.abs().max()
     if not signed:
         y = y.abs()
-    y = torch.cat([y, values, boundaries, torch.zeros(2)])
-    assert torch.equal(nearest_code(y, boundaries, signed), torch.bucketize(y, boundaries))
+    up, down = torch.full_like(boundaries, 2.0), torch.full_like(boundaries, -2.0)
+    neighbours = [torch.nextafter(boundaries, up), torch.nextafter(boundaries, down), torch.nextafter(values, up[:1])]
+    y = torch.cat([y, values, boundaries, torch.zeros(2), *neighbours]).clamp(-1.0 if signed else 0.0, 1.0)
+    assert torch.equal(nearest_code(y, boundaries, signed).long(), torch.bucketize(y, boundaries))

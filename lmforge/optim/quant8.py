@@ -78,12 +78,15 @@ def quantize_blockwise(
 
 
 def nearest_code(y: torch.Tensor, boundaries: torch.Tensor, signed: bool) -> torch.Tensor:
-    """`torch.bucketize(y, boundaries)` for our log-spaced maps, without a binary search.
+    """`torch.bucketize(y, boundaries)` for our log-spaced maps, without a binary search (int32).
 
     bucketize is a per-element binary search and took ~70% of an 8-bit Adam step on CPU. The codes
-    are log-spaced, so log(|y|) gives the index up to +-1 float rounding; two comparisons against
-    the same fp32 boundaries then fix it, so the result equals bucketize's (right=False: a value
-    exactly on a boundary takes the lower code).
+    are log-spaced, so rounding log(|y|) at the *geometric* mid-point of two codes gives the index;
+    the boundaries are the *arithmetic* mid-points (a bit higher) and the log has float rounding, so
+    the guess can be one code off either way, never two. One comparison up and one down against
+    the same fp32 boundaries fix it, so the result equals bucketize's (right=False: a value exactly
+    on a boundary takes the lower code). In-place ops and int32 indices: ~4x faster than with
+    temporaries and int64 (the quantiser is most of an 8-bit Adam step on CPU).
     """
     n = boundaries.numel()  # codes are 0..n
     if signed:
@@ -91,18 +94,20 @@ def nearest_code(y: torch.Tensor, boundaries: torch.Tensor, signed: bool) -> tor
     else:
         zero, min_ratio, n_mag = 0, UNSIGNED_MIN_RATIO, 255
     log_step = -math.log(min_ratio) / (n_mag - 1)
-    mag = y.abs().clamp_min(min_ratio * 1e-3)
     # magnitude index k: 0 for the zero code, k >= 1 for min_ratio * step^(k-1)
-    k = torch.floor(torch.log(mag / min_ratio) / log_step).add_(1.5).clamp_(0, n_mag).to(torch.int64)
-    sign = torch.where(y < 0, -1, 1) if signed else 1
-    guess = (zero + sign * k).clamp_(0, n)
-    # fix the guess: move up while y > boundary[guess], down while y <= boundary[guess - 1]
-    for _ in range(2):
-        up = (guess < n) & (y > boundaries[guess.clamp(max=n - 1)])
-        guess = guess + up.to(guess.dtype)
-        down = (guess > 0) & (y <= boundaries[(guess - 1).clamp(min=0)])
-        guess = guess - down.to(guess.dtype)
-    return guess
+    k = y.abs().clamp_min_(min_ratio * 1e-3).div_(min_ratio).log_().div_(log_step).add_(1.5).floor_()
+    k.clamp_(0, n_mag)
+    if signed:
+        k = torch.where(y < 0, -k, k).add_(zero)
+    guess = k.to(torch.int32).view(-1).clamp_(0, n)
+    flat = y.reshape(-1)
+    up = flat > boundaries.index_select(0, guess.clamp(max=n - 1))
+    up &= guess < n
+    guess += up
+    down = flat <= boundaries.index_select(0, (guess - 1).clamp_(min=0))
+    down &= guess > 0
+    guess -= down.to(torch.int32)
+    return guess.view(y.shape)
 
 
 def dequantize_blockwise(
