@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, load_config
+from lmforge.folders import CONFIG, WEIGHTS, atomic_path
 from lmforge.model.transformer import Transformer, build_model
 
 
@@ -40,12 +40,8 @@ def save_weights(model: torch.nn.Module, path: Path) -> None:
 
 def save_state(model: torch.nn.Module | dict[str, torch.Tensor], path: Path) -> None:
     """Atomically write a module's weights, or a full state dict, as safetensors."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(model_state(model), str(tmp), metadata={"format": "lmforge"})
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(model_state(model), str(tmp), metadata={"format": "lmforge"})
 
 
 def load_weights(model: Transformer, path: Path) -> None:
@@ -66,11 +62,11 @@ def load_weights(model: Transformer, path: Path) -> None:
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Config, Transformer]:
     """Load a finished run folder (config.toml + model.safetensors) for evaluation or generation."""
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.toml"
+    cfg_path = run_dir / CONFIG
     if not cfg_path.is_file():
         raise ValueError(f"{str(run_dir)!r} is not an lmforge run folder: {cfg_path.name} is missing.")
     cfg = load_config(str(cfg_path))
     model = build_model(cfg.model, device)
-    load_weights(model, run_dir / "model.safetensors")
+    load_weights(model, run_dir / WEIGHTS)
     model.eval()
     return cfg, model

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import lmforge
 from lmforge.ckpt.safe_io import SafeFileSystemReader, check_relative, safe_read_metadata
-from lmforge.data.corpus import sha256_file
+from lmforge.folders import atomic_write_json, fsync_dir, is_temp_name, sha256_file
 
 log = logging.getLogger("lmforge.ckpt")
 # DCP warns on every single-process save/load; lmforge passes no_dist deliberately there
@@ -62,28 +62,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -276,16 +254,16 @@ class CheckpointManager:
                            "message": f"checkpoint at step {req.step} failed: {e}"})
 
     def _publish(self, req: SaveRequest, tmp: Path, started: float, staged_s: float) -> None:
-        write_json_atomic(tmp / TRAINER_STATE, req.trainer_state)
+        atomic_write_json(tmp / TRAINER_STATE, req.trainer_state, sort_keys=True)
         files = {}
         for path in sorted(tmp.iterdir()):
-            if path.is_file() and not path.name.endswith(".part"):
+            if path.is_file() and not is_temp_name(path.name):
                 files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
         meta = {**req.meta, "format": FORMAT, "step": req.step, "files": files,
                 "lmforge_version": lmforge.__version__, "torch_version": torch.__version__,
                 "world_size": self.world_size,
                 "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        write_json_atomic(tmp / META, meta)
+        atomic_write_json(tmp / META, meta, sort_keys=True)
         fsync_dir(tmp)
         final = self.root / step_name(req.step)
         if final.exists():  # left by a run that rolled back or crashed after resuming earlier

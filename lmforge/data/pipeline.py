@@ -65,16 +65,18 @@ import numpy as np
 
 from lmforge.data.clean import Cleaner, CleanStats
 from lmforge.data.prepare_config import PrepareConfig
-from lmforge.data.shards import FORMAT, FORMAT_VERSION, MANIFEST, TokenShards, dtype_for_vocab
+from lmforge.data.shards import TokenShards, dtype_for_vocab
+from lmforge.folders import (MANIFEST, MIXTURE, PREPARE_RECORD, SHARD_FORMAT_VERSION, TOKENIZER, atomic_write,
+                             atomic_write_json, build_manifest, sha256_bytes, shard_record)
 from lmforge.data.sources import BadUtf8, expand_source, format_of, iter_documents
 from lmforge.data.tokenizer import Tokenizer, load_gpt2_tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("lmforge.data")
 
 PIPELINE_VERSION = 1
-MIXTURE_FILE = "mixture.json"
+MIXTURE_FILE = MIXTURE
 MIXTURE_FORMAT = "lmforge-mixture"
-RECORD = "prepare.json"
+RECORD = PREPARE_RECORD
 WORK = ".work"
 
 
@@ -82,28 +84,11 @@ WORK = ".work"
 # small helpers
 # ---------------------------------------------------------------------------------------
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    _atomic_write(path, (json.dumps(obj, indent=1) + "\n").encode())
-
-
 def _read_json(path: Path) -> Any | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _files_of(cfg: PrepareConfig) -> list[tuple[str, list[tuple[Path, str]]]]:
@@ -125,7 +110,7 @@ def _fingerprint(cfg: PrepareConfig, files) -> str:
         for f, fmt in fl:
             st = f.stat()
             listing.append([name, str(f.resolve()), fmt, st.st_size, st.st_mtime_ns])
-    blob = json.dumps({"v": PIPELINE_VERSION, "shard_format": FORMAT_VERSION, "config": conf,
+    blob = json.dumps({"v": PIPELINE_VERSION, "shard_format": SHARD_FORMAT_VERSION, "config": conf,
                        "files": listing}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -160,8 +145,8 @@ class _ChunkWriter:
         name = f"chunk_{len(self.chunks):05d}"
         offsets = np.zeros(len(self._buf) + 1, dtype=np.int64)
         np.cumsum([len(b) for b in self._buf], out=offsets[1:])
-        _atomic_write(self.root / f"{name}.bin", b"".join(self._buf))
-        _atomic_write(self.root / f"{name}.idx", offsets.tobytes())
+        atomic_write(self.root / f"{name}.bin", b"".join(self._buf))
+        atomic_write(self.root / f"{name}.idx", offsets.tobytes())
         self.chunks.append({"name": name, "source": self._source, "documents": len(self._buf),
                             "bytes": int(offsets[-1])})
         self._buf, self._size = [], 0
@@ -372,29 +357,26 @@ class _ShardWriter:
         self.carry = buf[pos:].copy()
 
     def _write(self, tokens: np.ndarray) -> None:
-        name = f"shard_{len(self.rec['shards']):05d}.bin"
         data = tokens.astype(self.dtype, copy=False).tobytes()
-        _atomic_write(self.dir / name, data)
-        self.rec["shards"].append({"file": name, "tokens": int(tokens.size),
-                                   "sha256": _sha256(data)})
+        rec = shard_record(len(self.rec["shards"]), data, tokens.size, int(tokens.max()))
+        atomic_write(self.dir / rec["file"], data)
+        self.rec["shards"].append(rec)
 
     def finish(self, vocab_size: int, meta: dict) -> dict:
         if self.carry.size:
             self._write(self.carry)
             self.carry = self.carry[:0]
-        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "dtype": self.dtype.name,
-                    "byte_order": "little", "vocab_size": int(vocab_size),
-                    "total_tokens": int(self.rec["tokens"]),
-                    "shard_tokens": int(self.shard_tokens), "shards": self.rec["shards"],
-                    "meta": {**meta, "documents": self.rec["documents"]}}
-        _write_json(self.dir / MANIFEST, manifest)
+        manifest = build_manifest(self.dtype.name, vocab_size, self.shard_tokens, self.rec["shards"],
+                                  {**meta, "documents": self.rec["documents"]})
+        assert manifest["total_tokens"] == self.rec["tokens"], (manifest["total_tokens"], self.rec["tokens"])
+        atomic_write_json(self.dir / MANIFEST, manifest)
         return manifest
 
 
 def _verify_recorded(dir: Path, rec: dict) -> bool:
     for s in rec["shards"]:
         f = dir / s["file"]
-        if not f.is_file() or _sha256(f.read_bytes()) != s["sha256"]:
+        if not f.is_file() or sha256_bytes(f.read_bytes()) != s["sha256"]:
             log.warning("data: recorded shard %s is missing or corrupted; re-tokenizing", f)
             return False
     return True
@@ -438,11 +420,11 @@ def run_prepare(cfg: PrepareConfig, output_dir: str | Path | None = None,
             say("inputs or config changed: starting over")
         for p in (work, out / "train", out / "val"):
             shutil.rmtree(p, ignore_errors=True)
-        for p in (out / RECORD, out / "tokenizer.json"):
+        for p in (out / RECORD, out / TOKENIZER):
             p.unlink(missing_ok=True)
         work.mkdir(parents=True)
         state = {"fingerprint": fp}
-        _write_json(work / "state.json", state)
+        atomic_write_json(work / "state.json", state)
     else:
         say("resuming an interrupted run")
         for stale in out.rglob(".*.tmp*"):  # half-written files of the killed run
@@ -455,24 +437,24 @@ def run_prepare(cfg: PrepareConfig, output_dir: str | Path | None = None,
         stats, chunks = _clean_stage(cfg, files, chunk_dir, say)
         state["clean"] = {"stats": stats.to_dict(), "chunks": chunks,
                           "seconds": time.perf_counter() - t0}
-        _write_json(work / "state.json", state)
+        atomic_write_json(work / "state.json", state)
     stats = CleanStats.from_dict(state["clean"]["stats"])
     chunks = state["clean"]["chunks"]
 
     # 2. tokenizer
-    tok_path = out / "tokenizer.json"
+    tok_path = out / TOKENIZER
     t1 = time.perf_counter()
     if "tokenizer" in state and tok_path.is_file() and \
-            _sha256(tok_path.read_bytes()) == state["tokenizer"]["file_sha256"]:
+            sha256_bytes(tok_path.read_bytes()) == state["tokenizer"]["file_sha256"]:
         tok = Tokenizer.load(tok_path, eos_token=state["tokenizer"]["eos_token"])
     else:
         tok = _tokenizer_stage(cfg, chunk_dir, chunks)
         tok.save(tok_path)
         eos_tok = tok.backend.id_to_token(tok.eos_id)
-        state["tokenizer"] = {"file_sha256": _sha256(tok_path.read_bytes()),
+        state["tokenizer"] = {"file_sha256": sha256_bytes(tok_path.read_bytes()),
                               "eos_token": eos_tok, "seconds": time.perf_counter() - t1}
         state.pop("tokenize", None)
-        _write_json(work / "state.json", state)
+        atomic_write_json(work / "state.json", state)
         say(f"tokenizer ready: vocab {tok.vocab_size} ({time.perf_counter() - t1:.1f} s)")
     bos_id = tok.backend.token_to_id(cfg.bos_token) if cfg.bos_token else None
 
@@ -512,13 +494,13 @@ def run_prepare(cfg: PrepareConfig, output_dir: str | Path | None = None,
             splits["train"][source] = {**summary, "weight": weights[source] / total_w}
         else:
             splits["val"] = summary
-    _write_json(out / "train" / MIXTURE_FILE, {
+    atomic_write_json(out / "train" / MIXTURE_FILE, {
         "format": MIXTURE_FORMAT, "version": 1,
         "sources": [{"name": n, "dir": n, "weight": v["weight"]}
                     for n, v in splits["train"].items()]})
     record = {"format": "lmforge-prepared", "version": PIPELINE_VERSION, "fingerprint": fp,
               "config": cfg.to_dict(), "tokenizer": {
-                  "file": "tokenizer.json", "sha256": tok.sha256, "vocab_size": tok.vocab_size,
+                  "file": TOKENIZER, "sha256": tok.sha256, "vocab_size": tok.vocab_size,
                   "eos_id": tok.eos_id, "bos_id": bos_id, "pad_id": tok.pad_id,
                   "eos_token": state["tokenizer"]["eos_token"],
                   "bos_token": cfg.bos_token if bos_id is not None else None,
@@ -533,7 +515,7 @@ def run_prepare(cfg: PrepareConfig, output_dir: str | Path | None = None,
                                                     2),
                          "total_s": round(time.perf_counter() - t_start, 3)},
               "files": sum(len(fl) for _, fl in files)}
-    _write_json(out / RECORD, record)
+    atomic_write_json(out / RECORD, record)
     shutil.rmtree(work, ignore_errors=True)
     return PrepareResult(out, record, False)
 
@@ -554,7 +536,7 @@ def _load_carry(work: Path, rec: dict, dtype: np.dtype) -> np.ndarray:
     if not rec.get("carry_file"):
         return np.zeros(0, dtype=dtype)
     data = (work / rec["carry_file"]).read_bytes()
-    if _sha256(data) != rec["carry_sha256"]:
+    if sha256_bytes(data) != rec["carry_sha256"]:
         raise ValueError(f"{work / rec['carry_file']} is corrupted; delete {work.parent} "
                          f"and re-run prepare")
     return np.frombuffer(data, dtype=dtype).copy()
@@ -591,14 +573,14 @@ def _tokenize_stage(cfg, out: Path, work: Path, state: dict, chunk_dir: Path,
             if w.carry.size:
                 data = w.carry.tobytes()
                 f = _carry_file(work, k, done)
-                _atomic_write(f, data)
-                w.rec["carry_file"], w.rec["carry_sha256"] = f.name, _sha256(data)
+                atomic_write(f, data)
+                w.rec["carry_file"], w.rec["carry_sha256"] = f.name, sha256_bytes(data)
             else:
                 w.rec["carry_file"] = w.rec["carry_sha256"] = None
         tstate["chunks_done"] = done
         tstate["seconds"] = base + time.perf_counter() - t0
         state["tokenize"] = tstate
-        _write_json(work / "state.json", state)
+        atomic_write_json(work / "state.json", state)
         named = {r.get("carry_file") for r in tstate["writers"].values()}
         for f in work.glob("carry_*.bin"):  # drop carries the state no longer names
             if f.name not in named:
@@ -639,7 +621,7 @@ def _outputs_ok(out: Path, record: dict) -> bool:
             TokenShards(out / v["dir"])
         if record["splits"]["val"]:
             TokenShards(out / record["splits"]["val"]["dir"])
-        return (out / "tokenizer.json").is_file()
+        return (out / TOKENIZER).is_file()
     except (ValueError, KeyError, TypeError):
         return False
 

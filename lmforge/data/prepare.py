@@ -26,10 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lmforge.data.corpus import DEFAULT_CORPUS, fetch_default_corpus, read_text_files, \
-    sha256_file
-from lmforge.data.shards import FORMAT_VERSION, TokenShards, dtype_for_vocab, \
-    write_token_shards
+from lmforge.data.corpus import DEFAULT_CORPUS, fetch_default_corpus, read_text_files
+from lmforge.data.shards import TokenShards, dtype_for_vocab, write_token_shards
+from lmforge.folders import SHARD_FORMAT_VERSION, sha256_file
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("lmforge.data")
@@ -77,7 +76,7 @@ def prepare_texts(files: Sequence[Path], cache_dir: Path, tokenizer: str, vocab_
 
     key_fields = {
         "prepare_version": PREPARE_VERSION,
-        "shard_format": FORMAT_VERSION,
+        "shard_format": SHARD_FORMAT_VERSION,
         "corpus_sha256": _corpus_digest(files),
         "tokenizer": _tokenizer_identity(tokenizer),
         "vocab_size": int(vocab_size) if tokenizer == "bpe" else None,

@@ -9,7 +9,6 @@ Layout of a shard directory::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
-FORMAT = "lmforge-token-shards"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+from lmforge.folders import (MANIFEST, SHARD_FORMAT, SHARD_FORMAT_VERSION, build_manifest, sha256_file,
+                             shard_record)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -53,15 +51,11 @@ def write_token_shards(token_arrays: Iterable[np.ndarray], out_dir: Path, shard_
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".tmp-{out_dir.name}-"))
     try:
         shards = _write_shards(token_arrays, tmp, shard_tokens, vocab_size, dtype)
-        total = sum(s["tokens"] for s in shards)
-        if total == 0:
+        manifest = build_manifest(dtype.name, vocab_size, shard_tokens, shards, meta_json)
+        if manifest["total_tokens"] == 0:
             raise ValueError(f"no tokens to write to {out_dir}: the input is empty")
-        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name,
-                    "byte_order": "little", "vocab_size": int(vocab_size),
-                    "total_tokens": int(total), "shard_tokens": int(shard_tokens),
-                    "shards": shards, "meta": meta_json}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        os.rename(tmp, out_dir)
+        os.rename(tmp, out_dir)  # (the folder appears whole: its files need no atomic writes of their own)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -77,11 +71,10 @@ def _write_shards(token_arrays: Iterable[np.ndarray], tmp: Path, shard_tokens: i
 
     def flush() -> None:
         nonlocal fill
-        name = f"shard_{len(shards):05d}.bin"
         data = buf[:fill].tobytes()
-        (tmp / name).write_bytes(data)
-        shards.append({"file": name, "tokens": fill,
-                       "sha256": hashlib.sha256(data).hexdigest()})
+        rec = shard_record(len(shards), data, fill, int(buf[:fill].max()))
+        (tmp / rec["file"]).write_bytes(data)
+        shards.append(rec)
         fill = 0
 
     for i, arr in enumerate(token_arrays):
@@ -119,9 +112,9 @@ class TokenShards:
         except ValueError as e:
             raise ValueError(f"{path}: invalid JSON ({e})") from e
         m = self.manifest
-        if m.get("format") != FORMAT or m.get("version") != FORMAT_VERSION:
+        if m.get("format") != SHARD_FORMAT or m.get("version") != SHARD_FORMAT_VERSION:
             raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('version')!r}"
-                             f" is not {FORMAT!r} version {FORMAT_VERSION}; re-run prepare")
+                             f" is not {SHARD_FORMAT!r} version {SHARD_FORMAT_VERSION}; re-run prepare")
         self.dtype = np.dtype(m["dtype"]).newbyteorder("<")
         self._maps: list[np.memmap] = []
         for rec in m["shards"]:
@@ -133,7 +126,6 @@ class TokenShards:
                 raise ValueError(f"shard {f} has {f.stat().st_size} bytes, manifest says "
                                  f"{want}; the dataset is corrupted, re-run prepare")
             if verify_checksums:
-                from lmforge.data.corpus import sha256_file
                 if sha256_file(f) != rec["sha256"]:
                     raise ValueError(f"shard {f} is corrupted: sha256 differs from {path}; "
                                      f"delete {self.dir} and re-run prepare")

@@ -7,13 +7,13 @@ document) are encoded as ordinary text, never as the special id, so data cannot 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from lmforge.folders import atomic_write
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
@@ -98,13 +98,10 @@ class Tokenizer:
 
     # -- persistence ---------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        """Write ``tokenizer.json`` atomically (temp file + rename)."""
+        """Write ``tokenizer.json`` atomically (lmforge.folders.atomic_write)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(self._json)
-        os.replace(tmp, path)
+        atomic_write(path, self._json)
 
     @classmethod
     def load(cls, path: Path, eos_token: str | None = None, bos_token: str | None = None,

@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, ModelConfig, to_toml
+from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, WEIGHTS, atomic_path, atomic_write,
+                             check_target)
 from lmforge.model.transformer import Transformer, build_model
 
 # activations of transformers' GPT-2 that are the tanh approximation lmforge's GeluMLP computes
@@ -218,23 +220,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: str) ->
 # --------------------------------------------------------------------------------------------
 
 
-HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-RUN_FILES = ("config.toml", "model.safetensors", "tokenizer.json")
-
-
-def check_output_folder(out: Path, writes: tuple[str, ...], foreign: str, overwrite: bool) -> None:
-    """Refuse to write `writes` into `out` when that would destroy something: never into a folder
-    holding `foreign` (an lmforge run's config.toml for an export, a transformers config.json for
-    an import: the files share names, e.g. model.safetensors), and not over existing files unless
-    `overwrite`."""
-    if (out / foreign).exists():
-        kind = "an lmforge run folder" if foreign == "config.toml" else "a transformers model folder"
-        raise ValueError(f"{out} is {kind} ({foreign}); writing there would replace its files "
-                         f"({', '.join(w for w in writes if (out / w).exists())}). Choose another --out.")
-    existing = [w for w in writes if (out / w).exists()]
-    if existing and not overwrite:
-        raise ValueError(f"{out} already holds {', '.join(existing)}; choose an empty or new --out, "
-                         "or pass --force (overwrite=True) to replace them.")
+HF_FILES = (HF_CONFIG, "generation_config.json", WEIGHTS, TOKENIZER, "tokenizer_config.json")
 
 
 def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, tokenizer=None,
@@ -246,7 +232,7 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
     Existing files are replaced only with `overwrite`; a run folder is never written into."""
     from lmforge.data.tokenizer import Tokenizer
 
-    check_output_folder(Path(out_dir), HF_FILES, "config.toml", overwrite)
+    check_target(out_dir, "transformers", HF_FILES, "--out", overwrite)
 
     if isinstance(run_or_model, Transformer):
         model = run_or_model
@@ -255,8 +241,8 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
 
         run_dir = Path(run_or_model)
         _, model = load_run(run_dir)
-        if tokenizer is None and (run_dir / "tokenizer.json").is_file():
-            tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
+        if tokenizer is None and (run_dir / TOKENIZER).is_file():
+            tokenizer = Tokenizer.load(run_dir / TOKENIZER)
     cfg = model.cfg
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -267,7 +253,8 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
         ids = {"eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id}
     hf_cfg = hf_config(cfg, **ids)
     hf_cfg.save_pretrained(out)
-    save_file(to_hf_state(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    with atomic_path(out / WEIGHTS) as tmp:
+        save_file(to_hf_state(model), str(tmp), metadata={"format": "pt"})
     if tokenizer is not None:
         save_hf_tokenizer(tokenizer, out, cfg.max_seq_len)
     return out
@@ -295,8 +282,8 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of a transformers folder: model.safetensors, sharded safetensors (index), or
     pytorch_model.bin (loaded with weights_only=True: no code runs)."""
     index = hf_dir / "model.safetensors.index.json"
-    if (hf_dir / "model.safetensors").is_file():
-        return load_file(str(hf_dir / "model.safetensors"))
+    if (hf_dir / WEIGHTS).is_file():
+        return load_file(str(hf_dir / WEIGHTS))
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
@@ -312,7 +299,7 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
     """A local transformers Llama or GPT-2 folder -> (ModelConfig, lmforge Transformer in eval mode)."""
     hf_dir = Path(hf_dir)
-    cfg_path = hf_dir / "config.json"
+    cfg_path = hf_dir / HF_CONFIG
     if not cfg_path.is_file():
         raise ValueError(f"{hf_dir} is not a transformers model folder: {cfg_path.name} is missing.")
     try:
@@ -350,13 +337,13 @@ def import_hf_tokenizer(hf_dir: Path):
     files), or None when the folder has none."""
     from lmforge.data.tokenizer import find_gpt2_files, load_gpt2_files, Tokenizer
 
-    if (hf_dir / "tokenizer.json").is_file():
+    if (hf_dir / TOKENIZER).is_file():
         eos = None
         tc = hf_dir / "tokenizer_config.json"
         if tc.is_file():
             eos = json.loads(tc.read_text()).get("eos_token")
             eos = eos.get("content") if isinstance(eos, dict) else eos
-        return Tokenizer.load(hf_dir / "tokenizer.json", eos_token=eos)
+        return Tokenizer.load(hf_dir / TOKENIZER, eos_token=eos)
     files = find_gpt2_files(hf_dir)
     return load_gpt2_files(*files) if files else None
 
@@ -368,7 +355,7 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     from lmforge.ckpt.export import save_weights
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
-    check_output_folder(out, RUN_FILES, "config.json", overwrite)
+    check_target(out, "run", RUN_FILES, "--out", overwrite)
     cfg, model = import_hf(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = import_hf_tokenizer(hf_dir)
@@ -376,9 +363,9 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     # data.tokenizer names the run's own tokenizer file ("none" when the source had none), so the
     # BPE-training checks of the config do not apply to an imported vocabulary
     run_cfg.data = replace(run_cfg.data, seq_len=min(run_cfg.data.seq_len, cfg.max_seq_len),
-                           tokenizer=str((out / "tokenizer.json").resolve()) if tokenizer else "none")
+                           tokenizer=str((out / TOKENIZER).resolve()) if tokenizer else "none")
     if tokenizer is not None:
-        tokenizer.save(out / "tokenizer.json")
-    (out / "config.toml").write_text(to_toml(run_cfg.validate()))
-    save_weights(model, out / "model.safetensors")
+        tokenizer.save(out / TOKENIZER)
+    atomic_write(out / CONFIG, to_toml(run_cfg.validate()))
+    save_weights(model, out / WEIGHTS)
     return out

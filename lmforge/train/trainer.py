@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.ckpt import trainer_io
+from lmforge.folders import RUN_FILES, check_target
 from lmforge.config import Config, ConfigError, to_toml
 from lmforge.data.loader import PackedLoader, open_tokens
 from lmforge.data.prepare import PreparedData, load_prepared, prepare_default, unigram_entropy
@@ -108,11 +109,10 @@ def prepare_data(cfg: Config) -> PreparedData:
 def check_out_dir(out_dir: Path) -> None:
     """Refuse a run folder that is another kind of lmforge/transformers folder: a run writes
     config.toml, tokenizer.json and model.safetensors there, which would clobber its files."""
-    for marker, kind in (("prepare.json", "a prepared dataset (`lmforge prepare` output)"),
-                         ("manifest.json", "a token-shard folder"), ("config.json", "a transformers model folder")):
-        if (out_dir / marker).is_file() and not (out_dir / "config.toml").is_file():
-            raise ConfigError(f"train.out_dir = {str(out_dir)!r} is {kind} ({marker}); a run would write its "
-                              "config.toml, tokenizer.json and model.safetensors there. Choose another train.out_dir.")
+    try:
+        check_target(out_dir, "run", RUN_FILES, "train.out_dir")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class Trainer:

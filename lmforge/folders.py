@@ -1,0 +1,200 @@
+"""The folders lmforge reads and writes: every file name written once, what kind a folder is,
+one atomic write, one checksum, one token-shard manifest.
+
+    run folder (train.out_dir)         prepared dataset (`lmforge prepare`)   token-shard folder
+      config.toml      CONFIG            prepare.json     PREPARE_RECORD       manifest.json  MANIFEST
+      tokenizer.json   TOKENIZER         tokenizer.json   TOKENIZER            shard_00000.bin
+      model.safetensors WEIGHTS          mixture.json     MIXTURE              ...
+      metrics.jsonl    METRICS           train/<source>/  (shard folders)
+      summary.json     SUMMARY           val/             (a shard folder)
+      sample.txt       SAMPLE
+      checkpoints/     CHECKPOINTS     transformers model folder: config.json (HF_CONFIG), model.safetensors,
+      report/ tb/ profile/               tokenizer.json, ...
+
+The kinds share file names (model.safetensors, tokenizer.json), so writing one kind into another
+destroys it: `folder_kind` tells them apart by the one file that marks each.
+
+This module imports only the standard library; every layer may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# ---- run folder -----------------------------------------------------------------------------
+CONFIG = "config.toml"
+TOKENIZER = "tokenizer.json"
+WEIGHTS = "model.safetensors"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+SAMPLE = "sample.txt"
+CHECKPOINTS = "checkpoints"
+REPORT = "report"
+TENSORBOARD = "tb"
+PROFILE = "profile"
+RUN_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what `lmforge import` writes: a run that loads
+
+# ---- prepared dataset / token shards -------------------------------------------------------
+PREPARE_RECORD = "prepare.json"
+MIXTURE = "mixture.json"
+MANIFEST = "manifest.json"
+SHARD_FORMAT = "lmforge-token-shards"
+SHARD_FORMAT_VERSION = 1
+
+# ---- Hugging Face transformers model folder ------------------------------------------------
+HF_CONFIG = "config.json"
+
+# kind -> (marker file, description)
+KINDS = {
+    "run": (CONFIG, "an lmforge run folder"),
+    "transformers": (HF_CONFIG, "a transformers model folder"),
+    "prepared": (PREPARE_RECORD, "a prepared dataset (`lmforge prepare` output)"),
+    "shards": (MANIFEST, "a token-shard folder"),
+}
+
+
+def folder_kind(folder: str | Path) -> str | None:
+    """'run', 'transformers', 'prepared', 'shards' or None, by the marker file present."""
+    folder = Path(folder)
+    for kind, (marker, _) in KINDS.items():
+        if (folder / marker).is_file():
+            return kind
+    return None
+
+
+def describe_kind(kind: str) -> str:
+    """'an lmforge run folder (config.toml)' for 'run', and so on."""
+    marker, text = KINDS[kind]
+    return f"{text} ({marker})"
+
+
+def check_target(folder: str | Path, own_kind: str, writes: tuple[str, ...], key: str,
+                 overwrite: bool = True) -> None:
+    """Refuse to write `writes` into `folder` (named by `key` in the message, e.g. 'train.out_dir'
+    or '--out') when it is another kind of folder than `own_kind`, whose files they would replace;
+    with `overwrite` False, also when any of `writes` exists. ValueError names the folder and fix."""
+    folder = Path(folder)
+    kind = folder_kind(folder)
+    existing = [w for w in writes if (folder / w).exists()]
+    if kind is not None and kind != own_kind:
+        clobbered = f" (it holds {', '.join(existing)})" if existing else ""
+        raise ValueError(f"{key} = {str(folder)!r} is {describe_kind(kind)}; writing {', '.join(writes)} there "
+                         f"would damage it{clobbered}. Choose another {key}.")
+    if existing and not overwrite:
+        raise ValueError(f"{key} = {str(folder)!r} already holds {', '.join(existing)}; choose an empty or new "
+                         f"{key}, or pass --force to replace them.")
+
+
+# ---- checksums --------------------------------------------------------------------------------
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- atomic writes ----------------------------------------------------------------------------
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory so a rename inside it survives a power cut (best effort: some file
+    systems refuse to open or sync directories)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temp_name(path: Path) -> Path:
+    """The hidden sibling a file is written to before its rename (per process: two writers of
+    one path never share a temp file)."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether `name` is a `temp_name` (a write in progress, or left by a crash)."""
+    return re.fullmatch(r"\..+\.tmp\d+", name) is not None
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
+    """`with atomic_path(p) as tmp:` write `tmp` by any means; on success it is fsynced, renamed
+    over `p` and the folder fsynced, so `p` is either the old file or the whole new one, never a
+    torn one. On an exception the temp file is removed and `p` is untouched.
+
+    `mode`: permission bits for the new file; None = what the user's umask gives a new file (some
+    writers, e.g. tempfile, create 0600 files)."""
+    path = Path(path)
+    tmp = temp_name(path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode if mode is not None else _umask_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> None:
+    """Write `data` (str: UTF-8) to `path` atomically (see `atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def atomic_write_json(path: str | Path, obj: Any, **dump: Any) -> None:
+    """`obj` as JSON (indent 1 unless given), atomically, with a trailing newline."""
+    dump.setdefault("indent", 1)
+    atomic_write(path, json.dumps(obj, **dump) + "\n")
+
+
+# ---- token-shard manifest -----------------------------------------------------------------------
+
+def shard_file_name(index: int) -> str:
+    return f"shard_{index:05d}.bin"
+
+
+def shard_record(index: int, data: bytes, tokens: int, max_id: int) -> dict[str, Any]:
+    """One shard's entry in a manifest: file name, token count, sha256 of its bytes, largest id."""
+    return {"file": shard_file_name(index), "tokens": int(tokens), "sha256": sha256_bytes(data),
+            "max_id": int(max_id)}
+
+
+def build_manifest(dtype: str, vocab_size: int, shard_tokens: int, shards: list[dict[str, Any]],
+                   meta: dict[str, Any]) -> dict[str, Any]:
+    """The `manifest.json` of a token-shard folder (the one place its fields are defined).
+    `max_id` is the largest token id in any shard (-1 for none), checked against the model's
+    vocabulary before training."""
+    max_ids = [int(s["max_id"]) for s in shards if "max_id" in s]
+    return {"format": SHARD_FORMAT, "version": SHARD_FORMAT_VERSION, "dtype": dtype, "byte_order": "little",
+            "vocab_size": int(vocab_size), "total_tokens": int(sum(int(s["tokens"]) for s in shards)),
+            "shard_tokens": int(shard_tokens), "max_id": max(max_ids, default=-1), "shards": shards,
+            "meta": meta}
