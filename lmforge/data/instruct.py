@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from lmforge.data.jsonl import read_records
-from lmforge.data.loader import IGNORE_INDEX
+from lmforge.model.loss import IGNORE_INDEX
 
 log = logging.getLogger("lmforge.data")
 

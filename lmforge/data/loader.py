@@ -39,11 +39,11 @@ import numpy as np
 import torch
 
 from lmforge.data.shards import MANIFEST, TokenShards
+from lmforge.model.loss import IGNORE_INDEX
 
 log = logging.getLogger("lmforge.data")
 
 MIX_BLOCK = 1000  # samples per mixture block (weights resolved to 1/MIX_BLOCK)
-IGNORE_INDEX = -100
 
 
 class TokenMixture:

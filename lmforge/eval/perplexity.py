@@ -7,7 +7,8 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
+
+from lmforge.model.loss import IGNORE_INDEX, count_targets, token_nll_sum
 
 
 @torch.no_grad()
@@ -25,9 +26,8 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast():
             logits = model(x)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
-        total_nll += nll.double()
-        total_tokens += int((y != -100).sum())
+        total_nll += token_nll_sum(logits, y).double()
+        total_tokens += int(count_targets(y))
     model.train(was_training)
     if total_tokens == 0:
         raise ValueError("validation set produced no tokens; raise data.val_fraction or lower train.eval_batches.")
@@ -65,15 +65,14 @@ def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int,
         group = windows[lo:lo + batch_size]
         width = max(e - b for b, e, _ in group)
         x = torch.zeros(len(group), width, dtype=torch.long)
-        y = torch.full((len(group), width), -100, dtype=torch.long)
+        y = torch.full((len(group), width), IGNORE_INDEX, dtype=torch.long)
         for row, (b, e, done) in enumerate(group):
             x[row, :e - b] = tokens[b:e]
             y[row, :e - b] = tokens[b + 1:e + 1]
-            y[row, :done - b] = -100  # targets b+1..done were scored by an earlier window
-        logits = model(x.to(device)).float()
+            y[row, :done - b] = IGNORE_INDEX  # targets b+1..done were scored by an earlier window
         y = y.to(device)
-        total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum").double().cpu()
-        count += int((y != -100).sum())
+        total += token_nll_sum(model(x.to(device)), y).double().cpu()
+        count += int(count_targets(y))
     model.train(was_training)
     assert count == n - 1, (count, n)
     return float(total), count

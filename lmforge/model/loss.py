@@ -1,4 +1,16 @@
-"""Cross-entropy fused with the output projection, computed over chunks of tokens.
+"""The training objective, in one place: next-token cross-entropy summed over target tokens,
+`IGNORE_INDEX` (-100) targets ignored, and the normalisation by the global step's target count.
+
+    nll = token_nll_sum(logits, targets)              # fp32 scalar, summed over tokens
+    n = count_targets(targets_of_the_step)            # all-reduced over data-parallel ranks by the layout
+    loss = normalise(nll, n, dp)                       # = nll / n * dp
+
+Why `* dp`: DDP and FSDP *average* gradients over the dp ranks, so each rank scales its summed
+NLL by dp / N (N the global step's target count): mean_r(dp * nll_r / N) = sum_r(nll_r) / N, the
+gradient of one big batch, also when ranks or micro-batches hold different numbers of targets.
+
+Cross-entropy fused with the output projection, computed over chunks of tokens
+(`linear_cross_entropy_sum`, train.loss_chunk):
 
 The plain loss materialises the logits of every token of a micro-batch: [B*T, vocab] in the
 compute dtype, an fp32 copy, and the fp32 log-softmax autograd keeps for backward, then a
@@ -22,8 +34,31 @@ Targets equal to -100 are ignored (zero loss, zero gradient).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+def token_nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token NLL (fp32 scalar) of logits (..., vocab) against targets (...), IGNORE_INDEX
+    targets skipped. Under tensor parallelism `logits` is a vocab-sharded DTensor and the call must
+    run inside `loss_parallel()`."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def count_targets(targets: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """Number of scored (not IGNORE_INDEX) targets, as an int64 tensor on the targets' device."""
+    if isinstance(targets, torch.Tensor):
+        return (targets != IGNORE_INDEX).sum()
+    return sum(count_targets(t) for t in targets)
+
+
+def normalise(nll_sum: torch.Tensor, n_targets: torch.Tensor, dp: int = 1) -> torch.Tensor:
+    """The loss to backpropagate: summed NLL / the global step's target count (at least 1), times
+    the data-parallel degree that gradient averaging divides by again (module docstring)."""
+    loss = nll_sum / n_targets.clamp(min=1)
+    return loss * dp if dp > 1 else loss
 
 
 def _compute_dtype(t: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
 from lmforge.model.layers import Block, KVCache, make_norm, rope_tables
-from lmforge.model.loss import linear_cross_entropy_sum
+from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
 
 
 class Transformer(nn.Module):
@@ -104,8 +103,7 @@ class Transformer(nn.Module):
             h = self.norm(x)
             if type(self.lm_head) is nn.Linear:  # a LoRA (or other wrapped) head runs its own forward
                 return linear_cross_entropy_sum(h, self.lm_head.weight, targets, loss_chunk)
-            return F.cross_entropy(self.lm_head(h).float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                   reduction="sum")
+            return token_nll_sum(self.lm_head(h), targets)
         return self.lm_head(self.norm(x))
 
     # ---- accounting -------------------------------------------------------------------------
