@@ -3,9 +3,11 @@
     python benchmarks/checkpoint_save.py --preset tiny gpt2-124m --reps 3
 
 For each preset: the model + AdamW state after one optimizer step (so the optimizer state exists),
-saved through the same path the trainer uses (`lmforge.ckpt.trainer_io` state -> CheckpointManager):
-async (DCP staging copy, then a background write) and sync. Reported per save:
-  blocking_s  time the caller was blocked (async: staging the state into host memory)
+saved through the same path the trainer uses (`lmforge.ckpt.checkpointer.save_states` of the model +
+optimizer and RNG states -> CheckpointManager): async (DCP staging copy, then a background write) and
+sync. Reported per save:
+  blocking_s  time the caller was blocked (building the state dicts, then, async, staging them into host
+              memory)
   total_s     until the checkpoint is written, fsynced, checksummed, renamed and validated
               (re-hash + test load of every tensor)
   size        bytes on disk
@@ -26,9 +28,10 @@ from pathlib import Path
 
 import torch
 
+from lmforge.ckpt.checkpointer import save_states
 from lmforge.ckpt.manager import CheckpointManager
-from lmforge.ckpt.state import model_optim_state, rng_tensors
-from lmforge.config import load_config
+from lmforge.ckpt.state import ModelOptimizerState, RNGState
+from lmforge.config import OptimConfig, load_config
 from lmforge.model.transformer import build_model
 from lmforge.optim.optimizers import build_optimizer
 
@@ -36,7 +39,7 @@ from lmforge.optim.optimizers import build_optimizer
 def one_preset(preset: str, reps: int, root: Path) -> list[dict]:
     cfg = load_config(preset)
     model = build_model(cfg.model, "cpu", seed=0)
-    opt = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1)
+    opt = build_optimizer(OptimConfig(name="adamw", lr=1e-4, weight_decay=0.1), model)
     for p in model.parameters():  # one step on random gradients: the optimizer state exists
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
@@ -47,11 +50,10 @@ def one_preset(preset: str, reps: int, root: Path) -> list[dict]:
         # async save allocates the host staging buffers, later ones reuse them
         folder = root / f"{preset}-{mode}"
         mgr = CheckpointManager(folder, async_save=mode == "async", validate=True, keep_last=1)
+        states = {"model": ModelOptimizerState(model, opt), "rng": RNGState(0)}
         for rep in range(reps):
-            tensors, other = model_optim_state(model, opt)
-            tensors.update(rng_tensors(0))
             t0 = time.perf_counter()
-            mgr.save(rep + 1, tensors, {"step": rep + 1, "optim": other}, {"optimizer": "adamw"})
+            save_states(mgr, rep + 1, states, {"optimizer": "adamw"})
             blocking = time.perf_counter() - t0
             mgr.wait()
             total = time.perf_counter() - t0

@@ -28,11 +28,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lmforge.config import load_config
+from lmforge.config import OptimConfig, load_config
 from lmforge.model.transformer import build_model
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.plan.memory import Layout, estimate_memory
-from lmforge.train.activation_ckpt import apply_activation_checkpointing, saved_activation_bytes
+from lmforge.parallel.activation_ckpt import apply_activation_checkpointing, saved_activation_bytes
 
 CASES = [("tiny", None), ("gpt2-124m", None)]
 MODES = ("none", "full", "every_k", "selective")
@@ -56,7 +56,7 @@ def run_cuda(batch: int, seq: int) -> list[dict]:
             torch.cuda.empty_cache()
             model = build_model(cfg.model, dev, seed=0)
             apply_activation_checkpointing(model.blocks, ac)
-            opt = build_optimizer(model, "adamw", lr=1e-4, weight_decay=0.1)
+            opt = build_optimizer(OptimConfig(name="adamw", lr=1e-4, weight_decay=0.1), model)
             x = torch.randint(0, cfg.model.vocab_size, (batch, s), device=dev)
 
             def loss_fn():

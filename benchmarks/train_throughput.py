@@ -119,7 +119,7 @@ class Reference:
 
     def __init__(self, cfg: Config, device: torch.device, precision: str, batches: list[tuple[torch.Tensor, torch.Tensor]]):
         from lmforge.model.transformer import build_model
-        from lmforge.train.activation_ckpt import apply_activation_checkpointing
+        from lmforge.parallel.activation_ckpt import apply_activation_checkpointing
 
         t, o = cfg.train, cfg.optim
         self.model = build_model(cfg.model, device, seed=t.seed)
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
     rank0 = not distributed or trainer.dist.rank == 0
     say = print if rank0 else (lambda *a, **k: None)
     say(f"lmforge train throughput: preset {cfg.preset}, {trainer.n_params:,} params, {device}, {precision}, "
-        f"{torch.get_num_threads()} threads, layout {trainer.layout}; {tokens_per_step:,} tokens/step/rank "
+        f"{torch.get_num_threads()} threads, layout {trainer.layout.name}; {tokens_per_step:,} tokens/step/rank "
         f"({t.micro_batch_size} x {cfg.data.seq_len} x {cfg.grad_accum_steps} micro-batches)", flush=True)
 
     arms = {"lmforge": None}
@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> dict:
         "config": {"preset": cfg.preset, "overrides": {k: v for k, v in overrides.items() if k not in BENCH_OVERRIDES},
                    "n_params": trainer.n_params, "flops_per_token": fpt,
                    "flops_formula": "6N + 12*L*d*s (N = matmul weights incl. output projection)",
-                   "precision": precision, "layout": trainer.layout, "world_size": world,
+                   "precision": precision, "layout": trainer.layout.name, "world_size": world,
                    "tokens_per_step_per_rank": tokens_per_step, "micro_batch_size": t.micro_batch_size,
                    "seq_len": cfg.data.seq_len, "grad_accum_steps": cfg.grad_accum_steps,
                    "activation_checkpoint": t.activation_checkpoint, "compile": t.compile,
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> dict:
         results["note"] = "under torchrun: per-rank numbers of rank 0; the single-process reference is not run"
     trainer.ckpt.close()
     if distributed:
-        from lmforge.parallel.distributed import destroy_distributed
+        from lmforge.parallel.mesh import destroy_distributed
 
         destroy_distributed()
     return results

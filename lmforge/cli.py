@@ -29,10 +29,10 @@ def _setup_logging() -> None:
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = load_config(args.config, parse_cli_overrides(rest))  # validate before the heavy imports
-    from lmforge.train.trainer import Trainer
+    from lmforge.train import trainer_for
 
     try:
-        result = Trainer(cfg).fit()
+        result = trainer_for(cfg).fit()
     except Exception as exc:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # name the rank (e.g. a collective timeout)
             print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {type(exc).__name__}: {exc}",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import lmforge.train.trainer as trainer_module
 from lmforge.config import load_config, parse_cli_overrides
-from lmforge.parallel.distributed import destroy_distributed
+from lmforge.parallel.mesh import destroy_distributed
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def test_checkpoint_folder_layout_and_rotation(straight):
     assert {"trainer_state.json", ".metadata"} <= set(meta["files"])
     assert all(len(rec["sha256"]) == 64 for rec in meta["files"].values())
     state = json.loads((ckpts[0][1] / "trainer_state.json").read_text())
-    assert state["step"] == 12 and state["loader"]["position"] == 12 * 8
+    assert state["train"]["step"] == 12 and state["loader"]["position"] == 12 * 8
     assert not list((out / "checkpoints").glob("*.tmp"))
 
 
@@ -93,7 +93,7 @@ def test_resume_from_an_explicit_path(small_data, straight, tmp_path):
     good = tmp_path / "saved" / "step_00000008"
     shutil.copytree(ref_out / "checkpoints" / "step_00000008", good)
     resumed = run(small_data, tmp_path / "run", **{"checkpoint.resume": str(good)})
-    assert resumed.resumed_from == good and resumed.step == 12
+    assert resumed.resumed_from == good and resumed.state.step == 12
     assert_same(weights(resumed.model), ref)
     (good / "trainer_state.json").write_text("{}")  # its sha256 no longer matches meta.json
     with pytest.raises(ValueError, match=r"checkpoint.resume = .*step_00000008.*trainer_state.json"):
@@ -161,21 +161,20 @@ def test_disk_full_during_a_save_keeps_the_old_checkpoints(small_data, straight,
 
 def test_async_save_snapshots_the_state(small_data, tmp_path):
     """Training goes on while the checkpoint is written: the file must hold the state at save time."""
-    from lmforge.ckpt import trainer_io
 
     trainer = Trainer(load_config("tiny", {**SMALL, "checkpoint.every_steps": 0}), out_dir=tmp_path / "run",
                       data=small_data)
     trainer.setup()
     trainer.train_step(trainer.next_micro_batches())
-    trainer.step = 1
+    trainer.state.step = 1
     before = weights(trainer.model)
-    trainer_io.save_checkpoint(trainer)
+    trainer.save_checkpoint()
     for p in trainer.model.parameters():  # modify in place right away, while the write is in flight
         p.data.add_(1.0)
     trainer.ckpt.wait()
     fresh = Trainer(load_config("tiny", SMALL), out_dir=tmp_path / "run", data=small_data)
     fresh.setup()
-    assert fresh.resumed_from is not None and fresh.step == 1
+    assert fresh.resumed_from is not None and fresh.state.step == 1
     assert_same(weights(fresh.model), before)
 
 
@@ -227,7 +226,7 @@ class NaNTrainer(Trainer):
 
     def forward_backward(self, micro_batches):
         loss = super().forward_backward(micro_batches)
-        if self.batches_drawn - 1 in self.bad_batches:
+        if self.state.batches_drawn - 1 in self.bad_batches:
             next(self.model.parameters()).grad.fill_(float("nan"))
             return loss * float("nan")
         return loss
@@ -240,11 +239,11 @@ def test_planted_nan_batch_is_skipped(small_data, tmp_path):
     trainer.setup()
     for _ in range(5):
         trainer.train_step(trainer.next_micro_batches())
-        trainer.step += 1
+        trainer.state.step += 1
     before = weights(trainer.model)
     trainer.train_step(trainer.next_micro_batches())  # batch 5: NaN -> no update
     assert_same(weights(trainer.model), before)
-    trainer.step += 1
+    trainer.state.step += 1
     trainer.train_step(trainer.next_micro_batches())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert trainer.guard.n_skipped == 1
@@ -261,7 +260,7 @@ def test_repeated_bad_batches_roll_back_and_are_skipped(small_data, tmp_path):
     rollback = [e for e in evs if e["event"] == "rollback"]
     assert len(rollback) == 1 and rollback[0]["to_step"] == 4 and rollback[0]["skip_batches"] == [5, 6, 7]
     assert sorted(e["batch"] for e in evs if e["event"] == "skipped_batch") == [5, 6, 7]
-    assert trainer.step == 12 and trainer.batches_drawn == 15 and trainer.rollbacks == 1
+    assert trainer.state.step == 12 and trainer.state.batches_drawn == 15 and trainer.state.rollbacks == 1
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollbacks"] == 1 and summary["skipped_updates"] == 3

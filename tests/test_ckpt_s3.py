@@ -102,4 +102,4 @@ def test_incomplete_remote_checkpoint_is_not_restored(small_data, tmp_path, s3_s
     client.put_object(Bucket=name, Key=prefix + "step_00000004/" + shard, Body=b"garbage")
     trainer = Trainer(load_config("tiny", {**SMALL, **s3, "train.steps": 8}), out_dir=out, data=small_data)
     trainer.setup()
-    assert trainer.resumed_from is None and trainer.step == 0  # nothing usable: a fresh start
+    assert trainer.resumed_from is None and trainer.state.step == 0  # nothing usable: a fresh start

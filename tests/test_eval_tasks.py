@@ -117,14 +117,14 @@ def test_eval_defaults_to_the_runs_validation_shards(trained, tmp_path, monkeypa
     """Without --text/--data, perplexity covers the validation split the run's data config names."""
     from lmforge.data.shards import TokenShards
     from lmforge.eval.cli_eval import EvalOptions, run_eval
-    from lmforge.train import trainer
+    from lmforge.train import components
 
     tok, model = trained
     run = write_run(tmp_path / "run", model, tok)
-    monkeypatch.setattr(trainer, "prepare_data", lambda cfg: small_data)  # the run's (cached) prepared data
+    monkeypatch.setattr(components, "prepare_data", lambda cfg: small_data)  # the run's (cached) prepared data
     res = run_eval(EvalOptions(ckpt=str(run), samples=0, max_tokens=500, window=64, stride=64))
     assert res["perplexity"]["source"] == str(small_data.val_dir)
     assert res["perplexity"]["tokens"] == min(500, len(TokenShards(small_data.val_dir))) - 1
-    monkeypatch.setattr(trainer, "prepare_data", lambda cfg: (_ for _ in ()).throw(OSError("no network")))
+    monkeypatch.setattr(components, "prepare_data", lambda cfg: (_ for _ in ()).throw(OSError("no network")))
     with pytest.raises(ValueError, match="could not open the run's validation data .*no network.*--data"):
         run_eval(EvalOptions(ckpt=str(run), samples=0))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.config import OptimConfig
 from lmforge.optim.optimizers import OPTIMIZER_NAMES, build_optimizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -20,7 +21,7 @@ def _model(device: str) -> nn.Module:
 def _train(name: str, device: str, steps: int = 5) -> list[torch.Tensor]:
     model = _model(device)
     extra = {"min_8bit_size": 1024} if name == "adam8bit" else {}
-    opt = build_optimizer(model, name, lr=1e-3, weight_decay=0.1, **extra)
+    opt = build_optimizer(OptimConfig(name=name, lr=1e-3, weight_decay=0.1), model, **extra)
     for step in range(steps):
         idx = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(step)).to(device)
         opt.zero_grad()
@@ -31,7 +32,7 @@ def _train(name: str, device: str, steps: int = 5) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw"])
 def test_fused_is_default_on_cuda(name: str) -> None:
-    opt = build_optimizer(_model("cuda"), name, lr=1e-3, weight_decay=0.1)
+    opt = build_optimizer(OptimConfig(name=name, lr=1e-3, weight_decay=0.1), _model("cuda"))
     assert opt.defaults["fused"] is True
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.config import OptimConfig
 from lmforge.optim.lamb import LAMB
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import Muon, zeropower_via_newtonschulz5
@@ -74,7 +75,7 @@ def test_adafactor_is_torch_and_matches_published_rule() -> None:
     lr, wd, d, eps1, eps2 = 1e-2, 0.1, 1.0, torch.finfo(torch.float64).eps, 1e-3
     model = nn.Linear(6, 4).double()  # weight (4, 6): factored; bias (4,): full second moment
     p0s = [model.weight.detach().clone(), model.bias.detach().clone()]
-    opt = build_optimizer(model, "adafactor", lr=lr, weight_decay=wd)
+    opt = build_optimizer(OptimConfig(name="adafactor", lr=lr, weight_decay=wd), model)
     assert isinstance(opt, torch.optim.Adafactor)
     grads = list(zip(_grads(4, 4, 6, seed=3), _grads(4, 4, seed=4), strict=True))
     _run(opt, [model.weight, model.bias], grads)
@@ -119,7 +120,7 @@ def test_adafactor_dtensor_path_equals_torch_bit_for_bit() -> None:
         sharded = nn.Linear(6, 4)
         sharded.weight = nn.Parameter(distribute_tensor(ref.weight.detach().clone(), mesh, [Shard(0)]))
         sharded.bias = nn.Parameter(distribute_tensor(ref.bias.detach().clone(), mesh, [Replicate()]))
-        opts = [build_optimizer(m, "adafactor", lr=1e-2, weight_decay=0.1) for m in (ref, sharded)]
+        opts = [build_optimizer(OptimConfig(name="adafactor", lr=1e-2, weight_decay=0.1), m) for m in (ref, sharded)]
         for step_grads in zip(_grads(4, 4, 6, seed=5), _grads(4, 4, seed=6), strict=True):
             for model, opt in zip((ref, sharded), opts, strict=True):
                 for p, g in zip((model.weight, model.bias), step_grads, strict=True):
@@ -224,7 +225,7 @@ class _TinyLM(nn.Module):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_build_muon_assigns_groups(tied: bool) -> None:
-    opt = build_optimizer(_TinyLM(tied), "muon", lr=3e-4, weight_decay=0.1)
+    opt = build_optimizer(OptimConfig(name="muon", lr=3e-4, weight_decay=0.1), _TinyLM(tied))
     groups = {g["group"]: g for g in opt.param_groups}
     assert groups["muon"]["param_names"] == ["fc.weight", "proj.weight"]
     assert groups["muon"]["use_muon"] and groups["muon"]["lr"] == 0.02 and groups["muon"]["momentum"] == 0.95

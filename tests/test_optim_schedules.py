@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from lmforge.config import ConfigError, ScheduleConfig, load_config
 from lmforge.optim.schedules import BatchRampup, build_scheduler, lr_at
 
 PEAK, WARMUP, TOTAL, RATIO = 3e-4, 10, 110, 0.1
@@ -96,8 +97,7 @@ def _optimizer() -> torch.optim.Optimizer:
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
 def test_build_scheduler_follows_lr_at_for_every_group(schedule: str) -> None:
     opt = _optimizer()
-    sched = build_scheduler(opt, schedule=schedule, peak_lr=PEAK, warmup_steps=WARMUP, total_steps=TOTAL,
-                            min_lr_ratio=RATIO)
+    sched = build_scheduler(ScheduleConfig(name=schedule, warmup_steps=WARMUP, min_lr_ratio=RATIO), opt, PEAK, TOTAL)
     for step in range(TOTAL + 5):
         expected = _lr(step, schedule)
         # base * (lr_at / peak): equal to lr_at up to one rounding of the division, rel 1e-12.
@@ -108,9 +108,8 @@ def test_build_scheduler_follows_lr_at_for_every_group(schedule: str) -> None:
 
 
 def test_scheduler_state_dict_roundtrip() -> None:
-    kw = {"schedule": "wsd", "peak_lr": PEAK, "warmup_steps": WARMUP, "total_steps": TOTAL}
     opt = _optimizer()
-    sched = build_scheduler(opt, **kw)
+    sched = build_scheduler(ScheduleConfig(name="wsd", warmup_steps=WARMUP), opt, PEAK, TOTAL)
     for _ in range(95):
         opt.step()
         sched.step()
@@ -118,7 +117,7 @@ def test_scheduler_state_dict_roundtrip() -> None:
     torch.save(sched.state_dict(), buf)
     buf.seek(0)
     opt2 = _optimizer()
-    sched2 = build_scheduler(opt2, **{**kw, "schedule": "constant"})  # overwritten by the load
+    sched2 = build_scheduler(ScheduleConfig(name="constant", warmup_steps=WARMUP), opt2, PEAK, TOTAL)  # overwritten by the load
     sched2.load_state_dict(torch.load(buf, weights_only=False))
     for _ in range(3):
         opt.step()
@@ -153,3 +152,23 @@ def test_batch_rampup_validation() -> None:
     with pytest.raises(ValueError, match="tokens_seen"):
         BatchRampup(32, 64, 10, 32, 8).batch_at(-1)
     assert BatchRampup(32, 64, 0, 32, 8).batch_at(0) == 64  # no ramp: target from the start
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine", "sqrt"])
+def test_schedule_wsd_decay_config_key_shapes_the_run_schedule(decay: str) -> None:
+    """schedule.wsd_decay reaches the scheduler the trainer builds from the config."""
+    cfg = load_config("tiny", {"schedule.name": "wsd", "schedule.wsd_decay": decay, "train.steps": 100,
+                               "schedule.warmup_steps": 10, "schedule.decay_fraction": 0.5})
+    opt = _optimizer()
+    sched = build_scheduler(cfg.schedule, opt, cfg.optim.lr, cfg.train.steps)
+    for _ in range(70):
+        opt.step()
+        sched.step()
+    want = lr_at(70, schedule="wsd", peak_lr=cfg.optim.lr, warmup_steps=10, total_steps=100, min_lr_ratio=0.1,
+                 decay_fraction=0.5, wsd_decay=decay)
+    assert math.isclose(opt.param_groups[0]["lr"] * cfg.optim.lr / PEAK, want, rel_tol=REL)
+    others = {d: lr_at(70, schedule="wsd", peak_lr=1.0, warmup_steps=10, total_steps=100, decay_fraction=0.5,
+                       wsd_decay=d) for d in ("linear", "cosine", "sqrt")}
+    assert len(set(others.values())) == 3  # the three shapes really differ at this step
+    with pytest.raises(ConfigError, match="schedule.wsd_decay = 'cubic' is not one of"):
+        load_config("tiny", {"schedule.wsd_decay": "cubic"})

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.config import OptimConfig
 from lmforge.optim.optimizers import OPTIMIZER_NAMES, build_optimizer, measured_state_bytes
 from lmforge.optim.state_memory import optimizer_state_bytes_per_param
 
@@ -69,7 +70,7 @@ def _assert_state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> N
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_resume_from_state_dict_is_bitwise_identical(name: str, dtype: torch.dtype) -> None:
     model = _TinyLM().to(dtype)
-    opt = build_optimizer(model, name, lr=1e-3, weight_decay=0.1, **_kwargs(name))
+    opt = build_optimizer(OptimConfig(name=name, lr=1e-3, weight_decay=0.1), model, **_kwargs(name))
     for step in range(3):
         _train_step(model, opt, step)
     saved_model, saved_opt = _roundtrip(model.state_dict()), _roundtrip(opt.state_dict())
@@ -78,7 +79,7 @@ def test_resume_from_state_dict_is_bitwise_identical(name: str, dtype: torch.dty
 
     resumed = _TinyLM().to(dtype)
     resumed.load_state_dict(saved_model)
-    resumed_opt = build_optimizer(resumed, name, lr=1e-3, weight_decay=0.1, **_kwargs(name))
+    resumed_opt = build_optimizer(OptimConfig(name=name, lr=1e-3, weight_decay=0.1), resumed, **_kwargs(name))
     resumed_opt.load_state_dict(saved_opt)
     _train_step(resumed, resumed_opt, 3)
 
@@ -89,9 +90,9 @@ def test_resume_from_state_dict_is_bitwise_identical(name: str, dtype: torch.dty
 
 def test_adam8bit_keeps_uint8_codes_and_fp32_scales_on_load_for_bf16_params() -> None:
     model = _TinyLM().to(torch.bfloat16)
-    opt = build_optimizer(model, "adam8bit", lr=1e-3, weight_decay=0.1, min_8bit_size=512)
+    opt = build_optimizer(OptimConfig(name="adam8bit", lr=1e-3, weight_decay=0.1), model, min_8bit_size=512)
     _train_step(model, opt, 0)
-    fresh = build_optimizer(model, "adam8bit", lr=1e-3, weight_decay=0.1, min_8bit_size=512)
+    fresh = build_optimizer(OptimConfig(name="adam8bit", lr=1e-3, weight_decay=0.1), model, min_8bit_size=512)
     fresh.load_state_dict(_roundtrip(opt.state_dict()))
     state = fresh.state[model.fc.weight]
     assert state["exp_avg_codes"].dtype == torch.uint8  # torch alone would cast these to bf16
@@ -99,7 +100,7 @@ def test_adam8bit_keeps_uint8_codes_and_fp32_scales_on_load_for_bf16_params() ->
 
 
 def _bytes_per_param(name: str, model: nn.Module, **kw) -> float:
-    opt = build_optimizer(model, name, lr=1e-3, weight_decay=0.0, **kw)
+    opt = build_optimizer(OptimConfig(name=name, lr=1e-3, weight_decay=0.0), model, **kw)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
@@ -121,7 +122,7 @@ def test_analytical_bytes_match_measured_for_a_matrix(name: str) -> None:
 def test_adafactor_bytes_match_formula() -> None:
     m, n = 64, 256
     model = nn.Linear(n, m)  # weight (64, 256) factored, bias (64,) full
-    opt = build_optimizer(model, "adafactor", lr=1e-2, weight_decay=0.0)
+    opt = build_optimizer(OptimConfig(name="adafactor", lr=1e-2, weight_decay=0.0), model)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from lmforge.config import OptimConfig
 from lmforge.optim.optimizers import build_optimizer, describe_groups, param_groups
 
 
@@ -59,7 +60,7 @@ def test_trajectory_matches_textbook_rule(name: str) -> None:
     model = _mlp()
     ref = _mlp()
     builder_name = "momentum" if name == "nesterov" else name
-    opt = build_optimizer(model, builder_name, lr=LR, weight_decay=WD, nesterov=name == "nesterov")
+    opt = build_optimizer(OptimConfig(name=builder_name, lr=LR, weight_decay=WD, nesterov=name == "nesterov"), model)
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     ref_state: dict[str, dict] = {n: {} for n in ref_params}
     for t in range(1, STEPS + 1):
@@ -87,11 +88,11 @@ def test_trajectory_matches_textbook_rule(name: str) -> None:
     ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW),
 ])
 def test_torch_optimizers_are_used_with_foreach_on_cpu(name: str, cls: type) -> None:
-    opt = build_optimizer(_mlp(), name, lr=LR, weight_decay=WD)
+    opt = build_optimizer(OptimConfig(name=name, lr=LR, weight_decay=WD), _mlp())
     assert type(opt) is cls
     assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
     # torch 2.13 also has fused CPU kernels for these; fused=True selects them.
-    fused = build_optimizer(_mlp(), name, lr=LR, weight_decay=WD, fused=True)
+    fused = build_optimizer(OptimConfig(name=name, lr=LR, weight_decay=WD, fused="on"), _mlp())
     assert fused.defaults["fused"] is True
     assert name != "sgd" or opt.defaults["momentum"] == 0.0
 
@@ -123,7 +124,7 @@ def test_param_groups_decay_embeddings_and_torch_keeps_extra_keys() -> None:
     model = _tied_lm()
     decay, _ = param_groups(model, weight_decay=0.1, decay_embeddings=True)
     assert sorted(decay["param_names"]) == ["fc.weight", "tok_emb.weight"]
-    opt = build_optimizer(model, "adamw", lr=LR, weight_decay=0.1)
+    opt = build_optimizer(OptimConfig(name="adamw", lr=LR, weight_decay=0.1), model)
     assert [g["group"] for g in opt.param_groups] == ["decay", "no_decay"]
     assert opt.param_groups[0]["param_names"] == ["fc.weight"]
     assert opt.state_dict()["param_groups"][0]["param_names"] == ["fc.weight"]
@@ -134,14 +135,14 @@ def test_param_groups_decay_embeddings_and_torch_keeps_extra_keys() -> None:
 
 def test_unknown_name_and_bad_arguments_raise() -> None:
     with pytest.raises(ValueError, match="adamw.*lion.*muon"):
-        build_optimizer(_mlp(), "adamx", lr=LR, weight_decay=WD)
+        build_optimizer(OptimConfig(name="adamx", lr=LR, weight_decay=WD), _mlp())
     with pytest.raises(ValueError, match="weight_decay"):
-        build_optimizer(_mlp(), "adamw", lr=LR, weight_decay=-1.0)
+        build_optimizer(OptimConfig(name="adamw", lr=LR, weight_decay=-1.0), _mlp())
     with pytest.raises(ValueError, match="nesterov"):
-        build_optimizer(_mlp(), "sgd", lr=LR, weight_decay=WD, nesterov=True)
+        build_optimizer(OptimConfig(name="sgd", lr=LR, weight_decay=WD, nesterov=True), _mlp())
     with pytest.raises(ValueError, match="fused"):
-        build_optimizer(_mlp(), "lion", lr=LR, weight_decay=WD, fused=True)
+        build_optimizer(OptimConfig(name="lion", lr=LR, weight_decay=WD, fused="on"), _mlp())
     with pytest.raises(ValueError, match="bogus"):
-        build_optimizer(_mlp(), "adamw", lr=LR, weight_decay=WD, bogus=1)
+        build_optimizer(OptimConfig(name="adamw", lr=LR, weight_decay=WD), _mlp(), bogus=1)
     with pytest.raises(ValueError, match="relative_step"):
-        build_optimizer(_mlp(), "adafactor", lr=LR, weight_decay=WD, relative_step=False)
+        build_optimizer(OptimConfig(name="adafactor", lr=LR, weight_decay=WD), _mlp(), relative_step=False)

@@ -64,9 +64,8 @@ def test_batch_rampup_grows_accumulation_in_the_trainer(small_data, tmp_path):
     for _ in range(12):
         batches = t.next_micro_batches()
         sizes.append(sum(x.shape[0] for x, _ in batches))
-        t.forward_backward(batches)
-        t.optimizer_update()
-        t.tokens_seen += sizes[-1] * 32
+        t.update(t.forward_backward(batches))
+        t.state.tokens_seen += sizes[-1] * 32
     assert sizes[0] == 8 and sizes[-1] == 32
     assert sizes == sorted(sizes) and len(set(sizes)) == 4  # 8, 16, 24, 32
     expected = [t.rampup.batch_at(sum(sizes[:i]) * 32) for i in range(12)]

@@ -42,8 +42,9 @@ def overrides(corpus: Path, out: Path, **extra) -> list[str]:
     return [a for k, v in args.items() for a in (f"--{k}", str(v))]
 
 
-def train(corpus: Path, out: Path, nproc: int = 1, timeout: int = 180, **extra) -> subprocess.CompletedProcess:
-    launch = [sys.executable, "-m", "lmforge"] if nproc == 1 else [
+def train(corpus: Path, out: Path, nproc: int = 1, timeout: int = 180, torchrun: bool = False,
+          **extra) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "lmforge"] if nproc == 1 and not torchrun else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master-port", str(free_port()), "-m", "lmforge"]
     return subprocess.run(launch + ["train"] + overrides(corpus, out, **extra), capture_output=True, text=True,
@@ -110,6 +111,20 @@ def test_data_parallel_layout_matches_one_process(corpus, single, tmp_path, layo
 
 
 @pytest.mark.slow
+def test_fsdp_at_shard_degree_one_matches_one_process(corpus, single, tmp_path):
+    """`torchrun --nproc-per-node 1` with zero_stage 3 and dp_shard 1: FSDP2 on a one-rank mesh (what a
+    single GPU uses for FSDP2's mixed precision) trains like the plain process."""
+    out = tmp_path / "fsdp1"
+    proc = train(corpus, out, nproc=1, torchrun=True, **{"parallel.zero_stage": 3})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = losses(out)
+    assert got.keys() == single.keys()
+    worst = max(abs(got[s] - single[s]) / abs(single[s]) for s in single)
+    assert worst < 1e-5, (worst, got, single)
+    assert json.loads((out / "summary.json").read_text())["layout"] == "fsdp"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     {"parallel.dp_replicate": 2, "parallel.ddp_comm_hook": "powersgd", "parallel.powersgd_rank": 2},
     {"parallel.dp_shard": 2, "train.precision": "bf16"},  # FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)
@@ -138,7 +153,7 @@ BATCH = {"train.global_batch_size": 64, "train.micro_batch_size": 16}  # divisib
 
 
 def test_layout_errors_without_torchrun(tmp_path, monkeypatch):
-    from lmforge.parallel.distributed import check_layout, init_distributed
+    from lmforge.parallel.mesh import check_layout, init_distributed
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -156,10 +171,12 @@ def test_layout_errors_without_torchrun(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"parallel.tp \(2\) x parallel.pp \(1\) = 2 processes"):
         init_distributed(cfg)
     assert init_distributed(load_config("tiny")).distributed is False  # one process: no process group
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 1"):  # FSDP2 at shard degree 1
+        init_distributed(load_config("tiny", {"parallel.zero_stage": 3}))
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"parallel.zero_stage": 2}, "parallel.dp_shard >= 2"),
+    ({"parallel.zero_stage": 1}, "parallel.dp_shard >= 2"),
     ({"parallel.zero_stage": 4, "parallel.dp_shard": 2}, "zero_stage = 4"),
     ({"parallel.zero_stage": 1, "parallel.dp_shard": 2, "parallel.dp_replicate": 2}, "dp_replicate = 1"),
     ({"parallel.dp_shard": 2, "parallel.ddp_comm_hook": "powersgd"}, "applies to DDP only"),

@@ -177,8 +177,9 @@ def test_model_parallel_config_validation(bad, message):
 
 
 def test_valid_model_parallel_configs_and_degenerate_cases(monkeypatch):
-    from lmforge.parallel.distributed import check_layout
-    from lmforge.parallel.pipeline import bubble_fraction, stage_layers
+    from lmforge.parallel.mesh import check_layout
+    from lmforge.parallel.formulas import pipeline_bubble as bubble_fraction
+    from lmforge.parallel.pipeline import stage_layers
 
     for ok in ({"parallel.tp": 2, "parallel.sequence_parallel": True},
                {"parallel.tp": 1, "parallel.pp": 1},  # degenerate: one process

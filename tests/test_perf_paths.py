@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lmforge.config import ConfigError, load_config
 from lmforge.model.loss import linear_cross_entropy_sum
-from lmforge.train.activation_ckpt import saved_activation_bytes
+from lmforge.parallel.activation_ckpt import saved_activation_bytes
 from tests.test_train import SMALL, grads, make_trainer
 
 
@@ -79,8 +79,8 @@ def test_loss_chunk_never_holds_the_logits(small_data, tmp_path):
     chunked = make_trainer(small_data, tmp_path, **over, **{"train.loss_chunk": 32})
     x, y = plain.next_micro_batches()[0]
     params = lambda t: list(t.model.parameters())
-    saved_p = saved_activation_bytes(lambda: plain.token_nll_sum(x, y), exclude=params(plain))
-    saved_c = saved_activation_bytes(lambda: chunked.token_nll_sum(x, y), exclude=params(chunked))
+    saved_p = saved_activation_bytes(lambda: plain.layout.nll_sum(x, y, plain.precision), exclude=params(plain))
+    saved_c = saved_activation_bytes(lambda: chunked.layout.nll_sum(x, y, chunked.precision), exclude=params(chunked))
     logits_bytes = x.numel() * 4096 * 4
     assert saved_p - saved_c > 0.5 * logits_bytes, (saved_p, saved_c, logits_bytes)
 

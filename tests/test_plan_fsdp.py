@@ -20,7 +20,7 @@ _WORKER = textwrap.dedent('''
     import torch, torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard
-    from lmforge.config import load_config
+    from lmforge.config import OptimConfig, load_config
     from lmforge.model.transformer import build_model
     from lmforge.optim.optimizers import build_optimizer
 
@@ -33,7 +33,7 @@ _WORKER = textwrap.dedent('''
     for block in model.blocks.values():
         fully_shard(block)
     fully_shard(model)
-    opt = build_optimizer(model, optimizer, lr=1e-3, weight_decay=0.1, fused=False)
+    opt = build_optimizer(OptimConfig(name=optimizer, lr=1e-3, weight_decay=0.1, fused="off"), model)
     x = torch.randint(0, cfg.model.vocab_size, (2, 32))
     F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()).backward()
     opt.step()

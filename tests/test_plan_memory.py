@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.config import load_config
+from lmforge.config import OptimConfig, load_config
 from lmforge.plan.memory import (Layout, activation_bytes_per_layer, estimate_memory, fsdp_shard_shape,
                                  model_state_bytes_per_param, param_specs, stage_specs, tp_shape)
 
@@ -143,7 +143,7 @@ def _one_step(preset: str, optimizer: str, overrides=None, seq: int = 32):
             p.fill_(0.01)
         for name, buf in model.named_buffers():
             buf.zero_()
-    opt = build_optimizer(model, optimizer, lr=1e-3, weight_decay=0.1)
+    opt = build_optimizer(OptimConfig(name=optimizer, lr=1e-3, weight_decay=0.1), model)
     x = torch.randint(0, cfg.model.vocab_size, (2, seq))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(x)
@@ -224,7 +224,7 @@ def test_lmforge_activations_equal_saved_tensors(preset, layers, ac):
     autocast): activations + the autocast 16-bit weight copies (+ RoPE tables when a block runs
     without recompute)."""
     from lmforge.model.transformer import build_model
-    from lmforge.train.activation_ckpt import apply_activation_checkpointing, saved_activation_bytes
+    from lmforge.parallel.activation_ckpt import apply_activation_checkpointing, saved_activation_bytes
 
     cfg = load_config(preset, {"model.n_layers": layers})
     model = build_model(cfg.model, "cpu", seed=0)

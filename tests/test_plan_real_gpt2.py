@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.config import load_config
+from lmforge.config import OptimConfig, load_config
 from lmforge.plan.memory import Layout, estimate_memory, param_specs
 
 
@@ -23,7 +23,7 @@ def _real_bytes(preset: str, optimizer: str, overrides: dict, seq: int = 8) -> t
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(0.01)
-    opt = build_optimizer(model, optimizer, lr=1e-3, weight_decay=0.1)
+    opt = build_optimizer(OptimConfig(name=optimizer, lr=1e-3, weight_decay=0.1), model)
     x = torch.randint(0, cfg.model.vocab_size, (1, seq))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(x)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.config import load_config
-from lmforge.train.activation_ckpt import saved_activation_bytes
+from lmforge.parallel.activation_ckpt import saved_activation_bytes
 from lmforge.train.trainer import Trainer
 
 SMALL = {

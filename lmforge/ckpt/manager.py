@@ -171,10 +171,11 @@ class CheckpointManager:
             self._pending = None
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict[str, Any],
-             meta: dict[str, Any]) -> None:
+             meta: dict[str, Any], started: float | None = None) -> None:
         """Checkpoint `step` (every rank, same order). Returns once the state is staged in host
-        memory when async, or fully written and validated otherwise."""
-        t0 = time.perf_counter()
+        memory when async, or fully written and validated otherwise. `started`: the perf_counter
+        time the caller began building `tensors` (that counts as blocking too)."""
+        t0 = time.perf_counter() if started is None else started
         self.wait()
         tmp = self.root / (step_name(step) + ".tmp")
         if self.rank == 0:

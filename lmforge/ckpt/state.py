@@ -1,29 +1,32 @@
-"""What a checkpoint holds, split by how it is stored.
+"""What a checkpoint holds: a mapping of named `Stateful` objects (torch's protocol, as in
+torchtitan: `state_dict()` / `load_state_dict()`), each state dict split by how it is stored.
 
-* **Tensors** (model, optimizer state, this rank's RNG states) go to torch.distributed.checkpoint
-  (DCP) under flat, layout-independent keys::
+* **Tensors** go to torch.distributed.checkpoint (DCP) under flat, layout-independent keys
+  ``<state name>/<path>``, e.g.::
 
-      model/<fqn>                  parameters and persistent buffers (full names, no wrapper prefixes)
-      optim/<fqn>/<state key>      optimizer state per parameter (exp_avg, step, ...)
-      rng/rank<r>/torch            this rank's torch CPU generator state (uint8)
-      rng/rank<r>/cuda             ... and the CUDA one on a GPU
+      model/weights/<fqn>              parameters and persistent buffers (full names, no wrapper prefixes)
+      model/optim/<fqn>/<state key>    optimizer state per parameter (exp_avg, step, ...; a number
+                                       such as LAMB's int step is stored as a 0-d tensor)
+      rng/rank<r>/torch                this rank's torch CPU generator state (uint8); cuda, python, numpy
 
   DCP writes each rank's shard of a sharded (FSDP / DTensor) tensor and one copy of a replicated
   one, and reads back into whatever layout the loading run has (resharding by name).
-* **Everything else** (step, tokens seen, data-loader position, LR-scheduler and grad-scaler
-  state, optimizer hyperparameters and non-tensor state, python/numpy RNG, guard state) is plain
-  JSON: no pickle anywhere, so loading a checkpoint can never execute code.
+* **Everything else** (the trainer's step and counters, data-loader position, LR-scheduler and
+  grad-scaler state, optimizer hyperparameters, guard state) is plain JSON in one file: no pickle
+  anywhere, so loading a checkpoint can never execute code. JSON parts are global (equal on every
+  rank); per-rank state is tensors under per-rank keys.
 
-The model/optimizer state dicts come from `torch.distributed.checkpoint.state_dict`
-(`get_state_dict` / `set_state_dict`), which handles plain modules, DDP, FSDP2 and DTensor alike.
+`lmforge.ckpt.checkpointer` saves and loads such a mapping. This module holds the splitting and the
+two states that live below the trainer: the model with its optimizer (`ModelOptimizerState`, through
+`torch.distributed.checkpoint.state_dict`, which handles plain modules, DDP, FSDP2 and DTensor
+alike) and the random generators (`RNGState`).
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import random
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -34,14 +37,46 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 SEP = "/"  # FQNs contain dots, never slashes
 
 
-def _flatten(prefix: str, tree: Any, tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> None:
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def split_state(name: str, tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """(tensors keyed `name/path`, the tree with each tensor replaced by its key as {"__tensor__": key},
+    other leaves made JSON-able)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(path: str, node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node
+            return {"__tensor__": path}
+        if isinstance(node, Mapping):
+            assert all(isinstance(k, str) and SEP not in k for k in node), list(node)
+            return {k: walk(f"{path}{SEP}{k}", v) for k, v in node.items()}
+        return _to_json(node)
+
+    return tensors, walk(name, tree)
+
+
+def join_state(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `split_state`: put the (loaded) tensors back; keys absent from `tensors` (not in the
+    checkpoint) are left out of their mapping, so the state decides what a missing entry means."""
+    if isinstance(tree, dict) and "__tensor__" in tree:
+        raise AssertionError("join_state: a tensor leaf must sit in a mapping")
+    if isinstance(tree, dict) and ("__tuple__" in tree or "__dtype__" in tree):
+        return _from_json(tree)
     if isinstance(tree, dict):
+        out = {}
         for k, v in tree.items():
-            _flatten(f"{prefix}{SEP}{k}", v, tensors, other)
-    elif isinstance(tree, torch.Tensor):
-        tensors[prefix] = tree
-    else:
-        other[prefix] = _to_json(tree)
+            if isinstance(v, dict) and "__tensor__" in v:
+                if v["__tensor__"] in tensors:
+                    out[k] = tensors[v["__tensor__"]]
+            else:
+                out[k] = join_state(v, tensors)
+        return out
+    return _from_json(tree)
 
 
 def _to_json(value: Any) -> Any:
@@ -75,72 +110,81 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-def _unflatten(prefix: str, tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> dict:
-    out: dict = {}
-    head = prefix + SEP
-    for key, value in [*tensors.items(), *((k, _from_json(v)) for k, v in other.items())]:
-        if not key.startswith(head):
-            continue
-        node = out
-        *parents, leaf = key[len(head):].split(SEP)
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # model + optimizer
 # ---------------------------------------------------------------------------------------------
 
-def model_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, json) of the model and optimizer, keyed by parameter name.
+class ModelOptimizerState:
+    """The model's parameters and the optimizer's state, keyed by parameter name, so a checkpoint
+    reshards across layouts (`get_state_dict` / `set_state_dict` of torch.distributed.checkpoint).
 
-    ZeRO-1 (ZeroRedundancyOptimizer): each rank stores the state of its own partition (its local
-    optimizer); the keys are parameter names, so a run with another layout reads it back by name.
-    """
-    opts = StateDictOptions(full_state_dict=False, cpu_offload=False)
-    tensors: dict[str, torch.Tensor] = {}
-    other: dict[str, Any] = {}
-    _flatten("model", get_model_state_dict(model, options=opts), tensors, other)
-    if optimizer is not None:
-        inner = _local_optimizer(optimizer)
-        osd = get_optimizer_state_dict(model, inner, options=opts)
-        _flatten("optim", osd["state"], tensors, other)
-        other["optim_groups"] = [_to_json({k: v for k, v in g.items() if k not in ("params", "param_names")})
-                                 for g in osd["param_groups"]]
-    return tensors, other
+    ZeRO-1 (ZeroRedundancyOptimizer): each rank holds the state of its own partition (its local
+    optimizer) under the parameters' names, so a run with another layout reads it back by name.
+    Numbers in the per-parameter state (LAMB's and 8-bit Adam's int `step`) travel as 0-d tensors,
+    so they follow their parameter like the moments do."""
 
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+        self.model, self.optimizer = model, optimizer
 
-def load_model_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                           tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> None:
-    """Inverse of `model_optim_state` (tensors already read into the run's own layout)."""
-    opts = StateDictOptions(full_state_dict=False, strict=True)
-    set_model_state_dict(model, _unflatten("model", tensors, other), options=opts)
-    if optimizer is not None:
-        inner = _local_optimizer(optimizer)
-        state = _unflatten("optim", tensors, other)
-        current = get_optimizer_state_dict(model, inner, options=StateDictOptions())
+    def state_dict(self) -> dict[str, Any]:
+        opts = StateDictOptions(full_state_dict=False, cpu_offload=False)
+        out: dict[str, Any] = {"weights": get_model_state_dict(self.model, options=opts)}
+        if self.optimizer is not None:
+            osd = get_optimizer_state_dict(self.model, _local_optimizer(self.optimizer), options=opts)
+            out["optim"] = {fqn: {k: _number_tensor(v) for k, v in st.items()} for fqn, st in osd["state"].items()}
+            out["optim_groups"] = [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                                   for g in osd["param_groups"]]
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        current = self.state_dict()  # what this run's layout holds: every entry must be in the checkpoint
+        missing = [f"weights/{k}" for k in current["weights"] if k not in state_dict.get("weights", {})]
+        missing += [f"optim/{fqn}/{k}" for fqn, st in current.get("optim", {}).items() for k in st
+                    if k not in state_dict.get("optim", {}).get(fqn, {})]
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors this run needs (e.g. {missing[:3]}); it was "
+                             f"written by another model or optimizer configuration.")
+        opts = StateDictOptions(full_state_dict=False, strict=True)
+        set_model_state_dict(self.model, state_dict["weights"], options=opts)
+        if self.optimizer is None:
+            return
+        inner = _local_optimizer(self.optimizer)
+        template = get_optimizer_state_dict(self.model, inner, options=StateDictOptions())
+        state = {fqn: {k: _from_number_tensor(v, template["state"].get(fqn, {}).get(k)) for k, v in st.items()}
+                 for fqn, st in state_dict["optim"].items() if fqn in current["optim"]}
         own = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-        set_optimizer_state_dict(model, inner, {"state": state, "param_groups": current["param_groups"]},
+        set_optimizer_state_dict(self.model, inner, {"state": state, "param_groups": template["param_groups"]},
                                  options=opts)
         # hyperparameters, matched by the group's name (lmforge's groups are named "decay", "no_decay", ...;
         # a layout may split a group, e.g. TP into DTensor / plain parameters, or drop an empty one, e.g.
         # Muon's AdamW-decay group when its only matrix is a tied embedding), else by position.
         # (set_optimizer_state_dict matches groups through parameter names and can drop the keys of a
         # group that holds a tied weight or nothing, so they are set here.)
-        saved = [_from_json(g) for g in other.get("optim_groups", [])]
+        saved = state_dict.get("optim_groups", [])
         by_name = {g.get("group"): g for g in saved}
         named = None not in by_name and all(g.get("group") in by_name for g in inner.param_groups if g["params"])
         if not named and len(saved) != len(inner.param_groups):
-            raise ValueError(f"checkpoint: the optimizer has {len(inner.param_groups)} parameter groups but "
-                             f"the checkpoint {len(saved)}; was it written with another optim.name?")
+            raise ValueError(f"the optimizer has {len(inner.param_groups)} parameter groups but the checkpoint "
+                             f"{len(saved)}; was it written with another optim.name?")
         for i, group in enumerate(inner.param_groups):
             if named:  # (an empty group keeps its own settings, which the load above may have dropped)
                 group.update(by_name.get(group.get("group"), own[i]))
             else:
                 group.update(saved[i])
+
+
+def _number_tensor(value: Any) -> Any:
+    """A python number in optimizer state as a 0-d tensor (int64 / float64), tensors unchanged."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
+
+
+def _from_number_tensor(value: Any, like: Any) -> Any:
+    """Inverse of `_number_tensor`, by the type the run's own optimizer keeps for that entry."""
+    if isinstance(like, (int, float)) and not isinstance(like, bool) and isinstance(value, torch.Tensor):
+        return type(like)(value.item())
+    return value
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -149,49 +193,44 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
-def json_tensor(obj: Any) -> torch.Tensor:
-    """A JSON-able object as a uint8 tensor (so DCP stores it per rank without pickling)."""
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-
-
-def tensor_json(t: torch.Tensor) -> Any:
-    """Inverse of `json_tensor`."""
-    return json.loads(bytes(t.to(torch.uint8).cpu().numpy()).decode())
-
-
 # ---------------------------------------------------------------------------------------------
 # RNG
 # ---------------------------------------------------------------------------------------------
 
-def rng_tensors(rank: int) -> dict[str, torch.Tensor]:
-    """This process's generator states as uint8 tensors under rank-specific keys: torch CPU (and
-    CUDA), plus python's and numpy's states as JSON bytes."""
-    version, state, gauss = random.getstate()
-    np_state = np.random.get_state()
-    host = {"python": [version, list(state), gauss],
-            "numpy": [np_state[0], base64.b64encode(np_state[1].astype("<u4").tobytes()).decode(),
-                      int(np_state[2]), int(np_state[3]), float(np_state[4])]}
-    key = f"rng{SEP}rank{rank}{SEP}"
-    out = {key + "torch": torch.get_rng_state(),
-           key + "host": json_tensor(host)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out[key + "cuda"] = torch.cuda.get_rng_state()
-    return out
+class RNGState:
+    """This process's generators (torch CPU and CUDA, python, numpy) under rank-specific keys. A
+    checkpoint from fewer ranks has no entry for this rank: it keeps its seed (`restored` False)."""
 
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.restored = False
 
-def set_rng(rank: int, tensors: dict[str, torch.Tensor]) -> bool:
-    """Restore this rank's generators from `rng_tensors` output; False if the checkpoint has no
-    state for this rank (it was saved by fewer ranks)."""
-    key = f"rng{SEP}rank{rank}{SEP}"
-    if key + "torch" not in tensors:
-        return False
-    torch.set_rng_state(tensors[key + "torch"].to(torch.uint8).cpu())
-    if key + "cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors[key + "cuda"].to(torch.uint8).cpu())
-    host = tensor_json(tensors[key + "host"])
-    version, state, gauss = host["python"]
-    random.setstate((version, tuple(state), gauss))
-    name, keys, pos, has_gauss, cached = host["numpy"]
-    np.random.set_state((name, np.frombuffer(base64.b64decode(keys), dtype="<u4").astype(np.uint32),
-                         pos, has_gauss, cached))
-    return True
+    def state_dict(self) -> dict[str, Any]:
+        """Fixed-size tensors only (a checkpoint's tensors are read into tensors of the saving shape)."""
+        version, words, gauss = random.getstate()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        assert name == "MT19937", name
+        mine = {"torch": torch.get_rng_state(),
+                "python": torch.tensor([version, *words], dtype=torch.int64),
+                "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+                "numpy": torch.from_numpy(keys.astype(np.int64)),
+                "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+                "numpy_gauss": torch.tensor([cached], dtype=torch.float64)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            mine["cuda"] = torch.cuda.get_rng_state()
+        return {f"rank{self.rank}": mine}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        mine = state_dict.get(f"rank{self.rank}", {})
+        self.restored = all(k in mine for k in ("torch", "python", "python_gauss", "numpy", "numpy_pos", "numpy_gauss"))
+        if not self.restored:
+            return
+        torch.set_rng_state(mine["torch"].to(torch.uint8).cpu())
+        if "cuda" in mine and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["cuda"].to(torch.uint8).cpu())
+        version, *words = mine["python"].tolist()
+        has_gauss, gauss = mine["python_gauss"].tolist()
+        random.setstate((version, tuple(words), gauss if has_gauss else None))
+        pos, np_has_gauss = mine["numpy_pos"].tolist()
+        np.random.set_state(("MT19937", mine["numpy"].numpy().astype(np.uint32), pos, np_has_gauss,
+                             mine["numpy_gauss"].item()))

@@ -66,7 +66,7 @@ def _stream_tokens(opts: EvalOptions, cfg, tokenizer) -> tuple[str, Any]:
         if not (folder / MANIFEST).is_file() and (folder / "val" / MANIFEST).is_file():
             folder = folder / "val"  # a prepared dataset folder: its validation split
     else:
-        from lmforge.train.trainer import prepare_data
+        from lmforge.train.components import prepare_data
 
         try:
             folder = prepare_data(cfg).val_dir

@@ -14,10 +14,15 @@ checkpoints are interchangeable with torch.optim.Adafactor's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from lmforge.optim.optimizers import groups
+
+if TYPE_CHECKING:
+    from lmforge.config import OptimConfig
 
 
 class Adafactor(torch.optim.Adafactor):
@@ -80,3 +85,15 @@ def _item(x: torch.Tensor) -> float:
     """A 0-d tensor's value; a DTensor's pending (partial) reduction is completed first (`.item()` on
     a DTensor norm would return this rank's partial norm)."""
     return (x.full_tensor() if isinstance(x, DTensor) else x).item()
+
+
+def build(model: torch.nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> Adafactor:
+    """The registry's builder (lmforge.optim.registry); extra: beta2_decay, clip_threshold, adafactor_eps."""
+    for unsupported in ("beta1", "relative_step", "scale_parameter"):
+        if unsupported in extra:
+            raise ValueError(
+                f"adafactor option {unsupported!r} is not supported: lmforge uses torch.optim.Adafactor, "
+                "which always uses the relative step and parameter scaling and keeps no first moment; "
+                "drop the option or pick another optimizer (e.g. adamw)")
+    return Adafactor(groups(model, cfg), lr=cfg.lr, beta2_decay=extra.pop("beta2_decay", -0.8),
+                     d=extra.pop("clip_threshold", 1.0), eps=tuple(extra.pop("adafactor_eps", (None, 1e-3))))

@@ -34,12 +34,16 @@ the tests) trajectories stay close to fp32 AdamW.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from lmforge.optim._common import check_betas, check_non_negative, evaluate_closure, grad_of
+from lmforge.optim.optimizers import betas, groups
+
+if TYPE_CHECKING:
+    from lmforge.config import OptimConfig
 from lmforge.optim.quant8 import dequantize_blockwise, quantize_blockwise
 
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (state name, signed)
@@ -187,3 +191,9 @@ class Adam8bit(torch.optim.Optimizer):
 def _local(x: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (sharing its storage); a plain tensor itself."""
     return x.to_local() if isinstance(x, DTensor) else x
+
+
+def build(model: torch.nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> Adam8bit:
+    """The registry's builder (lmforge.optim.registry); extra: block_size, min_8bit_size."""
+    return Adam8bit(groups(model, cfg), lr=cfg.lr, betas=betas(cfg), eps=cfg.eps,
+                    block_size=extra.pop("block_size", 256), min_8bit_size=extra.pop("min_8bit_size", 4096))

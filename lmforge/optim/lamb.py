@@ -12,11 +12,15 @@ Hand-written because torch.optim has no LAMB. Per parameter tensor (a "layer"), 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmforge.optim._common import check_betas, check_non_negative, evaluate_closure, grad_of
+from lmforge.optim.optimizers import betas, groups
+
+if TYPE_CHECKING:
+    from lmforge.config import OptimConfig
 
 
 class LAMB(torch.optim.Optimizer):
@@ -65,3 +69,8 @@ class LAMB(torch.optim.Optimizer):
                 trust = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, torch.ones_like(w_norm))
                 p.add_(r.mul_(trust), alpha=-lr)
         return loss
+
+
+def build(model: torch.nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> LAMB:
+    """The registry's builder (lmforge.optim.registry)."""
+    return LAMB(groups(model, cfg), lr=cfg.lr, betas=betas(cfg), eps=cfg.eps)

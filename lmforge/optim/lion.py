@@ -10,11 +10,15 @@ Hand-written because torch.optim has no Lion. Per parameter, with one state tens
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmforge.optim._common import check_betas, check_non_negative, evaluate_closure, grad_of
+from lmforge.optim.optimizers import betas, groups
+
+if TYPE_CHECKING:
+    from lmforge.config import OptimConfig
 
 
 class Lion(torch.optim.Optimizer):
@@ -56,3 +60,8 @@ class Lion(torch.optim.Optimizer):
                 p.add_(update, alpha=-lr)
                 m.lerp_(g, 1.0 - beta2)
         return loss
+
+
+def build(model: torch.nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> Lion:
+    """The registry's builder (lmforge.optim.registry)."""
+    return Lion(groups(model, cfg), lr=cfg.lr, betas=betas(cfg))

@@ -20,12 +20,17 @@ AdamW (`torch.optim.adam.adam` with decoupled weight decay), so that half is tor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.optim.adam import adam as torch_functional_adam
 
 from lmforge.optim._common import check_betas, check_non_negative, evaluate_closure, grad_of
+from lmforge.optim.optimizers import embedding_ids, param_groups
+
+if TYPE_CHECKING:
+    from lmforge.config import OptimConfig
 
 # Quintic Newton-Schulz coefficients (a, b, c) from Keller Jordan's post: chosen to maximise the
 # slope at zero, so 5 steps push every singular value into roughly [0.5, 1.5] rather than to 1.
@@ -163,3 +168,35 @@ class Muon(torch.optim.Optimizer):
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
+
+
+def muon_groups(model: nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Muon groups: decay-group matrices not named in `muon_exclude` go to Muon, the rest to AdamW."""
+    lr, weight_decay = cfg.lr, cfg.weight_decay
+    exclude = tuple(extra.pop("muon_exclude", ("lm_head",)))
+    muon_group: dict[str, Any] = {
+        "params": [], "param_names": [], "group": "muon", "use_muon": True,
+        "lr": cfg.muon_lr,
+        "momentum": cfg.muon_momentum,
+        "nesterov": extra.pop("muon_nesterov", True),
+        "ns_steps": extra.pop("muon_ns_steps", 5),
+        "ns_dtype": extra.pop("muon_ns_dtype", None),
+        "weight_decay": extra.pop("muon_weight_decay", weight_decay),
+    }
+    decay, no_decay = param_groups(model, weight_decay, cfg.decay_embeddings)
+    adamw_decay: dict[str, Any] = {"params": [], "param_names": []}
+    embeddings = embedding_ids(model)
+    for name, p in zip(decay["param_names"], decay["params"], strict=True):
+        to_muon = id(p) not in embeddings and not any(key in name for key in exclude)
+        target = muon_group if to_muon else adamw_decay
+        target["params"].append(p)
+        target["param_names"].append(name)
+    adamw_decay.update(group="adamw_decay", use_muon=False, lr=lr, weight_decay=weight_decay)
+    no_decay.update(group="adamw_no_decay", use_muon=False, lr=lr)
+    return [muon_group, adamw_decay, no_decay]
+
+
+
+def build(model: nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> "Muon":
+    """The registry's builder: Muon for the matrices, AdamW (optim.lr, betas, eps) for the rest."""
+    return Muon(muon_groups(model, cfg, extra), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)

@@ -15,10 +15,13 @@ min = peak * min_lr_ratio. Decaying schedules stay at min for step >= total_step
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
+
+from lmforge.config import ScheduleConfig
 
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant", "wsd")
 WSD_DECAYS: tuple[str, ...] = ("linear", "cosine", "sqrt")
@@ -113,27 +116,18 @@ class _ScheduleFactor:
         ) / self.peak_lr
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer,
-    *,
-    schedule: str,
-    peak_lr: float,
-    warmup_steps: int,
-    total_steps: int,
-    min_lr_ratio: float = 0.1,
-    decay_fraction: float = 0.2,
-    wsd_decay: str = "linear",
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR setting each group's lr to its base lr * lr_at(step) / peak_lr.
+def build_scheduler(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, peak_lr: float,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR setting each group's lr to its base lr * lr_at(step) / peak_lr, the shape from the
+    `[schedule]` section (peak_lr = optim.lr, total_steps = train.steps).
 
     Groups with different base lrs (Muon's matrices vs its AdamW groups) follow the same shape.
     Call `scheduler.step()` after each `optimizer.step()`; the lr used by optimizer step k is
     then base * lr_at(k) / peak_lr.
     """
-    _validate(schedule, peak_lr, warmup_steps, total_steps, min_lr_ratio, decay_fraction, wsd_decay)
-    factor = _ScheduleFactor(
-        schedule, peak_lr, warmup_steps, total_steps, min_lr_ratio, decay_fraction, wsd_decay
-    )
+    factor = _ScheduleFactor(cfg.name, peak_lr, cfg.warmup_steps, total_steps, cfg.min_lr_ratio, cfg.decay_fraction,
+                             cfg.wsd_decay)
+    _validate(*dataclasses.astuple(factor))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=factor)
 
 

@@ -9,13 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# Names accepted by `build_optimizer`, in the order they are documented.
-OPTIMIZER_NAMES: tuple[str, ...] = (
-    "sgd", "momentum", "adam", "adamw", "lion", "adafactor", "lamb", "muon", "adam8bit",
-)
-
-# Number of full-size state tensors each element-wise optimizer keeps per parameter.
-_FULL_STATES: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "lion": 1, "lamb": 2}
+from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY  # noqa: F401 (OPTIMIZER_NAMES re-exported)
 
 
 def optimizer_state_bytes_per_param(
@@ -51,8 +45,8 @@ def optimizer_state_bytes_per_param(
         raise ValueError(f"unknown optimizer name {name!r}; use one of {', '.join(OPTIMIZER_NAMES)}")
     if state_elem_bytes <= 0:
         raise ValueError(f"state_elem_bytes={state_elem_bytes} must be positive (4 for fp32, 2 for bf16)")
-    if name in _FULL_STATES:
-        return float(_FULL_STATES[name] * state_elem_bytes)
+    if REGISTRY[name].full_states is not None:  # element-wise: that many full-size tensors
+        return float(REGISTRY[name].full_states * state_elem_bytes)
     if name == "adafactor":
         if shape is None:
             return 0.0

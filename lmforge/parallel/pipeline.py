@@ -5,9 +5,9 @@ for the interleaved schedule, else 1). Pipeline rank r holds stages r, r + pp, r
 "loop" placement ScheduleInterleaved1F1B expects). Stage 0 also holds the token (and position)
 embedding; the last stage holds the final norm, the output head and the loss.
 
-    stage_ids = split_model(model, cfg, info)       # deletes the parts this rank does not hold
-    runner = PipelineRunner(model, stage_ids, cfg, info, wrap=...)   # after TP / AC / compile
-    loss = runner.step(micro_batches, n_tokens, dp)  # the whole step's forward + backward
+    stage_ids = split_model(model, cfg, pp_rank)    # parallelize step 1: drop the parts this rank does not hold
+    layout = Pipelined(model, cfg, info, precision, stage_ids)   # step 5, after TP / AC / compile
+    loss = layout.forward_backward(micro_batches, precision)     # the whole step through the schedule
 
 Names stay those of the full model (``blocks`` is a ModuleDict keyed by layer index), so a stage's
 state dict is a slice of the full one and checkpoints / gathered weights line up.
@@ -15,8 +15,11 @@ state dict is a slice of the full one and checkpoints / gathered weights line up
 The micro-batches of the schedule are the step's micro-batches (concatenated along the batch dim
 and re-split by the schedule, so micro-batch i holds exactly the sequences of the trainer's
 micro-batch i). Loss: summed token NLL / the global step's target-token count (x dp against the
-data-parallel gradient averaging), as in Trainer.forward_backward; ``scale_grads=False`` so the
-schedule does not divide by the micro-batch count again. The loss lives on the last stage and is
+data-parallel gradient averaging), as in `Layout.forward_backward`; ``scale_grads=False`` so the
+schedule does not divide by the micro-batch count again. Each stage chunk is wrapped with FSDP2 on
+the data-parallel sub-mesh when dp > 1 (pure replication is FSDP2 on a (dp_replicate, dp_shard = 1)
+mesh: DDP's bucket rebuild breaks under a pipeline schedule); its evaluation runs on a full copy
+gathered on every rank. The loss lives on the last stage and is
 all-reduced so every rank logs the same number.
 
 Bubble fraction (idle share of each rank per step): (p - 1) / (m + p - 1) for GPipe and 1F1B,
@@ -25,23 +28,20 @@ Bubble fraction (idle share of each rank per step): (p - 1) / (m + p - 1) for GP
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config import Config
-
-log = logging.getLogger("lmforge.parallel")
-
-
-def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """(p-1)/(v m + p-1): the planner's formula (lmforge.plan.flops.pipeline_bubble), one definition."""
-    from lmforge.plan.flops import pipeline_bubble
-
-    return pipeline_bubble(pp, microbatches, virtual_stages)
+from lmforge.model.loss import normalise, token_nll_sum
+from lmforge.model.transformer import Transformer
+from lmforge.parallel.formulas import pipeline_bubble
+from lmforge.parallel.fsdp import apply_fsdp
+from lmforge.parallel.layout import Batch, ShardedLayout
+from lmforge.parallel.mesh import DistInfo
+from lmforge.parallel.tensor_parallel import loss_parallel_context, to_local_value
 
 
 def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
@@ -98,67 +98,67 @@ class StageChunk(nn.Module):
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
 
-class PipelineRunner:
-    """The stages of this rank and their schedule; `step` runs one optimizer step's forward/backward."""
+class Pipelined(ShardedLayout):
+    """This rank's stages and their schedule; `forward_backward` runs one optimizer step."""
 
-    def __init__(self, model: nn.Module, stage_ids: list[int], cfg: Config, info, wrap, autocast):
-        """`wrap(chunk) -> module`: data-parallel wrapping of a stage (DDP / fully_shard / identity)."""
+    name = "pp"
+    gathers_for_eval = True
+
+    def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str, stage_ids: list[int]):
         from torch.distributed import pipelining
 
+        super().__init__(model, cfg, dist_info, precision)
         p = cfg.parallel
-        self.cfg, self.info, self.autocast = cfg, info, autocast
         self.v = len(stage_ids)
         n_stages = p.pp * self.v
         self.microbatches = cfg.grad_accum_steps
-        self.first = 0 in stage_ids
-        self.last = n_stages - 1 in stage_ids
-        pp_group = info.group("pp")
+        self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         self.chunks, self.stages = [], []
         for s in stage_ids:
             chunk = StageChunk(model, stage_layers(cfg.model.n_layers, n_stages, s), s == 0, s == n_stages - 1)
-            chunk = wrap(chunk)
+            if p.dp > 1:
+                chunk = apply_fsdp(chunk, cfg, dist_info, precision)
             self.chunks.append(chunk)
-            self.stages.append(pipelining.PipelineStage(chunk, s, n_stages, info.device, group=pp_group))
+            self.stages.append(pipelining.PipelineStage(chunk, s, n_stages, dist_info.device,
+                                                        group=dist_info.group("pp")))
         cls = getattr(pipelining, SCHEDULES[p.pp_schedule])
         stages = self.stages if p.pp_schedule == "interleaved" else self.stages[0]
         self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
-        self.tp = p.tp
-        self.bubble = bubble_fraction(p.pp, self.microbatches, self.v)
-        self._n_tokens = torch.ones(())
-        self._dp = 1
-        if info.rank == 0:
-            log.info("pipeline: %s schedule, %d ranks x %d stage(s) each = %d stages, %d micro-batches per step; "
-                     "bubble fraction (p-1)/(%sm+p-1) = %.3f", p.pp_schedule, p.pp, self.v, n_stages, self.microbatches,
-                     "v" if self.v > 1 else "", self.bubble)
+        self.bubble = pipeline_bubble(p.pp, self.microbatches, self.v)
+        self._n_targets = torch.ones(())
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
-        loss = nll / self._n_tokens
-        return loss * self._dp if self._dp > 1 else loss
+        loss = normalise(token_nll_sum(logits, y), self._n_targets)
+        return loss * self.dp if self.dp > 1 else loss
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: torch.Tensor,
-             dp: int) -> torch.Tensor:
-        """Forward + backward of the step's micro-batches through the pipeline; returns the step's mean
-        token loss (the same value on every rank)."""
-        from lmforge.parallel.tensor_parallel import loss_parallel_context, to_local_value
-
+    def forward_backward(self, micro_batches: list[Batch], precision) -> torch.Tensor:
+        """Forward + backward of the step's micro-batches through the schedule (the schedule's
+        micro-batch i is exactly the trainer's micro-batch i); returns the step's mean token loss,
+        the same value on every rank. One autocast context spans the schedule, so each weight is
+        cast to 16 bits once per step however many micro-batches are in flight."""
         assert len(micro_batches) == self.microbatches, (len(micro_batches), self.microbatches)
-        self._n_tokens, self._dp = n_tokens, dp
+        self._n_targets = self.global_targets(micro_batches)
         losses: list[torch.Tensor] = []  # the schedule's per-micro-batch loss_fn outputs (last stage)
         x = torch.cat([mb[0] for mb in micro_batches])
         y = torch.cat([mb[1] for mb in micro_batches])
-        with loss_parallel_context(self.tp), self.autocast():
+        with loss_parallel_context(self.cfg.parallel.tp), precision.step(), precision.autocast():
             if self.first:
                 self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None)
             elif self.last:
                 self.schedule.step(target=y, losses=losses)
             else:
                 self.schedule.step()
-        total = torch.zeros((), device=self.info.device)
+        total = torch.zeros((), device=self.dist.device)
         if self.last:
             for loss in losses:  # (not counted inside loss_fn: the first step also runs it for shape inference)
-                total += to_local_value(loss.detach()).to(total.device) / dp
-            if self.info.tp_rank != 0:  # every TP rank of the last stage holds the same value: count it once
+                total += to_local_value(loss.detach()).to(total.device) / self.dp
+            if self.dist.tp_rank != 0:  # every TP rank of the last stage holds the same value: count it once
                 total.zero_()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)  # over dp (partial sums) and pp (only the last stage)
         return total
+
+    def describe(self) -> Iterator[str]:
+        p = self.cfg.parallel
+        yield (f"pipeline: {p.pp_schedule} schedule, {p.pp} ranks x {self.v} stage(s) each = {p.pp * self.v} "
+               f"stages, {self.microbatches} micro-batches per step; bubble fraction (p-1)/"
+               f"({'v' if self.v > 1 else ''}m+p-1) = {self.bubble:.3f}")

@@ -21,15 +21,24 @@ layer A (rank x in) is replicated and B (out x rank) split by output rows like W
 layer A is split by input columns like W and B replicated, so x A^T is a partial sum that the
 layer's own all-reduce (or reduce-scatter) completes together with x W^T. No extra communication.
 
-Apply before activation checkpointing / compile (the plan names the modules) and before FSDP.
+Applied by `lmforge.parallel.parallelize` before activation checkpointing / compile (the plan
+names the modules) and before FSDP. `TensorParallel` is the layout: FSDP2 on the data-parallel
+sub-mesh when dp > 1 (2-D FSDP x TP), loss_parallel cross-entropy, evaluation on a gathered copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from lmforge.config import Config
+from lmforge.model.transformer import Transformer
+from lmforge.parallel.fsdp import apply_fsdp, fsdp_description
+from lmforge.parallel.layout import ShardedLayout
+from lmforge.parallel.mesh import DistInfo
 
 
 def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict:
@@ -145,19 +154,27 @@ def to_local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def split_dtensor_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Split each param group into its DTensor and its plain-tensor parameters (in place, before any
-    step): torch's foreach optimizer kernels refuse lists mixing the two, and without sequence
-    parallelism the norm weights stay plain (replicated) tensors next to TP-sharded DTensors."""
-    from torch.distributed.tensor import DTensor
+class TensorParallel(ShardedLayout):
+    """Tensor (+ sequence) parallel over the "tp" mesh dim, FSDP2 over the data-parallel ranks."""
 
-    groups = []
-    for g in optimizer.param_groups:
-        for kind in (True, False):
-            params = [p for p in g["params"] if isinstance(p, DTensor) == kind]
-            if params:
-                groups.append({**g, "params": params})
-    optimizer.param_groups = []
-    for g in groups:
-        optimizer.add_param_group(g)
-    return optimizer
+    name = "tp"
+    gathers_for_eval = True
+
+    def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str):
+        super().__init__(model, cfg, dist_info, precision)
+        if cfg.parallel.dp > 1:
+            apply_fsdp(model, cfg, dist_info, precision)
+            self.name = "fsdp+tp"
+
+    def micro_batch_context(self, last: bool) -> contextlib.AbstractContextManager:
+        return loss_parallel_context(self.cfg.parallel.tp)  # the logits are sharded over the vocabulary
+
+    def local_value(self, t: torch.Tensor) -> torch.Tensor:
+        return to_local_value(t)
+
+    def describe(self) -> Iterator[str]:
+        p = self.cfg.parallel
+        sp = "sequence parallel" if p.sequence_parallel else "no sequence parallelism"
+        yield f"tensor parallel: {p.tp} ranks, {sp}, vocab-parallel embedding + loss_parallel cross-entropy"
+        if p.dp > 1:
+            yield fsdp_description(self.cfg)

@@ -42,6 +42,7 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
+from lmforge.parallel.formulas import pipeline_bubble  # noqa: F401 (re-exported)
 from lmforge.plan.hardware import Cluster, Device
 from lmforge.plan.memory import Layout, cfg_key, stage_specs, total_params, tp_shape
 
@@ -77,14 +78,6 @@ def recompute_factor(layout: Layout, n_layers: int) -> float:
         frac = len(range(0, n_layers // layout.pp, layout.ac_every)) / (n_layers // layout.pp)
         return 1.0 + frac / 3.0
     return RECOMPUTE_FACTOR[layout.ac]
-
-
-def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a pipelined step: (p-1)/v / (m + (p-1)/v)."""
-    if pp < 1 or micro_batches < 1 or virtual_stages < 1:
-        raise ValueError(f"pp = {pp}, micro_batches = {micro_batches}, virtual_stages = {virtual_stages} must be >= 1")
-    b = (pp - 1) / virtual_stages
-    return b / (micro_batches + b)
 
 
 def training_time_seconds(total_flops: float, n_gpus: int, peak_flops: float, mfu: float) -> float:

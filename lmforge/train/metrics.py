@@ -319,6 +319,38 @@ class Timers:
         return self.window.pop(name, 0.0)
 
 
+class ThroughputWindow:
+    """Throughput over the steps since the last log line: tokens/s and MFU of the training time
+    (validation excluded), step time, the loader's share, checkpoint blocking and peak memory."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float, world_size: int, device, timers: Timers):
+        self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
+        self.device, self.timers = device, timers
+        self.start = self.window_start = time.perf_counter()
+        self.tokens = self.steps = 0
+        self.data_s = self.eval_s = 0.0
+
+    def add_step(self, tokens: int, data_s: float) -> None:
+        self.tokens += tokens
+        self.steps += 1
+        self.data_s += data_s
+
+    def add_eval(self, seconds: float) -> None:
+        self.eval_s += seconds
+
+    def take(self) -> dict[str, float]:
+        """This window's numbers; starts the next window."""
+        now = time.perf_counter()
+        busy = max(now - self.window_start - self.eval_s, 1e-9)
+        tok_s = self.tokens / busy
+        stats = {"tokens_per_s": tok_s, "mfu": tok_s * self.flops_per_token / (self.peak_flops * self.world_size),
+                 "step_time_s": busy / max(self.steps, 1), "data_share": self.data_s / busy,
+                 "ckpt_s": self.timers.take("checkpoint"), "mem_gb": memory_gb(self.device),
+                 "elapsed_s": now - self.start}
+        self.window_start, self.tokens, self.steps, self.data_s, self.eval_s = now, 0, 0, 0.0, 0.0
+        return stats
+
+
 def memory_gb(device) -> float:
     """Peak CUDA memory allocated on `device`, or this process's peak resident set size on CPU (GB)."""
     import torch

@@ -4,6 +4,13 @@ Parameters and optimizer state always stay in fp32 (the "master weights"); autoc
 matmuls in bf16/fp16. bf16 has fp32's exponent range and needs no loss scaling; fp16 does, so
 its gradients go through `torch.amp.GradScaler` (dynamic loss scale, skipped steps on inf/nan),
 and the trainer unscales them before clipping.
+
+One 16-bit copy of the weights per step: autocast caches the cast of each fp32 weight until the
+outermost autocast context exits. `Precision.step()` is such an outer context (autocast itself
+disabled) around all of a step's micro-batches, each forward inside its own `autocast()`: every
+micro-batch, and every micro-batch a pipeline schedule holds in flight, reuses the one cast,
+instead of keeping a copy of its own for backward. (FSDP2 layouts gather parameters directly in
+16 bits and cast nothing.)
 """
 
 from __future__ import annotations
@@ -29,9 +36,20 @@ class Precision:
         return DTYPES[self.name]
 
     def autocast(self) -> contextlib.AbstractContextManager:
+        """Around a forward pass."""
         if self.name == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def step(self) -> contextlib.AbstractContextManager:
+        """Around one optimizer step's forwards and backwards: keeps autocast's weight casts alive."""
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, enabled=False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss`, scaled by the GradScaler (a no-op scale unless fp16)."""
+        self.scaler.scale(loss).backward()
 
 
 def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:

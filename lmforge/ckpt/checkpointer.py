@@ -1,0 +1,134 @@
+"""Checkpointing a run's state: a mapping of named `Stateful` objects plus run metadata in, files
+out, and back. It knows nothing of the trainer (torchtitan's `CheckpointManager(states=...)` shape).
+
+    manager = manager_for_run(cfg, out_dir, rank, world_size, on_event)   # every rank
+    save_states(manager, step, states, meta)          # every rank, at the same step (async by default)
+    path = resolve_resume(cfg.checkpoint, manager)     # newest valid checkpoint, an explicit path, or None
+    check_compatible(read_meta(path), cfg, path)       # model / optimizer must match the config
+    load_states(manager, path, states)                 # every rank; any world size / layout
+
+`states` maps names to objects with `state_dict()` / `load_state_dict()` (lmforge.ckpt.state): their
+tensors go through DCP (resharded by key on load), everything else into one JSON file that rank 0
+writes. Loading reads the JSON and each state's tensors into the state's own current tensors (the
+run's layout), then calls its `load_state_dict`; tensors the checkpoint lacks are left out of the
+dict the state receives, and the state decides whether that is an error.
+
+Bit-exact resume on CPU: model, optimizer, LR scheduler, grad scaler, data position, guard window
+and every rank's generators are states, so N steps + kill + resume + N steps equals 2N straight
+steps bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from lmforge.ckpt.manager import CheckpointManager
+from lmforge.ckpt.safe_io import safe_read_metadata
+from lmforge.ckpt.state import Stateful, join_state, split_state
+from lmforge.config import Config, ConfigError
+from lmforge.folders import CHECKPOINTS
+
+log = logging.getLogger("lmforge.ckpt")
+
+# model settings that change the meaning of the weights; anything else (batch, lr, steps, layout,
+# precision, activation checkpointing, ...) may differ between the checkpoint and the resuming run
+_HARMLESS_MODEL_KEYS = ("dropout", "init_std")
+
+
+def manager_for_run(cfg: Config, out_dir: Path, rank: int, world_size: int,
+                    on_event: Callable[[dict], None]) -> CheckpointManager:
+    """The run's checkpoint manager (every rank): folder, rotation, validation, S3 backup on rank 0,
+    and a gloo group of its own for the collectives of its background thread (they must never
+    interleave with the training collectives)."""
+    c = cfg.checkpoint
+    pg = None
+    if dist.is_available() and dist.is_initialized():
+        pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    backup = None
+    if c.s3_bucket and rank == 0:
+        from lmforge.ckpt.s3 import S3Backup
+
+        backup = S3Backup(c.s3_bucket, c.s3_prefix, Path(out_dir).name, c.s3_endpoint, on_event=on_event)
+    return CheckpointManager(Path(c.dir) if c.dir else Path(out_dir) / CHECKPOINTS, rank=rank, world_size=world_size,
+                             async_save=c.async_save, validate=c.validate, keep_last=c.keep_last,
+                             keep_every=c.keep_every, backup=backup, process_group=pg, on_event=on_event)
+
+
+def save_states(manager: CheckpointManager, step: int, states: Mapping[str, Stateful], meta: dict[str, Any]) -> None:
+    """Checkpoint `states` at `step` (every rank calls this, in the same order). The time spent
+    building the state dicts counts as blocking time, with the staging copy."""
+    t0 = time.perf_counter()
+    tensors: dict = {}
+    trees: dict[str, Any] = {}
+    for name, state in states.items():
+        t, trees[name] = split_state(name, state.state_dict())
+        tensors.update(t)
+    manager.save(step, tensors, trees, meta, started=t0)
+
+
+def load_states(manager: CheckpointManager, path: Path, states: Mapping[str, Stateful]) -> None:
+    """Restore `states` from the checkpoint at `path` (every rank; any world size or layout)."""
+    stored = safe_read_metadata(path).state_dict_metadata
+    tensors: dict = {}
+    trees: dict[str, Any] = {}
+    for name, state in states.items():
+        t, trees[name] = split_state(name, state.state_dict())
+        tensors.update({k: v for k, v in t.items() if k in stored})
+    saved = manager.load(path, tensors)
+    for name, state in states.items():
+        state.load_state_dict(join_state(_merge(saved.get(name, _MISSING), trees[name]), tensors))
+
+
+_MISSING = object()
+
+
+def _merge(saved: Any, mine: Any) -> Any:
+    """The checkpoint's tree (rank 0's JSON) with this rank's tensor references added (per-rank
+    tensors, e.g. its generators or its ZeRO-1 partition, appear only in their rank's tree) and this
+    run's values where the checkpoint has none."""
+    if _is_ref(mine):
+        return mine
+    if isinstance(saved, dict) and isinstance(mine, dict) and not _is_ref(saved):
+        return {k: _merge(saved.get(k, _MISSING), mine.get(k, _MISSING)) for k in [*saved, *(k for k in mine
+                                                                                          if k not in saved)]}
+    return mine if saved is _MISSING else saved
+
+
+def _is_ref(node: Any) -> bool:
+    return isinstance(node, dict) and "__tensor__" in node
+
+
+def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
+    """Refuse a checkpoint whose weights or optimizer state cannot belong to this config."""
+    saved = meta.get("config", {})
+    old_model, new_model = saved.get("model", {}), cfg.to_dict()["model"]
+    diffs = [f"model.{k}: checkpoint {old_model.get(k)!r}, config {new_model.get(k)!r}"
+             for k in sorted(set(old_model) | set(new_model))
+             if k not in _HARMLESS_MODEL_KEYS and old_model.get(k) != new_model.get(k)]
+    if meta.get("optimizer") and meta["optimizer"] != cfg.optim.name:
+        diffs.append(f"optim.name: checkpoint {meta['optimizer']!r}, config {cfg.optim.name!r}")
+    if diffs:
+        raise ConfigError(
+            f"checkpoint {path} is incompatible with this config ({'; '.join(diffs)}). Use the checkpoint's "
+            f"settings, or start a fresh run with --checkpoint.resume none or another --train.out_dir.")
+
+
+def resolve_resume(c, manager: CheckpointManager) -> Path | None:
+    """The checkpoint to continue from per `checkpoint.resume` (None = start fresh)."""
+    if c.resume == "none":
+        return None
+    if c.resume == "auto":
+        return manager.latest_valid()
+    path = Path(c.resume).expanduser()
+    try:
+        manager.verify(path)  # (hashed on rank 0 only, as for "auto")
+    except ValueError as e:
+        raise ValueError(f"checkpoint.resume = {c.resume!r}: {e}") from e
+    return path

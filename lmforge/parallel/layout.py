@@ -1,0 +1,183 @@
+"""A `Layout`: how one optimizer step runs on this rank's part of the model. It is the one
+interface between the trainer and parallelism; the trainer never asks which layout it has.
+
+    layout = parallelize(model, cfg, dist, precision)   # lmforge.parallel.parallelize
+    loss = layout.forward_backward(micro_batches, precision)
+    norm = layout.clip_grad_norm(max_norm)
+    layout.eval_model()  /  layout.full_state_dict()  /  layout.prepare_optimizer(optimizer)
+
+This base class is the single-process layout. The others override what differs:
+`DataParallel` (DDP, ZeRO-1: lmforge.parallel.data_parallel), `FullyShard` (FSDP2 / HSDP:
+lmforge.parallel.fsdp), `TensorParallel` (DTensor TP/SP, with FSDP2 on the data-parallel
+sub-mesh: lmforge.parallel.tensor_parallel), `Pipelined` (torch.distributed.pipelining stages:
+lmforge.parallel.pipeline). A new layout is a new module with a subclass, chosen in
+`parallelize`.
+
+Loss scale: each micro-batch contributes its summed token NLL divided by the target count of the
+*global* step (all-reduced over the data-parallel ranks), and data-parallel layouts multiply the
+loss they backpropagate by the dp degree because DDP and FSDP average gradients: mean_r(dp * nll_r
+/ N) = sum_r(nll_r) / N, the gradient of one big batch (see lmforge.model.loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.config import Config
+from lmforge.model.loss import count_targets, normalise, token_nll_sum
+from lmforge.model.transformer import Transformer, build_model
+from lmforge.parallel.clip import clip_grad_norm_, clip_grad_norm_sharded_
+from lmforge.parallel.mesh import DistInfo, all_reduce_sum
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Layout:
+    name = "single"
+    data_parallel = False  # True: gradients are averaged over the dp ranks (the loss scales by dp)
+    gathers_for_eval = False  # True: evaluation runs on a full copy gathered on every rank (TP, PP)
+
+    def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str):
+        self.model = model  # this rank's model (sharded or split in place): state dicts, parameters
+        self.module: nn.Module = model  # what the forward runs through (DDP: its wrapper)
+        self.cfg, self.dist = cfg, dist_info
+        self.dp = dist_info.dp_size if self.data_parallel else 1
+        self._gathered: Transformer | None = None
+        self._gathered_version: object = None
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def forward_backward(self, micro_batches: list[Batch], precision) -> torch.Tensor:
+        """Gradients of the step's micro-batches, accumulated; returns the global step's mean token
+        loss (equal on every rank). `precision.step()` spans the micro-batches so autocast casts each
+        weight to 16 bits once per step, not once per micro-batch."""
+        n_targets = self.global_targets(micro_batches)
+        loss_sum = torch.zeros((), device=self.dist.device)
+        last = len(micro_batches) - 1
+        with precision.step():
+            for i, (x, y) in enumerate(micro_batches):
+                with self.micro_batch_context(i == last):
+                    loss = normalise(self.nll_sum(x, y, precision), n_targets)
+                    precision.backward(loss * self.dp if self.dp > 1 else loss)
+                loss_sum += self.local_value(loss.detach())
+        return self.dp_sum(loss_sum)
+
+    def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
+        """Summed token NLL (fp32) of one micro-batch. train.loss_chunk: fused with the output
+        projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits)."""
+        chunk = self.cfg.train.loss_chunk
+        with precision.autocast():
+            if chunk:
+                return self.module(x, targets=y, loss_chunk=chunk)
+            logits = self.module(x)
+        return token_nll_sum(logits, y)
+
+    def micro_batch_context(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around each micro-batch's forward + backward (DDP: no gradient sync but on the last)."""
+        return contextlib.nullcontext()
+
+    def local_value(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def global_targets(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Target tokens of the whole global step (this rank's, summed over the dp ranks)."""
+        return self.dp_sum(count_targets([y for _, y in micro_batches]).to(self.dist.device))
+
+    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place SUM over the data-parallel ranks of this rank's TP/PP coordinate."""
+        return all_reduce_sum(t, self.dist.dp_group) if self.dp > 1 else t
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient L2 norm (the same on every rank), gradients clipped to `max_norm`."""
+        return clip_grad_norm_(self.params(), max_norm)
+
+    def params(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Adapt the optimizer to the layout: torch's foreach kernels refuse groups that mix DTensor
+        and plain parameters (TP without sequence parallelism keeps norm weights plain), so each
+        group is split by kind; ZeRO-1 wraps it (DataParallel)."""
+        from torch.distributed.tensor import DTensor
+
+        mixed = any(len({isinstance(p, DTensor) for p in g["params"]}) > 1 for g in optimizer.param_groups)
+        if mixed:
+            groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) == kind]}
+                      for g in optimizer.param_groups for kind in (True, False)]
+            optimizer.param_groups = []
+            for g in groups:
+                if g["params"]:
+                    optimizer.add_param_group(g)
+        return optimizer
+
+    # ---- evaluation and weights ---------------------------------------------------------------
+
+    def eval_model(self, version: object = None) -> nn.Module:
+        """The model evaluation and sampling run on, on every rank: the training model, or for TP / PP
+        a full unsharded copy gathered on every rank (rebuilt when `version`, e.g. the step, changes).
+        LoRA adapters are merged into the copy (the same function in eval mode)."""
+        if not self.gathers_for_eval:
+            return self.model
+        if self._gathered is None or self._gathered_version != version:
+            ft = self.cfg.finetune
+            state = self.full_state_dict(every_rank=True)
+            if ft.lora_rank:
+                from lmforge.model.lora import merged_state_dict
+
+                state = merged_state_dict(state, ft.lora_rank, ft.lora_alpha)
+            self._gathered = build_model(self.cfg.model, self.dist.device, seed=self.cfg.train.seed)
+            self._gathered.load_state_dict(state)
+            self._gathered.tie_weights()
+            self._gathered_version = version
+        return self._gathered
+
+    def full_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """Unsharded weights of the whole model on rank 0 (and on every rank with `every_rank`), on
+        the CPU. A collective on sharded layouts: every rank must call it."""
+        return {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
+
+    def gather_state(self, every_rank: bool) -> dict[str, torch.Tensor]:
+        """`full_state_dict` for sharded and split models: DTensor shards (TP, FSDP) are all-gathered
+        tensor by tensor (ranks that keep nothing drop each at once), pipeline stages' parts sent to
+        rank 0 (or exchanged among all) over the pp group."""
+        from torch.distributed.tensor import DTensor
+
+        keep = every_rank or self.dist.rank == 0 or self.dist.pp_size > 1
+        state = {}
+        for name, t in self.model.state_dict().items():
+            t = t.full_tensor() if isinstance(t, DTensor) else t
+            if keep:
+                state[name] = t.detach().cpu()
+        if self.dist.pp_size > 1:
+            group = self.dist.group("pp")
+            if every_rank:
+                parts: list = [None] * self.dist.pp_size
+                dist.all_gather_object(parts, state, group=group)
+            else:
+                parts = [None] * self.dist.pp_size if self.dist.pp_rank == 0 else None
+                dist.gather_object(state, parts, dst=dist.get_global_rank(group, 0), group=group)
+            state = {k: v for part in parts or [] for k, v in part.items()}
+        return state
+
+    def describe(self) -> Iterator[str]:
+        """Log lines about the layout (rank 0 prints them)."""
+        yield from ()
+
+
+class ShardedLayout(Layout):
+    """A layout whose parameters are split across ranks (FSDP2 shards, TP DTensors, pipeline
+    stages): the gradient norm counts every shard once over the world, and the full weights are
+    gathered."""
+
+    data_parallel = True
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_sharded_(self.params(), max_norm, self.dist)
+
+    def full_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
+        return self.gather_state(every_rank)

@@ -1,0 +1,65 @@
+"""The one parallelize step: a built model in, a `Layout` out.
+
+The parallel layout is applied in one fixed order, each step on what the previous one left:
+
+  1. pipeline split   this rank keeps only its stages' modules (before anything renames or wraps
+                      them: a stage's state dict is a slice of the full model's, by name)
+  2. tensor parallel  DTensor column/row sharding of what is kept (+ sequence parallel); the plan
+                      addresses plain module names, so it runs before any wrapper renames them
+  3. activation ckpt  wraps blocks (after TP: checkpointing recomputes the sharded modules)
+  4. compile          per block (after AC: the compiled region includes the checkpoint wrapper, as
+                      in torchtitan)
+  5. data parallel    FSDP2 `fully_shard` per block then the root (after TP: FSDP shards the TP
+                      DTensors over the dp sub-mesh; last of the per-block wrappers, so it wraps
+                      what actually runs) or DDP (wraps the whole module, so it comes last); done by
+                      the Layout chosen below, which pipelines stage chunks first (step 1's stages)
+
+Layers that change the model's modules (LoRA adapters, FP8 linears) are applied by the caller
+before this step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lmforge.config import Config
+from lmforge.model.transformer import Transformer
+from lmforge.parallel.activation_ckpt import apply_activation_checkpointing
+from lmforge.parallel.data_parallel import DataParallel
+from lmforge.parallel.fsdp import FullyShard
+from lmforge.parallel.layout import Layout
+from lmforge.parallel.mesh import DistInfo
+from lmforge.parallel.pipeline import Pipelined, split_model
+from lmforge.parallel.tensor_parallel import TensorParallel, apply_tensor_parallel
+
+log = logging.getLogger("lmforge.parallel")
+
+
+def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision: str) -> Layout:
+    """Apply `cfg.parallel` (and train.activation_checkpoint / train.compile) to `model` in place, in
+    the order of the module docstring; returns the Layout the trainer drives. `precision` is the
+    resolved train.precision (FSDP2 gathers parameters in it)."""
+    p, t = cfg.parallel, cfg.train
+    if p.async_sgd:
+        raise ValueError("parallel.async_sgd = true is not a layout of one synchronous step: it runs in "
+                         "lmforge.train.async_sgd.AsyncSGDTrainer (lmforge.train.trainer_for(cfg) picks it).")
+    stage_ids = split_model(model, cfg, dist_info.pp_rank) if p.pp > 1 else None  # 1
+    if p.tp > 1:
+        apply_tensor_parallel(model, dist_info.sub_mesh("tp"), p.sequence_parallel)  # 2
+    apply_activation_checkpointing(model.blocks, t.activation_checkpoint, t.ac_every)  # 3
+    if t.compile:  # 4
+        for block in model.blocks.values():
+            block.compile()
+    if stage_ids is not None:  # 5
+        layout: Layout = Pipelined(model, cfg, dist_info, precision, stage_ids)
+    elif p.tp > 1:
+        layout = TensorParallel(model, cfg, dist_info, precision)
+    elif p.fsdp:
+        layout = FullyShard(model, cfg, dist_info, precision)
+    elif p.dp > 1:
+        layout = DataParallel(model, cfg, dist_info, precision)
+    else:
+        layout = Layout(model, cfg, dist_info, precision)
+    for line in layout.describe():
+        log.info("%s", line)
+    return layout

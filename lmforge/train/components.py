@@ -1,0 +1,106 @@
+"""What a run is built from, before any parallelism: the data (corpus, tokenizer, shards, loaders)
+and the model (built on the meta device, pre-trained weights, LoRA adapters, FP8 linears)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lmforge.config import Config, ConfigError
+from lmforge.data.loader import PackedLoader, open_tokens
+from lmforge.data.prepare import PreparedData, load_prepared, prepare_default
+from lmforge.data.shards import TokenShards
+from lmforge.folders import PREPARE_RECORD, RUN_FILES, check_target
+from lmforge.model.transformer import Transformer, build_model
+
+log = logging.getLogger("lmforge.train")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def cache_dir(cfg: Config) -> Path:
+    return Path(os.environ.get("LMFORGE_CACHE", cfg.data.cache_dir)).expanduser()
+
+
+def prepare_data(cfg: Config) -> PreparedData:
+    """Corpus -> tokenizer -> train/val token shards (cached; instant on the second run)."""
+    if cfg.data.corpus != "default":
+        path = Path(cfg.data.corpus).expanduser()
+        if not (path / PREPARE_RECORD).is_file():
+            raise ValueError(
+                f"data.corpus = {cfg.data.corpus!r} is neither 'default' nor a folder written by "
+                f"`lmforge prepare` (no {PREPARE_RECORD} there); run `lmforge prepare --config C` first.")
+        return load_prepared(path)
+    return prepare_default(cache_dir(cfg), tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab_size,
+                           val_fraction=cfg.data.val_fraction)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse a run folder that is another kind of lmforge/transformers folder: a run writes
+    config.toml, tokenizer.json and model.safetensors there, which would clobber its files."""
+    try:
+        check_target(out_dir, "run", RUN_FILES, "train.out_dir")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+@dataclass
+class Loaders:
+    train_shards: object  # TokenShards or a TokenMixture
+    val_shards: TokenShards
+    train: object  # PackedLoader, or an InstructLoader for supervised fine-tuning
+    val_instruct: object | None  # held-out instruction data, if any
+
+
+def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -> Loaders:
+    """This rank's train loader (rank r of W data-parallel ranks takes global samples r, r+W, ...:
+    the 1-rank order, split) and the validation data."""
+    t, ft = cfg.train, cfg.finetune
+    train_shards = open_tokens(data.train_dir)  # one shard set, or a weighted mixture
+    val_shards = TokenShards(data.val_dir)
+    loader = PackedLoader(train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed, rank=dp_rank,
+                          world_size=dp_size, mask_doc_boundaries=cfg.data.mask_doc_boundaries,
+                          eos_id=data.tokenizer.eos_id)
+    val_instruct = None
+    if ft.data:  # supervised fine-tuning: prompt/response rows, loss on the response only
+        from lmforge.data.instruct import InstructLoader
+
+        sft = dict(tokenizer=data.tokenizer, seq_len=cfg.data.seq_len, batch_size=t.micro_batch_size,
+                   rank=dp_rank, world_size=dp_size, pack=ft.pack)
+        loader = InstructLoader(ft.data, seed=t.seed, **sft)
+        if ft.val_data:
+            val_instruct = InstructLoader(ft.val_data, seed=0, **sft)
+    return Loaders(train_shards, val_shards, loader, val_instruct)
+
+
+def build_training_model(cfg: Config, device: torch.device) -> Transformer:
+    """The model before parallelism: built on the meta device and initialised on `device`, then
+    pre-trained weights (finetune.init_from), LoRA adapters and FP8 linears, in that order (each
+    changes modules that activation checkpointing, compile and FSDP later wrap)."""
+    t, ft = cfg.train, cfg.finetune
+    model = build_model(cfg.model, device, seed=t.seed)
+    if ft.init_from:
+        from lmforge.train.finetune import load_pretrained
+
+        load_pretrained(model, ft.init_from)
+    if ft.lora_rank:
+        from lmforge.model.lora import apply_lora
+
+        adapted = apply_lora(model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, seed=t.seed)
+        log.info("LoRA: rank %d on %d layers; %s trainable parameters", ft.lora_rank, len(adapted),
+                 f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}")
+    if t.fp8:
+        from lmforge.train.fp8 import apply_fp8
+
+        log.info("fp8: %d block linears converted to torchao Float8Linear", apply_fp8(model, device))
+    return model

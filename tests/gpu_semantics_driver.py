@@ -1,0 +1,107 @@
+"""Worker for tests/test_gpu_semantics.py (run under torchrun, or as one process).
+
+    gpu_semantics_driver.py copies CORPUS OUT [key=value ...]
+        Sets up a real Trainer for the layout and counts, over one optimizer step's forward/backward,
+        the distinct 16-bit tensors autograd saves that have the shape of one of this rank's matmul
+        weights (the autocast copies of the weights). Writes OUT/copies_rank<r>.json.
+    gpu_semantics_driver.py rules CORPUS OUT [key=value ...]
+        Runs `trainer_for(cfg).fit()` with every torch.distributed send / recv / collective recorded
+        (operation, whether it used the host gloo group, named source, tag, calling function).
+        Writes OUT/calls_rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lmforge.config import load_config, parse_cli_overrides
+
+RECORDED = ("send", "recv", "isend", "irecv", "broadcast", "all_reduce", "all_gather", "all_gather_object",
+            "broadcast_object_list", "gather_object", "barrier", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
+def config(corpus: str, out: str, pairs: list[str]):
+    args = dict(pair.split("=", 1) for pair in pairs)
+    args.update({"data.corpus": corpus, "train.out_dir": out})
+    return load_config("tiny", parse_cli_overrides([a for k, v in args.items() for a in (f"--{k}", v)]))
+
+
+def count_weight_copies(corpus: str, out: str, pairs: list[str]) -> dict:
+    from lmforge.train.trainer import Trainer
+
+    trainer = Trainer(config(corpus, out, pairs))
+    trainer.setup()
+    weights = [p.detach() for name, p in trainer.model.named_parameters() if p.dim() == 2 and "emb" not in name]
+    weights = [w.to_local() if hasattr(w, "to_local") else w for w in weights]  # (TP: this rank's shard)
+    n_weights = len(weights)
+    seen: dict[int, torch.Tensor] = {}  # storage address -> the tensor, kept alive so no address is reused
+
+    def is_weight_cast(t: torch.Tensor) -> bool:  # a 16-bit tensor (or its transpose) equal to a cast weight
+        return any(w.shape == s.shape and torch.equal(s, w.to(t.dtype)) for w in weights for s in (t, t.t()))
+
+    def pack(saved: torch.Tensor):
+        t = saved.to_local() if hasattr(saved, "to_local") else saved  # (TP: a DTensor's shard on this rank)
+        if t.dtype in (torch.bfloat16, torch.float16) and t.dim() == 2 and is_weight_cast(t):
+            seen.setdefault(t.untyped_storage().data_ptr(), t)
+        return saved
+
+    batches = trainer.next_micro_batches()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.forward_backward(batches)
+    result = {"copies": len(seen), "weights": n_weights, "micro_batches": len(batches), "layout": trainer.layout.name}
+    trainer.ckpt.close()
+    return result
+
+
+def record_calls(corpus: str, out: str, pairs: list[str]) -> list[dict]:
+    import lmforge.train.trainer as trainer_module
+    from lmforge.train import trainer_for
+
+    calls: list[dict] = []
+    host: list = [None]
+    real_init = trainer_module.init_distributed
+
+    def init(cfg):
+        info = real_init(cfg)
+        host[0] = info.host_group
+        return info
+
+    trainer_module.init_distributed = init
+
+    def wrap(name: str):
+        real = getattr(dist, name)
+
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            frame = sys._getframe(1)
+            calls.append({"op": name, "host_group": group is not None and group is host[0],
+                          "src": "src" in kwargs or (name in ("recv", "irecv") and len(args) > 1),
+                          "tag": "tag" in kwargs, "caller": f"{Path(frame.f_code.co_filename).name}:"
+                                                            f"{frame.f_code.co_name}"})
+            return real(*args, **kwargs)
+
+        setattr(dist, name, call)
+
+    for name in RECORDED:
+        wrap(name)
+    trainer_for(config(corpus, out, pairs)).fit()
+    return calls
+
+
+def main() -> None:
+    mode, corpus, out, *pairs = sys.argv[1:]
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    result = count_weight_copies(corpus, out, pairs) if mode == "copies" else record_calls(corpus, out, pairs)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"{mode}_rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""lmforge's import graph: no cycles, and no import from a lower layer to a higher one, with the
+layers ARCHITECTURE.md defines. Every import counts, top-level and deferred (inside functions),
+except those under `if TYPE_CHECKING:` (never executed)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lmforge"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def layers() -> dict[str, int]:
+    """Module prefix -> layer, read from ARCHITECTURE.md's table (`| N | `mod`, `mod` | ... |`)."""
+    table: dict[str, int] = {}
+    for line in (ROOT / "ARCHITECTURE.md").read_text().splitlines():
+        m = re.match(r"\|\s*(\d+)\s*\|([^|]*)\|", line)
+        if m:
+            for name in re.findall(r"`(lmforge[\w.]*)`", m.group(2)):
+                table[name] = int(m.group(1))
+    return table
+
+
+def layer_of(module: str, table: dict[str, int]) -> int:
+    """The layer of the longest listed prefix of `module`."""
+    best = None
+    for prefix, layer in table.items():
+        if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, layer)
+    assert best is not None, f"{module} is in no layer of ARCHITECTURE.md"
+    return best[1]
+
+
+def _in_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def imports_of(module: str) -> list[tuple[str, int]]:
+    """(imported module, line) for every import statement of `module` that names something."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if _in_type_checking(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{base}.{alias.name}"
+                found.append((sub if sub in MODULES else base, node.lineno))
+    return found
+
+
+def lmforge_edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module in MODULES:
+        for target, _ in imports_of(module):
+            while target and target not in MODULES:  # `lmforge.x.y.Name` -> the module lmforge.x.y
+                target = target.rpartition(".")[0]
+            if target.startswith("lmforge") and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def test_the_import_graph_has_no_cycle():
+    edges = lmforge_edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_import_goes_up_a_layer():
+    table = layers()
+    assert len(set(table.values())) >= 5, "ARCHITECTURE.md's layer table was not found"
+    bad = []
+    for module in sorted(MODULES):
+        mine = layer_of(module, table)
+        for target, line in imports_of(module):
+            if not target.startswith("lmforge"):
+                continue
+            while target not in MODULES:
+                target = target.rpartition(".")[0]
+            if layer_of(target, table) > mine:
+                bad.append(f"{MODULES[module].relative_to(ROOT)}:{line}: {module} (layer {mine}) imports "
+                           f"{target} (layer {layer_of(target, table)})")
+    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(bad)
+
+
+def test_layer_zero_needs_only_the_standard_library():
+    """Layer 0 is what the planner and the config import before torch: standard library only."""
+    table = layers()
+    stdlib = sys.stdlib_module_names
+    bad = [f"{m} imports {t}" for m in MODULES if layer_of(m, table) == 0
+           for t, _ in imports_of(m) if t.split(".")[0] not in stdlib and layer_of_or_none(t, table) != 0]
+    assert not bad, bad
+
+
+def layer_of_or_none(module: str, table: dict[str, int]) -> int | None:
+    return layer_of(module, table) if module.startswith("lmforge") else None
+
+
+@pytest.mark.parametrize("planted", ["cycle", "upward"])
+def test_the_checks_see_a_planted_violation(planted, monkeypatch):
+    """The two checks fail on a planted cycle / upward import (so they can fail at all)."""
+    real = imports_of
+
+    def fake(module: str) -> list[tuple[str, int]]:
+        extra = []
+        if planted == "cycle" and module == "lmforge.folders":
+            extra = [("lmforge.config.base", 1)]
+        if module == "lmforge.config.base":
+            extra = [("lmforge.folders", 1)] if planted == "cycle" else [("lmforge.train.trainer", 1)]
+        return real(module) + extra
+
+    monkeypatch.setattr(sys.modules[__name__], "imports_of", fake)
+    check = test_the_import_graph_has_no_cycle if planted == "cycle" else test_no_import_goes_up_a_layer
+    with pytest.raises(AssertionError, match="cycle" if planted == "cycle" else "lmforge.train.trainer"):
+        check()
