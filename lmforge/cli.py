@@ -21,6 +21,7 @@ import os
 import sys
 
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
+from lmforge.folders import TOKENIZER
 
 
 def _setup_logging() -> None:
@@ -58,7 +59,12 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     from lmforge.eval.generate import stream_text
 
     cfg, model = load_run(args.ckpt)
-    tokenizer = Tokenizer.load(Path(args.ckpt) / "tokenizer.json")
+    tok_path = Path(args.ckpt) / TOKENIZER
+    if not tok_path.is_file():
+        raise ValueError(f"{str(tok_path)!r} is missing: generate needs the run's tokenizer (a run imported from "
+                         f"a transformers folder without a tokenizer has none); copy the tokenizer.json the "
+                         f"model was trained with into {str(args.ckpt)!r}.")
+    tokenizer = Tokenizer.load(tok_path)
     print(args.prompt, end="", flush=True)
     for piece in stream_text(model, tokenizer, args.prompt, args.max_tokens, stop=[args.stop] if args.stop else None,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
