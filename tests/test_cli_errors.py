@@ -1,9 +1,13 @@
 """What a user sees when something is wrong: one line that names the file or key and the fix, exit
-status 2, no traceback, nothing created (issue 18, section 3)."""
+status 2, no traceback, nothing created (issue 18, sections 3 and 4). Plus the help and docs texts
+that point to the config overrides."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,9 @@ from lmforge.cli import main
 from lmforge.config import ModelConfig
 from lmforge.model.transformer import build_model
 from tests.tiny_lm import MODEL, tiny_tokenizer, write_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
@@ -115,3 +122,64 @@ def test_generate_without_a_tokenizer_says_so(run_dir, tmp_path, capsys):
     (run / "tokenizer.json").unlink()
     err = one_line_error(capsys, ["generate", "--ckpt", str(run)])
     assert err.startswith(f"error: '{run / 'tokenizer.json'}' is missing: generate needs the run's tokenizer")
+
+
+# ---- a config error under torchrun ----------------------------------------------------------------
+
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
+    """Each rank printed the error, inside torchrun's summary of every rank's failure. Now local
+    rank 0 prints it once; the summary lists that rank alone, and torchrun still fails."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "lmforge", "train", "--model.n_layerz", "6"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    line = "config error: unknown config key 'model.n_layerz'; did you mean 'model.n_layers'?"
+    assert output.count(line) == 1, output
+    assert proc.stderr.count("exitcode  :") == 1, proc.stderr  # one failed rank in torchrun's summary, not 2
+    assert "local_rank: 1" not in proc.stderr and "SIGTERM" not in proc.stderr
+    assert len(proc.stderr.splitlines()) < 40, proc.stderr  # was 45 lines for 2 ranks, ~8 more per rank
+    assert seconds < 60
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+# ---- help and docs ------------------------------------------------------------------------------------
+
+def test_train_help_names_the_overrides_and_the_docs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--section.key value   set any config key, e.g. --optim.lr 3e-4" in out
+    assert "lmforge config --docs               every key with its default and meaning" in out
+
+
+def _docs(capsys, argv: list[str]) -> tuple[str, dict[str, str]]:
+    assert main(["config", "--docs", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    values = {}
+    for line in lines[1:]:
+        key, value = line.split()[:2]
+        values[key] = value.rstrip("*")
+    return lines[0], values
+
+
+def test_config_docs_honour_config_and_say_whose_values_they_show(capsys):
+    """`config --docs --config gpt2-124m` ignored --config, and the column showed values that are
+    neither tiny's nor gpt2's (the dataclass defaults) without saying so."""
+    header, builtin = _docs(capsys, [])
+    assert header.startswith("# value column: the built-in defaults, what a config file without `inherit` gets")
+    assert "not the tiny preset" in header and "model.dim" in header and "model.n_layers" not in header
+    assert builtin["model.dim"] == "256" and builtin["train.steps"] == "600"
+
+    header, gpt2 = _docs(capsys, ["--config", "gpt2-124m"])
+    assert header.startswith("# value column: the resolved config of 'gpt2-124m'; * = differs from the built-in")
+    assert (gpt2["model.dim"], gpt2["model.n_layers"], gpt2["model.pos_emb"]) == ("768", "12", "'learned'")
+    assert gpt2.keys() == builtin.keys()
+
+    header, tiny = _docs(capsys, ["--config", "tiny", "--optim.lr", "0.01"])
+    assert header.startswith("# value column: the resolved config of 'tiny' with the given overrides")
+    assert (tiny["model.dim"], tiny["optim.lr"]) == ("192", "0.01")
