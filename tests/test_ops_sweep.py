@@ -146,6 +146,14 @@ def test_a_different_sweep_never_overwrites_a_folder(tmp_path, monkeypatch, caps
     assert "is an lmforge run folder" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.toml"]
 
+    # a garbled summary.json of a finished trial: no metrics for it, no traceback
+    (second / rows[0]["trial"] / "summary.json").write_text("[5.0")
+    assert sweep_main(rand) == 0
+    assert "2 trials (2 already done)" in capsys.readouterr().out
+    after = {r["trial"]: r for r in json.loads((second / "results.json").read_text())}
+    assert after[rows[0]["trial"]]["val_loss"] is None and after[rows[0]["trial"]]["rank"] is None
+    assert after[rows[1]["trial"]]["rank"] == 1
+
 
 @pytest.mark.slow
 def test_2x2_sweep_on_tiny_is_ranked_and_resumable(tmp_path, capsys):
