@@ -369,8 +369,8 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     hf_dir, out = Path(hf_dir), Path(out_dir)
     check_target(out, "run", RUN_FILES, "--out", overwrite)
     cfg, model = import_hf(hf_dir)
+    tokenizer = import_hf_tokenizer(hf_dir)  # read everything before the first write
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = import_hf_tokenizer(hf_dir)
     run_cfg = Config(preset="imported", description=f"imported from {hf_dir}", model=cfg)
     # data.tokenizer names the run's own tokenizer file ("none" when the source had none), so the
     # BPE-training checks of the config do not apply to an imported vocabulary
