@@ -19,24 +19,82 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
+from lmforge.folders import TOKENIZER
 
 
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
 
 
+def report_on_one_rank(message: str, code: int = 2) -> int:
+    """Report an error that every rank of a torchrun job hits alike (a config error: every rank
+    parses the same command line) once per node instead of once per rank, and keep torchrun's
+    failure summary to one entry: local rank 0 prints `message` and returns `code` once its sibling
+    workers have ended; under torchrun the others end first, silently and with status 0, so the
+    agent lists local rank 0 alone (no SIGTERM entries for the ranks it would otherwise kill).
+    torchrun still exits non-zero: local rank 0 failed on every node. Without torchrun's agent
+    (TORCHELASTIC_RUN_ID unset) every rank returns `code`; only local rank 0 prints."""
+    local_rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    under_agent = "TORCHELASTIC_RUN_ID" in os.environ
+    if local_rank != "0":
+        return 0 if under_agent else code
+    if under_agent:
+        _wait_for_sibling_workers()
+    print(message, file=sys.stderr, flush=True)
+    return code
+
+
+def _wait_for_sibling_workers(timeout_s: float = 5.0) -> None:
+    """Wait (at most `timeout_s`) until the agent has reaped the other workers it started with
+    this process's command line (Linux /proc; elsewhere a fixed 1 s grace)."""
+    import time
+
+    def siblings() -> set[int]:
+        parent, me = os.getppid(), os.getpid()
+        own = Path(f"/proc/{me}/cmdline").read_bytes()
+        pids: set[int] = set()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                pids.update(int(p) for p in children.read_text().split())
+            except OSError:
+                continue
+        found = set()
+        for pid in pids - {me}:
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes() == own:
+                    found.add(pid)
+            except OSError:
+                continue
+        return found
+
+    if not Path(f"/proc/{os.getppid()}/task").is_dir():
+        time.sleep(1.0)
+        return
+    deadline = time.monotonic() + timeout_s
+    while siblings() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    cfg = load_config(args.config, parse_cli_overrides(rest))  # validate before the heavy imports
+    try:  # validate before the heavy imports; under torchrun every rank reads the same config
+        cfg = load_config(args.config, parse_cli_overrides(rest))
+    except ConfigError as exc:
+        return report_on_one_rank(f"config error: {exc}")
     from lmforge.train import trainer_for
 
     try:
         result = trainer_for(cfg).fit()
     except Exception as exc:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # name the rank (e.g. a collective timeout)
-            print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {type(exc).__name__}: {exc}",
-                  file=sys.stderr)
+            where = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
+            if isinstance(exc, ValueError):  # a user error (it may be one rank's): one line, no traceback
+                print(f"{where}: {'config error' if isinstance(exc, ConfigError) else 'error'}: {exc}",
+                      file=sys.stderr, flush=True)
+                return 2
+            print(f"{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise
     if os.environ.get("RANK", "0") != "0":
         return 0  # only rank 0 reports
@@ -51,14 +109,17 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"unexpected arguments {rest}.")
-    from pathlib import Path
-
     from lmforge.ckpt.export import load_run
     from lmforge.data.tokenizer import Tokenizer
     from lmforge.eval.generate import stream_text
 
     cfg, model = load_run(args.ckpt)
-    tokenizer = Tokenizer.load(Path(args.ckpt) / "tokenizer.json")
+    tok_path = Path(args.ckpt) / TOKENIZER
+    if not tok_path.is_file():
+        raise ValueError(f"{str(tok_path)!r} is missing: generate needs the run's tokenizer (a run imported from "
+                         f"a transformers folder without a tokenizer has none); copy the tokenizer.json the "
+                         f"model was trained with into {str(args.ckpt)!r}.")
+    tokenizer = Tokenizer.load(tok_path)
     print(args.prompt, end="", flush=True)
     for piece in stream_text(model, tokenizer, args.prompt, args.max_tokens, stop=[args.stop] if args.stop else None,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
@@ -67,12 +128,43 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def config_docs(preset: str | None = None, overrides: dict | None = None) -> list[str]:
+    """The lines of `lmforge config --docs`: every key, a value and its meaning. Without a preset
+    the value column holds the built-in defaults (what a TOML file that sets no `inherit` gets for a
+    key it leaves out), and the header says where they differ from the tiny preset's; with a preset
+    (and overrides) it holds that config's resolved values, `*` marking those that differ from
+    the built-in default."""
+    from lmforge.sweep.cli import flatten_keys
+
+    rows = describe()
+    if preset is None and not overrides:
+        tiny = flatten_keys(load_config("tiny", validate=False).to_dict())
+        differs = [key for key, default, _ in rows if key in tiny and repr(tiny[key]) != default
+                   and key not in ("description", "preset")]
+        header = [f"# value column: the built-in defaults, what a config file without `inherit` gets for a key "
+                  f"it leaves out (not the tiny preset, which `lmforge train` uses by default: it differs in "
+                  f"{', '.join(differs) or 'nothing'}); `lmforge config --docs --config PRESET` shows a "
+                  f"preset's values."]
+        return header + [f"{key:34s} {default:>18s}  {doc}" for key, default, doc in rows]
+    cfg = load_config(preset or "tiny", overrides or {})
+    values = flatten_keys(cfg.to_dict())
+    name = preset or "tiny"
+    header = [f"# value column: the resolved config of {name!r}" + (" with the given overrides" if overrides else "")
+              + "; * = differs from the built-in default (`lmforge config --docs` lists those)."]
+    lines = []
+    for key, default, doc in rows:
+        value = repr(values[key]) if key in values else default
+        mark = "*" if value != default else " "
+        lines.append(f"{key:34s} {value:>18s}{mark} {doc}")
+    return header + lines
+
+
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
+    overrides = parse_cli_overrides(rest)
     if args.docs:
-        for key, default, doc in describe():
-            print(f"{key:34s} {default:>18s}  {doc}")
+        print("\n".join(config_docs(args.config, overrides)))
         return 0
-    print(to_toml(load_config(args.config, parse_cli_overrides(rest))), end="")
+    print(to_toml(load_config(args.config or "tiny", overrides)), end="")
     return 0
 
 
@@ -83,11 +175,24 @@ def cmd_presets(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+OVERRIDES_HELP = """\
+config overrides (lmforge train, config and sweep):
+  --section.key value   set any config key, e.g. --optim.lr 3e-4 --train.steps 100 --model.n_layers 6
+                        (also --section.key=value); values are TOML: numbers, true/false, strings
+  lmforge config --docs               every key with its default and meaning
+  lmforge config --config PRESET ...  the resolved config (preset + overrides) as TOML
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmforge", description="Train and use decoder-only language models.")
+    parser = argparse.ArgumentParser(prog="lmforge", description="Train and use decoder-only language models.",
+                                     epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model (default: the tiny preset on the embedded corpus)")
-    p.add_argument("--config", default="tiny", help="preset name or path to a TOML file (default: tiny)")
+    p = sub.add_parser("train", help="train a model (default: the tiny preset on the embedded corpus)",
+                       description="Train a model: a preset or TOML file, plus any config key set on the command "
+                       "line.", epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", help="preset name or path to a TOML file (default: tiny; "
+                   "`lmforge presets` lists the presets)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("generate", help="sample text from a trained run folder")
     p.add_argument("--ckpt", "--run", dest="ckpt", required=True, help="run folder written by `lmforge train`")
@@ -99,9 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", default=None, help="stop when this string appears")
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("config", help="print the resolved config, or --docs for every key")
-    p.add_argument("--config", default="tiny")
-    p.add_argument("--docs", action="store_true")
+    p = sub.add_parser("config", help="print the resolved config, or --docs for every key",
+                       description="Print the resolved config as TOML, or with --docs every key with its value "
+                       "and meaning.", epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="preset name or path to a TOML file (default: tiny; with "
+                   "--docs: the built-in defaults)")
+    p.add_argument("--docs", action="store_true", help="every config key with its value and meaning")
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("presets", help="list the presets")
     p.set_defaults(func=cmd_presets)

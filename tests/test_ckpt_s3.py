@@ -103,3 +103,51 @@ def test_incomplete_remote_checkpoint_is_not_restored(small_data, tmp_path, s3_s
     trainer = Trainer(load_config("tiny", {**SMALL, **s3, "train.steps": 8}), out_dir=out, data=small_data)
     trainer.setup()
     assert trainer.resumed_from is None and trainer.state.step == 0  # nothing usable: a fresh start
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_start_up_check_says_whether_endpoint_or_bucket_is_wrong(s3_server, bucket, monkeypatch):
+    """An unreachable checkpoint.s3_endpoint ended in a 121-line EndpointConnectionError traceback.
+    `S3Backup.check()` (called once by the trainer at start-up) is one line naming the key at fault,
+    against a real S3 server (moto) and a closed port; a closed port is found in one attempt."""
+    from lmforge.ckpt.s3 import S3Backup
+    from lmforge.config import ConfigError
+
+    _, name = bucket
+    S3Backup(name, "team", "run", s3_server).check()  # endpoint up, bucket there: no error
+
+    with pytest.raises(ConfigError) as err:
+        S3Backup("no-such-bucket", "team", "run", s3_server).check()
+    assert str(err.value).startswith(f"checkpoint.s3_bucket = 'no-such-bucket' does not exist at "
+                                     f"checkpoint.s3_endpoint = '{s3_server}' (the endpoint answered); create "
+                                     f"the bucket (e.g. `aws s3 mb s3://no-such-bucket`)")
+
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        S3Backup(name, "team", "run", closed).check()
+    assert time.perf_counter() - start < 10  # one attempt, not botocore's retries with back-off
+    assert str(err.value).startswith(f"checkpoint.s3_endpoint = '{closed}' cannot be reached "
+                                     f"(EndpointConnectionError: ")
+    assert "check the URL (scheme, host, port) and that the server is running" in str(err.value)
+    assert "\n" not in str(err.value)
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)  # the endpoint from the environment is named as such
+    with pytest.raises(ConfigError, match=r"^\$AWS_ENDPOINT_URL = 'http://127\.0\.0\.1:\d+' cannot be reached"):
+        S3Backup(name, "team", "run", "").check()
+    with pytest.raises(ConfigError, match=r"^checkpoint.s3_endpoint = 'minio 9000' is not a valid URL"):
+        S3Backup(name, "team", "run", "minio 9000")
+
+
+def test_the_trainer_checks_endpoint_and_bucket_at_start_up(s3_server, small_data, tmp_path):
+    """A run with a wrong bucket stops in setup, before training, with the one-line check."""
+    from lmforge.config import ConfigError
+
+    cfg = load_config("tiny", {**SMALL, "checkpoint.s3_bucket": "no-such-bucket", "checkpoint.s3_endpoint": s3_server})
+    with pytest.raises(ConfigError, match="checkpoint.s3_bucket = 'no-such-bucket' does not exist"):
+        Trainer(cfg, out_dir=tmp_path / "run", data=small_data).fit()

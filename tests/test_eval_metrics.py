@@ -89,9 +89,29 @@ def test_bleu_file_errors_name_file_and_line(tmp_path):
     path.write_text('{"prompt": "a", "reference": "b"}\n\n{"prompt": "c", "reference": "d",}\n')
     with pytest.raises(ValueError, match=r"pairs.jsonl:3: invalid JSON"):
         load_bleu_items(path)
-    path.write_text('{"prompt": "a", "references": ["b", "c"]}\n{"prompt": "c", "reference": "d"}\n')
-    with pytest.raises(ValueError, match="item 2 has 1 references, item 1 has 2"):
+    path.write_text('{"prompt": "a", "references": ["b", ""]}\n')
+    with pytest.raises(ValueError, match="item 1: 'reference' must be a non-empty string"):
         load_bleu_items(path)
+
+
+def test_bleu_with_a_varying_number_of_references_per_item(tmp_path):
+    """Items with 1, 3 and 2 references (was refused): sacrebleu's padding, so an item's score uses
+    exactly its own references. Check: padding an item's list with copies of its own references
+    changes nothing, while padding it with a reference that matches changes the score."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "p1", "reference": "the cat sat on a mat"}\n'
+                    '{"prompt": "p2", "references": ["a dog ran in a park", "the dog ran in the big park", "x"]}\n'
+                    '{"prompt": "p3", "references": ["birds sang in the old tree", "a bird sang"]}\n')
+    prompts, refs = load_bleu_items(path)
+    assert prompts == ["p1", "p2", "p3"] and [len(r) for r in refs] == [1, 3, 2]
+    hyps = ["the cat sat on the mat today", "a dog ran in the big park", "a bird sang in the tree"]
+    varying = bleu_chrf(hyps, refs)
+    padded = bleu_chrf(hyps, [r + [r[0]] * (3 - len(r)) for r in refs])  # the same references, repeated
+    assert varying == pytest.approx(padded) and 0 < varying["bleu"] < 100 and varying["n"] == 3
+    lifted = bleu_chrf(hyps, [refs[0] + [hyps[0]], refs[1], refs[2]])  # item 1 gains an exact reference
+    assert lifted["bleu"] > varying["bleu"] + 1
+    with pytest.raises(ValueError, match="no items"):
+        bleu_chrf([], [])
 
 
 def test_fluency_metrics_by_hand():

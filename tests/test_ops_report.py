@@ -81,3 +81,33 @@ def test_single_run_report_default_folder_and_embed(runs, tmp_path):
 def test_report_of_nothing_is_a_clear_error(tmp_path, capsys):
     assert report_main([str(tmp_path)]) == 2
     assert "no run folder" in capsys.readouterr().err
+
+
+def test_report_of_damaged_or_unfinished_runs_renders_what_is_readable(tmp_path, capsys):
+    """A killed run's metrics.jsonl ends in a cut line, an unfinished run has no summary.json, a
+    damaged one a garbled one: each used to stop `lmforge report` with a traceback (JSONDecodeError,
+    AttributeError on a JSON list). Now each run's page says what is missing and shows the rest."""
+    import json
+
+    records = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0}
+               for s in (1, 2, 3)] + [{"step": 3, "val_loss": 4.8, "val_perplexity": 121.5}]
+    lines = [json.dumps(r) for r in records]
+    runs = {"cut": ('{"val_loss": 4.', lines + ['{"step": 4, "loss": 4.']),  # name: (summary.json, metrics)
+            "list": ("[4.8]", lines + ["[1, 2]", '{"step": "x"}']),
+            "unfinished": (None, lines),
+            "odd": ('{"val_loss": "n/a", "hardware": "cpu", "sample": 7}', lines)}
+    for name, (summary, metric_lines) in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(metric_lines))
+        if summary is not None:
+            (tmp_path / name / "summary.json").write_text(summary)
+    out = tmp_path / "cmp"
+    assert report_main([str(tmp_path / n) for n in runs] + ["--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    assert "summary.json is unreadable (JSONDecodeError)" in page
+    assert "summary.json holds a JSON list, not an object" in page
+    assert "no summary.json: the run has not finished" in page
+    assert page.count("<td>4.8000</td>") == 4  # every run's validation record (the cut line is skipped)
+    for name in ("loss", "lr", "grad_norm", "throughput"):
+        assert_valid_png(out / f"{name}.png")
+    assert capsys.readouterr().err == ""

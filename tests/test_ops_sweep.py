@@ -60,10 +60,11 @@ parallel = 2
 [range.schedule]
 warmup_steps = [5, 50, "int"]
 ''')
-    spec, parallel, out, threads, report = parse_sweep_args(
+    spec, parallel, out, threads, report, out_given = parse_sweep_args(
         ["--spec", str(spec_file), "--grid", "optim.weight_decay=0.0,0.1", "--train.log_every", "20"])
-    assert parse_sweep_args(["--base", "gpt2-124m", "--grid", "optim.lr=1e-3"])[0].config == "gpt2-124m"
-    assert parallel == 2 and out.name == "sweep-tiny" and threads is None and report
+    assert parse_sweep_args(["--base", "gpt2-124m", "--grid", "optim.lr=1e-3"]).spec.config == "gpt2-124m"
+    assert parallel == 2 and out.name == "sweep-tiny" and threads is None and report and not out_given
+    assert parse_sweep_args(["--grid", "optim.lr=1e-3", "--out", "x"]).out_given
     assert spec.base == {"train.steps": 100, "train.log_every": 20}
     assert [d.key for d in spec.space] == ["optim.lr", "schedule.warmup_steps", "optim.weight_decay"]
     trials = spec.trials()
@@ -77,6 +78,81 @@ def test_invalid_trial_is_rejected_before_anything_runs(tmp_path, capsys):
     assert rc == 2
     assert "warmup_steps" in capsys.readouterr().err
     assert not list((tmp_path / "s").glob("t*"))
+
+
+def _fake_trials(monkeypatch):
+    """Trials as a fast stand-in process (no torch) that writes the summary.json a finished
+    `lmforge train` leaves: the folder logic of the sweep is under test here, not training."""
+    import sys
+
+    from lmforge.sweep import core
+
+    code = ("import json, sys, pathlib; p = json.loads(sys.argv[2]); "
+            "pathlib.Path(sys.argv[1], 'summary.json').write_text(json.dumps({'val_loss': 5 + p['optim.lr']}))")
+    monkeypatch.setattr(core, "train_command", lambda spec, overrides, out_dir: [
+        sys.executable, "-c", code, str(out_dir), json.dumps({"optim.lr": overrides["optim.lr"]})])
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def test_a_different_sweep_never_overwrites_a_folder(tmp_path, monkeypatch, capsys):
+    """`lmforge sweep --random` after a `--grid` sweep used to overwrite the grid's results.csv/json in
+    the shared default folder runs/sweep-tiny. Now the default folder passes a different sweep on to
+    one named after it, an explicit --out that holds another sweep is an error that says how to
+    continue, and the same command still resumes in its own folder."""
+    _fake_trials(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    grid = ["--grid", "optim.lr=1e-3,3e-3", "--no-report"]
+    rand = ["--random", "2", "--range", "optim.lr=1e-4:1e-2:log", "--no-report"]
+    assert sweep_main(grid) == 0
+    first = tmp_path / "runs" / "sweep-tiny"
+    grid_files = _files(first)
+    assert len(json.loads(grid_files["results.json"])) == 2
+    capsys.readouterr()
+
+    assert sweep_main(rand) == 0
+    out = capsys.readouterr().out
+    second = tmp_path / "runs" / "sweep-tiny-random2-lr"
+    assert f"runs/sweep-tiny holds another sweep (grid over optim.lr; config tiny); this one (random search, 2 " \
+           f"trials (seed 0) over optim.lr; config tiny) runs in runs/sweep-tiny-random2-lr" in out
+    assert _files(first) == grid_files  # untouched
+    rows = json.loads((second / "results.json").read_text())
+    assert len(rows) == 2 and all(1e-4 <= r["optim.lr"] <= 1e-2 for r in rows)
+
+    # the same commands resume in their own folders
+    assert sweep_main(grid) == 0 and "2 trials (2 already done)" in capsys.readouterr().out
+    grid_files = _files(first)  # the resume rewrote its own results (status "skipped")
+    assert sweep_main(rand) == 0
+    out = capsys.readouterr().out
+    assert "2 trials (2 already done)" in out and "runs in runs/sweep-tiny-random2-lr" in out
+    # the same grid with another base override is another sweep too
+    assert sweep_main(grid + ["--train.steps", "100"]) == 0
+    assert "runs in runs/sweep-tiny-grid-lr" in capsys.readouterr().out
+    assert _files(first) == grid_files
+
+    # an explicit --out that holds another sweep: an error that says how to continue, nothing written
+    assert sweep_main(rand + ["--out", str(first)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert (f"--out '{first}' holds another sweep (grid over optim.lr; config tiny); this sweep is random search"
+            in err and "re-run its own command" in err and f"choose another --out (e.g. '{first}-random2-lr')" in err)
+    assert _files(first) == grid_files
+    # nor into a run folder (its report/ would be replaced)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("")
+    assert sweep_main(grid + ["--out", str(tmp_path / "run")]) == 2
+    assert "is an lmforge run folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.toml"]
+
+    # a garbled summary.json of a finished trial: no metrics for it, no traceback
+    (second / rows[0]["trial"] / "summary.json").write_text("[5.0")
+    assert sweep_main(rand) == 0
+    assert "2 trials (2 already done)" in capsys.readouterr().out
+    after = {r["trial"]: r for r in json.loads((second / "results.json").read_text())}
+    assert after[rows[0]["trial"]]["val_loss"] is None and after[rows[0]["trial"]]["rank"] is None
+    assert after[rows[1]["trial"]]["rank"] == 1
 
 
 @pytest.mark.slow

@@ -51,11 +51,19 @@ def manager_for_run(cfg: Config, out_dir: Path, rank: int, world_size: int,
     pg = None
     if dist.is_available() and dist.is_initialized():
         pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
-    backup = None
-    if c.s3_bucket and rank == 0:
+    backup, problem = None, [None]
+    if c.s3_bucket and rank == 0:  # the endpoint and bucket are checked once, here, before any training
         from lmforge.ckpt.s3 import S3Backup
 
-        backup = S3Backup(c.s3_bucket, c.s3_prefix, Path(out_dir).name, c.s3_endpoint, on_event=on_event)
+        try:
+            backup = S3Backup(c.s3_bucket, c.s3_prefix, Path(out_dir).name, c.s3_endpoint, on_event=on_event)
+            backup.check()
+        except ConfigError as e:
+            problem[0] = str(e)
+    if pg is not None and c.s3_bucket:  # every rank stops with rank 0's verdict (no rank left waiting)
+        dist.broadcast_object_list(problem, src=0, group=pg)
+    if problem[0]:
+        raise ConfigError(problem[0])
     return CheckpointManager(Path(c.dir) if c.dir else Path(out_dir) / CHECKPOINTS, rank=rank, world_size=world_size,
                              async_save=c.async_save, validate=c.validate, keep_last=c.keep_last,
                              keep_every=c.keep_every, backup=backup, process_group=pg, on_event=on_event)

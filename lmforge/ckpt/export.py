@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, load_config
-from lmforge.folders import CONFIG, WEIGHTS, atomic_path
+from lmforge.folders import CONFIG, WEIGHTS, atomic_path, describe_kind, folder_kind
 from lmforge.model.transformer import Transformer, build_model
 
 
@@ -44,12 +45,30 @@ def save_state(model: torch.nn.Module | dict[str, torch.Tensor], path: Path) -> 
         save_file(model_state(model), str(tmp), metadata={"format": "lmforge"})
 
 
-def load_weights(model: Transformer, path: Path) -> None:
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file; a truncated or corrupt file is a ValueError naming the
+    path and the fix (safetensors itself says only "incomplete metadata", without the path)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"weights file {str(path)!r} does not exist.")
-    state = load_file(str(path))
-    if model.cfg.tie_embeddings:
+    try:
+        return load_file(str(path))
+    except PermissionError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror}); check its permissions.") from None
+    except (SafetensorError, OSError) as exc:
+        reason = str(exc).removeprefix("Error while deserializing header: ")
+        raise ValueError(
+            f"{path} ({path.stat().st_size:,} bytes) is not a complete safetensors file ({reason}): it was "
+            f"truncated (an interrupted copy or download, a full disk) or is corrupt. Fix: copy or write it "
+            f"again from its source.") from None
+
+
+def load_weights(model: Transformer, path: Path) -> None:
+    """Copy the weights of a safetensors file (a run's model.safetensors) into `model`; ValueError
+    names the file when it is missing, unreadable or does not match the model's config."""
+    path = Path(path)
+    state = read_safetensors(path)
+    if model.cfg.tie_embeddings and "tok_emb.weight" in state:
         state.setdefault("lm_head.weight", state["tok_emb.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rope_")]
@@ -59,13 +78,56 @@ def load_weights(model: Transformer, path: Path) -> None:
     model.tie_weights()
 
 
-def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Config, Transformer]:
-    """Load a finished run folder (config.toml + model.safetensors) for evaluation or generation."""
+def check_run_folder(run_dir: str | Path) -> Path:
+    """`run_dir` as a Path if it is an lmforge run folder (config.toml + model.safetensors), else a
+    ValueError that says what the path is: missing (with close names beside it), a file, another
+    kind of folder (a transformers folder: `lmforge import` it first), a folder of runs (a sweep),
+    or a run that has not finished."""
     run_dir = Path(run_dir)
-    cfg_path = run_dir / CONFIG
-    if not cfg_path.is_file():
-        raise ValueError(f"{str(run_dir)!r} is not an lmforge run folder: {cfg_path.name} is missing.")
-    cfg = load_config(str(cfg_path))
+    shown = str(run_dir)
+    if not run_dir.exists():
+        parent = run_dir.parent
+        hint = ""
+        if not parent.exists():
+            hint = f" (nor does {str(parent)!r})"
+        elif parent.is_dir():
+            import difflib
+
+            names = [p.name for p in parent.iterdir() if p.is_dir()]
+            close = difflib.get_close_matches(run_dir.name, names, n=3, cutoff=0.6)
+            if close:
+                hint = " (did you mean " + " or ".join(repr(str(parent / c)) for c in close) + "?)"
+        raise ValueError(f"run folder {shown!r} does not exist{hint}; give the folder `lmforge train` wrote "
+                         f"(its train.out_dir, e.g. runs/tiny).")
+    if run_dir.is_file():
+        fix = (f"give its folder {str(run_dir.parent)!r}" if run_dir.name in (CONFIG, WEIGHTS)
+               else "give the folder `lmforge train` wrote (its train.out_dir)")
+        raise ValueError(f"{shown!r} is a file, not a run folder; {fix}.")
+    kind = folder_kind(run_dir)
+    if kind == "transformers":
+        raise ValueError(f"{shown!r} is {describe_kind(kind)}, not an lmforge run folder; turn it into one with "
+                         f"`lmforge import --hf {shown} --out RUN_DIR`, then use RUN_DIR.")
+    if kind in ("prepared", "shards"):
+        raise ValueError(f"{shown!r} is {describe_kind(kind)}, not an lmforge run folder; give the folder "
+                         f"`lmforge train` wrote (its train.out_dir).")
+    if kind is None:
+        runs = sorted(p.parent.name for p in run_dir.glob(f"*/{CONFIG}"))
+        inside = (f"; it holds run folders ({', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''}): "
+                  f"give one of them, e.g. {str(run_dir / runs[0])!r}" if runs else
+                  "; give the folder `lmforge train` wrote (its train.out_dir)")
+        raise ValueError(f"{shown!r} is not an lmforge run folder: it has no {CONFIG}{inside}.")
+    if not (run_dir / WEIGHTS).is_file():
+        raise ValueError(f"{shown!r} has no {WEIGHTS}: training writes it when the run finishes (or "
+                         f"`lmforge import` for an imported model); finish the run with the same "
+                         f"`lmforge train` command, which resumes from its newest checkpoint.")
+    return run_dir
+
+
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Config, Transformer]:
+    """Load a finished run folder (config.toml + model.safetensors) for evaluation or generation;
+    a path that is not one is a one-line ValueError saying what it is (see `check_run_folder`)."""
+    run_dir = check_run_folder(run_dir)
+    cfg = load_config(str(run_dir / CONFIG))
     model = build_model(cfg.model, device)
     load_weights(model, run_dir / WEIGHTS)
     model.eval()

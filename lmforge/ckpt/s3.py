@@ -8,7 +8,8 @@ checkpoint exists, `restore_latest` downloads the newest remote one, verifies ev
 publishes it atomically into the local folder.
 
 Credentials come from the environment / boto3's usual sources; the endpoint from the config or
-$AWS_ENDPOINT_URL.
+$AWS_ENDPOINT_URL. `check()`, called once at start-up, says whether the endpoint or the bucket
+is wrong before anything runs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Callable
 
 from lmforge.ckpt.manager import META, STEP_DIR, verify_checkpoint
 from lmforge.ckpt.safe_io import check_relative
+from lmforge.config import ConfigError
 from lmforge.folders import fsync_dir, sha256_file
 
 log = logging.getLogger("lmforge.ckpt.s3")
@@ -39,12 +41,66 @@ class S3Backup:
                              "(or `pip install lmforge[s3]`).") from e
         self.bucket = bucket
         self.prefix = "/".join(p for p in (prefix.strip("/"), run_name) if p) + "/"
-        self.client = boto3.client("s3", endpoint_url=endpoint or os.environ.get("AWS_ENDPOINT_URL") or None)
+        # where the endpoint came from, for error messages: the config key, the environment, or AWS
+        self.endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or ""
+        self._endpoint_key = ("checkpoint.s3_endpoint" if endpoint else "$AWS_ENDPOINT_URL" if self.endpoint
+                              else "the AWS S3 endpoint")
+        try:
+            self.client = boto3.client("s3", endpoint_url=self.endpoint or None)
+        except ValueError as exc:  # botocore: "Invalid endpoint: ..."
+            raise ConfigError(f"{self._endpoint_key} = {self.endpoint!r} is not a valid URL ({exc}); give "
+                              f"one like http://minio:9000 or https://s3.example.com.") from None
         self.on_event = on_event or (lambda e: None)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.uploaded: list[str] = []
         self.errors: list[str] = []
+
+    # ---- start-up check --------------------------------------------------------------------------
+    def check(self, timeout_s: float = 10.0) -> None:
+        """Check once, before training starts, that the endpoint answers and the bucket exists and is
+        accessible (one HEAD request, one attempt, `timeout_s` per connect/read). A ConfigError (a
+        ValueError) says in one line which one is wrong and how to fix it, instead of a backup that
+        fails later in the background or a restore's long traceback."""
+        import boto3
+        from botocore.config import Config as BotoConfig
+        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError, NoCredentialsError, ParamValidationError
+
+        where = f"{self._endpoint_key} = {self.endpoint!r}" if self.endpoint else self._endpoint_key
+        bucket = f"checkpoint.s3_bucket = {self.bucket!r}"
+        client = boto3.client("s3", endpoint_url=self.endpoint or None, config=BotoConfig(
+            connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 1, "mode": "standard"}))
+        try:
+            client.head_bucket(Bucket=self.bucket)
+        except NoCredentialsError:
+            raise ConfigError(f"{bucket}: no S3 credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                              f"(or AWS_PROFILE) in the environment.") from None
+        except ParamValidationError:
+            raise ConfigError(f"{bucket} is not a valid bucket name; S3 bucket names are 3-63 lowercase letters, "
+                              f"digits, dots and hyphens.") from None
+        except ClientError as exc:
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("404", "NoSuchBucket") or status == 404:
+                raise ConfigError(f"{bucket} does not exist at {where} (the endpoint answered); create the bucket "
+                                  f"(e.g. `aws s3 mb s3://{self.bucket}`) or fix checkpoint.s3_bucket.") from None
+            if code in ("403", "AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch") \
+                    or status == 403:
+                raise ConfigError(f"{bucket} at {where}: access denied ({code}); check the credentials "
+                                  f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and the bucket's permissions.") from None
+            raise ConfigError(f"{bucket} at {where}: the endpoint refused the bucket check ({code or status}: "
+                              f"{err.get('Message', exc)}); is it an S3-compatible server, and is the bucket name "
+                              f"right?") from None
+        except (BotoConnectionError, HTTPClientError, OSError) as exc:  # refused, timed out, DNS, TLS, proxy: the endpoint
+            raise ConfigError(f"{where} cannot be reached ({type(exc).__name__}: {exc}); check the URL "
+                              f"(scheme, host, port) and that the server is running"
+                              + ("" if self.endpoint else ", or set checkpoint.s3_endpoint for a non-AWS store")
+                              + ".") from None
+        except BotoCoreError as exc:
+            raise ConfigError(f"{bucket} at {where}: the start-up check failed ({type(exc).__name__}: {exc}).") from None
 
     # ---- upload (background) -----------------------------------------------------------------
     def upload(self, folder: Path, keep: list[str]) -> None:

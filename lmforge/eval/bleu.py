@@ -1,7 +1,8 @@
 """BLEU and chrF (sacrebleu) of greedy generations against references.
 
 The file is jsonl: ``{"prompt": str, "reference": str}`` a line, or ``"references": [str, ...]``
-for several references (every item must then have the same number).
+for several references; items may have different numbers of references (sacrebleu's way: the
+shorter lists are padded with None, which sacrebleu skips).
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ def load_bleu_items(path: str | Path) -> tuple[list[str], list[list[str]]]:
     for lineno, rec in enumerate(records, 1):
         ref = rec["reference"]
         ref = [ref] if isinstance(ref, str) else ref
-        if not isinstance(ref, list) or not ref or not all(isinstance(r, str) for r in ref):
-            raise ValueError(f"{path}: item {lineno}: 'reference' must be a string or a non-empty list of strings.")
-        if refs and len(ref) != len(refs[0]):
-            raise ValueError(f"{path}: item {lineno} has {len(ref)} references, item 1 has {len(refs[0])}; "
-                             f"give every item the same number.")
+        if not isinstance(ref, list) or not ref or not all(isinstance(r, str) and r.strip() for r in ref):
+            raise ValueError(f"{path}: item {lineno}: 'reference' must be a non-empty string or a non-empty list "
+                             f"of them.")
         prompts.append(str(rec["prompt"]))
         refs.append(ref)
     return prompts, refs
@@ -34,9 +33,17 @@ def bleu_chrf(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) ->
     try:
         import sacrebleu
     except ImportError as exc:
-        raise ValueError("BLEU/chrF need sacrebleu: pip install 'sacrebleu>=2.4'.") from exc
+        raise ValueError('BLEU/chrF need sacrebleu, which is not installed; install it with: '
+                         'pip install "lmforge[eval]"') from exc
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists.")
-    streams = [list(r) for r in zip(*references)]  # sacrebleu: one stream per reference position
+    if not hypotheses:
+        raise ValueError("BLEU/chrF: no items to score.")
+    if any(not refs for refs in references):
+        raise ValueError("every hypothesis needs at least one reference.")
+    # sacrebleu takes one stream per reference position; an item with fewer references than the
+    # most is padded with None there, which sacrebleu skips for that item
+    most = max((len(refs) for refs in references), default=0)
+    streams = [[refs[i] if i < len(refs) else None for refs in references] for i in range(most)]
     return {"bleu": sacrebleu.corpus_bleu(list(hypotheses), streams).score,
             "chrf": sacrebleu.corpus_chrf(list(hypotheses), streams).score, "n": len(hypotheses)}

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmforge.folders import TOKENIZER
+
 
 @dataclass
 class EvalOptions:
@@ -59,7 +61,7 @@ def _stream_tokens(opts: EvalOptions, cfg, tokenizer) -> tuple[str, Any]:
         if not path.is_file():
             raise ValueError(f"--text {path}: file not found.")
         if tokenizer is None:
-            raise ValueError(f"--text needs the run's tokenizer, but {opts.ckpt}/tokenizer.json is missing.")
+            raise ValueError(f"--text needs the run's tokenizer, but {Path(opts.ckpt) / TOKENIZER} is missing.")
         return str(path), np.asarray(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=np.int64)
     if opts.data:
         folder = Path(opts.data)
@@ -89,7 +91,7 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
     from lmforge.eval.tasks import evaluate_mc, load_mc_items
 
     cfg, model = load_run(opts.ckpt, opts.device)
-    tok_path = Path(opts.ckpt) / "tokenizer.json"
+    tok_path = Path(opts.ckpt) / TOKENIZER
     tokenizer = Tokenizer.load(tok_path) if tok_path.is_file() else None
     needs_text = opts.bleu or opts.mc or opts.samples
     if needs_text and tokenizer is None:

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from lmforge.config import Config, ModelConfig, to_toml
 from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, WEIGHTS, atomic_path, atomic_write,
@@ -58,6 +58,15 @@ def hf_family(cfg: ModelConfig) -> str:
         f"model (norm={cfg.norm!r}, activation={cfg.activation!r}, pos_emb={cfg.pos_emb!r}) matches neither "
         f"LlamaForCausalLM (rmsnorm, swiglu, rope) nor GPT2LMHeadModel (layernorm, gelu, learned); "
         f"change model.norm / model.activation / model.pos_emb to one of these combinations to export.")
+
+
+def require_transformers(command: str) -> None:
+    """ValueError with the install command when the `transformers` package cannot be imported."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f'{command} needs the transformers package, which is not installed ({exc}); '
+                         f'install it with: pip install "lmforge[eval]"') from None
 
 
 def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = None,
@@ -232,8 +241,9 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
     Existing files are replaced only with `overwrite`; a run folder is never written into."""
     from lmforge.data.tokenizer import Tokenizer
 
+    # every check before the first write: a refused export creates nothing (no empty --out folder)
+    require_transformers("lmforge export")
     check_target(out_dir, "transformers", HF_FILES, "--out", overwrite)
-
     if isinstance(run_or_model, Transformer):
         model = run_or_model
     else:
@@ -244,14 +254,14 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
         if tokenizer is None and (run_dir / TOKENIZER).is_file():
             tokenizer = Tokenizer.load(run_dir / TOKENIZER)
     cfg = model.cfg
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ids = {}
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = {cfg.vocab_size}.")
         ids = {"eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id}
     hf_cfg = hf_config(cfg, **ids)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     hf_cfg.save_pretrained(out)
     with atomic_path(out / WEIGHTS) as tmp:
         save_file(to_hf_state(model), str(tmp), metadata={"format": "pt"})
@@ -281,14 +291,16 @@ def save_hf_tokenizer(tokenizer, out_dir: Path, max_len: int) -> None:
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of a transformers folder: model.safetensors, sharded safetensors (index), or
     pytorch_model.bin (loaded with weights_only=True: no code runs)."""
+    from lmforge.ckpt.export import read_safetensors
+
     index = hf_dir / "model.safetensors.index.json"
     if (hf_dir / WEIGHTS).is_file():
-        return load_file(str(hf_dir / WEIGHTS))
+        return read_safetensors(hf_dir / WEIGHTS)
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(load_file(str(hf_dir / f)))
+            state.update(read_safetensors(hf_dir / f))
         return state
     if (hf_dir / "pytorch_model.bin").is_file():
         return torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -357,8 +369,8 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     hf_dir, out = Path(hf_dir), Path(out_dir)
     check_target(out, "run", RUN_FILES, "--out", overwrite)
     cfg, model = import_hf(hf_dir)
+    tokenizer = import_hf_tokenizer(hf_dir)  # read everything before the first write
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = import_hf_tokenizer(hf_dir)
     run_cfg = Config(preset="imported", description=f"imported from {hf_dir}", model=cfg)
     # data.tokenizer names the run's own tokenizer file ("none" when the source had none), so the
     # BPE-training checks of the config do not apply to an imported vocabulary

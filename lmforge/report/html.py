@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from lmforge.folders import CONFIG, METRICS, SAMPLE, SUMMARY
 from lmforge.report.plots import PLOTS, load_run_metrics, plot_runs, run_label
 
 _CSS = """
@@ -41,13 +42,13 @@ def find_runs(paths: list[Path]) -> list[Path]:
     have one (a sweep folder -> its trials)."""
     runs: list[Path] = []
     for p in map(Path, paths):
-        if (p / "metrics.jsonl").is_file():
+        if (p / METRICS).is_file():
             runs.append(p)
         elif p.is_dir():
-            runs.extend(sorted(d.parent for d in p.glob("*/metrics.jsonl")))
-            runs.extend(sorted(d.parent for d in p.glob("*/*/metrics.jsonl")))
+            runs.extend(sorted(d.parent for d in p.glob(f"*/{METRICS}")))
+            runs.extend(sorted(d.parent for d in p.glob(f"*/*/{METRICS}")))
     if not runs:
-        raise ValueError(f"no run folder (with metrics.jsonl) in {', '.join(map(str, paths))}")
+        raise ValueError(f"no run folder (with {METRICS}) in {', '.join(map(str, paths))}")
     return list(dict.fromkeys(runs))
 
 
@@ -60,11 +61,24 @@ def _fmt(value: Any, spec: str) -> str:
         return html.escape(str(value))
 
 
-def _read_json(path: Path) -> dict:
+def read_summary(run_dir: Path) -> tuple[dict, str]:
+    """(summary.json of a run, a note when it is missing or unreadable): a report shows what it
+    can of an unfinished or damaged run instead of failing."""
+    path = Path(run_dir) / SUMMARY
+    if not path.is_file():
+        return {}, f"no {SUMMARY}: the run has not finished (or was stopped); metrics come from {METRICS}."
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError) as exc:
+        return {}, f"{SUMMARY} is unreadable ({type(exc).__name__}); final metrics are not shown."
+    if not isinstance(data, dict):
+        return {}, f"{SUMMARY} holds a JSON {type(data).__name__}, not an object; final metrics are not shown."
+    return data, ""
+
+
+def _number_or_inf(value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else math.inf
 
 
 def _read_text(path: Path) -> str:
@@ -80,9 +94,10 @@ def build_report(run_paths: list[Path], out_dir: Path, embed: bool = False, titl
     out_dir = Path(out_dir)
     pngs = plot_runs(runs, out_dir)
     labels = {r: run_label(r, runs) for r in runs}
-    summaries = {r: _read_json(r / "summary.json") for r in runs}
+    read = {r: read_summary(r) for r in runs}
+    summaries = {r: summary for r, (summary, _) in read.items()}
     title = title or (f"lmforge run {labels[runs[0]]}" if len(runs) == 1 else f"lmforge: {len(runs)} runs compared")
-    ranked = sorted(runs, key=lambda r: summaries[r].get("val_loss", math.inf))
+    ranked = sorted(runs, key=lambda r: _number_or_inf(summaries[r].get("val_loss")))
 
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
@@ -111,8 +126,10 @@ def build_report(run_paths: list[Path], out_dir: Path, embed: bool = False, titl
 
     for r in runs:
         s = summaries[r]
-        hw = s.get("hardware", {})
+        hw = s.get("hardware") if isinstance(s.get("hardware"), dict) else {}
         parts.append(f"<h2>Run {html.escape(labels[r])}</h2>")
+        if read[r][1]:
+            parts.append(f"<p class='warn'>{html.escape(read[r][1])}</p>")
         rows = {**hw, "peak FLOP/s": _fmt(s.get("peak_flops"), "{:.3g}"), "peak source": s.get("peak_source", "-"),
                 "parameters": _fmt(s.get("n_params"), "{:,}"), "FLOPs/token": _fmt(s.get("flops_per_token"), "{:,.0f}")}
         parts.append("<h3>Hardware</h3><table>" + "".join(
@@ -121,17 +138,17 @@ def build_report(run_paths: list[Path], out_dir: Path, embed: bool = False, titl
         _, val, events = load_run_metrics(r)
         if events:
             parts.append("<h3>Health events</h3><ul>" + "".join(
-                f"<li class='warn'>{html.escape(e.get('message', e.get('event', '')))}</li>" for e in events[:50])
+                f"<li class='warn'>{html.escape(str(e.get('message', e.get('event', ''))))}</li>" for e in events[:50])
                 + (f"<li>... {len(events) - 50} more</li>" if len(events) > 50 else "") + "</ul>")
         if val:
             parts.append("<h3>Validation</h3><table><tr><th>step</th><th>val loss</th><th>perplexity</th></tr>"
                          + "".join(f"<tr><td>{v['step']}</td><td>{_fmt(v['val_loss'], '{:.4f}')}</td>"
                                    f"<td>{_fmt(v.get('val_perplexity'), '{:.2f}')}</td></tr>" for v in val)
                          + "</table>")
-        sample = _read_text(r / "sample.txt") or s.get("sample", "")
+        sample = _read_text(r / SAMPLE) or s.get("sample", "")
         if sample:
-            parts.append(f"<h3>Sample</h3><pre>{html.escape(sample)}</pre>")
-        config = _read_text(r / "config.toml")
+            parts.append(f"<h3>Sample</h3><pre>{html.escape(str(sample))}</pre>")
+        config = _read_text(r / CONFIG)
         if config:
             parts.append(f"<details><summary>config.toml</summary><pre>{html.escape(config)}</pre></details>")
     parts.append("</body></html>")

@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
-from lmforge.train.metrics import read_metrics, split_metrics
+from lmforge.folders import METRICS
+from lmforge.train.metrics import split_metrics
 
 PLOTS = ("loss", "lr", "grad_norm", "throughput")
 
@@ -20,8 +22,26 @@ def run_label(run_dir: Path, all_dirs: list[Path]) -> str:
 
 
 def load_run_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return split_metrics(read_metrics(path)) if path.is_file() else ([], [], [])
+    """(train, val, event) records of a run's metrics.jsonl; ([], [], []) without one. Lines that
+    are not whole JSON records (the last line of a killed run, a damaged file) are skipped, so
+    a report always renders what is readable."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        return [], [], []
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and ("event" in rec or _is_number(rec.get("step"))
+                                      and _is_number(rec.get("val_loss", rec.get("loss")))):
+            records.append(rec)
+    return split_metrics(records)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _pyplot():
@@ -34,7 +54,7 @@ def _pyplot():
 
 
 def _finite(xs, ys):
-    pts = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
+    pts = [(x, y) for x, y in zip(xs, ys) if _is_number(y) and math.isfinite(y)]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -78,7 +98,8 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
         xs, ys = _finite([r["step"] for r in val], [r["val_loss"] for r in val])
         if xs:
             ax.plot(xs, ys, color=c, lw=1.5, ls="--", marker="o", ms=4, label=f"{label} val")
-        spikes = [e for e in events if e.get("event") == "loss_spike" and "loss" in e]
+        spikes = [e for e in events if e.get("event") == "loss_spike" and _is_number(e.get("loss"))
+                  and _is_number(e.get("step"))]
         if spikes:
             ax.scatter([e["step"] for e in spikes], [e["loss"] for e in spikes], color=c, marker="x", s=40,
                        label=f"{label} loss spikes")
@@ -87,14 +108,14 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
     fig, ax = figure("learning rate", "lr")
     for i, d in enumerate(run_dirs):
         train = data[d][0]
-        ax.plot([r["step"] for r in train], [r["lr"] for r in train], color=colors[i % len(colors)],
-                label=run_label(d, run_dirs))
+        xs, ys = _finite([r["step"] for r in train], [r.get("lr") for r in train])
+        ax.plot(xs, ys, color=colors[i % len(colors)], label=run_label(d, run_dirs))
     save(fig, ax, "lr")
 
     fig, ax = figure("gradient norm (before clipping)", "L2 norm", log_y=True)
     for i, d in enumerate(run_dirs):
         train = data[d][0]
-        xs, ys = _finite([r["step"] for r in train], [r["grad_norm"] for r in train])
+        xs, ys = _finite([r["step"] for r in train], [r.get("grad_norm") for r in train])
         ax.plot(xs, [max(y, 1e-12) for y in ys], color=colors[i % len(colors)], lw=1, label=run_label(d, run_dirs))
     save(fig, ax, "grad_norm")
 

@@ -20,7 +20,10 @@ Any `--section.key value` that is not a sweep option is a base override applied 
     [range]
     "schedule.warmup_steps" = [5, 50, "int"]
 
-Re-running the same command resumes: finished trials (with summary.json) are skipped.
+Re-running the same command resumes: finished trials (with summary.json) are skipped. A folder
+holds one sweep: a different sweep (other keys, values, trial count, seed, config or base) never
+overwrites it. With --out (or `out` in the spec) that is an error; the default folder
+runs/sweep-<config> passes the new sweep on to one named after it, e.g. runs/sweep-tiny-random8-lr.
 """
 
 from __future__ import annotations
@@ -29,16 +32,17 @@ import argparse
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from lmforge.config import ConfigError, parse_cli_overrides, parse_override_value
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim.lr": 1e-3, ...} of nested tables {"optim": {"lr": 1e-3}} (lists stay whole)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -86,13 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per trial (default: cores / parallel when parallel > 1)")
     p.add_argument("--metric", default=None, help="summary.json key to rank by, lower is better (default val_loss)")
-    p.add_argument("--out", type=Path, default=None, help="sweep folder (default runs/sweep-<config>)")
+    p.add_argument("--out", type=Path, default=None, help="sweep folder (default runs/sweep-<config>, or "
+                   "runs/sweep-<config>-<search> when that holds another sweep)")
     p.add_argument("--no-report", action="store_true", help="skip the HTML report of overlaid curves")
     return p
 
 
-def parse_sweep_args(argv: list[str] | None):
-    """(SweepSpec, parallel, out folder, threads per trial, report?) from the command line (+ spec file)."""
+class SweepArgs(NamedTuple):
+    spec: Any  # SweepSpec
+    parallel: int
+    out: Path  # --out, `out` of the spec file, or the default runs/sweep-<config>
+    threads: int | None
+    report: bool
+    out_given: bool  # --out or the spec file's `out`: never replaced by another folder
+
+
+def parse_sweep_args(argv: list[str] | None) -> SweepArgs:
+    """The sweep's settings from the command line (+ spec file)."""
     from lmforge.sweep.core import Dimension, SweepSpec
 
     args, rest = build_parser().parse_known_args(argv)
@@ -104,9 +118,9 @@ def parse_sweep_args(argv: list[str] | None):
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"--spec {args.spec}: {exc}") from exc
     space: dict[str, Dimension] = {}
-    for key, values in _flatten(file.get("grid", {})).items():
+    for key, values in flatten_keys(file.get("grid", {})).items():
         space[key] = Dimension(key, values=list(values) if isinstance(values, list) else [values])
-    for key, r in _flatten(file.get("range", {})).items():
+    for key, r in flatten_keys(file.get("range", {})).items():
         if not isinstance(r, list) or len(r) not in (2, 3) or (len(r) == 3 and r[2] not in ("linear", "log", "int")):
             raise ConfigError(f"spec [range] {key} = {r!r}: use [low, high] or [low, high, \"log\"|\"int\"]")
         space[key] = Dimension(key, low=float(r[0]), high=float(r[1]), scale=r[2] if len(r) == 3 else "linear")
@@ -116,7 +130,7 @@ def parse_sweep_args(argv: list[str] | None):
     for text in args.range:
         d = parse_range(text)
         space[d.key] = d
-    base = {**_flatten(file.get("base", {})), **parse_cli_overrides(rest)}
+    base = {**flatten_keys(file.get("base", {})), **parse_cli_overrides(rest)}
     spec = SweepSpec(
         config=args.config or file.get("config", "tiny"), base=base, space=list(space.values()),
         random_trials=args.random if args.random is not None else int(file.get("random", 0)),
@@ -125,25 +139,28 @@ def parse_sweep_args(argv: list[str] | None):
     parallel = args.parallel or int(file.get("parallel", 1))
     if parallel < 1:
         raise ConfigError(f"--parallel {parallel} must be >= 1")
+    explicit = args.out is not None or "out" in file
     out = args.out or Path(file.get("out", f"runs/sweep-{Path(spec.config).stem}"))
-    return spec, parallel, out, args.threads, not args.no_report
+    return SweepArgs(spec, parallel, out, args.threads, not args.no_report, explicit)
 
 
 def sweep_main(argv: list[str] | None = None) -> int:
-    from lmforge.sweep.core import format_table, run_sweep
+    from lmforge.sweep.core import RESULTS_CSV, RESULTS_JSON, SWEEP_PLOT, format_table, resolve_sweep_dir, run_sweep
 
     try:
-        spec, parallel, out, threads, report = parse_sweep_args(argv)
+        spec, parallel, out, threads, report, out_given = parse_sweep_args(argv)
+        spec.trials()  # a spec without a search space says so before any folder is looked at
+        out = resolve_sweep_dir(spec, out, explicit=out_given)
         trials = run_sweep(spec, out, parallel=parallel, threads_per_trial=threads, report=report)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # ConfigError, or a --out that is another kind of folder
+        print(f"{'config error' if isinstance(exc, ConfigError) else 'error'}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     import json
 
-    rows = json.loads((out / "results.json").read_text())
-    print(f"\nresults ranked by {spec.metric} ({out / 'results.csv'}, plot {out / 'sweep.png'}):")
+    rows = json.loads((out / RESULTS_JSON).read_text())
+    print(f"\nresults ranked by {spec.metric} ({out / RESULTS_CSV}, plot {out / SWEEP_PLOT}):")
     print(format_table(rows, [d.key for d in spec.space]))
     failed = [t for t in trials if t.status == "failed"]
     if failed:

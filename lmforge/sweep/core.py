@@ -17,12 +17,19 @@ A trial is done when its folder has `summary.json` (the trainer writes it last).
 same command skips done trials and re-runs the others from scratch, so an interrupted sweep
 resumes. The trial folder name holds a hash of its full override set, so a changed spec never
 mistakes an old run for a new trial.
+
+A folder holds one sweep: `sweep.json` records it, and a sweep whose trials differ (another
+config, base overrides, search space, trial count or seed) never writes into it. With an explicit
+folder that is an error saying how to continue; the default folder `runs/sweep-<config>` passes
+the new sweep on to a sibling named after it (`runs/sweep-tiny-random8-lr`, see
+`resolve_sweep_dir`).
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -38,6 +45,16 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.config import ConfigError, load_config
+from lmforge.folders import REPORT, SUMMARY, atomic_write, atomic_write_json, check_target
+
+SWEEP_RECORD = "sweep.json"  # the spec and its trials: what this folder's sweep is
+RESULTS_JSON = "results.json"
+RESULTS_CSV = "results.csv"
+SWEEP_PLOT = "sweep.png"
+TRIAL_LOG = "train.log"
+SWEEP_FILES = (SWEEP_RECORD, RESULTS_JSON, RESULTS_CSV, SWEEP_PLOT, REPORT)
+# the SweepSpec fields that decide the trials (the ranking metric only orders them)
+_TRIAL_FIELDS = ("config", "base", "space", "random_trials", "seed")
 
 
 @dataclass
@@ -98,6 +115,90 @@ class SweepSpec:
                 "random_trials": self.random_trials, "seed": self.seed, "metric": self.metric}
 
 
+def _trial_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    """The trial-defining fields of a spec dict, as they read back from sweep.json."""
+    return json.loads(json.dumps({k: spec.get(k) for k in _TRIAL_FIELDS}, default=str, sort_keys=True))
+
+
+def describe_spec(spec: dict[str, Any]) -> str:
+    """'random search, 8 trials (seed 0), over optim.lr, train.global_batch_size; config tiny; base
+    train.steps=200' for a spec dict (SweepSpec.to_dict() or a sweep.json)."""
+    keys = ", ".join(str(d.get("key")) for d in spec.get("space") or [] if isinstance(d, dict)) or "nothing"
+    n = spec.get("random_trials") or 0
+    search = f"random search, {n} trials (seed {spec.get('seed', 0)})" if n else "grid"
+    base = spec.get("base") or {}
+    base_text = "; base " + " ".join(f"{k}={v}" for k, v in base.items()) if isinstance(base, dict) and base else ""
+    return f"{search} over {keys}; config {spec.get('config')}{base_text}"
+
+
+def read_sweep_record(folder: Path) -> dict[str, Any] | None:
+    """The sweep.json of `folder`: None when the folder holds no sweep; {} when it holds sweep
+    files whose sweep.json is missing or unreadable (an unknown sweep: never the same as another)."""
+    folder = Path(folder)
+    path = folder / SWEEP_RECORD
+    if not path.is_file():
+        return {} if any((folder / f).exists() for f in (RESULTS_JSON, RESULTS_CSV)) else None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def same_sweep(record: dict[str, Any] | None, spec: SweepSpec) -> bool:
+    """Whether `folder`'s recorded sweep (read_sweep_record) runs the same trials as `spec`."""
+    return record is None or (bool(record) and _trial_fields(record) == _trial_fields(spec.to_dict()))
+
+
+def check_sweep_dir(spec: SweepSpec, sweep_dir: Path, key: str = "--out") -> None:
+    """Refuse (ValueError naming `key`, the folder and how to continue) a folder that is a run,
+    dataset or transformers folder, or that holds another sweep: never overwrite its results."""
+    sweep_dir = Path(sweep_dir)
+    check_target(sweep_dir, "sweep", SWEEP_FILES, key)
+    record = read_sweep_record(sweep_dir)
+    if same_sweep(record, spec):
+        return
+    held = (f"another sweep ({describe_spec(record)})" if record else
+            f"sweep results without a readable {SWEEP_RECORD}")
+    raise ConfigError(
+        f"{key} {str(sweep_dir)!r} holds {held}; this sweep is {describe_spec(spec.to_dict())}, and running it "
+        f"there would overwrite those results. To continue that sweep, re-run its own command; to run this one, "
+        f"choose another {key} (e.g. {str(sweep_dir.with_name(sweep_dir.name + '-' + spec_slug(spec)))!r}).")
+
+
+def spec_slug(spec: SweepSpec) -> str:
+    """A folder-name suffix that says what a sweep searches: 'grid-lr-warmup_steps', 'random8-lr'."""
+    search = f"random{spec.random_trials}" + (f"-seed{spec.seed}" if spec.seed else "") if spec.random_trials \
+        else "grid"
+    keys = "-".join(d.key.rsplit(".", 1)[-1] for d in spec.space)
+    slug = "".join(c if c.isalnum() or c in "_.-" else "_" for c in f"{search}-{keys}".strip("-"))
+    return slug[:60]
+
+
+def resolve_sweep_dir(spec: SweepSpec, sweep_dir: Path, explicit: bool, echo=print) -> Path:
+    """The folder this sweep runs in. `sweep_dir` itself when it is new or holds this same sweep
+    (a resume). When it holds another sweep: an `explicit` folder (--out, or `out` in the spec
+    file) is a ConfigError saying how to continue; the default folder passes the sweep on to a
+    sibling named after it (`<folder>-<spec_slug>`, plus a hash of the spec when that one holds
+    yet another sweep), with a log line. The same command always finds the same folder again."""
+    sweep_dir = Path(sweep_dir)
+    if explicit or same_sweep(read_sweep_record(sweep_dir), spec):
+        check_sweep_dir(spec, sweep_dir)
+        return sweep_dir
+    digest = hashlib.sha256(json.dumps(_trial_fields(spec.to_dict()), sort_keys=True).encode()).hexdigest()[:8]
+    named = sweep_dir.with_name(f"{sweep_dir.name}-{spec_slug(spec)}")
+    for candidate in (named, named.with_name(f"{named.name}-{digest}")):
+        if same_sweep(read_sweep_record(candidate), spec):
+            record = read_sweep_record(sweep_dir)
+            held = describe_spec(record) if record else "sweep results"
+            echo(f"sweep: {sweep_dir} holds another sweep ({held}); this one ({describe_spec(spec.to_dict())}) "
+                 f"runs in {candidate}")
+            check_sweep_dir(spec, candidate)
+            return candidate
+    check_sweep_dir(spec, named.with_name(f"{named.name}-{digest}"))  # raises: names the folder and the fix
+    raise AssertionError("unreachable")
+
+
 def check_trials(spec: SweepSpec, trials: list[dict[str, Any]]) -> None:
     """Every trial's config must load and validate before anything runs (errors name the trial)."""
     for trial in trials:
@@ -140,26 +241,33 @@ class Trial:
 
     @property
     def finished(self) -> bool:
-        return (self.out_dir / "summary.json").is_file()
+        return (self.out_dir / SUMMARY).is_file()
 
     def load_summary(self) -> None:
+        """The trial's summary.json; {} when it is unreadable or not a JSON object (the trial then
+        shows no metrics instead of stopping the sweep)."""
         try:
-            self.summary = json.loads((self.out_dir / "summary.json").read_text())
+            summary = json.loads((self.out_dir / SUMMARY).read_text())
         except (OSError, ValueError):
-            self.summary = {}
+            summary = {}
+        self.summary = summary if isinstance(summary, dict) else {}
+
+
+def _metric_text(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_trial: int | None = None,
               echo=print, report: bool = True) -> list[Trial]:
     """Run the sweep's unfinished trials (`parallel` at a time), then write results and plots."""
     sweep_dir = Path(sweep_dir)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
     overrides = spec.trials()
     check_trials(spec, overrides)
+    check_sweep_dir(spec, sweep_dir)  # never write into another sweep's (or a run's) folder
+    sweep_dir.mkdir(parents=True, exist_ok=True)
     trials = [Trial(i, trial_name(i, o, spec), o, sweep_dir / trial_name(i, o, spec)) for i, o in enumerate(overrides)]
-    (sweep_dir / "sweep.json").write_text(json.dumps(
-        {**spec.to_dict(), "trials": [{"name": t.name, "params": t.params} for t in trials]}, indent=2,
-        default=str) + "\n")
+    atomic_write_json(sweep_dir / SWEEP_RECORD, {**spec.to_dict(), "trials": [{"name": t.name, "params": t.params}
+                                                                             for t in trials]}, indent=2, default=str)
 
     todo = []
     for t in trials:
@@ -189,7 +297,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_t
                 t.out_dir.mkdir(parents=True)
                 extra = {"train.threads": threads_per_trial} if threads_per_trial else {}
                 cmd = train_command(spec, {**t.params, **extra}, t.out_dir)
-                logf = open(t.out_dir / "train.log", "w")
+                logf = open(t.out_dir / TRIAL_LOG, "w")
                 slot = free_slots.pop(0)
                 env = {**os.environ, "PYTHONUNBUFFERED": "1"}
                 if gpus:  # parallel trials spread over the GPUs, one GPU per trial
@@ -211,12 +319,12 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_t
                 if proc.returncode == 0 and t.finished:
                     t.status = "done"
                     t.load_summary()
-                    echo(f"  done  {t.name}: {spec.metric} {t.summary.get(spec.metric, float('nan')):.4f} "
+                    echo(f"  done  {t.name}: {spec.metric} {_metric_text(t.summary.get(spec.metric, float('nan')))} "
                          f"({t.seconds:.0f} s)")
                 else:
                     t.status = "failed"
-                    tail = (t.out_dir / "train.log").read_text(errors="replace").strip().splitlines()[-3:]
-                    echo(f"  FAILED {t.name} (exit {proc.returncode}); see {t.out_dir / 'train.log'}: "
+                    tail = (t.out_dir / TRIAL_LOG).read_text(errors="replace").strip().splitlines()[-3:]
+                    echo(f"  FAILED {t.name} (exit {proc.returncode}); see {t.out_dir / TRIAL_LOG}: "
                          + " / ".join(tail))
     except KeyboardInterrupt:
         interrupted = True
@@ -232,11 +340,11 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_t
     write_results(trials, sweep_dir, spec)
     if not interrupted:
         try:
-            plot_sweep(trials, sweep_dir / "sweep.png", spec)
+            plot_sweep(trials, sweep_dir / SWEEP_PLOT, spec)
             if report and any(t.finished for t in trials):
                 from lmforge.report.html import build_report
 
-                build_report([t.out_dir for t in trials if t.finished], sweep_dir / "report",
+                build_report([t.out_dir for t in trials if t.finished], sweep_dir / REPORT,
                              title=f"sweep {sweep_dir.name}")
         except ImportError:
             echo("sweep: plots skipped (`pip install matplotlib`)")
@@ -284,11 +392,12 @@ def write_results(trials: list[Trial], sweep_dir: Path, spec: SweepSpec) -> list
         rows.append({"rank": rank if has else None, "trial": t.name, **{k: t.params.get(k) for k in keys},
                      **{c: t.summary.get(c) for c in RESULT_COLUMNS}, "status": t.status,
                      "out_dir": str(t.out_dir)})
-    (sweep_dir / "results.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
-    with open(sweep_dir / "results.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["trial"])
-        w.writeheader()
-        w.writerows(rows)
+    atomic_write_json(sweep_dir / RESULTS_JSON, rows, indent=2, default=str)
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else ["trial"])
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(sweep_dir / RESULTS_CSV, text.getvalue())
     return rows
 
 
@@ -314,7 +423,8 @@ def plot_sweep(trials: list[Trial], path: Path, spec: SweepSpec) -> Path | None:
     """Left: the metric per trial, ranked (bars). Then one panel per swept key: metric vs value."""
     from lmforge.report.plots import _pyplot
 
-    done = [t for t in ranked(trials, spec.metric) if isinstance(t.summary.get(spec.metric), (int, float))]
+    done = [t for t in ranked(trials, spec.metric) if isinstance(t.summary.get(spec.metric), (int, float))
+            and math.isfinite(t.summary[spec.metric])]
     if not done:
         return None
     plt = _pyplot()

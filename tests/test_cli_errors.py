@@ -1,0 +1,185 @@
+"""What a user sees when something is wrong: one line that names the file or key and the fix, exit
+status 2, no traceback, nothing created (issue 18, sections 3 and 4). Plus the help and docs texts
+that point to the config overrides."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmforge.cli import main
+from lmforge.config import ModelConfig
+from lmforge.model.transformer import build_model
+from tests.tiny_lm import MODEL, tiny_tokenizer, write_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished run folder (config.toml, model.safetensors, tokenizer.json) of an untrained model."""
+    return write_run(tmp_path_factory.mktemp("run") / "tiny", build_model(ModelConfig(**MODEL), seed=0),
+                     tiny_tokenizer())
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """Run `lmforge <argv>`; it must exit 2 with exactly one line on stderr, which is returned."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+# ---- lmforge export without transformers --------------------------------------------------------
+
+def test_export_without_transformers_says_how_to_install_and_creates_nothing(run_dir, tmp_path, monkeypatch,
+                                                                            capsys):
+    """Was a ModuleNotFoundError traceback, after an empty --out folder had been created."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    out = tmp_path / "hf" / "tiny"
+    err = one_line_error(capsys, ["export", "--run", str(run_dir), "--out", str(out)])
+    assert err.startswith("error: lmforge export needs the transformers package, which is not installed")
+    assert err.endswith('install it with: pip install "lmforge[eval]"')
+    assert not (tmp_path / "hf").exists()  # nothing created, not even the parent folder
+
+
+# ---- a truncated model.safetensors -----------------------------------------------------------------
+
+@pytest.mark.parametrize("keep", ["half", "header"])
+def test_truncated_weights_name_the_file_and_the_fix(run_dir, tmp_path, capsys, keep):
+    """Was a 19-line traceback ending in `SafetensorError: ... incomplete metadata`, without the path.
+    generate, eval, export and fine-tuning's init_from all read weights through load_weights."""
+    import shutil
+
+    from lmforge.ckpt.export import load_weights
+
+    run = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    weights = run / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2] if keep == "half" else data[:6])
+    reason = "incomplete metadata, file not fully covered" if keep == "half" else "header too small"
+    expected = (f"{weights} ({weights.stat().st_size:,} bytes) is not a complete safetensors file ({reason}): it "
+                f"was truncated (an interrupted copy or download, a full disk) or is corrupt. Fix: copy or write it "
+                f"again from its source.")
+    assert one_line_error(capsys, ["generate", "--ckpt", str(run), "--max-tokens", "2"]) == f"error: {expected}"
+    assert one_line_error(capsys, ["eval", "--ckpt", str(run), "--samples", "0"]) == f"error: {expected}"
+    if keep == "half":
+        pytest.importorskip("transformers")
+        assert one_line_error(capsys, ["export", "--run", str(run), "--out", str(tmp_path / "hf")]) == \
+            f"error: {expected}"
+        assert not (tmp_path / "hf").exists()
+        with pytest.raises(ValueError) as exc:  # what finetune.init_from calls for a run or a .safetensors
+            load_weights(build_model(ModelConfig(**MODEL), seed=0), weights)
+        assert str(exc.value) == expected
+
+
+# ---- a wrong --ckpt / --run path ---------------------------------------------------------------------
+
+def test_a_wrong_run_path_says_what_the_path_is(run_dir, tmp_path, capsys):
+    """Every wrong path used to say "config.toml is missing", even one that does not exist."""
+    root = run_dir.parent
+    err = one_line_error(capsys, ["generate", "--ckpt", str(root / "tiyn")])
+    assert err == (f"error: run folder '{root / 'tiyn'}' does not exist (did you mean '{run_dir}'?); give the "
+                   f"folder `lmforge train` wrote (its train.out_dir, e.g. runs/tiny).")
+    err = one_line_error(capsys, ["eval", "--ckpt", str(tmp_path / "nowhere" / "tiny")])
+    assert f"run folder '{tmp_path / 'nowhere' / 'tiny'}' does not exist (nor does '{tmp_path / 'nowhere'}')" in err
+
+    weights = run_dir / "model.safetensors"
+    err = one_line_error(capsys, ["generate", "--ckpt", str(weights)])
+    assert err == f"error: '{weights}' is a file, not a run folder; give its folder '{run_dir}'."
+
+    hf = tmp_path / "llama"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    expected = (f"error: '{hf}' is a transformers model folder (config.json), not an lmforge run folder; turn it "
+                f"into one with `lmforge import --hf {hf} --out RUN_DIR`, then use RUN_DIR.")
+    assert one_line_error(capsys, ["generate", "--ckpt", str(hf)]) == expected
+    assert one_line_error(capsys, ["eval", "--run", str(hf)]) == expected
+    pytest.importorskip("transformers")
+    assert one_line_error(capsys, ["export", "--run", str(hf), "--out", str(tmp_path / "out")]) == expected
+
+    sweep = tmp_path / "sweep"  # a folder of runs (a sweep): name them
+    for name in ("t000-aa", "t001-bb"):
+        (sweep / name).mkdir(parents=True)
+        (sweep / name / "config.toml").write_text("")
+    err = one_line_error(capsys, ["generate", "--ckpt", str(sweep)])
+    assert err == (f"error: '{sweep}' is not an lmforge run folder: it has no config.toml; it holds run folders "
+                   f"(t000-aa, t001-bb): give one of them, e.g. '{sweep / 't000-aa'}'.")
+    err = one_line_error(capsys, ["generate", "--ckpt", str(sweep / "t000-aa")])
+    assert err.startswith(f"error: '{sweep / 't000-aa'}' has no model.safetensors: training writes it when the "
+                          f"run finishes")
+
+
+def test_generate_without_a_tokenizer_says_so(run_dir, tmp_path, capsys):
+    import shutil
+
+    run = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    (run / "tokenizer.json").unlink()
+    err = one_line_error(capsys, ["generate", "--ckpt", str(run)])
+    assert err.startswith(f"error: '{run / 'tokenizer.json'}' is missing: generate needs the run's tokenizer")
+
+
+# ---- a config error under torchrun ----------------------------------------------------------------
+
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
+    """Each rank printed the error, inside torchrun's summary of every rank's failure. Now local
+    rank 0 prints it once; the summary lists that rank alone, and torchrun still fails."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "lmforge", "train", "--model.n_layerz", "6"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    line = "config error: unknown config key 'model.n_layerz'; did you mean 'model.n_layers'?"
+    assert output.count(line) == 1, output
+    assert proc.stderr.count("exitcode  :") == 1, proc.stderr  # one failed rank in torchrun's summary, not 2
+    assert "local_rank: 1" not in proc.stderr and "SIGTERM" not in proc.stderr
+    assert len(proc.stderr.splitlines()) < 40, proc.stderr  # was 45 lines for 2 ranks, ~8 more per rank
+    assert seconds < 60
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+# ---- help and docs ------------------------------------------------------------------------------------
+
+def test_train_help_names_the_overrides_and_the_docs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--section.key value   set any config key, e.g. --optim.lr 3e-4" in out
+    assert "lmforge config --docs               every key with its default and meaning" in out
+
+
+def _docs(capsys, argv: list[str]) -> tuple[str, dict[str, str]]:
+    assert main(["config", "--docs", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    values = {}
+    for line in lines[1:]:
+        key, value = line.split()[:2]
+        values[key] = value.rstrip("*")
+    return lines[0], values
+
+
+def test_config_docs_honour_config_and_say_whose_values_they_show(capsys):
+    """`config --docs --config gpt2-124m` ignored --config, and the column showed values that are
+    neither tiny's nor gpt2's (the dataclass defaults) without saying so."""
+    header, builtin = _docs(capsys, [])
+    assert header.startswith("# value column: the built-in defaults, what a config file without `inherit` gets")
+    assert "not the tiny preset" in header and "model.dim" in header and "model.n_layers" not in header
+    assert builtin["model.dim"] == "256" and builtin["train.steps"] == "600"
+
+    header, gpt2 = _docs(capsys, ["--config", "gpt2-124m"])
+    assert header.startswith("# value column: the resolved config of 'gpt2-124m'; * = differs from the built-in")
+    assert (gpt2["model.dim"], gpt2["model.n_layers"], gpt2["model.pos_emb"]) == ("768", "12", "'learned'")
+    assert gpt2.keys() == builtin.keys()
+
+    header, tiny = _docs(capsys, ["--config", "tiny", "--optim.lr", "0.01"])
+    assert header.startswith("# value column: the resolved config of 'tiny' with the given overrides")
+    assert (tiny["model.dim"], tiny["optim.lr"]) == ("192", "0.01")
