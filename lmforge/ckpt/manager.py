@@ -150,12 +150,20 @@ class CheckpointManager:
         self.last_save: dict[str, Any] = {}
         self.saves = 0
         self.failures = 0
-        if rank == 0:
+        self._prepared = False
+
+    def prepare(self) -> None:
+        """Create the folder and remove what an interrupted save left (every rank; once). Reading
+        (`latest_valid`, `load`) needs no preparation, so a run refused at start-up changes nothing."""
+        if self._prepared:
+            return
+        if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("step_*.tmp"):
                 log.warning("checkpoint: removing %s left by an interrupted save", stale)
                 shutil.rmtree(stale, ignore_errors=True)
         self._barrier()
+        self._prepared = True
 
     # ---------------------------------------------------------------------------------------
     def _barrier(self) -> None:
@@ -176,6 +184,7 @@ class CheckpointManager:
         memory when async, or fully written and validated otherwise. `started`: the perf_counter
         time the caller began building `tensors` (that counts as blocking too)."""
         t0 = time.perf_counter() if started is None else started
+        self.prepare()
         self.wait()
         tmp = self.root / (step_name(step) + ".tmp")
         if self.rank == 0:

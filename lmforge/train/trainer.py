@@ -45,8 +45,8 @@ from lmforge.optim.schedules import BatchRampup, build_scheduler
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import destroy_distributed, init_distributed
 from lmforge.parallel.parallelize import parallelize
-from lmforge.train.components import (build_loaders, build_training_model, check_out_dir, prepare_data,
-                                      seed_everything)
+from lmforge.train.components import (build_loaders, build_training_model, check_out_dir, config_differences,
+                                      prepare_data, run_folder, seed_everything)
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
@@ -81,24 +81,27 @@ class TrainResult:
 class Trainer:
     def __init__(self, cfg: Config, out_dir: str | Path | None = None, data=None):
         self.cfg = cfg.validate()
-        self.out_dir = Path(out_dir or cfg.train.out_dir.format(preset=cfg.preset))
+        self.out_dir = Path(out_dir) if out_dir else None  # None: from train.out_dir, decided in setup
         self._data = data  # an already prepared dataset (tests, benchmarks), else prepared in setup
+        self.metrics = None  # opened once the run really starts (events before that wait in _early)
+        self._early: list[dict] = []
 
     # ------------------------------------------------------------------------------------------
     # setup
     # ------------------------------------------------------------------------------------------
 
     def setup(self) -> None:
+        """Build everything and resume. Until every check has passed (data, model, layout,
+        checkpoint compatibility, S3) nothing is written into the run folder; a run that is already
+        complete is left exactly as it is (`self.finished`)."""
         cfg, t = self.cfg, self.cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(cfg)  # validates the layout against the launch first
         self.device = self.dist.device
         seed_everything(t.seed)
+        self.out_dir = self.rank0_decides(self.out_dir or run_folder(cfg))
         check_out_dir(self.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        if is_rank0():
-            atomic_write(self.out_dir / CONFIG, to_toml(cfg))
 
         # data
         self.data = self._data or self.prepare_data()
@@ -106,8 +109,6 @@ class Trainer:
             raise ValueError(
                 f"the tokenizer has {self.data.tokenizer.vocab_size} tokens but model.vocab_size = "
                 f"{cfg.model.vocab_size}; raise model.vocab_size to at least that (a multiple of 64 is fastest).")
-        if is_rank0():
-            shutil.copyfile(self.data.tokenizer_path, self.out_dir / TOKENIZER)
         loaders = build_loaders(cfg, self.data, self.dist.dp_rank, self.dist.dp_size)
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
@@ -130,10 +131,7 @@ class Trainer:
                                       s.batch_rampup_increment or t.micro_batch_size * cfg.parallel.dp,
                                       cfg.data.seq_len)
 
-        # operability: metrics (JSONL + TensorBoard/W&B, rank 0), health signals, timers, profiler
-        rank0 = is_rank0()
-        self.metrics = MetricsWriter(self.out_dir / METRICS, make_sinks(
-            self.out_dir, t.tensorboard and rank0, t.wandb and rank0, cfg.to_dict(), self.out_dir.name), enabled=rank0)
+        # operability: health signals, timers, profiler, the MFU peak (metrics open with the run folder)
         self.health = HealthMonitor(t.spike_threshold, t.health_window, t.grad_growth_factor)
         self.timers = Timers()  # `with self.timers("checkpoint"):` around blocking saves -> ckpt_s
         self.profiler = StepProfiler(t.profile_steps, self.out_dir / PROFILE, self.device)
@@ -154,6 +152,34 @@ class Trainer:
         self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
         if self.resumed_from is not None:
             self.load_checkpoint(self.resumed_from)
+        self.finished = self.rank0_decides(self.resumed_from is not None and self.state.step >= t.steps
+                                           and (self.out_dir / SUMMARY).is_file())
+        if not self.finished:
+            self.start_run_folder()
+
+    def start_run_folder(self) -> None:
+        """Every check passed and the run starts (or continues): write its config and tokenizer, open
+        the metrics (JSONL + TensorBoard/W&B, rank 0) and the checkpoint folder."""
+        cfg, t = self.cfg, self.cfg.train
+        rank0 = is_rank0()
+        if rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.out_dir / CONFIG, to_toml(cfg))
+            shutil.copyfile(self.data.tokenizer_path, self.out_dir / TOKENIZER)
+        self.metrics = MetricsWriter(self.out_dir / METRICS, make_sinks(
+            self.out_dir, t.tensorboard and rank0, t.wandb and rank0, cfg.to_dict(), self.out_dir.name), enabled=rank0)
+        for event in self._early:
+            self.log_event(event)
+        self._early.clear()
+        self.ckpt.prepare()
+
+    def rank0_decides(self, value):
+        """Rank 0's value on every rank (decisions that read rank 0's disk)."""
+        if self.dist.distributed:
+            box = [value]
+            torch.distributed.broadcast_object_list(box, src=0, group=self.dist.host_group)
+            value = box[0]
+        return value
 
     def build_layout(self, model, precision: str) -> Layout:
         """The parallel layout the loop drives (lmforge.parallel.parallelize)."""
@@ -177,12 +203,24 @@ class Trainer:
             if not is_rank0():
                 log.setLevel(logging.WARNING)  # only rank 0 prints progress and info lines
             self.setup()
+            if self.finished:
+                return self.report_finished()
             return self.train()
         finally:
             if getattr(self, "ckpt", None) is not None:
                 self.ckpt.close()  # never leave a save half-written behind an exception
             if getattr(self, "dist", None) is not None and self.dist.distributed:
                 destroy_distributed()
+
+    def report_finished(self) -> TrainResult:
+        """The run in the folder is complete: report its summary, change nothing."""
+        summary = json.loads((self.out_dir / SUMMARY).read_text())
+        log.info("the run in %s is already complete (%d of %d steps, validation loss %.4f); nothing to do. Start "
+                 "over with --checkpoint.resume none or another --train.out_dir, or train longer with a larger "
+                 "--train.steps and --train.out_dir %s", self.out_dir, self.state.step, self.cfg.train.steps,
+                 summary.get("val_loss", math.nan), self.out_dir)
+        fields = {f for f in TrainResult.__dataclass_fields__ if f != "history"}
+        return TrainResult(**{k: v for k, v in summary.items() if k in fields})
 
     def train(self) -> TrainResult:
         """The synchronous loop: every rank steps together."""
@@ -355,6 +393,10 @@ class Trainer:
         """Restore `self.states` from `path` (every rank; the checkpoint may come from any layout)."""
         meta = read_meta(path)
         check_compatible(meta, self.cfg, path)
+        changed = config_differences(meta.get("config", {}), self.cfg.to_dict())
+        if changed and is_rank0():
+            log.warning("resuming %s with changed settings: %s", path,
+                        "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed))
         try:
             load_states(self.ckpt, path, self.states)
         except ValueError as e:
@@ -428,6 +470,9 @@ class Trainer:
     def log_event(self, event: dict) -> None:
         """An event (skipped update, rollback, checkpoint, ...) into metrics.jsonl and the log."""
         if not is_rank0():
+            return
+        if self.metrics is None:  # (the run folder is not open yet)
+            self._early.append(event)
             return
         self.metrics.write({"step": self.state.step, **event})
         self.metrics.flush()
