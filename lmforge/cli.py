@@ -98,8 +98,9 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         raise
     if os.environ.get("RANK", "0") != "0":
         return 0  # only rank 0 reports
-    print(f"\nvalidation loss {result.val_loss:.4f} (perplexity {result.val_perplexity:.1f}); "
-          f"unigram entropy of the corpus {result.unigram_entropy:.3f}")
+    baseline = "" if result.unigram_entropy != result.unigram_entropy else (  # (NaN for fine-tuning)
+        f"; unigram entropy of the corpus {result.unigram_entropy:.3f}")
+    print(f"\nvalidation loss {result.val_loss:.4f} (perplexity {result.val_perplexity:.1f}){baseline}")
     if result.sample:
         print(f"\n--- sample ---\n{cfg.train.sample_prompt}{result.sample}\n--------------")
     print(f"run folder: {result.out_dir}")

@@ -22,7 +22,7 @@ SMALL = {
     "model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
     "data.seq_len": 32, "data.tokenizer_vocab_size": 320,
     "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.steps": 12, "train.eval_every": 0,
-    "train.eval_batches": 2, "train.log_every": 4, "train.sample_tokens": 0, "train.precision": "fp32",
+    "train.eval_sequences": 8, "train.log_every": 4, "train.sample_tokens": 0, "train.precision": "fp32",
     "train.tensorboard": False, "train.plot": False, "train.progress": "none",
     "schedule.warmup_steps": 2, "optim.lr": 3e-3, "checkpoint.every_steps": 4,
 }

@@ -61,8 +61,10 @@ def test_overrides_are_typed_and_applied():
     ({"train.precision": "fp8"}, "train.precision = 'fp8' is not one of"),
     ({"model.n_heads": 7}, "model.n_heads = 7 does not divide model.dim = 192"),
     ({"model.n_kv_heads": 4}, "model.n_kv_heads = 4 must divide model.n_heads = 6"),
-    ({"train.global_batch_size": 30}, "train.global_batch_size = 30 is not divisible by train.micro_batch_size (32)"),
-    ({"parallel.dp_shard": 4, "train.global_batch_size": 32}, "data-parallel degree (4"),
+    ({"train.global_batch_size": 30, "train.micro_batch_size": 32},
+     "train.global_batch_size = 30 is not divisible by train.micro_batch_size (32)"),
+    ({"parallel.dp_shard": 4, "train.global_batch_size": 32, "train.micro_batch_size": 16}, "data-parallel degree (4"),
+    ({"parallel.dp_shard": 3}, "train.global_batch_size = 32 is not divisible"),  # the preset's batch stays
     ({"data.seq_len": 512}, "data.seq_len = 512 exceeds model.max_seq_len = 256"),
     ({"schedule.warmup_steps": 1000}, "schedule.warmup_steps = 1000 must be < train.steps"),
     ({"optim.lr": -1.0}, "optim.lr = -1.0 must be > 0"),
@@ -82,7 +84,7 @@ def test_batch_error_suggests_valid_values():
     with pytest.raises(ConfigError, match="use global_batch_size = 16 or 32"):
         load_config("tiny", {"train.global_batch_size": 20, "train.micro_batch_size": 16})
     with pytest.raises(ConfigError, match="use global_batch_size = 64 or 128"):
-        load_config("tiny", {"train.global_batch_size": 100, "parallel.dp_shard": 2})
+        load_config("tiny", {"train.global_batch_size": 100, "parallel.dp_shard": 2, "train.micro_batch_size": 32})
 
 
 def test_unknown_preset_and_missing_file(tmp_path):
@@ -120,3 +122,33 @@ def test_cli_reports_config_errors_with_exit_code_2():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "model.n_heads = 7 does not divide model.dim" in proc.stderr
+
+
+def test_the_presets_micro_batch_and_warmup_adapt_to_the_layout_but_explicit_choices_do_not():
+    """The presets fix the global batch; their micro-batch shrinks to fit dp and the pipeline depth
+    (largest divisor that fits) and their warmup to short runs, each with a line for the log. What
+    the user sets stays as set, and an impossible explicit choice is an error."""
+    cfg = load_config("tiny", {"parallel.dp_replicate": 2})
+    assert cfg.train.micro_batch_size == 16 and cfg.train.global_batch_size == 32
+    assert list(cfg.adjustments) == ["train.micro_batch_size 32 -> 16: the global batch of 32 sequences is 16 per "
+                                     "data-parallel rank (dp 2)"]
+    cfg = load_config("tiny", {"parallel.pp": 2, "model.tie_embeddings": False, "parallel.pp_schedule": "interleaved",
+                               "parallel.pp_virtual_stages": 2})
+    assert cfg.grad_accum_steps % 2 == 0 and cfg.grad_accum_steps >= 2
+    cfg = load_config("tiny", {"train.steps": 20})
+    assert cfg.schedule.warmup_steps == 2 and any("warmup_steps 20 -> 2" in a for a in cfg.adjustments)
+    assert load_config("tiny").adjustments == []
+    with pytest.raises(ConfigError, match="not divisible by train.micro_batch_size \\(32\\)"):
+        load_config("tiny", {"parallel.dp_replicate": 2, "train.micro_batch_size": 32})
+    with pytest.raises(ConfigError, match="warmup_steps = 20 must be < train.steps = 20"):
+        load_config("tiny", {"train.steps": 20, "schedule.warmup_steps": 20})
+
+
+def test_a_user_toml_file_is_explicit_and_an_old_run_config_still_loads(tmp_path):
+    own = tmp_path / "my_run.toml"
+    own.write_text('inherit = "tiny"\n[train]\nmicro_batch_size = 32\n[parallel]\ndp_replicate = 2\n')
+    with pytest.raises(ConfigError, match="not divisible"):  # the file's micro-batch is a choice
+        load_config(str(own))
+    old = tmp_path / "config.toml"  # written by an lmforge that had train.eval_batches
+    old.write_text(to_toml(load_config("tiny")).replace("eval_sequences = 512", "eval_batches = 16"))
+    assert load_config(str(old)).train.eval_sequences == 16 * 32

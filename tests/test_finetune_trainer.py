@@ -47,3 +47,40 @@ def test_finetune_through_the_trainer(tmp_path, lora_rank):
         assert changed and all(k.endswith(("wq.weight", "wk.weight", "wv.weight", "wo.weight")) for k in changed)
     else:
         assert len(changed) > 8
+
+
+def test_sft_holds_out_a_split_of_its_data_and_says_what_it_trains_on(tmp_path, caplog):
+    """With finetune.val_data empty, finetune.val_fraction of the instruction rows are held out for
+    validation (never trained on) instead of validating on the pre-training corpus; the log names
+    the instruction data, not the corpus."""
+    import logging
+
+    from lmforge.data.prepare import prepare_texts
+    from lmforge.train.trainer import Trainer
+
+    tok, model = train_tiny()
+    run = write_run(tmp_path / "pre", model, tok)
+    (tmp_path / "t.txt").write_text(TEXT)
+    data = prepare_texts([tmp_path / "t.txt"], tmp_path / "cache", tokenizer=str(run / "tokenizer.json"),
+                         vocab_size=300, val_fraction=0.2)
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"{p} {i}", "response": r}) + "\n"
+                           for i in range(5) for p, r in PAIRS))
+    overrides = {f"model.{k}": v for k, v in MODEL.items()}
+    overrides.update({
+        "data.seq_len": 32, "data.tokenizer": str(run / "tokenizer.json"), "train.steps": 2,
+        "train.global_batch_size": 4, "train.micro_batch_size": 4, "train.eval_every": 0, "train.sample_tokens": 0,
+        "train.tensorboard": False, "train.plot": False, "train.device": "cpu", "train.precision": "fp32",
+        "train.progress": "none", "schedule.warmup_steps": 1, "finetune.init_from": str(run),
+        "finetune.data": str(sft), "finetune.val_fraction": 0.2})
+    trainer = Trainer(load_config("tiny", overrides), out_dir=tmp_path / "ft", data=data)
+    with caplog.at_level(logging.INFO, logger="lmforge.train"):
+        trainer.fit()
+    train_rows = {tuple(r.tolist()) for r in trainer.loader.rows.tokens}
+    val_rows = {tuple(r.tolist()) for r in trainer.val_instruct.rows.tokens}
+    total = 5 * len(PAIRS)
+    assert len(trainer.val_instruct.rows.tokens) == round(0.2 * total)
+    assert len(trainer.loader.rows.tokens) == total - round(0.2 * total) and not train_rows & val_rows
+    text = caplog.text
+    assert f"supervised fine-tuning on {sft}" in text and "held out of it (finetune.val_fraction 0.2)" in text
+    assert "unigram entropy" not in text

@@ -19,7 +19,7 @@ SMALL = {
     "model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
     "data.seq_len": 32, "data.tokenizer_vocab_size": 320,
     "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.steps": 12, "train.eval_every": 6,
-    "train.eval_batches": 2, "train.log_every": 5, "train.sample_tokens": 8, "train.precision": "fp32",
+    "train.eval_sequences": 8, "train.log_every": 5, "train.sample_tokens": 8, "train.precision": "fp32",
     "schedule.warmup_steps": 2, "optim.lr": 3e-3, "train.progress": "lines", "train.profile_steps": "3-4",
     "train.plot": False,
 }

@@ -16,7 +16,7 @@ SMALL = {
     "model.vocab_size": 320, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
     "data.seq_len": 32, "data.tokenizer_vocab_size": 320,
     "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.steps": 10, "train.eval_every": 5,
-    "train.eval_batches": 2, "train.log_every": 5, "train.sample_tokens": 8, "train.precision": "fp32",
+    "train.eval_sequences": 16, "train.log_every": 5, "train.sample_tokens": 8, "train.precision": "fp32",
     "schedule.warmup_steps": 2, "train.progress": "none", "train.tensorboard": False,
 }
 

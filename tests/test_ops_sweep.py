@@ -16,7 +16,7 @@ from lmforge.sweep.core import SweepSpec, train_command, trial_name
 # a very short run of a shrunken tiny preset: the sweep machinery is under test, not the model
 BASE = ["--train.steps", "8", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
         "--data.seq_len", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
-        "--train.eval_every", "0", "--train.eval_batches", "2", "--train.sample_tokens", "0",
+        "--train.eval_every", "0", "--train.eval_sequences", "16", "--train.sample_tokens", "0",
         "--train.log_every", "4", "--train.tensorboard", "false", "--train.plot", "false",
         "--checkpoint.save_final", "false"]
 

@@ -13,7 +13,7 @@ from lmforge.train.trainer import Trainer
 # The tiny preset's model (d=192, 4 layers, 6 heads, vocab 4096), with short sequences and small
 # batches so 200 steps take seconds on 2 cores.
 FAST = {"data.seq_len": 32, "data.tokenizer_vocab_size": 320, "train.global_batch_size": 8,
-        "train.micro_batch_size": 8, "train.eval_every": 0, "train.eval_batches": 4, "train.sample_tokens": 0,
+        "train.micro_batch_size": 8, "train.eval_every": 0, "train.eval_sequences": 32, "train.sample_tokens": 0,
         "train.precision": "fp32", "schedule.warmup_steps": 5}
 
 LRS = {"sgd": 0.5, "momentum": 0.05, "adam": 2e-3, "adamw": 2e-3, "lion": 2e-4, "adafactor": 1e-2,

@@ -25,7 +25,7 @@ TINY = {
     "model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
     "data.seq_len": 32, "data.tokenizer_vocab_size": 320, "data.mask_doc_boundaries": "true",
     "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.steps": 20, "train.eval_every": 0,
-    "train.eval_batches": 2, "train.log_every": 5, "train.sample_tokens": 4, "train.precision": "fp32",
+    "train.eval_sequences": 8, "train.log_every": 5, "train.sample_tokens": 4, "train.precision": "fp32",
     "train.tensorboard": "false", "train.plot": "false", "train.progress": "lines", "train.threads": 1,
     "schedule.warmup_steps": 3, "optim.lr": 3e-3,
 }

@@ -15,7 +15,7 @@ SMALL = {
     "model.vocab_size": 320, "model.dim": 64, "model.n_layers": 4, "model.n_heads": 4, "model.max_seq_len": 64,
     "data.seq_len": 32, "data.tokenizer_vocab_size": 320,
     "train.global_batch_size": 8, "train.micro_batch_size": 8, "train.steps": 30, "train.eval_every": 0,
-    "train.eval_batches": 4, "train.log_every": 5, "train.sample_tokens": 8, "train.precision": "fp32",
+    "train.eval_sequences": 32, "train.log_every": 5, "train.sample_tokens": 8, "train.precision": "fp32",
     "schedule.warmup_steps": 3, "optim.lr": 3e-3,
 }
 
@@ -176,3 +176,40 @@ def test_out_dir_that_is_a_data_or_transformers_folder_is_refused_untouched(smal
         trainer.fit()
     assert sorted(p.name for p in folder.iterdir()) == sorted([marker, "tokenizer.json"])
     assert (folder / "tokenizer.json").read_text() == "keep me"
+
+
+def test_validation_loss_does_not_depend_on_the_micro_batch(small_data, tmp_path):
+    """train.eval_sequences scores the same sequences whatever train.micro_batch_size is (it scored
+    eval_batches x micro batch sequences: the same model gave 6.7296 and 6.7783)."""
+    a = make_trainer(small_data, tmp_path / "a", **{"train.micro_batch_size": 8})
+    b = make_trainer(small_data, tmp_path / "b", **{"train.micro_batch_size": 2})
+    la, lb = a.evaluate(), b.evaluate()
+    assert la["tokens"] == lb["tokens"] == 32 * 32  # 32 sequences x 32 targets
+    assert abs(la["loss"] - lb["loss"]) < 1e-6 * la["loss"]  # fp32 kernels differ by batch shape: ~5e-9 seen
+
+
+@pytest.mark.parametrize("bf16_speed, slow", [(0.01, True), (3.0, False)])
+def test_an_emulated_bf16_is_kept_but_flagged(monkeypatch, bf16_speed, slow):
+    """train.precision = bf16 on a CPU without bf16 units runs ~90x slower: say so (a warning)."""
+    from lmforge.train import precision as precision_module
+
+    monkeypatch.setattr(precision_module, "measure_matmul_flops",
+                        lambda device, dtype: 1e11 * (bf16_speed if dtype == torch.bfloat16 else 1.0))
+    got = precision_module.resolve_precision("bf16", torch.device("cpu"))
+    assert got.name == "bf16" and got.slow is slow
+    assert ("emulates bf16" in got.reason and "100x slower" in got.reason) if slow else got.reason == "as configured"
+
+
+def test_saved_weights_get_the_users_umask(tmp_path):
+    """model.safetensors was written with mode 0600; it follows the umask like every other file."""
+    import os
+    import stat
+
+    from lmforge.ckpt.export import save_weights
+
+    old = os.umask(0o022)
+    try:
+        save_weights(torch.nn.Linear(2, 2), tmp_path / "model.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == 0o644

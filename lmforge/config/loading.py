@@ -182,19 +182,49 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
 
 
 def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = None, validate: bool = True) -> Config:
-    """Build a Config from a preset name or TOML path plus dotted overrides, and validate it."""
+    """Build a Config from a preset name or TOML path plus dotted overrides, adapt the preset's
+    defaults to the layout (`rules.adapt_defaults`: what the user set explicitly, on the command
+    line or in their own TOML file, is never adapted) and validate it."""
     raw: dict[str, Any] = {}
     name = "custom"
+    explicit = set(overrides or {})
     if preset is not None:
         path = _resolve_preset_path(preset)
         raw = _read_toml(path)
         name = path.stem
+        if path.resolve().parent != PRESET_DIR.resolve():  # the user's own file: its keys are choices
+            with open(path, "rb") as fh:
+                explicit |= set(_dotted_keys(tomllib.load(fh)))
     raw.setdefault("preset", name)
     raw = apply_overrides(raw, overrides or {})
+    _upgrade(raw)
     cfg = build_dataclass(Config, raw, "")
     if validate:
+        from lmforge.config.rules import adapt_defaults
+
+        cfg.adjustments = adapt_defaults(cfg, explicit)
         cfg.validate()
     return cfg
+
+
+def _upgrade(raw: dict[str, Any]) -> None:
+    """Keys an older lmforge wrote (a run folder's config.toml), translated in place: train.eval_batches
+    (micro-batches of validation data) became train.eval_sequences."""
+    train = raw.get("train")
+    if isinstance(train, dict) and "eval_batches" in train and "eval_sequences" not in train:
+        batches = train.pop("eval_batches")
+        if isinstance(batches, int) and isinstance(train.get("micro_batch_size", 16), int):
+            train["eval_sequences"] = batches * train.get("micro_batch_size", 16)
+
+
+def _dotted_keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _dotted_keys(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
 
 
 def parse_cli_overrides(args: list[str]) -> dict[str, Any]:

@@ -12,6 +12,41 @@ if TYPE_CHECKING:
     from lmforge.config.sections import Config
 
 
+def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
+    """Fit the preset's defaults to the layout, in place, where the user did not choose them
+    (`explicit`: dotted keys set on the command line or in their own TOML file). Returns one line
+    per change, for the log.
+
+    * train.micro_batch_size: the presets fix the global batch (the math of a step); the micro-batch
+      shrinks to the largest divisor of the per-rank batch (global / dp) that is <= the preset's and
+      leaves >= pp micro-batches per step (a multiple of pp for interleaved 1F1B).
+    * schedule.warmup_steps: at most a tenth of train.steps when the preset's warmup would not end
+      within the run.
+    An explicit choice that cannot work stays an error (`check_cross_section`).
+    """
+    t, s, p = cfg.train, cfg.schedule, cfg.parallel
+    notes = []
+    if "train.micro_batch_size" not in explicit and t.global_batch_size % p.dp == 0 and not s.batch_rampup_start:
+        per_rank = t.global_batch_size // p.dp
+        need = p.pp if p.pp > 1 else 1
+
+        def fits(m: int) -> bool:
+            accum = per_rank // m
+            return accum >= need and (p.pp_schedule != "interleaved" or p.pp == 1 or accum % p.pp == 0)
+
+        ok = [m for m in divisors(per_rank) if m <= t.micro_batch_size and fits(m)]
+        if ok and ok[-1] != t.micro_batch_size:
+            notes.append(f"train.micro_batch_size {t.micro_batch_size} -> {ok[-1]}: the global batch of "
+                         f"{t.global_batch_size} sequences is {per_rank} per data-parallel rank (dp {p.dp})"
+                         + (f", in >= {need} micro-batches for {p.pp} pipeline stages" if p.pp > 1 else ""))
+            t.micro_batch_size = ok[-1]
+    if "schedule.warmup_steps" not in explicit and s.warmup_steps >= t.steps:
+        new = t.steps // 10
+        notes.append(f"schedule.warmup_steps {s.warmup_steps} -> {new}: a tenth of the run's {t.steps} steps")
+        s.warmup_steps = new
+    return notes
+
+
 def check_cross_section(cfg: "Config") -> None:
     check_data_vs_model(cfg)
     check_batch(cfg)
@@ -64,26 +99,34 @@ def check_batch(cfg: "Config") -> None:
 def check_tensor_parallel(cfg: "Config") -> None:
     """TP shards whole heads, the vocabulary and the MLP; sequence parallelism shards the sequence."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
+    ok = f"the degrees this model allows are {valid_tp_degrees(cfg)}"
     if m.n_heads % p.tp or m.kv_heads % p.tp:
-        ok = [k for k in divisors(m.kv_heads) if m.n_heads % k == 0]
         raise ConfigError(
             f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and the kv heads = {m.kv_heads} "
-            f"(each TP rank holds whole heads); choose parallel.tp among {ok}.")
+            f"(each TP rank holds whole heads); {ok}.")
     if p.tp > 1:
         if m.vocab_size % p.tp:
             raise ConfigError(
                 f"parallel.tp = {p.tp} must divide model.vocab_size = {m.vocab_size} (vocab-parallel embedding "
-                f"and loss); pad model.vocab_size to a multiple of {p.tp} (a multiple of 64 is fastest).")
+                f"and loss); pad model.vocab_size to a multiple of {p.tp} (a multiple of 64 is fastest), or use "
+                f"one of {valid_tp_degrees(cfg)}.")
         if m.ffn_dim % p.tp:
             raise ConfigError(f"parallel.tp = {p.tp} must divide the MLP hidden size {m.ffn_dim}; set "
-                              f"model.ffn_hidden to a multiple of {p.tp}.")
+                              f"model.ffn_hidden to a multiple of {p.tp}, or use one of {valid_tp_degrees(cfg)}.")
     if p.sequence_parallel:
         if d.seq_len % p.tp:
             raise ConfigError(f"parallel.sequence_parallel: data.seq_len = {d.seq_len} must be divisible by "
-                              f"parallel.tp = {p.tp}.")
+                              f"parallel.tp = {p.tp}; {ok}.")
         if m.pos_emb == "learned":
             raise ConfigError("parallel.sequence_parallel = true supports RoPE positions only; set "
                               "model.pos_emb = 'rope' or parallel.sequence_parallel = false.")
+
+
+def valid_tp_degrees(cfg: "Config") -> list[int]:
+    """Every tensor-parallel degree that passes all of the TP rules for this model and data."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    return [t for t in divisors(m.n_heads) if m.kv_heads % t == 0 and (t == 1 or (
+        m.vocab_size % t == 0 and m.ffn_dim % t == 0 and (not p.sequence_parallel or d.seq_len % t == 0)))]
 
 
 def check_pipeline(cfg: "Config") -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from lmforge.config.base import ConfigError, at_least, divisors
 from lmforge.config.base import doc_field as _f
@@ -169,7 +169,7 @@ class TrainConfig:
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     threads: int = _f(0, "CPU threads for torch (0 = leave torch's default: one per core).")
     eval_every: int = _f(100, "Run validation every this many steps (0 = only at the end).")
-    eval_batches: int = _f(8, "Micro-batches of validation data per evaluation.")
+    eval_sequences: int = _f(128, "Validation sequences (of data.seq_len tokens) scored at each evaluation: the same tokens whatever the micro-batch size and the layout; run micro_batch_size at a time.")
     log_every: int = _f(10, "Print a progress line every this many steps.")
     sample_tokens: int = _f(120, "Tokens of sample text generated at the end of training (0 = none).")
     sample_prompt: str = _f("ROMEO:", "Prompt for the end-of-training sample.")
@@ -186,7 +186,7 @@ class TrainConfig:
     def check(self) -> None:
         at_least(1, "train", steps=self.steps, global_batch_size=self.global_batch_size,
                   micro_batch_size=self.micro_batch_size, ac_every=self.ac_every, log_every=self.log_every,
-                  eval_batches=self.eval_batches)
+                  eval_sequences=self.eval_sequences)
         at_least(0, "train", eval_every=self.eval_every, sample_tokens=self.sample_tokens, threads=self.threads,
                   loss_chunk=self.loss_chunk)
         if self.fp8 and self.device == "cpu":
@@ -328,7 +328,8 @@ class FinetuneConfig:
 
     init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama / GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
     data: str = _f("", "Instruction data: jsonl of {\"prompt\": ..., \"response\": ...} lines; the loss covers response tokens (and end-of-text) only. '' = train on data.corpus as in pre-training.")
-    val_data: str = _f("", "Held-out instruction jsonl for validation ('' = the validation split of data.corpus).")
+    val_data: str = _f("", "Held-out instruction jsonl for validation ('' = finetune.val_fraction of finetune.data's rows).")
+    val_fraction: float = _f(0.05, "When finetune.val_data is empty: the share of finetune.data's rows held out for validation (a fixed pseudo-random choice, never trained on); 0 = validate on data.corpus's validation split instead.")
     pack: bool = _f(False, "Pack several whole examples per sequence instead of one example per padded row.")
     lora_rank: int = _f(0, "LoRA rank; 0 = full fine-tuning (every weight trains).")
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) * B A.")
@@ -345,6 +346,8 @@ class FinetuneConfig:
             raise ConfigError(f"finetune.lora_dropout = {self.lora_dropout} must be in [0, 1).")
         if self.val_data and not self.data:
             raise ConfigError("finetune.val_data is set but finetune.data is not; set both or neither.")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"finetune.val_fraction = {self.val_fraction} must be in [0, 1).")
 
 
 @dataclass
@@ -362,6 +365,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
     guard: GuardConfig = field(default_factory=GuardConfig, metadata={"doc": "Loss-spike / NaN guard."})
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig, metadata={"doc": "Fine-tuning."})
+
+    # what load_config adapted to the layout (log lines; not a config key)
+    adjustments: ClassVar[tuple[str, ...]] = ()
 
     # ---- derived quantities -----------------------------------------------------------------
 

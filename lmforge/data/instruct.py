@@ -94,13 +94,25 @@ class InstructLoader:
     ``y = -100`` on prompt tokens and padding. Same interface as ``PackedLoader``."""
 
     def __init__(self, path: str | Path, tokenizer, seq_len: int, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, pack: bool = False, add_eos: bool = True) -> None:
+                 world_size: int = 1, pack: bool = False, add_eos: bool = True, holdout: float = 0.0,
+                 split: str = "train") -> None:
+        """`holdout`: the share of rows set aside for validation (a fixed pseudo-random choice);
+        `split` "train" yields the others, "val" those."""
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.path = Path(path)
         self.rows = tokenize_examples(path, tokenizer, seq_len, pack, add_eos)
+        if holdout:
+            n = len(self.rows.tokens)
+            held = set(np.random.default_rng(0).permutation(n)[:max(1, round(holdout * n))].tolist())
+            keep = [i for i in range(n) if (i in held) == (split == "val")]
+            if not keep:
+                raise ValueError(f"{path}: {n} rows leave none for the {split} split at finetune.val_fraction = "
+                                 f"{holdout}; add examples or change finetune.val_fraction.")
+            self.rows = InstructRows([self.rows.tokens[i] for i in keep], [self.rows.learn[i] for i in keep],
+                                     self.rows.n_examples, self.rows.truncated)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, int(seed)
         self.rank, self.world_size = rank, world_size
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id

@@ -30,7 +30,7 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
         total_tokens += int(count_targets(y))
     model.train(was_training)
     if total_tokens == 0:
-        raise ValueError("validation set produced no tokens; raise data.val_fraction or lower train.eval_batches.")
+        raise ValueError("validation set produced no tokens; raise data.val_fraction or raise train.eval_sequences.")
     return perplexity_report(float(total_nll), total_tokens)
 
 

@@ -154,9 +154,11 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
 
         sft = dict(tokenizer=data.tokenizer, seq_len=cfg.data.seq_len, batch_size=t.micro_batch_size,
                    rank=dp_rank, world_size=dp_size, pack=ft.pack)
-        loader = InstructLoader(ft.data, seed=t.seed, **sft)
-        if ft.val_data:
-            val_instruct = InstructLoader(ft.val_data, seed=0, **sft)
+        holdout = 0.0 if ft.val_data else ft.val_fraction  # validation rows held out of finetune.data
+        loader = InstructLoader(ft.data, seed=t.seed, holdout=holdout, **sft)
+        if ft.val_data or holdout:
+            val_instruct = InstructLoader(ft.val_data or ft.data, seed=0, holdout=holdout, split="val",
+                                          **{**sft, "rank": 0, "world_size": 1})
     return Loaders(train_shards, val_shards, loader, val_instruct)
 
 

@@ -52,25 +52,39 @@ class Precision:
         self.scaler.scale(loss).backward()
 
 
-def resolve_precision(name: str, device: torch.device) -> tuple[str, str]:
-    """Turn 'auto' into a concrete precision for `device`; returns (precision, reason).
+@dataclass
+class Resolved:
+    name: str  # fp32 | bf16 | fp16
+    reason: str
+    slow: bool = False  # the configured precision is emulated here: warn
+
+
+def resolve_precision(name: str, device: torch.device) -> Resolved:
+    """Turn 'auto' into a concrete precision for `device`, and say why.
 
     CUDA: bf16 where the GPU supports it, else fp16. CPU: bf16 only if this CPU really runs
     bf16 matmuls faster than fp32 (AMX / AVX512-BF16 CPUs do, by 2-6x; on AVX2-only CPUs
     oneDNN emulates bf16 and it is 10-100x *slower*), decided by timing a matmul in each dtype
-    (the same cached measurement the MFU peak uses, so it is taken once per run).
+    (the same cached measurement the MFU peak uses, so it is taken once per run). An explicit bf16
+    on such a CPU is kept, flagged `slow`.
     """
+    if device.type == "cpu" and name in ("auto", "bf16"):
+        fp32 = measure_matmul_flops(device, torch.float32)  # FLOP/s
+        bf16 = measure_matmul_flops(device, torch.bfloat16)
+        if name == "bf16":
+            if bf16 < 0.5 * fp32:  # no native bf16 units: oneDNN emulates it
+                return Resolved(name, f"as configured, but this CPU emulates bf16: its matmuls run {fp32 / bf16:.0f}x "
+                                      f"slower than fp32 here; --train.precision auto (or fp32) trains much faster on "
+                                      f"this machine", slow=True)
+            return Resolved(name, "as configured")
+        if bf16 > 1.2 * fp32:
+            return Resolved("bf16", f"bf16 matmul {bf16 / fp32:.1f}x faster than fp32 on this CPU")
+        return Resolved("fp32", f"bf16 matmul {fp32 / bf16:.1f}x slower than fp32 on this CPU (no native bf16 units)")
     if name != "auto":
-        return name, "as configured"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "GPU supports bf16"
-        return "fp16", "GPU lacks bf16"
-    fp32 = measure_matmul_flops(device, torch.float32)  # FLOP/s
-    bf16 = measure_matmul_flops(device, torch.bfloat16)
-    if bf16 > 1.2 * fp32:
-        return "bf16", f"bf16 matmul {bf16 / fp32:.1f}x faster than fp32 on this CPU"
-    return "fp32", f"bf16 matmul {fp32 / bf16:.1f}x slower than fp32 on this CPU (no native bf16 units)"
+        return Resolved(name, "as configured")
+    if torch.cuda.is_bf16_supported():
+        return Resolved("bf16", "GPU supports bf16")
+    return Resolved("fp16", "GPU lacks bf16")
 
 
 def make_precision(name: str, device: torch.device) -> Precision:

@@ -99,6 +99,8 @@ class Trainer:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(cfg)  # validates the layout against the launch first
         self.device = self.dist.device
+        for note in cfg.adjustments:  # (what load_config fitted to the layout)
+            log.info("config: %s", note)
         seed_everything(t.seed)
         self.out_dir = self.rank0_decides(self.out_dir or run_folder(cfg))
         check_out_dir(self.out_dir)
@@ -117,13 +119,14 @@ class Trainer:
         model = build_training_model(cfg, self.device)
         self.n_params = model.num_params()
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        precision, reason = resolve_precision(t.precision, self.device)
-        self.layout = self.build_layout(model, precision)
+        precision = resolve_precision(t.precision, self.device)
+        self.layout = self.build_layout(model, precision.name)
         self.model = self.layout.model
         self.optimizer = self.layout.prepare_optimizer(build_optimizer(cfg.optim, self.model))
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, cfg.optim.lr, t.steps)
-        log.info("precision: %s (%s)", precision, reason)
-        self.precision = make_precision(precision, self.device)
+        log.log(logging.WARNING if precision.slow else logging.INFO, "precision: %s (%s)", precision.name,
+                precision.reason)
+        self.precision = make_precision(precision.name, self.device)
         s = cfg.schedule
         self.rampup = None
         if s.batch_rampup_start:
@@ -416,10 +419,15 @@ class Trainer:
                              self.device)
 
     def val_batches(self):
-        if self.val_instruct is not None:
-            return self.val_instruct.iter_eval_batches(self.cfg.train.eval_batches)
-        loader = PackedLoader(self.val_shards, self.cfg.data.seq_len, self.cfg.train.micro_batch_size, seed=0)
-        return loader.iter_eval_batches(self.cfg.train.eval_batches)
+        """The first train.eval_sequences validation sequences, micro_batch_size at a time."""
+        n, b = self.cfg.train.eval_sequences, self.cfg.train.micro_batch_size
+        source = self.val_instruct if self.val_instruct is not None else PackedLoader(
+            self.val_shards, self.cfg.data.seq_len, b, seed=0)
+        done = 0
+        for x, y in source.iter_eval_batches(-(-n // b)):
+            take = min(len(x), n - done)
+            yield x[:take], y[:take]
+            done += take
 
     def validate(self, progress: Progress | None = None) -> dict[str, float]:
         """Validation loss and perplexity, recorded in the metrics and shown."""
@@ -433,12 +441,20 @@ class Trainer:
     def log_run_header(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         counts = count_params(cfg.model)
-        self.entropy = unigram_entropy(self.train_shards)
+        ft = cfg.finetune  # (the corpus' unigram entropy is the baseline of pre-training only)
+        self.entropy = math.nan if ft.data else unigram_entropy(self.train_shards)
         log.info("model: %s parameters (%s non-embedding), %.1f MFLOPs/token (6N + 12*L*d*s)",
                  f"{self.n_params:,}", f"{counts['non_embedding']:,}", self.flops_per_token / 1e6)
-        log.info("data: %s train tokens, %s val tokens, vocab %d; unigram entropy %.3f nats (a model that "
-                 "learned nothing but token frequencies)", f"{len(self.train_shards):,}",
-                 f"{len(self.val_shards):,}", self.data.tokenizer.vocab_size, self.entropy)
+        if ft.data:  # supervised fine-tuning: say what is trained and validated on, not the corpus
+            val = (f"{self.val_instruct.num_rows} rows of {ft.val_data}" if ft.val_data else
+                   f"{self.val_instruct.num_rows} rows held out of it (finetune.val_fraction {ft.val_fraction})"
+                   if self.val_instruct is not None else f"data.corpus's validation split")
+            log.info("data: supervised fine-tuning on %s: %d rows of <= %d tokens, loss on responses only; "
+                     "validation on %s", ft.data, self.loader.num_rows, cfg.data.seq_len, val)
+        else:
+            log.info("data: %s train tokens, %s val tokens, vocab %d; unigram entropy %.3f nats (a model that "
+                     "learned nothing but token frequencies)", f"{len(self.train_shards):,}",
+                     f"{len(self.val_shards):,}", self.data.tokenizer.vocab_size, self.entropy)
         log.info("batch: %d sequences x %d tokens = %s tokens/step (micro-batch %d x %d accumulation); %s, "
                  "device %s, %d threads", t.global_batch_size, cfg.data.seq_len, f"{cfg.tokens_per_step:,}",
                  t.micro_batch_size, cfg.grad_accum_steps, self.precision.name, self.device, torch.get_num_threads())
@@ -491,9 +507,9 @@ class Trainer:
         cfg, t, st = self.cfg, self.cfg.train, self.state
         final = self.evaluate()
         self.metrics.write({"step": st.step, "val_loss": final["loss"], "val_perplexity": final["perplexity"]})
-        log.info("final: val loss %.4f (started at %.4f; unigram entropy %.3f), perplexity %.1f, %s tokens in %s",
-                 final["loss"], initial["loss"], self.entropy, final["perplexity"], f"{st.tokens_seen:,}",
-                 format_duration(elapsed))
+        baseline = "" if math.isnan(self.entropy) else f"; unigram entropy {self.entropy:.3f}"
+        log.info("final: val loss %.4f (started at %.4f%s), perplexity %.1f, %s tokens in %s", final["loss"],
+                 initial["loss"], baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
         sample = ""
         if t.sample_tokens:  # every rank runs it (sharded forwards are collective); same seed -> same text
             sample = generate_text(self.layout.eval_model(st.step), self.data.tokenizer, t.sample_prompt,
