@@ -17,11 +17,10 @@ pytestmark = pytest.mark.skipif(not hasattr(Config(), "finetune"),
                                 reason="the [finetune] config section is not wired into Config/Trainer yet")
 
 
-@pytest.mark.parametrize("lora_rank", [4, 0])
-def test_finetune_through_the_trainer(tmp_path, lora_rank):
-    from lmforge.ckpt.export import load_run
+def sft_setup(tmp_path, rows: list[dict]):
+    """A pre-trained tiny run, its prepared text, an instruction file of `rows`, and the overrides of a
+    fine-tuning run from it: (pre-trained model, data, instruction file, overrides)."""
     from lmforge.data.prepare import prepare_texts
-    from lmforge.train.trainer import Trainer
 
     tok, model = train_tiny()
     run = write_run(tmp_path / "pre", model, tok)
@@ -29,14 +28,24 @@ def test_finetune_through_the_trainer(tmp_path, lora_rank):
     data = prepare_texts([tmp_path / "t.txt"], tmp_path / "cache", tokenizer=str(run / "tokenizer.json"),
                          vocab_size=300, val_fraction=0.2)
     sft = tmp_path / "sft.jsonl"
-    sft.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in PAIRS * 4))
+    sft.write_text("".join(json.dumps(row) + "\n" for row in rows))
     overrides = {f"model.{k}": v for k, v in MODEL.items()}
     overrides.update({
-        "data.seq_len": 32, "data.tokenizer": str(run / "tokenizer.json"), "train.steps": 30,
-        "train.global_batch_size": 4, "train.micro_batch_size": 4, "train.eval_every": 0, "train.sample_tokens": 0,
-        "train.tensorboard": False, "train.plot": False, "train.device": "cpu", "train.precision": "fp32",
-        "train.progress": "none", "optim.lr": 3e-3, "schedule.warmup_steps": 2, "finetune.init_from": str(run),
-        "finetune.data": str(sft), "finetune.val_data": str(sft), "finetune.lora_rank": lora_rank})
+        "data.seq_len": 32, "data.tokenizer": str(run / "tokenizer.json"), "train.global_batch_size": 4,
+        "train.micro_batch_size": 4, "train.eval_every": 0, "train.sample_tokens": 0, "train.tensorboard": False,
+        "train.plot": False, "train.device": "cpu", "train.precision": "fp32", "train.progress": "none",
+        "finetune.init_from": str(run), "finetune.data": str(sft)})
+    return model, data, sft, overrides
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_finetune_through_the_trainer(tmp_path, lora_rank):
+    from lmforge.ckpt.export import load_run
+    from lmforge.train.trainer import Trainer
+
+    model, data, sft, overrides = sft_setup(tmp_path, [{"prompt": p, "response": r} for p, r in PAIRS * 4])
+    overrides.update({"train.steps": 30, "optim.lr": 3e-3, "schedule.warmup_steps": 2, "finetune.val_data": str(sft),
+                      "finetune.lora_rank": lora_rank})
     result = Trainer(load_config("tiny", overrides), out_dir=tmp_path / "ft", data=data).fit()
     assert result.val_loss < 0.7 * result.initial_val_loss
     _, tuned = load_run(tmp_path / "ft")
@@ -55,24 +64,11 @@ def test_sft_holds_out_a_split_of_its_data_and_says_what_it_trains_on(tmp_path, 
     the instruction data, not the corpus."""
     import logging
 
-    from lmforge.data.prepare import prepare_texts
     from lmforge.train.trainer import Trainer
 
-    tok, model = train_tiny()
-    run = write_run(tmp_path / "pre", model, tok)
-    (tmp_path / "t.txt").write_text(TEXT)
-    data = prepare_texts([tmp_path / "t.txt"], tmp_path / "cache", tokenizer=str(run / "tokenizer.json"),
-                         vocab_size=300, val_fraction=0.2)
-    sft = tmp_path / "sft.jsonl"
-    sft.write_text("".join(json.dumps({"prompt": f"{p} {i}", "response": r}) + "\n"
-                           for i in range(5) for p, r in PAIRS))
-    overrides = {f"model.{k}": v for k, v in MODEL.items()}
-    overrides.update({
-        "data.seq_len": 32, "data.tokenizer": str(run / "tokenizer.json"), "train.steps": 2,
-        "train.global_batch_size": 4, "train.micro_batch_size": 4, "train.eval_every": 0, "train.sample_tokens": 0,
-        "train.tensorboard": False, "train.plot": False, "train.device": "cpu", "train.precision": "fp32",
-        "train.progress": "none", "schedule.warmup_steps": 1, "finetune.init_from": str(run),
-        "finetune.data": str(sft), "finetune.val_fraction": 0.2})
+    _, data, sft, overrides = sft_setup(tmp_path, [{"prompt": f"{p} {i}", "response": r}
+                                                   for i in range(5) for p, r in PAIRS])
+    overrides.update({"train.steps": 2, "schedule.warmup_steps": 1, "finetune.val_fraction": 0.2})
     trainer = Trainer(load_config("tiny", overrides), out_dir=tmp_path / "ft", data=data)
     with caplog.at_level(logging.INFO, logger="lmforge.train"):
         trainer.fit()
