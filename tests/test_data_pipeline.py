@@ -427,3 +427,16 @@ def test_interrupt_after_cleaning_resumes_from_the_clean_stage(tmp_path, monkeyp
     monkeypatch.undo()
     straight = run_prepare(_cfg(tmp_path, cfg.sources, output_dir=str(tmp_path / "s")))
     assert _all_files(tmp_path / "out") == _all_files(straight.output_dir)
+
+
+def test_skipped_bad_utf8_is_logged_without_the_fix_text(tmp_path, caplog):
+    (tmp_path / "g.jsonl").write_bytes(b'{"text": "abc def ghi"}\n{"text": "d\xe9"}\n')
+    cfg = _cfg(tmp_path, [SourceConfig(path=str(tmp_path / "g.jsonl"))], on_bad_utf8="skip",
+               val_fraction=0.0)
+    with caplog.at_level("WARNING", logger="lmforge.data"):
+        res = run_prepare(cfg)
+    assert res.record["clean"]["bad_utf8"] == 1
+    lines = [r.getMessage() for r in caplog.records if "skipping document" in r.getMessage()]
+    assert lines == [f"skipping document: {tmp_path / 'g.jsonl'}: invalid UTF-8 at byte offset "
+                     f"35 (byte 0xe9) on line 2"]
+    assert "Fix" not in caplog.text and "on_bad_utf8" not in caplog.text
