@@ -17,6 +17,7 @@ parquet row groups. The pieces of a file yield exactly the documents of the whol
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import json
@@ -53,6 +54,8 @@ def format_of(path: Path | str) -> str | None:
 
 def source_files(src: SourceConfig, s3_endpoint: str = "") -> list[str]:
     """Sorted files (paths or URLs) of a source; ValueError if none match."""
+    if src.path.startswith("file://"):
+        src = dataclasses.replace(src, path=src.path[len("file://"):])
     if not is_url(src.path):
         return [str(f) for f in expand_source(src)]
     fs, path = filesystem(src.path, s3_endpoint)
