@@ -236,13 +236,14 @@ def run_distributed(cfg: PrepareConfig, output_dir: str | Path | None = None,
 
 
 def worker_from_env() -> tuple[int, int] | None:
-    """(rank, world) from torchrun (RANK, WORLD_SIZE) or a Slurm array, else None."""
+    """(rank, world) from torchrun (RANK, WORLD_SIZE) or a Slurm array (SLURM_ARRAY_TASK_ID,
+    SLURM_ARRAY_TASK_COUNT), else None."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"])
     if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
-        first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-        return int(env["SLURM_ARRAY_TASK_ID"]) - first, int(env["SLURM_ARRAY_TASK_COUNT"])
+        # array indices are the ranks (0..N-1); a re-run of one index passes --world N
+        return int(env["SLURM_ARRAY_TASK_ID"]), int(env["SLURM_ARRAY_TASK_COUNT"])
     return None
 
 
