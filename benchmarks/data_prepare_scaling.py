@@ -85,7 +85,9 @@ def run_once(tmp: Path, corpus: Path, workers: int, mode: str) -> dict:
     serial = sum(st.get(s, {}).get("wall_s", 0.0) for s in ("cluster", "tokenizer")) + t["merge_s"]
     return {"wall_s": round(wall, 2), "total_s": t["total_s"], "mb_per_s": t["mb_per_s"],
             "serial_s": round(serial, 3),
-            "stages": {k: {"wall_s": v["wall_s"], "mb_per_s": v["mb_per_s"]} for k, v in st.items()},
+            "stages": {k: {"wall_s": v["wall_s"], "mb_per_s": v["mb_per_s"], "cpu_s": v["cpu_s"]}
+                       for k, v in st.items()},
+            "cpu_s": round(sum(v["cpu_s"] for v in st.values()) + t["merge_cpu_s"], 2),
             "merge_s": t["merge_s"], "kept": rec["clean"]["kept"],
             "removed": {k: rec["clean"][k] for k in ("duplicates", "near_duplicates")},
             "tree": sorted((p.name, p.stat().st_size) for p in out.rglob("*.bin"))}
@@ -136,7 +138,8 @@ def main() -> None:
                 best = res["runs"].get(key)
                 if best is None or r["total_s"] < best["total_s"]:
                     res["runs"][key] = r
-                print(f"[rep {rep}] {key}: {r['mb_per_s']:.3f} MB/s ({r['total_s']:.1f} s; serial "
+                print(f"[rep {rep}] {key}: {r['mb_per_s']:.3f} MB/s ({r['total_s']:.1f} s, "
+                      f"{r['cpu_s']:.1f} CPU-s; serial "
                       f"{r['serial_s']:.2f} s; " + ", ".join(
                           f"{k} {v['wall_s']:.1f}s" for k, v in r["stages"].items()) + ")",
                       flush=True)
