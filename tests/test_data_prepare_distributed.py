@@ -191,6 +191,14 @@ def test_four_worker_processes_one_killed_and_rerun_alone_give_the_same_bytes(re
         assert bad.returncode == 2
         assert (f"stage 'dedup' needs stage 'scan' to be finished: {len(mine) - len(done)} of "
                 f"{len(plan['units'])} tasks missing (workers 2 of 4)") in bad.stderr
+        # overall progress, per worker, with MB/s and what each filter removed so far
+        st = subprocess.run([sys.executable, "-m", "lmforge", "prepare", "--config", str(cfg),
+                             "--status"], env=_env(), capture_output=True, text=True)
+        assert st.returncode == 0, st.stderr
+        n_done = len(list(work.glob("*/done/scan/*.json")))
+        assert f"scan       {n_done}/{len(plan['units'])} tasks, " in st.stdout
+        assert "removed so far: bad_utf8 0, empty 0, too_short 0, too_long 0" in st.stdout
+        assert "MB/s over 3 worker(s)" in st.stdout and "  scan worker 3: " in st.stdout
         # worker 2 re-run alone: only its unfinished units
         again = subprocess.run([sys.executable, "-m", "lmforge", "prepare", "--config",
                                 str(cfg), "--stage", "scan", "--rank", "2", "--world", "4"],

@@ -52,6 +52,7 @@ store; no worker reads another's local disk.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import itertools
@@ -91,6 +92,7 @@ EXACT_DT = np.dtype([("d0", "<u8"), ("d1", "<u8"), ("u", "<u4"), ("i", "<u4"), (
 BAND_DT = np.dtype([("b", "<u2"), ("k", "<u8"), ("d0", "<u8"), ("d1", "<u8"), ("u", "<u4"),
                     ("i", "<u4"), ("n", "<u4")])
 MEMBER_DT = np.dtype([("g", "<u8"), ("u", "<u4"), ("i", "<u4"), ("n", "<u4")])
+SCAN_SECTIONS = 3  # scan/<unit>.bin: offsets, texts, digests, then (exact, band) per hash range
 _SCAN_STATS = ("documents_read", "bad_utf8", "empty", "too_short", "too_long",
                "control_chars_removed", "bytes_read")
 
@@ -295,9 +297,8 @@ def scan_unit(job: Job, u: int) -> dict:
     ex_h, band_h = ex["d0"] % H, bands["k"] % H
     for h in range(H):
         sections += [ex[ex_h == h], bands[band_h == h]]
-    job.work.write(f"scan/{_unit_key(u)}.docs",
-                   pack_sections([offsets, b"".join(texts), digests]))
-    job.work.write(f"scan/{_unit_key(u)}.recs", pack_sections(sections))
+    job.work.write(f"scan/{_unit_key(u)}.bin",
+                   pack_sections([offsets, b"".join(texts), digests, *sections]))
     st = cleaner.stats.to_dict()
     return {"source": name, "passed": n, "bytes_passed": int(offsets[-1]),
             **{k: st[k] for k in _SCAN_STATS}}
@@ -326,9 +327,9 @@ def dedup_range(job: Job, h: int) -> dict:
     P, H = len(job.units), job.cfg.dedup_ranges
     ex_parts, band_parts = [], []
     for u in range(P):
-        sf = SectionedFile(job.work, f"scan/{_unit_key(u)}.recs", 2 * H)
-        lo, mid, hi = (int(sf.offsets[2 * h]), int(sf.offsets[2 * h + 1]),
-                       int(sf.offsets[2 * h + 2]))
+        sf = SectionedFile(job.work, f"scan/{_unit_key(u)}.bin", SCAN_SECTIONS + 2 * H)
+        k = SCAN_SECTIONS + 2 * h
+        lo, mid, hi = int(sf.offsets[k]), int(sf.offsets[k + 1]), int(sf.offsets[k + 2])
         data = job.work.read_range(sf.rel, sf.data_start + lo, sf.data_start + hi)
         ex_parts.append(np.frombuffer(data[:mid - lo], dtype=EXACT_DT))
         band_parts.append(np.frombuffer(data[mid - lo:], dtype=BAND_DT))
@@ -429,16 +430,17 @@ def keep_mask(job: Job, u: int, n: int) -> tuple[np.ndarray, int, int]:
 
 def filter_unit(job: Job, u: int) -> dict:
     cfg = job.cfg
-    docs = SectionedFile(job.work, f"scan/{_unit_key(u)}.docs", 3)
+    docs = SectionedFile(job.work, f"scan/{_unit_key(u)}.bin",
+                         SCAN_SECTIONS + 2 * cfg.dedup_ranges)
     offsets = docs.read(0, "<i8")
     n = len(offsets) - 1
     keep, exact, near = keep_mask(job, u, n)
     sizes = np.diff(offsets)
     thr = job.cache["cluster"]["sample_threshold"]
     sel = keep.copy()
-    if cfg.tokenizer != "bpe":
-        sel[:] = False
-    elif thr < 2**64:
+    if cfg.tokenizer != "bpe" or thr >= 2**64:
+        sel[:] = False  # (everything is the sample: the tokenizer stage reads the kept documents)
+    else:
         sel &= docs.read(2, "<u8").reshape(n, 2)[:, 1] < np.uint64(thr)
     if sel.any():
         blob = docs.read(1).tobytes()
@@ -446,9 +448,9 @@ def filter_unit(job: Job, u: int) -> dict:
         offs = np.zeros(len(picked) + 1, dtype="<i8")
         np.cumsum([len(p) for p in picked], out=offs[1:])
         job.work.write(f"filter/{_unit_key(u)}.sample", pack_sections([offs, b"".join(picked)]))
-    job.work.write(f"filter/{_unit_key(u)}.keep", np.packbits(keep).tobytes())
     return {"duplicates": exact, "near_duplicates": near, "kept": int(keep.sum()),
-            "bytes_kept": int(sizes[keep].sum()), "sample_docs": int(sel.sum()), "docs": n}
+            "bytes_kept": int(sizes[keep].sum()), "sample_docs": int(sel.sum()), "docs": n,
+            "keep": base64.b64encode(np.packbits(keep).tobytes()).decode("ascii")}
 
 
 def clean_stats(job: Job) -> CleanStats:
@@ -475,13 +477,17 @@ def clean_stats(job: Job) -> CleanStats:
 def sample_texts(job: Job) -> Iterator[str]:
     """The sample, round-robin over sources (each in global order), until sample_bytes."""
     filt = markers(job, "filter")
+    everything = job.work.read_json(_marker("cluster", "all"))["sample_threshold"] >= 2**64
     per_source: dict[int, list[int]] = {}
     for u, unit in enumerate(job.units):
-        if filt[_unit_key(u)]["sample_docs"]:
+        if filt[_unit_key(u)]["sample_docs"] or (everything and filt[_unit_key(u)]["kept"]):
             per_source.setdefault(unit["source"], []).append(u)
 
     def docs(units: list[int]) -> Iterator[str]:
         for u in units:
+            if everything:
+                yield from kept_documents(job, u, filt[_unit_key(u)])
+                continue
             offs, blob = unpack_sections(job.work.read(f"filter/{_unit_key(u)}.sample"))
             o = np.frombuffer(offs, dtype="<i8")
             for i in range(len(o) - 1):
@@ -541,6 +547,13 @@ def tokenizer_stage(job: Job) -> dict:
 
 
 def load_job_tokenizer(job: Job) -> Tokenizer:
+    """The tokenizer the tokenizer stage wrote (checked against its record; cached)."""
+    if "tokenizer" not in job.cache:
+        job.cache["tokenizer"] = _load_job_tokenizer(job)
+    return job.cache["tokenizer"]
+
+
+def _load_job_tokenizer(job: Job) -> Tokenizer:
     m = job.work.read_json(_marker("tokenizer", "all"))
     data = job.out.read(TOKENIZER)
     if m is None or sha256_bytes(data) != m["file_sha256"]:
@@ -616,12 +629,15 @@ def _tail_split(flat, lens, n_val_tok, eos, bos, dt) -> dict:
             "val_docs": int((n_val_tok > 0).sum())}
 
 
-def kept_documents(job: Job, u: int) -> list[str]:
-    offsets, blob, _ = unpack_sections(job.work.read(f"scan/{_unit_key(u)}.docs"))
-    o = np.frombuffer(offsets, dtype="<i8")
-    n = len(o) - 1
-    keep = np.unpackbits(np.frombuffer(job.work.read(f"filter/{_unit_key(u)}.keep"),
-                                       dtype=np.uint8), count=n).astype(bool)
+def kept_documents(job: Job, u: int, filter_marker: dict | None = None) -> list[str]:
+    """The documents of unit ``u`` that survived every filter and dedup, in order."""
+    m = filter_marker or job.work.read_json(_marker("filter", _unit_key(u)))
+    sf = SectionedFile(job.work, f"scan/{_unit_key(u)}.bin",
+                       SCAN_SECTIONS + 2 * job.cfg.dedup_ranges)
+    o = sf.read(0, "<i8")
+    blob = sf.read(1).tobytes()
+    keep = np.unpackbits(np.frombuffer(base64.b64decode(m["keep"]), dtype=np.uint8),
+                         count=len(o) - 1).astype(bool)
     return [blob[o[i]:o[i + 1]].decode("utf-8") for i in np.flatnonzero(keep)]
 
 
@@ -677,13 +693,24 @@ def streams(job: Job) -> list[dict]:
     return out
 
 
-def shard_tasks(job: Job) -> list[tuple[int, int]]:
+ASSEMBLE_TASK_BYTES = 4_000_000  # small shards are assembled several to a task (fewer markers)
+
+
+def shard_tasks(job: Job) -> list[tuple[int, int, int]]:
+    """(stream, first shard, shards) per assemble task."""
     job.cache["streams"] = st = streams(job)
-    return [(i, k) for i, s in enumerate(st) for k in range(s["shards"])]
+    per = max(1, ASSEMBLE_TASK_BYTES // (job.cfg.shard_tokens * 2))
+    return [(i, k, min(per, s["shards"] - k)) for i, s in enumerate(st)
+            for k in range(0, s["shards"], per)]
 
 
-def assemble_shard(job: Job, task: tuple[int, int]) -> dict:
-    si, k = task
+def assemble_shards(job: Job, task: tuple[int, int, int]) -> dict:
+    si, k0, n = task
+    recs = [assemble_shard(job, si, k) for k in range(k0, k0 + n)]
+    return {"records": recs, "tokens": sum(r["tokens"] for r in recs)}
+
+
+def assemble_shard(job: Job, si: int, k: int) -> dict:
     st = job.cache["streams"][si]
     dtype = dtype_for_vocab(job.cache["vocab"])
     S = job.cfg.shard_tokens
@@ -721,8 +748,11 @@ def merge(job: Job, timing: dict) -> dict:
     splits: dict[str, Any] = {"train": {}, "val": None}
     keep_files = {TOKENIZER, f"train/{MIXTURE}"}
     for i, st in enumerate(streams(job)):
-        recs = [{f: asm[f"{i:03d}-{k:06d}"][f] for f in ("file", "tokens", "sha256", "max_id")}
-                for k in range(st["shards"])]
+        recs = [r for key in sorted(asm) if key.startswith(f"{i:03d}-")
+                for r in asm[key]["records"]]
+        if [r["file"] for r in recs] != [shard_file_name(k) for k in range(st["shards"])]:
+            raise ValueError(f"{st['dir']}: the assemble stage's records do not cover its "
+                             f"{st['shards']} shards; re-run the assemble stage")
         m = build_manifest(dtype.name, tok.vocab_size, cfg.shard_tokens, recs,
                            {**meta, "split": st["split"], "source": st["source"],
                             "documents": st["documents"]})
@@ -771,7 +801,7 @@ def tasks_of(job: Job, stage: str) -> list:
 
 def task_key(stage: str, t) -> str:
     if stage == "assemble":
-        return f"{t[0]:03d}-{t[1]:06d}"
+        return f"{t[0]:03d}-{t[1]:06d}"  # (stream, first shard)
     if stage == "dedup":
         return f"{t:04d}"
     return _unit_key(t) if isinstance(t, int) else str(t)
@@ -780,6 +810,8 @@ def task_key(stage: str, t) -> str:
 def task_weights(job: Job, stage: str, tasks: list) -> list[int]:
     if stage in ("scan", "filter", "tokenize"):
         return [job.units[u]["bytes"] for u in tasks]
+    if stage == "assemble":
+        return [n for _, _, n in tasks]
     return [1] * len(tasks)
 
 
@@ -841,7 +873,7 @@ def run_tasks(job: Job, stage: str) -> dict:
     if stage == "tokenize":
         job.cache["tok"] = load_job_tokenizer(job)
     if stage == "assemble":
-        job.cache["vocab"] = load_job_tokenizer(job).vocab_size
+        job.cache["vocab"] = job.work.read_json(_marker("tokenizer", "all"))["vocab_size"]
     tasks = tasks_of(job, stage)
     if stage in SINGLE:
         mine = tasks if job.rank == 0 else []
@@ -855,7 +887,7 @@ def run_tasks(job: Job, stage: str) -> dict:
                 f"done; skipping them".strip())
     fn = {"scan": scan_unit, "dedup": dedup_range, "cluster": lambda j, t: cluster(j),
           "filter": filter_unit, "tokenizer": lambda j, t: tokenizer_stage(j),
-          "tokenize": tokenize_unit, "assemble": assemble_shard}[stage]
+          "tokenize": tokenize_unit, "assemble": assemble_shards}[stage]
     summary = {"rank": job.rank, "world": job.world, "tasks": 0, "bytes": 0, "start": t0}
     removed: dict[str, int] = {}
 
