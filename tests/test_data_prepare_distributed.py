@@ -126,6 +126,8 @@ def test_reference_removes_the_planted_duplicates_and_splits_files(reference):
     assert c["kept"] == 150
     assert res.record["units"] > 10  # a.jsonl by byte range, c.parquet by row groups
     assert res.record["timing"]["stages"]["scan"]["workers"] == 1
+    sample = res.record["tokenizer_sample"]  # a content-hash sample from every source
+    assert 0.2 < sample["fraction"] < 0.6 and min(sample["documents"].values()) > 0
     assert {"train/web/manifest.json", "train/pq/manifest.json", "train/books/manifest.json",
             "val/manifest.json", "tokenizer.json", "train/mixture.json"} <= set(files)
 

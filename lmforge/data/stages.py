@@ -780,8 +780,23 @@ def merge(job: Job, timing: dict) -> dict:
                   "pad_token": (tok.backend.id_to_token(tok.pad_id)
                                 if tok.pad_id is not None else None)},
               "dtype": dtype.name, "clean": clean_stats(job).to_dict(), "splits": splits,
-              "timing": timing, "files": job.plan["files"], "units": len(job.units)}
+              "timing": timing, "files": job.plan["files"], "units": len(job.units),
+              "tokenizer_sample": sample_summary(job)}
     return record
+
+
+def sample_summary(job: Job) -> dict | None:
+    """What trained the BPE: the content-hash fraction of the kept documents, per source."""
+    if job.cfg.tokenizer != "bpe":
+        return None
+    thr = job.work.read_json(_marker("cluster", "all"))["sample_threshold"]
+    filt = markers(job, "filter")
+    docs = {n: 0 for n in job.plan["sources"]}
+    for u, unit in enumerate(job.units):
+        m = filt[_unit_key(u)]
+        docs[job.plan["sources"][unit["source"]]] += m["kept"] if thr >= 2**64 else m["sample_docs"]
+    return {"fraction": min(1.0, thr / 2**64), "documents": docs,
+            "cap_bytes": job.cfg.sample_bytes}
 
 
 # ---------------------------------------------------------------------------------------
