@@ -61,6 +61,7 @@ import logging
 import math
 import os
 import resource
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +93,7 @@ EXACT_DT = np.dtype([("d0", "<u8"), ("d1", "<u8"), ("u", "<u4"), ("i", "<u4"), (
 BAND_DT = np.dtype([("b", "<u2"), ("k", "<u8"), ("d0", "<u8"), ("d1", "<u8"), ("u", "<u4"),
                     ("i", "<u4"), ("n", "<u4")])
 MEMBER_DT = np.dtype([("g", "<u8"), ("u", "<u4"), ("i", "<u4"), ("n", "<u4")])
+PROGRESS_EVERY_S = 30.0  # a worker's progress line on long stages
 SCAN_SECTIONS = 3  # scan/<unit>.bin: offsets, texts, digests, then (exact, band) per hash range
 _SCAN_STATS = ("documents_read", "bad_utf8", "empty", "too_short", "too_long",
                "control_chars_removed", "bytes_read")
@@ -906,11 +908,23 @@ def run_tasks(job: Job, stage: str) -> dict:
     summary = {"rank": job.rank, "world": job.world, "tasks": 0, "bytes": 0, "start": t0}
     removed: dict[str, int] = {}
 
+    lock = threading.Lock()
+    live = {"done": 0, "bytes": 0, "said": time.time()}
+
     def one(t) -> dict:
         s0 = time.time()
         m = fn(job, t)
         m = {**m, "seconds": round(time.time() - s0, 4), "rank": job.rank}
         job.work.write_json(_marker(stage, task_key(stage, t)), m)
+        with lock:  # a progress line every PROGRESS_EVERY_S seconds on long stages
+            live["done"] += 1
+            live["bytes"] += _task_bytes(stage, m)
+            now = time.time()
+            if now - live["said"] >= PROGRESS_EVERY_S and live["done"] < len(todo):
+                live["said"] = now
+                job.say(f"{job.tag()} {stage}: {live['done']}/{len(todo)} task(s), "
+                        f"{live['bytes'] / 1e6:.1f} MB, "
+                        f"{live['bytes'] / 1e6 / max(now - t0, 1e-9):.2f} MB/s".strip())
         return m
 
     if stage == "tokenize" and job.cfg.parallelism == "threads" and len(todo) > 1:
@@ -927,9 +941,9 @@ def run_tasks(job: Job, stage: str) -> dict:
     summary.update(end=time.time(), cpu_s=round(_cpu() - c0, 3), removed=removed)
     if todo:
         secs = max(summary["end"] - t0, 1e-9)
-        job.say(f"{job.tag()} {stage}: {len(todo)} task(s), {summary['bytes'] / 1e6:.2f} MB in "
-                f"{secs:.2f} s = {summary['bytes'] / 1e6 / secs:.2f} MB/s"
-                + (f"; removed: {_removed_text(removed)}" if removed else "").strip())
+        job.say((f"{job.tag()} {stage}: {len(todo)} task(s), {summary['bytes'] / 1e6:.2f} MB in "
+                 f"{secs:.2f} s = {summary['bytes'] / 1e6 / secs:.2f} MB/s"
+                 + (f"; removed: {_removed_text(removed)}" if removed else "")).strip())
         job.work.write_json(f"workers/{stage}/{job.rank:05d}-of-{job.world:05d}.json", summary)
     return summary
 
