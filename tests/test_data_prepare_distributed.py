@@ -289,3 +289,18 @@ def test_two_torchrun_nodes_with_s3_input_and_output_give_the_same_bytes(referen
     assert "lmforge prepare -> s3://corpus/out" in "".join(outs)
     # nothing was written next to the config: the nodes shared only S3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "scratch0", "scratch1"]
+
+
+def test_worker_identity_from_the_launchers(monkeypatch):
+    from lmforge.data.pipeline import worker_from_env
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert worker_from_env() is None
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "17")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "64")
+    assert worker_from_env() == (17, 64)  # an array task: --stage S
+    assert worker_from_env(slurm_array=False) is None  # a plain run in an array job stays local
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert worker_from_env(slurm_array=False) == (3, 8)

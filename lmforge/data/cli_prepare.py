@@ -109,7 +109,8 @@ def prepare_main(argv: list[str]) -> int:
         if args.status:
             print("\n".join(pipeline.status(cfg, args.out)))
             return 0
-        env = pipeline.worker_from_env()
+        # all stages: torchrun ranks only (a plain run inside a Slurm array job stays local)
+        env = pipeline.worker_from_env(slurm_array=args.stage is not None)
         if args.stage is not None:
             rank, world = env or (0, 1)
             rank = args.rank if args.rank is not None else rank

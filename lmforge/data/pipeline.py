@@ -235,13 +235,13 @@ def run_distributed(cfg: PrepareConfig, output_dir: str | Path | None = None,
         dist.destroy_process_group()
 
 
-def worker_from_env() -> tuple[int, int] | None:
-    """(rank, world) from torchrun (RANK, WORLD_SIZE) or a Slurm array (SLURM_ARRAY_TASK_ID,
-    SLURM_ARRAY_TASK_COUNT), else None."""
+def worker_from_env(slurm_array: bool = True) -> tuple[int, int] | None:
+    """(rank, world) from torchrun (RANK, WORLD_SIZE, MASTER_ADDR) or, with ``slurm_array``,
+    a Slurm array (SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT), else None."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"])
-    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+    if slurm_array and "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
         # array indices are the ranks (0..N-1); a re-run of one index passes --world N
         return int(env["SLURM_ARRAY_TASK_ID"]), int(env["SLURM_ARRAY_TASK_COUNT"])
     return None
