@@ -304,3 +304,14 @@ def test_worker_identity_from_the_launchers(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert worker_from_env(slurm_array=False) == (3, 8)
+
+
+def test_s3_mistakes_are_one_line_errors(reference, s3, tmp_path):
+    root, raw, _, _ = reference
+    cfg = load_prepare_config(write_config(tmp_path / "c.toml", str(raw), "s3://nobucket/out"))
+    with pytest.raises(ValueError, match=r"^s3://nobucket: no such bucket at http://127\.0\.0\.1"):
+        run_prepare(cfg)
+    cfg.s3_endpoint = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    with pytest.raises(ValueError, match=r"^s3://nobucket/out: cannot reach it \(.*\)\. Check the "
+                                         r"URL, prepare\.s3_endpoint"):
+        run_prepare(cfg)

@@ -96,6 +96,10 @@ def open_job(cfg: PrepareConfig, output_dir: str | Path | None = None, rank: int
         _use_scratch(cfg.scratch_dir)
     root = str(output_dir or cfg.output_dir)
     out = Store(root, cfg.s3_endpoint)
+    out.check()
+    for src in cfg.sources:
+        if is_url(src.path):
+            Store(src.path.split("*", 1)[0].rsplit("/", 1)[0], cfg.s3_endpoint).check()
     files = listing(cfg)
     ids = {f: _identity(f, cfg) for _, fl in files for f, _ in fl}
     fp = fingerprint(cfg, files, ids)

@@ -80,6 +80,23 @@ class Store:
         else:
             self.fs, self._base = filesystem(self.root, s3_endpoint)
 
+    def check(self) -> None:
+        """For a URL: ValueError naming it (and what to check) unless the store answers and,
+        for s3://, the bucket exists."""
+        if self.local:
+            return
+        try:
+            if hasattr(self.fs, "check_bucket"):
+                self.fs.check_bucket(self._base)
+            else:
+                self.fs.exists(self._base)
+        except ValueError:
+            raise
+        except Exception as e:  # botocore / aiohttp / ... errors: unreachable, denied
+            raise ValueError(f"{self.root}: cannot reach it ({type(e).__name__}: {e}). Check the "
+                             f"URL, prepare.s3_endpoint (or $AWS_ENDPOINT_URL) and the "
+                             f"credentials") from e
+
     def url(self, rel: str = "") -> str:
         """The full path or URL of ``rel``."""
         return f"{self.root}/{rel}" if rel else self.root
@@ -288,13 +305,26 @@ def _make_s3_classes():
                                  "\"lmforge[s3]\")") from e
             self._ClientError = ClientError
             self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
-            self.client = boto3.client("s3", endpoint_url=self.endpoint_url)
+            from botocore.config import Config
+            self.client = boto3.client("s3", endpoint_url=self.endpoint_url, config=Config(
+                retries={"max_attempts": 4, "mode": "standard"}, connect_timeout=10))
 
         @classmethod
         def _split(cls, path: str) -> tuple[str, str]:
             path = cls._strip_protocol(path)
             bucket, _, key = path.partition("/")
             return bucket, key
+
+        def check_bucket(self, path: str) -> None:
+            bucket, _ = self._split(path)
+            try:
+                self.client.head_bucket(Bucket=bucket)
+            except self._ClientError as e:
+                if self._missing(e):
+                    raise ValueError(f"s3://{bucket}: no such bucket at "
+                                     f"{self.endpoint_url or 'the default AWS endpoint'}; create "
+                                     f"it or fix the URL") from e
+                raise
 
         def _missing(self, e) -> bool:
             code = e.response.get("Error", {}).get("Code", "")
