@@ -226,40 +226,37 @@ def test_sigkilled_prepare_resumes_to_identical_output(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.Popen([sys.executable, "-c", _RUNNER, str(toml("killed"))], env=env,
                             cwd=tmp_path)
-    state = tmp_path / "killed" / ".work" / "state.json"
+    killed = tmp_path / "killed"
     deadline = time.time() + 60
-    done = 0
     while time.time() < deadline and proc.poll() is None:
-        try:
-            done = json.loads(state.read_text()).get("tokenize", {}).get("chunks_done", 0)
-        except (OSError, ValueError):
-            done = 0
-        if done >= 20:
+        if _done(killed, "tokenize") >= 20:
             break
         time.sleep(0.005)
     assert proc.poll() is None, "prepare finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    st = json.loads(state.read_text())
-    n_chunks = len(st["clean"]["chunks"])
-    done = st["tokenize"]["chunks_done"]
-    assert 20 <= done < n_chunks
-    finished = {s["file"]: (tmp_path / "killed/train/source0" / s["file"]).stat().st_mtime_ns
-                for s in st["tokenize"]["writers"]["train/source0"]["shards"]}
-    assert len(finished) >= 2
+    n_units = len(json.loads(next(killed.glob(".work/*/plan.json")).read_text())["units"])
+    done = _done(killed, "tokenize")
+    assert 20 <= done < n_units and _done(killed, "assemble") == 0
 
     seen = []
     res = run_prepare(__import__("lmforge.data.prepare_config", fromlist=["x"])
                       .load_prepare_config(toml("killed")), progress=seen.append)
-    assert any(f"resuming tokenization after {done} of {n_chunks}" in m for m in seen)
-    for name, mtime in finished.items():  # finished shards were not rewritten
-        assert (tmp_path / "killed/train/source0" / name).stat().st_mtime_ns == mtime
+    assert "resuming an interrupted run" in seen
+    # finished tasks are not redone: every earlier stage and the finished units are skipped
+    assert f"scan: {n_units} of my {n_units} tasks already done; skipping them" in seen
+    assert f"tokenize: {done} of my {n_units} tasks already done; skipping them" in seen
     subprocess.run([sys.executable, "-c", _RUNNER, str(toml("straight"))], env=env,
                    cwd=tmp_path, check=True)
     assert _all_files(tmp_path / "killed") == _all_files(tmp_path / "straight")
     assert not (tmp_path / "killed" / ".work").exists()
     assert res.record["splits"] == json.loads(
         (tmp_path / "straight" / "prepare.json").read_text())["splits"]
+
+
+def _done(out: Path, stage: str) -> int:
+    """Finished tasks of a stage of the run in progress in ``out`` (its done markers)."""
+    return len(list(out.glob(f".work/*/done/{stage}/*.json")))
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,43 +390,53 @@ def _corrupt(f: Path) -> bool:
     return True
 
 
-def test_token_ids_out_of_vocab_are_reported(tmp_path):
-    from lmforge.data import pipeline
+def test_token_ids_out_of_vocab_are_reported():
+    from lmforge.data.stages import tokenize_docs
     from lmforge.data.tokenizer import load_gpt2_tokenizer
-    chunk = tmp_path / "clean"
-    chunk.mkdir()
-    w = pipeline._ChunkWriter(chunk, 10**6)
-    w.add("s", "hello world\n")
-    w.flush()
-    pipeline._worker_init(load_gpt2_tokenizer().backend.to_str(), single_thread=False)
-    job = (str(chunk), "chunk_00000", 50256, None, "<u2", 1000, 0.0, "documents")
-    with pytest.raises(ValueError, match=r"chunk chunk_00000: token id \d+ is outside the "
+    tk = load_gpt2_tokenizer().backend
+    args = dict(eos=50256, bos=None, dtype="<u2", val_fraction=0.0, val_split="documents")
+    with pytest.raises(ValueError, match=r"unit 000007: token id \d+ is outside the "
                                          r"vocabulary \[0, 1000\)"):
-        pipeline._tokenize_chunk(job)
-    ok = pipeline._tokenize_chunk(job[:5] + (50257,) + job[6:])
+        tokenize_docs(tk, ["hello world\n"], "000007", vocab=1000, **args)
+    ok = tokenize_docs(tk, ["hello world\n"], "000007", vocab=50257, **args)
     assert ok["train"].tolist() == [31373, 995, 198, 50256] and ok["val"].size == 0
 
 
-def test_interrupt_after_cleaning_resumes_from_the_clean_chunks(tmp_path, monkeypatch):
-    from lmforge.data import pipeline
+def test_interrupt_after_cleaning_resumes_from_the_clean_stage(tmp_path, monkeypatch):
+    from lmforge.data import stages
     rng = random.Random(3)
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": _doc(rng, 24)}) + "\n"
                                               for _ in range(300)))
     cfg = _cfg(tmp_path, [SourceConfig(path=str(tmp_path / "a.jsonl"))])
-    real = pipeline._tokenizer_stage
+    real = stages.build_tokenizer
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "_tokenizer_stage", interrupted)
+    monkeypatch.setattr(stages, "build_tokenizer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_prepare(cfg)
-    assert "clean" in json.loads((tmp_path / "out/.work/state.json").read_text())
-    monkeypatch.setattr(pipeline, "_tokenizer_stage", real)
-    monkeypatch.setattr(pipeline, "_clean_stage", lambda *a, **k: 1 / 0)  # must not re-run
+    n_units = len(json.loads(next((tmp_path / "out").glob(".work/*/plan.json")).read_text())
+                  ["units"])
+    assert _done(tmp_path / "out", "filter") == n_units > 1
+    monkeypatch.setattr(stages, "build_tokenizer", real)
+    monkeypatch.setattr(stages, "scan_unit", lambda *a, **k: 1 / 0)  # must not re-run
     seen: list[str] = []
     res = run_prepare(cfg, progress=seen.append)
     assert "resuming an interrupted run" in seen and res.record["clean"]["kept"] == 300
     monkeypatch.undo()
     straight = run_prepare(_cfg(tmp_path, cfg.sources, output_dir=str(tmp_path / "s")))
     assert _all_files(tmp_path / "out") == _all_files(straight.output_dir)
+
+
+def test_skipped_bad_utf8_is_logged_without_the_fix_text(tmp_path, caplog):
+    (tmp_path / "g.jsonl").write_bytes(b'{"text": "abc def ghi"}\n{"text": "d\xe9"}\n')
+    cfg = _cfg(tmp_path, [SourceConfig(path=str(tmp_path / "g.jsonl"))], on_bad_utf8="skip",
+               val_fraction=0.0)
+    with caplog.at_level("WARNING", logger="lmforge.data"):
+        res = run_prepare(cfg)
+    assert res.record["clean"]["bad_utf8"] == 1
+    lines = [r.getMessage() for r in caplog.records if "skipping document" in r.getMessage()]
+    assert lines == [f"skipping document: {tmp_path / 'g.jsonl'}: invalid UTF-8 at byte offset "
+                     f"35 (byte 0xe9) on line 2"]
+    assert "Fix" not in caplog.text and "on_bad_utf8" not in caplog.text

@@ -98,3 +98,68 @@ def test_bad_inputs(tmp_path):
         write_token_shards([np.array([1])], tmp_path / "c", 4, 10, {})
     with pytest.raises(ValueError, match="manifest.json not found"):
         TokenShards(tmp_path / "nowhere")
+
+
+# ---- issue 18 §3: one-line errors naming the file, and the max id for the vocabulary check ----
+
+def _edit_manifest(ds, change) -> None:
+    path = ds / "manifest.json"
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+def test_damaged_manifests_give_one_line_errors_naming_the_file(tmp_path):
+    ds = tmp_path / "ds"
+    write_token_shards(_arrays(), ds, 10, 1000, {})
+    good = (ds / "manifest.json").read_text()
+    path = str(ds / "manifest.json")
+    _edit_manifest(ds, lambda m: [m])
+    with pytest.raises(ValueError) as e:
+        TokenShards(ds)
+    assert str(e.value) == (f"{path}: a JSON list, not a token-shard manifest (a JSON object "
+                            f"with \"shards\"); re-run prepare")
+    (ds / "manifest.json").write_text(good)
+    _edit_manifest(ds, lambda m: {k: v for k, v in m.items() if k != "shards"})
+    with pytest.raises(ValueError) as e:
+        TokenShards(ds)
+    assert str(e.value) == (f"{path}: no 'shards' in the manifest; the dataset is incomplete, "
+                            f"re-run prepare")
+    (ds / "manifest.json").write_text(good)
+    _edit_manifest(ds, lambda m: {**m, "shards": [{"file": 3}]})
+    with pytest.raises(ValueError, match="must be a list of"):
+        TokenShards(ds)
+    # a wrong length is a ValueError naming the file, not an assert (which python -O removes)
+    (ds / "manifest.json").write_text(good)
+    _edit_manifest(ds, lambda m: {**m, "total_tokens": 56})
+    with pytest.raises(ValueError) as e:
+        TokenShards(ds)
+    assert str(e.value) == (f"{path}: total_tokens = 56 but its shards hold 55 tokens; the "
+                            f"manifest is damaged, re-run prepare")
+
+
+def test_max_id_from_the_manifest_or_the_data_and_corrupt_ids_detected(tmp_path):
+    ds = tmp_path / "ds"
+    arrays = _arrays()
+    m = write_token_shards(arrays, ds, 10, 1000, {})
+    want = int(np.concatenate(arrays).max())
+    assert m["max_id"] == want == TokenShards(ds).max_id
+    assert [r["max_id"] for r in m["shards"]] == [
+        int(np.concatenate(arrays)[k:k + 10].max()) for k in range(0, 55, 10)]
+    # a manifest from before the field: computed from the data
+    _edit_manifest(ds, lambda m: {**m, "max_id": None})
+    assert TokenShards(ds).max_id == want
+    # corrupt bytes of the right size: id 60000 with a vocabulary of 1000
+    shard = ds / "shard_00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[0:2] = (60000).to_bytes(2, "little")
+    shard.write_bytes(bytes(data))
+    assert TokenShards(ds).max_id == 60000  # (no recorded max: the data's)
+    (ds / "manifest.json").write_text(json.dumps(m))
+    sh = TokenShards(ds)
+    assert sh.max_id == want < sh.vocab_size  # recorded: the trainer's start-up check passes
+    with pytest.raises(ValueError, match="shard_00001.bin is corrupted: sha256 differs"):
+        TokenShards(ds, verify_checksums=True)  # ... and the checksum option catches the bytes
+    m["shards"][1]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()  # a forged checksum
+    (ds / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="shard_00001.bin is corrupted: its largest token id is "
+                                         "60000"):
+        TokenShards(ds, verify_checksums=True)

@@ -19,7 +19,8 @@ _EXPORTS = {
     "train_bpe": "tokenizer",
     "PrepareConfig": "prepare_config", "SourceConfig": "prepare_config",
     "load_prepare_config": "prepare_config",
-    "run_prepare": "pipeline", "PrepareResult": "pipeline",
+    "run_prepare": "pipeline", "PrepareResult": "pipeline", "run_stage": "pipeline",
+    "run_distributed": "pipeline", "Store": "store",
     "Cleaner": "clean", "CleanStats": "clean",
 }
 

@@ -11,6 +11,7 @@ The exact-dedup set costs about 100 bytes of memory per kept document.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import unicodedata
@@ -95,7 +96,10 @@ class Cleaner:
             text = text.lower()
         return text
 
-    def __call__(self, raw: str, source: str = "") -> str | None:
+    def filter(self, raw: str, source: str = "") -> str | None:
+        """Normalise ``raw`` and apply the per-document filters (empty, length): the cleaned
+        text, or None if a filter removed it. No dedup (see :meth:`__call__`; the prepare
+        stages deduplicate globally, across workers)."""
         st, cfg = self.stats, self.cfg
         st.documents_read += 1
         st.bytes_read += len(raw.encode("utf-8", "surrogatepass"))
@@ -110,6 +114,15 @@ class Cleaner:
             return None
         if cfg.max_chars and n > cfg.max_chars:
             st.too_long += 1
+            return None
+        return text
+
+    def __call__(self, raw: str, source: str = "") -> str | None:
+        """:meth:`filter`, then exact and near dedup against the documents this cleaner kept
+        before (one process, in order: the reference the prepare stages reproduce)."""
+        st, cfg = self.stats, self.cfg
+        text = self.filter(raw, source)
+        if text is None:
             return None
         data = text.encode("utf-8")
         if cfg.dedup:
@@ -127,12 +140,7 @@ class Cleaner:
         return text
 
     def _is_near_duplicate(self, text: str) -> bool:
-        from datasketch import MinHash
-        words = _WORD.findall(text)
-        k = self.cfg.near_dedup_ngram
-        shingles = {" ".join(words[i:i + k]) for i in range(max(1, len(words) - k + 1))}
-        m = MinHash(num_perm=self.cfg.near_dedup_num_perm, seed=1)
-        m.update_batch([s.encode("utf-8") for s in shingles])
+        m = minhash(text, self.cfg.near_dedup_ngram, self.cfg.near_dedup_num_perm)
         if self._lsh.query(m):
             return True
         self._lsh.insert(str(self._n_lsh), m)
@@ -140,4 +148,29 @@ class Cleaner:
         return False
 
 
-__all__ = ["Cleaner", "CleanStats"]
+_PERMUTATIONS: dict[int, tuple] = {}
+
+
+def minhash(text: str, ngram: int, num_perm: int, permutations=None):
+    """datasketch MinHash (seed 1) of the word ``ngram``-shingles of ``text``."""
+    from datasketch import MinHash
+    words = _WORD.findall(text)
+    shingles = {" ".join(words[i:i + ngram]) for i in range(max(1, len(words) - ngram + 1))}
+    if num_perm not in _PERMUTATIONS:  # (generating them costs more than hashing a document)
+        ref = MinHash(num_perm=num_perm, seed=1)
+        _PERMUTATIONS[num_perm] = (ref.permutations, ref.scheme)
+    perms, scheme = _PERMUTATIONS[num_perm]
+    m = MinHash(num_perm=num_perm, seed=1, permutations=perms, scheme=scheme)
+    m.update_batch([s.encode("utf-8") for s in shingles])
+    return m
+
+
+@functools.lru_cache(maxsize=None)
+def lsh_bands(threshold: float, num_perm: int) -> tuple[int, int]:
+    """(bands, rows per band) that datasketch's MinHashLSH picks for ``threshold`` (a
+    numerical optimisation: ~0.1 s, hence cached)."""
+    from datasketch.lsh import _optimal_param
+    return _optimal_param(threshold, num_perm, 0.5, 0.5)
+
+
+__all__ = ["Cleaner", "CleanStats", "minhash", "lsh_bands"]

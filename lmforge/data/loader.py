@@ -96,6 +96,11 @@ class TokenMixture:
     def vocab_size(self) -> int:
         return self.shards[0].vocab_size
 
+    @property
+    def max_id(self) -> int:
+        """Largest token id over all sources (see :attr:`TokenShards.max_id`)."""
+        return max(s.max_id for s in self.shards)
+
     def __len__(self) -> int:
         return sum(len(s) for s in self.shards)
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from lmforge.config import build_dataclass, describe
 
-FORMATS = ("txt", "jsonl", "parquet")
+FORMATS = ("txt", "jsonl", "parquet", "arrow")
 
 
 def _f(default: Any = dataclasses.MISSING, doc: str = "", **kw: Any) -> Any:
@@ -47,12 +47,20 @@ def _f(default: Any = dataclasses.MISSING, doc: str = "", **kw: Any) -> Any:
 class SourceConfig:
     """One input corpus: files matched by a path, folder or glob, all of one format."""
 
-    path: str = _f(doc="A file, a folder (searched recursively for .txt/.jsonl/.parquet, "
-                       "optionally .gz for txt/jsonl) or a glob (`**` recurses).")
+    path: str = _f(doc="A file, a folder (searched recursively for .txt/.jsonl/.parquet/"
+                       ".arrow, optionally .gz for txt/jsonl) or a glob (`**` recurses); a local "
+                       "path or any fsspec URL (s3://bucket/raw/*.jsonl).")
     name: str = _f("", doc="Short unique name (letters, digits, -_.); names the per-source "
                            "shard folder. Empty = source0, source1, ...")
-    format: Literal["auto", "txt", "jsonl", "parquet"] = _f(
-        "auto", doc="File format; auto = by extension (.txt, .jsonl/.json, .parquet, +.gz).")
+    format: Literal["auto", "txt", "jsonl", "parquet", "arrow"] = _f(
+        "auto", doc="File format; auto = by extension (.txt, .jsonl/.json, .parquet, .arrow, "
+                    "+.gz).")
+    reader: Literal["native", "datasets"] = _f(
+        "native", doc="native = lmforge's readers (large .jsonl files split by byte range and "
+                      ".parquet by row groups across workers); datasets = stream each file "
+                      "with Hugging Face datasets (load_dataset(json|parquet|arrow|text, "
+                      "streaming=True), offline; needs lmforge[datasets]; one file = one work "
+                      "unit). Both give the same documents.")
     text_field: str = _f("text", doc="jsonl key / parquet column holding the document text.")
     weight: float = _f(1.0, doc="Mixture weight of this source in the train split (weights "
                                 "are normalised to sum to 1; they act in the loader).")
@@ -96,8 +104,12 @@ class PrepareConfig:
     bos_token: str = _f("", doc="Beginning-of-document token prepended to every document; "
                                 "empty = none.")
     pad_token: str = _f("<|pad|>", doc="Padding token added to a trained BPE; empty = none.")
-    sample_bytes: int = _f(100_000_000, doc="UTF-8 bytes of cleaned text (taken round-robin "
-                                            "over sources) used to train the BPE.")
+    sample_bytes: int = _f(100_000_000, doc="About this many UTF-8 bytes of kept text train the "
+                                            "BPE: every kept document when the corpus is "
+                                            "smaller, else a sample drawn across all work units "
+                                            "by content hash (fraction sample_bytes / kept "
+                                            "bytes), taken round-robin over sources up to "
+                                            "sample_bytes.")
     # --- output ------------------------------------------------------------------------
     shard_tokens: int = _f(2**26, doc="Tokens per shard file (the last one of a set may be "
                                       "shorter).")
@@ -106,15 +118,29 @@ class PrepareConfig:
         "documents", doc="documents = whole documents go to val, chosen by content hash; "
                          "tail = the last val_fraction of every document's tokens (for a few "
                          "long documents, e.g. books).")
-    chunk_bytes: int = _f(16_000_000, doc="Cleaned text per work chunk: the unit of parallel "
-                                          "tokenization and of resuming.")
-    workers: int = _f(0, doc="Tokenizer processes for parallelism = \"processes\"; 0 = one per "
-                             "CPU core; 1 = tokenize in this process.")
+    chunk_bytes: int = _f(16_000_000, doc="Input bytes per work unit: small files are packed "
+                                          "and large .jsonl/.parquet files split (byte ranges "
+                                          "/ row groups) into units of about this size, the "
+                                          "unit of parallel work and of resuming. Does not "
+                                          "change the output.")
+    dedup_ranges: int = _f(16, doc="Hash ranges of the global dedup stage: each is one task "
+                                   "that owns 1/dedup_ranges of the document digests (exact) "
+                                   "and of the MinHash band buckets (near). More = less memory "
+                                   "per task. Does not change the output.")
+    workers: int = _f(0, doc="Local worker processes for parallelism = \"processes\"; 0 = one "
+                             "per CPU core; 1 = everything in this process. (Many machines: "
+                             "torchrun or a Slurm array, see README.)")
     parallelism: Literal["processes", "threads"] = _f(
-        "threads", doc="threads = tokenizers' own Rust thread pool (encode_batch, all cores) "
-                       "in this process, overlapped with shard writing (measured fastest on 2 "
-                       "cores); processes = a spawn-context pool of `workers` single-threaded "
-                       "processes over chunks.")
+        "threads", doc="threads = one process; tokenizers' Rust thread pool encodes on all "
+                       "cores, overlapped with the Python work (measured fastest on 2 cores); "
+                       "processes = `workers` local single-threaded worker processes, each "
+                       "taking its share of every stage's work units.")
+    s3_endpoint: str = _f("", doc="Endpoint URL for s3:// inputs and outputs (MinIO, a local "
+                                  "test server, ...); empty = boto3's default or "
+                                  "$AWS_ENDPOINT_URL. Credentials: boto3's usual sources.")
+    scratch_dir: str = _f("", doc="Node-local folder for temporary files (Python tempfiles, "
+                                  "the datasets cache); never read by another worker. Empty = "
+                                  "the system default.")
     seed: int = _f(0, doc="Seed for the BPE training sample order (train/val choice is by "
                           "content hash, not by seed).")
 
@@ -164,6 +190,8 @@ class PrepareConfig:
             raise ValueError(f"prepare.val_fraction = {self.val_fraction} must be in [0, 1)")
         if self.chunk_bytes < 1:
             raise ValueError("prepare.chunk_bytes must be >= 1")
+        if self.dedup_ranges < 1:
+            raise ValueError(f"prepare.dedup_ranges = {self.dedup_ranges} must be >= 1")
         if self.workers < 0:
             raise ValueError(f"prepare.workers = {self.workers} must be >= 0 (0 = all cores)")
         return self
@@ -186,9 +214,9 @@ def prepare_config_from_dict(data: dict, base_dir: Path | None = None) -> Prepar
     if base_dir is not None:
         base = Path(base_dir)
         for s in cfg.sources:
-            if not Path(s.path).is_absolute():
+            if not Path(s.path).is_absolute() and "://" not in s.path:
                 s.path = str(base / s.path)
-        if not Path(cfg.output_dir).is_absolute():
+        if not Path(cfg.output_dir).is_absolute() and "://" not in cfg.output_dir:
             cfg.output_dir = str(base / cfg.output_dir)
         if cfg.tokenizer not in ("bpe", "gpt2") and not Path(cfg.tokenizer).is_absolute():
             cfg.tokenizer = str(base / cfg.tokenizer)

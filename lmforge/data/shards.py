@@ -112,12 +112,30 @@ class TokenShards:
         except ValueError as e:
             raise ValueError(f"{path}: invalid JSON ({e})") from e
         m = self.manifest
+        if not isinstance(m, dict):
+            raise ValueError(f"{path}: a JSON {type(m).__name__}, not a token-shard manifest "
+                             f"(a JSON object with \"shards\"); re-run prepare")
         if m.get("format") != SHARD_FORMAT or m.get("version") != SHARD_FORMAT_VERSION:
             raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('version')!r}"
                              f" is not {SHARD_FORMAT!r} version {SHARD_FORMAT_VERSION}; re-run prepare")
-        self.dtype = np.dtype(m["dtype"]).newbyteorder("<")
+        missing = [k for k in ("dtype", "vocab_size", "total_tokens", "shards") if k not in m]
+        if missing:
+            raise ValueError(f"{path}: no {', '.join(repr(k) for k in missing)} in the manifest; "
+                             f"the dataset is incomplete, re-run prepare")
+        shards = m["shards"]
+        if not isinstance(shards, list) or not all(
+                isinstance(r, dict) and isinstance(r.get("file"), str)
+                and isinstance(r.get("tokens"), int) for r in shards):
+            raise ValueError(f"{path}: \"shards\" must be a list of {{\"file\", \"tokens\", "
+                             f"...}} entries; the manifest is damaged, re-run prepare")
+        try:
+            self.dtype = np.dtype(m["dtype"]).newbyteorder("<")
+        except TypeError as e:
+            raise ValueError(f"{path}: dtype {m['dtype']!r} is not a numpy dtype; re-run "
+                             f"prepare") from e
         self._maps: list[np.memmap] = []
-        for rec in m["shards"]:
+        self._max_id: int | None = None
+        for rec in shards:
             f = self.dir / rec["file"]
             want = rec["tokens"] * self.dtype.itemsize
             if not f.is_file():
@@ -125,15 +143,36 @@ class TokenShards:
             if f.stat().st_size != want:
                 raise ValueError(f"shard {f} has {f.stat().st_size} bytes, manifest says "
                                  f"{want}; the dataset is corrupted, re-run prepare")
+            mm = np.memmap(f, dtype=self.dtype, mode="r") if want else np.zeros(0, self.dtype)
             if verify_checksums:
-                if sha256_file(f) != rec["sha256"]:
+                if sha256_file(f) != rec.get("sha256"):
                     raise ValueError(f"shard {f} is corrupted: sha256 differs from {path}; "
                                      f"delete {self.dir} and re-run prepare")
-            self._maps.append(np.memmap(f, dtype=self.dtype, mode="r"))
+                if "max_id" in rec and len(mm) and int(mm.max()) != rec["max_id"]:
+                    raise ValueError(f"shard {f} is corrupted: its largest token id is "
+                                     f"{int(mm.max())}, {path} says {rec['max_id']}; delete "
+                                     f"{self.dir} and re-run prepare")
+            self._maps.append(mm)
         sizes = np.array([len(mm) for mm in self._maps], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)])  # shard k covers [s_k, s_k+1)
         self._len = int(self._starts[-1])
-        assert self._len == m["total_tokens"], (self._len, m["total_tokens"])
+        if self._len != m["total_tokens"]:  # (user data: never an assert, which -O removes)
+            raise ValueError(f"{path}: total_tokens = {m['total_tokens']} but its shards hold "
+                             f"{self._len} tokens; the manifest is damaged, re-run prepare")
+
+    @property
+    def max_id(self) -> int:
+        """Largest token id in the shards (-1 if none): the manifest's ``max_id``, or, for
+        manifests written before that field existed, computed from the data once. Compare it
+        with the model's vocabulary before training; ``verify_checksums=True`` also checks
+        every shard's bytes (and recorded max id) against the manifest."""
+        if self._max_id is None:
+            v = self.manifest.get("max_id")
+            if isinstance(v, int) and not isinstance(v, bool):
+                self._max_id = v
+            else:
+                self._max_id = max((int(mm.max()) for mm in self._maps if len(mm)), default=-1)
+        return self._max_id
 
     @property
     def vocab_size(self) -> int:

@@ -97,6 +97,10 @@ class Tokenizer:
         return self._tk
 
     # -- persistence ---------------------------------------------------------------------
+    def to_json(self) -> str:
+        """The serialized ``tokenizer.json`` text (what :meth:`save` writes)."""
+        return self._json
+
     def save(self, path: Path) -> None:
         """Write ``tokenizer.json`` atomically (lmforge.folders.atomic_write)."""
         path = Path(path)
