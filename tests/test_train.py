@@ -213,3 +213,29 @@ def test_saved_weights_get_the_users_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_token_ids_beyond_the_vocabulary_stop_the_run_at_start_up(small_data, tmp_path):
+    """Corrupt shard bytes of the right size used to open silently (an id of 60000 with a vocabulary
+    of 320) and fail later in the embedding; the manifest's largest id is checked at start-up."""
+    import json
+    import shutil
+
+    from lmforge.data.prepare import PreparedData
+
+    root = tmp_path / "copy"
+    shutil.copytree(small_data.train_dir.parent, root)
+    train = root / small_data.train_dir.name
+    manifest = json.loads((train / "manifest.json").read_text())
+    shard = train / manifest["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[0:2] = (60000).to_bytes(2, "little")  # same size, one id out of range
+    shard.write_bytes(bytes(data))
+    manifest["shards"][0].pop("max_id", None)  # an old manifest: the id is found in the data
+    manifest.pop("max_id", None)
+    (train / "manifest.json").write_text(json.dumps(manifest))
+    bad = PreparedData(**{**small_data.__dict__, "train_dir": train, "val_dir": root / small_data.val_dir.name})
+    with pytest.raises(ValueError, match="train shards hold token id 60000 but model.vocab_size = 320"):
+        make_trainer(bad, tmp_path)
+    with pytest.raises(ValueError, match="sha256"):  # data.verify_checksums re-hashes the shards
+        make_trainer(bad, tmp_path, **{"data.verify_checksums": True})

@@ -86,6 +86,7 @@ class DataConfig:
     tokenizer_vocab_size: int = _f(4096, "Vocabulary size when training a BPE tokenizer (tokenizer = 'bpe'). Must be <= model.vocab_size.")
     seq_len: int = _f(256, "Tokens per training sequence (context length). Must be <= model.max_seq_len.")
     val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
+    verify_checksums: bool = _f(False, "At start-up, re-hash every token shard against its manifest (sha256) before training; off by default (the shard sizes and the largest token id are always checked).")
     cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
 
     def check(self) -> None:

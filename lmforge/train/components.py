@@ -143,8 +143,15 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
     """This rank's train loader (rank r of W data-parallel ranks takes global samples r, r+W, ...:
     the 1-rank order, split) and the validation data."""
     t, ft = cfg.train, cfg.finetune
-    train_shards = open_tokens(data.train_dir)  # one shard set, or a weighted mixture
-    val_shards = TokenShards(data.val_dir)
+    verify = cfg.data.verify_checksums
+    train_shards = open_tokens(data.train_dir, verify_checksums=verify)  # one shard set, or a weighted mixture
+    val_shards = TokenShards(data.val_dir, verify_checksums=verify)
+    for split, shards in (("train", train_shards), ("validation", val_shards)):
+        if shards.max_id >= cfg.model.vocab_size:  # (an embedding lookup would fail, or assert on a GPU)
+            raise ValueError(
+                f"data.corpus: the {split} shards hold token id {shards.max_id} but model.vocab_size = "
+                f"{cfg.model.vocab_size}: they were written with a larger vocabulary or are corrupt; re-run "
+                f"`lmforge prepare` (data.verify_checksums = true re-hashes every shard), or raise model.vocab_size.")
     loader = PackedLoader(train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed, rank=dp_rank,
                           world_size=dp_size, mask_doc_boundaries=cfg.data.mask_doc_boundaries,
                           eos_id=data.tokenizer.eos_id)
