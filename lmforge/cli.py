@@ -18,11 +18,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
 from lmforge.folders import TOKENIZER
+
+
+TRAIN_ARGS_ENV = "LMFORGE_TRAIN_ARGS"  # overrides appended to every `lmforge train` command line
 
 
 def _setup_logging() -> None:
@@ -79,6 +83,7 @@ def _wait_for_sibling_workers(timeout_s: float = 5.0) -> None:
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    rest = rest + shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
     try:  # validate before the heavy imports; under torchrun every rank reads the same config
         cfg = load_config(args.config, parse_cli_overrides(rest))
     except ConfigError as exc:

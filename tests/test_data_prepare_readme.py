@@ -1,8 +1,8 @@
 """The data-preparation commands of README.md run as written (on a generated corpus in raw/).
 
-Lines marked "(not run by tests" (Slurm, S3) and `lmforge train` (the training tests cover it;
-a 16k-vocabulary model is too slow here) are left out; everything else in the section's bash
-blocks runs verbatim, in order, in one shell."""
+Lines marked "(not run by tests" (Slurm, S3) are left out; everything else in the section's bash
+blocks runs verbatim, in order, in one shell; `lmforge train` briefly (LMFORGE_TRAIN_ARGS, as in
+tests/test_readme_commands.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_readme_commands import BRIEF
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,8 +26,7 @@ def section_commands() -> str:
     section = text[text.index("### Your own corpus"):text.index("### Planning")]
     blocks = re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
     assert len(blocks) >= 2
-    lines = [ln for b in blocks for ln in b.splitlines()
-             if "(not run by tests" not in ln and not ln.startswith("lmforge train")]
+    lines = [ln for b in blocks for ln in b.splitlines() if "(not run by tests" not in ln]
     return "\n".join(lines) + "\n"
 
 
@@ -47,7 +48,7 @@ def test_readme_prepare_commands_run(tmp_path):
             " ".join(rng.choice(words) for _ in range(2000)))
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{bindir}:{os.environ['PATH']}",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "LMFORGE_TRAIN_ARGS": BRIEF}
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

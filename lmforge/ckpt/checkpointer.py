@@ -1,7 +1,7 @@
 """Checkpointing a run's state: a mapping of named `Stateful` objects plus run metadata in, files
 out, and back. It knows nothing of the trainer (torchtitan's `CheckpointManager(states=...)` shape).
 
-    manager = manager_for_run(cfg, out_dir, rank, world_size, on_event)   # every rank
+    manager = manager_for_run(cfg, out_dir, dist_info, on_event)   # every rank
     save_states(manager, step, states, meta)          # every rank, at the same step (async by default)
     path = resolve_resume(cfg.checkpoint, manager)     # newest valid checkpoint, an explicit path, or None
     check_compatible(read_meta(path), cfg, path)       # model / optimizer must match the config
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +35,7 @@ from lmforge.ckpt.safe_io import safe_read_metadata
 from lmforge.ckpt.state import Stateful, join_state, split_state
 from lmforge.config import Config, ConfigError
 from lmforge.folders import CHECKPOINTS
+from lmforge.parallel.mesh import DistInfo, folder_is_shared
 
 log = logging.getLogger("lmforge.ckpt")
 
@@ -42,17 +44,28 @@ log = logging.getLogger("lmforge.ckpt")
 _HARMLESS_MODEL_KEYS = ("dropout", "init_std")
 
 
-def manager_for_run(cfg: Config, out_dir: Path, rank: int, world_size: int,
-                    on_event: Callable[[dict], None]) -> CheckpointManager:
-    """The run's checkpoint manager (every rank): folder, rotation, validation, S3 backup on rank 0,
-    and a gloo group of its own for the collectives of its background thread (they must never
-    interleave with the training collectives)."""
+def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callable[[dict], None]) -> CheckpointManager:
+    """The run's checkpoint manager (every rank): folder, rotation, validation, S3 backup, and a gloo
+    group of its own for the collectives of its background thread (they must never interleave with
+    the training collectives).
+
+    When the ranks do not share the checkpoint folder (node-local disks, found by a probe file), a
+    checkpoint can only be resumed through the S3 backup, so checkpoint.s3_bucket is then required
+    (a ConfigError names the two keys otherwise); each node's local rank 0 then backs its files up."""
     c = cfg.checkpoint
+    root = Path(os.path.expandvars(c.dir)).expanduser() if c.dir else Path(out_dir) / CHECKPOINTS
     pg = None
     if dist.is_available() and dist.is_initialized():
         pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    node_local = not folder_is_shared(root, info)
+    if node_local and not c.s3_bucket:
+        raise ConfigError(
+            f"checkpoint.dir = {str(root)!r} is not the same folder on every node (node-local disks): a checkpoint "
+            f"spread over them cannot be resumed. Set checkpoint.dir to a folder every node sees (a shared file "
+            f"system), or checkpoint.s3_bucket so that every node restores from the backup.")
+    leader = info.local_rank == 0 if node_local else info.rank == 0
     backup, problem = None, [None]
-    if c.s3_bucket and rank == 0:  # the endpoint and bucket are checked once, here, before any training
+    if c.s3_bucket and leader:  # the endpoint and bucket are checked once, here, before any training
         from lmforge.ckpt.s3 import S3Backup
 
         try:
@@ -60,13 +73,18 @@ def manager_for_run(cfg: Config, out_dir: Path, rank: int, world_size: int,
             backup.check()
         except ConfigError as e:
             problem[0] = str(e)
-    if pg is not None and c.s3_bucket:  # every rank stops with rank 0's verdict (no rank left waiting)
-        dist.broadcast_object_list(problem, src=0, group=pg)
+    if pg is not None and c.s3_bucket:  # every rank stops with the first verdict (no rank left waiting)
+        verdicts: list[Any] = [None] * info.world_size
+        dist.all_gather_object(verdicts, problem[0], group=pg)
+        problem[0] = next((v for v in verdicts if v), None)
     if problem[0]:
         raise ConfigError(problem[0])
-    return CheckpointManager(Path(c.dir) if c.dir else Path(out_dir) / CHECKPOINTS, rank=rank, world_size=world_size,
-                             async_save=c.async_save, validate=c.validate, keep_last=c.keep_last,
-                             keep_every=c.keep_every, backup=backup, process_group=pg, on_event=on_event)
+    if node_local and info.rank == 0:
+        log.info("checkpoint: %s is node-local (not shared by every rank): each node keeps its shards and backs "
+                 "them up to s3://%s; a resume restores from there", root, c.s3_bucket)
+    return CheckpointManager(root, rank=info.rank, world_size=info.world_size, async_save=c.async_save,
+                             validate=c.validate, keep_last=c.keep_last, keep_every=c.keep_every, backup=backup,
+                             process_group=pg, on_event=on_event, local_rank=info.local_rank, node_local=node_local)
 
 
 def save_states(manager: CheckpointManager, step: int, states: Mapping[str, Stateful], meta: dict[str, Any]) -> None:

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import lmforge
 from lmforge.ckpt.safe_io import SafeFileSystemReader, check_relative, safe_read_metadata
-from lmforge.folders import atomic_write_json, fsync_dir, is_temp_name, sha256_file
+from lmforge.folders import atomic_write, atomic_write_json, fsync_dir, sha256_file
 
 log = logging.getLogger("lmforge.ckpt")
 # DCP warns on every single-process save/load; lmforge passes no_dist deliberately there
@@ -88,7 +88,7 @@ def read_meta(folder: Path) -> dict:
     return meta
 
 
-def verify_checkpoint(folder: Path, test_load: bool = False) -> dict:
+def verify_checkpoint(folder: Path, test_load: bool = False, present_only: bool = False) -> dict:
     """Checks a finished checkpoint: meta.json readable, every listed file present inside the folder
     with its recorded size and sha256, no unlisted shard, DCP metadata safe; optionally reads every
     tensor back (a test load). Returns the meta; raises ValueError naming the problem."""
@@ -96,6 +96,8 @@ def verify_checkpoint(folder: Path, test_load: bool = False) -> dict:
     for name, rec in meta["files"].items():
         path = check_relative(folder, name)
         if not path.is_file():
+            if present_only:  # (node-local disks: other nodes' shards live on their disks)
+                continue
             raise ValueError(f"{folder}: file {name} listed in {META} is missing")
         size = path.stat().st_size
         if size != rec.get("bytes"):
@@ -128,14 +130,23 @@ class SaveRequest:
 
 
 class CheckpointManager:
-    """Owns a checkpoint folder for one run. Every rank creates one; rank 0 does the file work."""
+    """Owns a checkpoint folder for one run. Every rank creates one and hashes the files it wrote;
+    rank 0 writes the metadata and does the folder work.
+
+    Node-local disks (`node_local`: ranks do not share the folder): each node's local rank 0 (the
+    node's `leader`) publishes, validates and rotates its own folder, which holds its node's shards
+    and a copy of the metadata; every leader backs its node's files up to S3 (which is then
+    required) and rank 0 uploads meta.json last; a resume restores the whole checkpoint from S3
+    into every node's folder first (files already there with the right checksum are kept)."""
 
     def __init__(self, root: Path, *, rank: int = 0, world_size: int = 1, async_save: bool = True,
                  validate: bool = True, keep_last: int = 2, keep_every: int = 0,
                  backup: "Any | None" = None, process_group: Any = None,
-                 on_event: Callable[[dict], None] | None = None):
+                 on_event: Callable[[dict], None] | None = None, local_rank: int = 0, node_local: bool = False):
         self.root = Path(root)
         self.rank, self.world_size = rank, world_size
+        self.node_local = node_local
+        self.leader = local_rank == 0 if node_local else rank == 0  # who does this folder's file work
         self.distributed = dist.is_available() and dist.is_initialized()
         self.async_save = async_save
         self.validate = validate
@@ -157,7 +168,7 @@ class CheckpointManager:
         (`latest_valid`, `load`) needs no preparation, so a run refused at start-up changes nothing."""
         if self._prepared:
             return
-        if self.rank == 0:
+        if self.leader:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("step_*.tmp"):
                 log.warning("checkpoint: removing %s left by an interrupted save", stale)
@@ -187,7 +198,7 @@ class CheckpointManager:
         self.prepare()
         self.wait()
         tmp = self.root / (step_name(step) + ".tmp")
-        if self.rank == 0:
+        if self.leader:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
@@ -238,64 +249,94 @@ class CheckpointManager:
 
     def _finish(self, req: SaveRequest, tmp: Path, future: Future | None, write: Callable[[], Any] | None,
                 error: BaseException | None, started: float, staged_s: float) -> None:
+        """The background end of a save: agree that every shard is written, hash (each rank its own
+        files), write the metadata, publish, validate, rotate, back up. Collectives run on the
+        manager's own gloo group, every rank in the same order."""
         try:
             if error is None and (future is not None or write is not None):
                 try:
                     future.result() if future is not None else write()
                 except BaseException as e:  # noqa: BLE001
                     error = e
-            if self.distributed:
-                # agree on success before rank 0 publishes (gloo group reserved for checkpoints)
+            if self.distributed:  # agree on success before anything is published
                 flag = torch.tensor([1 if error is None else 0], dtype=torch.int32)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
                 if error is None and flag.item() == 0:
                     error = RuntimeError("another rank failed to write its shard")
             if error is not None:
                 raise error
-            if self.rank == 0:
-                self._publish(req, tmp, started, staged_s)
+            self._publish(req, tmp, started, staged_s)
         except BaseException as e:  # noqa: BLE001 - a failed checkpoint must not kill the run
             self.failures += 1
-            if self.rank == 0:
+            if self.leader:
                 shutil.rmtree(tmp, ignore_errors=True)
             log.error("checkpoint at step %d FAILED (%s: %s); previous checkpoints are intact, training goes on",
                       req.step, type(e).__name__, e)
             self.on_event({"step": req.step, "event": "checkpoint_failed", "error": f"{type(e).__name__}: {e}",
                            "message": f"checkpoint at step {req.step} failed: {e}"})
 
+    def _own_files(self, tmp: Path) -> dict[str, dict]:
+        """{file: {bytes, sha256}} of what this rank wrote: its DCP shard files (and, on rank 0, the
+        DCP index and the trainer state)."""
+        mine = sorted(tmp.glob(f"__{self.rank}_*.distcp"))
+        if self.rank == 0:
+            mine += [tmp / ".metadata", tmp / TRAINER_STATE]
+        return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in mine if p.is_file()}
+
     def _publish(self, req: SaveRequest, tmp: Path, started: float, staged_s: float) -> None:
-        atomic_write_json(tmp / TRAINER_STATE, req.trainer_state, sort_keys=True)
-        files = {}
-        for path in sorted(tmp.iterdir()):
-            if path.is_file() and not is_temp_name(path.name):
-                files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-        meta = {**req.meta, "format": FORMAT, "step": req.step, "files": files,
-                "lmforge_version": lmforge.__version__, "torch_version": torch.__version__,
-                "world_size": self.world_size,
-                "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        atomic_write_json(tmp / META, meta, sort_keys=True)
-        fsync_dir(tmp)
+        if self.rank == 0:
+            atomic_write_json(tmp / TRAINER_STATE, req.trainer_state, sort_keys=True)
+        own = self._own_files(tmp)
+        parts = [own]
+        if self.distributed:  # the metadata combines every rank's checksums
+            parts = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(own, parts, dst=0, group=self.pg)
+        shared: list[Any] = [None]
+        if self.rank == 0:
+            files = {name: rec for part in parts for name, rec in sorted(part.items())}
+            meta = {**req.meta, "format": FORMAT, "step": req.step, "files": dict(sorted(files.items())),
+                    "lmforge_version": lmforge.__version__, "torch_version": torch.__version__,
+                    "world_size": self.world_size, "node_local": self.node_local,
+                    "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            shared = [(meta, req.trainer_state, (tmp / ".metadata").read_bytes() if self.node_local else None)]
+        if self.node_local:  # every node's folder gets the metadata beside its own shards
+            dist.broadcast_object_list(shared, src=0, group=self.pg)
+        meta, trainer_state, dcp_index = shared[0] if shared[0] is not None else (None, None, None)
         final = self.root / step_name(req.step)
-        if final.exists():  # left by a run that rolled back or crashed after resuming earlier
-            aside = final.with_name(final.name + ".replaced")
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-            shutil.rmtree(aside, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(self.root)
+        if self.leader:
+            if self.node_local and self.rank != 0:
+                atomic_write_json(tmp / TRAINER_STATE, trainer_state, sort_keys=True)
+                atomic_write(tmp / ".metadata", dcp_index)
+            atomic_write_json(tmp / META, meta, sort_keys=True)
+            fsync_dir(tmp)
+            if final.exists():  # left by a run that rolled back or crashed after resuming earlier
+                aside = final.with_name(final.name + ".replaced")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+            if self.validate:  # (node-local: the files on this node; a test load needs them all)
+                verify_checkpoint(final, test_load=not self.node_local, present_only=self.node_local)
+            self.rotate()
+        self._barrier()
         written_s = time.time() - started
-        if self.validate:
-            verify_checkpoint(final, test_load=True)
-        size = sum(rec["bytes"] for rec in files.values())
-        self.saves += 1
-        self.last_save = {"step": req.step, "path": str(final), "bytes": size, "blocking_s": staged_s,
-                          "total_s": time.time() - started, "write_s": written_s}
-        log.info("checkpoint: step %d -> %s (%.1f MB; %.2fs blocking, %.2fs total%s)", req.step, final,
-                 size / 1e6, staged_s, self.last_save["total_s"], ", validated" if self.validate else "")
-        self.on_event({"step": req.step, "event": "checkpoint", "path": str(final), "bytes": size,
-                       "blocking_s": staged_s, "total_s": self.last_save["total_s"]})
-        self.rotate()
-        if self.backup is not None:
+        if self.rank == 0:
+            size = sum(rec["bytes"] for rec in meta["files"].values())
+            self.saves += 1
+            self.last_save = {"step": req.step, "path": str(final), "bytes": size, "blocking_s": staged_s,
+                              "total_s": time.time() - started, "write_s": written_s}
+            log.info("checkpoint: step %d -> %s (%.1f MB; %.2fs blocking, %.2fs total%s)", req.step, final,
+                     size / 1e6, staged_s, self.last_save["total_s"], ", validated" if self.validate else "")
+            self.on_event({"step": req.step, "event": "checkpoint", "path": str(final), "bytes": size,
+                           "blocking_s": staged_s, "total_s": self.last_save["total_s"]})
+        if self.node_local:  # every node backs up its own files; rank 0 the meta.json that completes them
+            if self.leader:
+                self.backup.upload_files(final, [n for n in meta["files"] if (final / n).is_file()])
+            self._barrier()
+            if self.rank == 0:
+                self.backup.upload_files(final, [META], keep=[p.name for _, p in list_checkpoints(self.root)])
+        elif self.backup is not None:
             self.backup.upload(final, keep=[p.name for _, p in list_checkpoints(self.root)])
 
     def rotate(self) -> None:
@@ -316,7 +357,10 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------------
     def latest_valid(self) -> Path | None:
-        """Newest checkpoint that passes `verify_checkpoint` (rank 0's answer, on every rank)."""
+        """Newest checkpoint that passes `verify_checkpoint` (rank 0's answer, on every rank).
+        Node-local disks: the newest complete one in the S3 backup, fetched into every node's folder."""
+        if self.node_local:
+            return self._latest_from_backup()
         choice: list[Any] = [None]
         if self.rank == 0:
             for step, path in list_checkpoints(self.root):
@@ -334,6 +378,29 @@ class CheckpointManager:
         if self.distributed:
             dist.broadcast_object_list(choice, src=0, group=self.pg)
         return Path(choice[0]) if choice[0] else None
+
+    def _latest_from_backup(self) -> Path | None:
+        name: list[Any] = [None]
+        if self.rank == 0:
+            name[0] = self.backup.latest_complete()
+        dist.broadcast_object_list(name, src=0, group=self.pg)
+        problem: list[Any] = [None]
+        if name[0] is not None and self.leader:
+            try:
+                self.backup.fetch(name[0], self.root)  # (what this node wrote is kept when its checksum holds)
+            except Exception as e:  # noqa: BLE001 - every rank stops with the same error below
+                problem[0] = f"{type(e).__name__}: {e}"
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem[0], group=self.pg)
+        bad = [p for p in problems if p]
+        if bad:
+            raise ValueError(f"checkpoint {name[0]} could not be restored from the S3 backup onto every node: {bad[0]}")
+        if name[0] is None:
+            if self.rank == 0 and list_checkpoints(self.root):
+                log.warning("checkpoint: node-local checkpoints exist but none is complete in the S3 backup; starting "
+                            "fresh (a node-local checkpoint cannot be resumed across nodes)")
+            return None
+        return self.root / name[0]
 
     def verify(self, path: Path) -> None:
         """`verify_checkpoint(path)` hashed once, on rank 0; every rank raises its ValueError."""

@@ -132,7 +132,15 @@ class S3Backup:
 
     def _upload(self, folder: Path) -> None:
         meta = json.loads((folder / META).read_text())
-        names = sorted(meta["files"]) + [META]  # meta.json last: it marks the remote copy complete
+        self.upload_files(folder, sorted(meta["files"]))
+        self.upload_files(folder, [META])  # meta.json last: it marks the remote copy complete
+
+    def upload_files(self, folder: Path, names: list[str], keep: list[str] | None = None) -> None:
+        """Upload `names` of checkpoint `folder` now (this thread), each verified (size and sha256 of
+        the stored object); with meta.json among them the remote checkpoint is complete, and remote
+        checkpoints not in `keep` are then deleted. Node-local disks: each node uploads its own
+        files, rank 0 meta.json last."""
+        meta = json.loads((folder / META).read_text())
         for name in names:
             path = folder / name
             digest = meta["files"][name]["sha256"] if name in meta["files"] else sha256_file(path)
@@ -141,10 +149,13 @@ class S3Backup:
             head = self.client.head_object(Bucket=self.bucket, Key=key)
             if head["ContentLength"] != path.stat().st_size or head.get("Metadata", {}).get("sha256") != digest:
                 raise IOError(f"s3://{self.bucket}/{key}: stored object does not match the local file")
-        self.uploaded.append(folder.name)
-        log.info("checkpoint: %s backed up to s3://%s/%s%s/", folder.name, self.bucket, self.prefix, folder.name)
-        self.on_event({"event": "backup", "path": f"s3://{self.bucket}/{self.prefix}{folder.name}/",
-                       "message": f"backed up {folder.name}"})
+        if META in names:
+            self.uploaded.append(folder.name)
+            log.info("checkpoint: %s backed up to s3://%s/%s%s/", folder.name, self.bucket, self.prefix, folder.name)
+            self.on_event({"event": "backup", "path": f"s3://{self.bucket}/{self.prefix}{folder.name}/",
+                           "message": f"backed up {folder.name}"})
+            if keep is not None:
+                self._prune(keep)
 
     def remote_checkpoints(self) -> list[str]:
         """Names of remote checkpoint folders (step_NNNNNNNN), newest first."""
@@ -168,6 +179,38 @@ class S3Backup:
                     self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objs})
 
     # ---- restore -----------------------------------------------------------------------------
+    def latest_complete(self) -> str | None:
+        """The newest remote checkpoint whose meta.json (uploaded last) is there."""
+        for name in self.remote_checkpoints():
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=f"{self.prefix}{name}/{META}")
+                return name
+            except Exception:  # noqa: BLE001 - incomplete (or being uploaded): try an older one
+                continue
+        return None
+
+    def fetch(self, name: str, root: Path) -> Path:
+        """Make `root/name` a complete copy of the remote checkpoint `name`: files already there with
+        their recorded sha256 are kept, the others downloaded (node-local disks: each node gets the
+        other nodes' shards). Published atomically; raises ValueError if a checksum fails."""
+        base, final, tmp = f"{self.prefix}{name}/", root / name, root / (name + ".fetch")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.client.download_file(self.bucket, base + META, str(tmp / META))
+        meta: dict[str, Any] = json.loads((tmp / META).read_text())
+        for fname, rec in meta.get("files", {}).items():
+            have = check_relative(final, fname)
+            if have.is_file() and have.stat().st_size == rec.get("bytes") and sha256_file(have) == rec.get("sha256"):
+                shutil.copy2(have, check_relative(tmp, fname))
+            else:
+                self.client.download_file(self.bucket, base + fname, str(check_relative(tmp, fname)))
+        verify_checkpoint(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        log.info("checkpoint: %s fetched from s3://%s/%s into %s", name, self.bucket, base, root)
+        return final
+
     def restore_latest(self, root: Path) -> Path | None:
         """Download the newest complete, checksum-valid remote checkpoint into `root`."""
         for name in self.remote_checkpoints():

@@ -31,7 +31,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -134,9 +136,14 @@ def init_distributed(cfg: Config) -> DistInfo:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     check_layout(cfg, world, cuda_wanted)
-    device = torch.device("cuda", local_rank) if cuda_wanted else torch.device("cpu")
-    if cuda_wanted:
-        torch.cuda.set_device(local_rank)
+    device = torch.device("cpu")
+    if cuda_wanted:  # one GPU per process; more processes than GPUs share them round-robin (NCCL may refuse)
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            log.warning("distributed: local rank %d of a node with %d GPU(s) shares cuda:%d", local_rank, count,
+                        local_rank % count)
+        device = torch.device("cuda", local_rank % count)
+        torch.cuda.set_device(device)
     backend = backend_spec(device.type)
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     if not dist.is_initialized():
@@ -167,6 +174,29 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device = {name!r} but no CUDA device is available; use 'cpu' or 'auto'.")
     return device
+
+
+def folder_is_shared(folder: Path, info: DistInfo) -> bool:
+    """Whether every rank sees the same `folder` (one file system), or nodes have disks of their own:
+    rank 0 leaves a uniquely named probe file in the folder's nearest existing ancestor and every rank
+    looks for it (over the host gloo group). True outside torchrun."""
+    if not info.distributed:
+        return True
+    token = [uuid.uuid4().hex if info.rank == 0 else None]
+    dist.broadcast_object_list(token, src=0, group=info.host_group)
+    anchor = Path(folder).expanduser().absolute()
+    while not anchor.exists() and anchor != anchor.parent:
+        anchor = anchor.parent
+    probe = anchor / f".lmforge-shared-{token[0]}"
+    if info.rank == 0:
+        probe.touch()
+    dist.barrier(group=info.host_group)
+    seen = torch.tensor([int(probe.exists())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=info.host_group)
+    dist.barrier(group=info.host_group)
+    if info.rank == 0:
+        probe.unlink(missing_ok=True)
+    return bool(seen.item())
 
 
 def backend_spec(device_type: str) -> str:

@@ -56,7 +56,7 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
         layout = TensorParallel(model, cfg, dist_info, precision)
     elif p.fsdp:
         layout = FullyShard(model, cfg, dist_info, precision)
-    elif p.dp > 1:
+    elif p.dp > 1 or dist_info.distributed:  # (under torchrun one process too: DDP at world size 1)
         layout = DataParallel(model, cfg, dist_info, precision)
     else:
         layout = Layout(model, cfg, dist_info, precision)

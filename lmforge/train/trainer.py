@@ -43,10 +43,10 @@ from lmforge.model.transformer import count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.optim.schedules import BatchRampup, build_scheduler
 from lmforge.parallel.layout import Layout
-from lmforge.parallel.mesh import destroy_distributed, init_distributed
+from lmforge.parallel.mesh import destroy_distributed, folder_is_shared, init_distributed
 from lmforge.parallel.parallelize import parallelize
-from lmforge.train.components import (build_loaders, build_training_model, check_out_dir, config_differences,
-                                      prepare_data, run_folder, seed_everything)
+from lmforge.train.components import (build_loaders, build_training_model, cache_dir, check_out_dir,
+                                      config_differences, prepare_data, run_folder, seed_everything)
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
@@ -102,7 +102,9 @@ class Trainer:
         for note in cfg.adjustments:  # (what load_config fitted to the layout)
             log.info("config: %s", note)
         seed_everything(t.seed)
-        self.out_dir = self.rank0_decides(self.out_dir or run_folder(cfg))
+        if self.out_dir is None:  # rank 0 decides which sibling folder; each rank keeps its own expansion
+            chosen = run_folder(cfg)
+            self.out_dir = chosen.with_name(self.rank0_decides(chosen.name))
         check_out_dir(self.out_dir)
 
         # data
@@ -146,7 +148,7 @@ class Trainer:
         self.guard = SpikeGuard(g.sigma, g.window, g.min_history, g.rollback_after) if g.enabled else None
         self._skipped_batches: list[int] = []  # batch indices of the current run of skipped steps
         self._rollback_requested = False
-        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist.rank, self.dist.world_size, self.log_event)
+        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event)
         self.states = {"train": self.state, "model": ModelOptimizerState(self.model, self.optimizer),
                        "loader": self.loader, "scheduler": SchedulerPosition(self.scheduler),
                        "scaler": ScalerState(self.precision.scaler), "rng": RNGState(self.dist.rank)}
@@ -189,12 +191,20 @@ class Trainer:
         return parallelize(model, self.cfg, self.dist, precision)
 
     def prepare_data(self):
-        """The dataset, prepared (or read from its cache) by rank 0 first, then read by the others."""
-        if self.dist.distributed and not is_rank0():
-            torch.distributed.barrier()
+        """The dataset, prepared (or read from its cache) by one rank first, then read by the others:
+        rank 0 when every rank sees the same cache folder, else each node's local rank 0 (node-local
+        disks: every node prepares its own copy)."""
+        if not self.dist.distributed:
+            return prepare_data(self.cfg)
+        shared = self.cfg.data.corpus != "default" or folder_is_shared(cache_dir(self.cfg), self.dist)
+        first = self.dist.rank == 0 if shared else self.dist.local_rank == 0
+        if not shared and self.dist.rank == 0:
+            log.info("data: the cache %s is not shared by all ranks: each node prepares its own copy", cache_dir(self.cfg))
+        if not first:
+            torch.distributed.barrier(group=self.dist.host_group)
         data = prepare_data(self.cfg)
-        if self.dist.distributed and is_rank0():
-            torch.distributed.barrier()
+        if first:
+            torch.distributed.barrier(group=self.dist.host_group)
         return data
 
     # ------------------------------------------------------------------------------------------
@@ -217,7 +227,7 @@ class Trainer:
 
     def report_finished(self) -> TrainResult:
         """The run in the folder is complete: report its summary, change nothing."""
-        summary = json.loads((self.out_dir / SUMMARY).read_text())
+        summary = self.rank0_decides(json.loads((self.out_dir / SUMMARY).read_text()) if is_rank0() else None)
         log.info("the run in %s is already complete (%d of %d steps, validation loss %.4f); nothing to do. Start "
                  "over with --checkpoint.resume none or another --train.out_dir, or train longer with a larger "
                  "--train.steps and --train.out_dir %s", self.out_dir, self.state.step, self.cfg.train.steps,

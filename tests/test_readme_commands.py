@@ -1,0 +1,84 @@
+"""Every command of README.md runs as written, so the README cannot drift from the code.
+
+The bash blocks run in order, each as one `bash -e` script, in a scratch folder that holds the
+files the README names (`my_run.toml`, `book.txt`, `pairs.jsonl`, ...). Left out: the first two
+blocks (the newcomer's install + train / install + test commands: `.ci/run` and
+tests/test_e2e.py run those), the data-preparation section (tests/test_data_prepare_readme.py
+runs it), and lines marked `(not run by tests: ...)` with their continuation lines. Training
+runs briefly: `LMFORGE_TRAIN_ARGS` (appended to every `lmforge train`, sweep trials included)
+makes each a few dozen tiny steps on the default corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = "(not run by tests"
+BRIEF = ("--train.steps 25 --train.global_batch_size 12 --train.micro_batch_size 2 --data.seq_len 32 "
+         "--train.eval_sequences 4 --train.eval_every 0 --train.sample_tokens 4 --train.log_every 5 "
+         "--train.plot false --train.tensorboard false --train.progress lines --train.threads 1 "
+         "--checkpoint.every_minutes 0")
+
+
+def readme_blocks() -> list[tuple[str, str]]:
+    """(heading, script) of every bash block after the first two, outside the data section, with
+    the marked lines (and the lines continuing them) removed."""
+    text = (ROOT / "README.md").read_text()
+    data_start, data_end = text.index("### Your own corpus"), text.index("### Planning")
+    blocks = []
+    for m in list(re.finditer(r"```bash\n(.*?)\n```", text, flags=re.S))[2:]:
+        if data_start <= m.start() < data_end:
+            continue
+        heading = re.findall(r"^#+ (.*)$", text[:m.start()], flags=re.M)[-1]
+        commands = re.sub(r"\\\n\s*", "", m.group(1)).splitlines()  # one line per command
+        kept = [c for c in commands if SKIP not in c]
+        blocks.append((heading, "\n".join(kept)))
+    return blocks
+
+
+def fixtures(cwd: Path) -> None:
+    """The files the README's commands name."""
+    (cwd / "my_run.toml").write_text('inherit = "tiny"\n[optim]\nlr = 3e-3\n')
+    (cwd / "book.txt").write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 20)
+    (cwd / "pairs.jsonl").write_text("".join(json.dumps({"prompt": p, "reference": r}) + "\n" for p, r in [
+        ("ROMEO:", "But soft, what light"), ("JULIET:", "O Romeo, Romeo")]))
+    for name in ("hellaswag.jsonl", "piqa.jsonl"):
+        (cwd / name).write_text("".join(json.dumps({"context": c, "choices": ch, "label": 0}) + "\n" for c, ch in [
+            ("The king", [" spoke to the people.", " zzz qqq."]), ("The queen", [" walked home.", " xq zz."])]))
+    (cwd / "sweep.toml").write_text('[grid]\n"optim.lr" = [1e-3, 3e-3]\n')
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs(tmp_path):
+    blocks = readme_blocks()
+    headings = [h for h, _ in blocks]
+    for must in ("Using it", "Scale out", "Parallel layouts (tensor, pipeline, 2-D/3-D, async SGD)", "Never lose a run",
+                 "Evaluate, fine-tune, and interoperate with Hugging Face", "Watching runs, reports and sweeps"):
+        assert must in headings, headings
+    fixtures(tmp_path)
+    env = {**os.environ, "LMFORGE_TRAIN_ARGS": BRIEF, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for heading, script in blocks:
+        if "lmforge import --hf path/to/llama" in script:  # a transformers folder to import
+            subprocess.run(["lmforge", "export", "--run", "runs/tiny", "--out", "path/to/llama"], cwd=tmp_path, env=env,
+                           check=True, capture_output=True)
+        if "lmforge report runs/a runs/b" in script:  # two runs to compare
+            for name in ("a", "b"):
+                subprocess.run(["cp", "-r", "runs/tiny", f"runs/{name}"], cwd=tmp_path, check=True)
+        proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, f"README section {heading!r}:\n{script}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    # what the commands made: the runs, the export, the report, the sweeps
+    assert (tmp_path / "runs" / "tiny" / "model.safetensors").is_file()
+    assert (tmp_path / "hf" / "tiny" / "config.json").is_file()
+    assert (tmp_path / "runs" / "imported" / "config.toml").is_file()
+    assert (tmp_path / "runs" / "tiny" / "report" / "index.html").is_file()
+    assert json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())["steps"] == 25
