@@ -5,7 +5,6 @@ Korthikanti activations (fused attention, SwiGLU), and the exact bytes lmforge a
 from __future__ import annotations
 
 import math
-import weakref
 
 import pytest
 import torch
@@ -316,41 +315,20 @@ def _small_model(preset: str, overrides: dict):
     return cfg, build_model(cfg.model, "cpu", seed=0)
 
 
-def _step_bytes(model, batches) -> tuple[int, int, int, int]:
-    """Emulates the trainer's step: the forwards of `batches` run inside ONE bf16 autocast context,
-    each micro-batch's graph kept (as a pipeline schedule keeps those in flight), then one backward,
-    still inside the context. Returns (bytes of the unique storages autograd saves or autocast's
-    cache holds, bytes of the 16-bit parameter copies alive after the forwards, copies alive after
-    the backward, copies alive after the context exits). Parameters themselves are not counted."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _step_bytes(model, batches):
+    """benchmarks/plan_activation_check.py's `step_bytes`: the trainer's step (all micro-batches'
+    forwards and the backward inside ONE bf16 autocast context), measured on CPU."""
+    import importlib.util
+    import sys
+    from pathlib import Path
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-    casts: list[weakref.ref] = []
-
-    class CastSpy(TorchDispatchMode):  # records the 16-bit copies autocast makes of parameters
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in params:
-                casts.append(weakref.ref(out))
-            return out
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def alive() -> dict[int, int]:
-        return {c().untyped_storage().data_ptr(): c().untyped_storage().nbytes() for c in casts if c() is not None}
-
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with CastSpy(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            losses = [F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()) for x in batches]
-        copies = alive()
-        sum(losses).backward()
-        after_backward = sum(alive().values())
-    return sum((saved | copies).values()), sum(copies.values()), after_backward, sum(alive().values())
+    name = "plan_activation_check"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name].step_bytes(model, batches)
 
 
 @pytest.mark.parametrize("preset,overrides", _SMALL_CASES, ids=[c[0] for c in _SMALL_CASES])
