@@ -115,7 +115,8 @@ def test_allow_offload_checks_host_ram_per_node():
         assert c.host_bytes_per_node == pytest.approx(8 * c.memory.cpu_bytes)
         assert 1e12 < c.host_bytes_per_node <= 0.9 * 2048e9
         assert "host RAM per node" in c.reason
-    assert not search_layouts(cfg, parse_cluster("8xA100-40GB"), 64, 4096, **kw)  # 1 TB of host RAM
+    none = search_layouts(cfg, parse_cluster("8xA100-40GB"), 64, 4096, **kw)  # 1 TB of host RAM
+    assert not none and none.offload_tried and "CPU offload included" in explain_winner(none, none.offload_tried)
     need = min(c.host_bytes_per_node for c in offloaded)
     assert not search_layouts(cfg, parse_cluster("8xA100-80GB"), 64, 4096, host_memory_gb=need / 1e9 / 0.9 * 0.99, **kw)
     assert search_layouts(cfg, parse_cluster("8xA100-80GB"), 64, 4096, host_memory_gb=need / 1e9 / 0.9 * 1.01, **kw)

@@ -134,7 +134,7 @@ def candidates_table(cands: SearchResult, cluster: Cluster, usable_fraction: flo
     if cands.note:
         lines.append(cands.note)
     if not cands:
-        return "\n".join(lines + ["Search: " + explain_winner(cands)])
+        return "\n".join(lines + ["Search: " + explain_winner(cands, cands.offload_tried)])
     mem_cols = tuple(f"GB {c}" for c in cands.conventions)
     rows = [("#", "layout", "tok/s/GPU", "MFU", "HFU", "step", "bubble") + mem_cols + ("fits",)]
     for c in cands:

@@ -64,9 +64,10 @@ class SearchResult(list):
     (reason -> count), and a note on what it assumed."""
 
     def __init__(self, cands: list[Candidate], fit_convention: str, conventions: tuple[str, ...],
-                 tried: int, refused: dict[str, int], margin: float, note: str = ""):
+                 tried: int, refused: dict[str, int], margin: float, note: str = "", offload_tried: bool = False):
         super().__init__(cands)
         self.note = note
+        self.offload_tried = offload_tried
         self.fit_convention = fit_convention
         self.conventions = conventions
         self.tried = tried
@@ -276,12 +277,17 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
                 diff = best.step.tokens_per_s / c.step.tokens_per_s - 1
                 c.reason += f"; {abs(diff):.1%} {'slower' if diff >= 0 else 'faster'} than #1"
     note = rampup_note(config) if weights == "lmforge" else ""
-    return SearchResult(shown, weights, conventions, len(layouts), dict(refused), margin, note)
+    return SearchResult(shown, weights, conventions, len(layouts), dict(refused), margin, note,
+                        offload_tried=any(lay.cpu_offload for lay in layouts))
 
 
-def explain_winner(cands: list[Candidate]) -> str:
+def explain_winner(cands: list[Candidate], offload_tried: bool = False) -> str:
     """A few sentences on why the top layout wins (for the terminal report)."""
     if not cands:
+        if offload_tried:
+            return ("No layout fits in memory, CPU offload included (checked against the host RAM per node): add "
+                    "GPUs or nodes, or shorten the sequence (ZeRO-3, full recompute and every micro-batch size "
+                    "were already tried).")
         return ("No layout fits in memory: add GPUs, shorten the sequence, or let the search also try CPU "
                 "offload of the optimizer states and sharded weights with --allow-offload (ZeRO-3, full "
                 "recompute and every micro-batch size were already tried).")
