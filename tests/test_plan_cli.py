@@ -134,6 +134,18 @@ def test_preset_token_counts_are_the_papers(capsys):
         assert rep["compute"]["train_tokens"] == pytest.approx(tokens, rel=2e-3), preset
 
 
+def test_chinchilla_preset_says_what_it_approximates(capsys):
+    """Chinchilla's published shape counts 64.95B parameters, not the 70B of its name: the plan
+    reports the count and the preset says why (and what else it approximates)."""
+    from pathlib import Path
+
+    assert plan_main(["--model", "chinchilla-70b", "--gpus", "8xH100", "--json", "--layout", "zero=3,ac=full"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["memory"]["lmforge"]["params_total"] / 1e9 == pytest.approx(64.95, abs=0.01)
+    text = (Path(__file__).resolve().parents[1] / "lmforge" / "presets" / "chinchilla-70b.toml").read_text()
+    assert "64.95B" in text and "70B" in text and "RoPE stands in" in text
+
+
 def test_readme_planning_commands_run(capsys):
     """Every `lmforge plan` command of README.md's Planning section works (and stays fast)."""
     import re

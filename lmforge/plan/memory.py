@@ -70,7 +70,10 @@ passes over all its micro-batches inside one `torch.autocast` context, and FSDP2
     (4bas); full recompute keeps the fp32 block input, 4sbh. Outside the blocks: token ids, the
     final norm, and the fp32 log-softmax of the logits (4sbV). These are byte-exact against
     autograd's saved tensors on CPU (tests); CUDA kernels may differ slightly
-    (benchmarks/plan_activation_check.py measures it).
+    (benchmarks/plan_activation_check.py measures it). Under TP only the tensor-parallel parts
+    are divided by t: SP's sharding of the norms' inputs is not credited yet (an overestimate),
+    and ZeRO-1's optimizer shard is taken as FSDP's even chunk (ZeroRedundancyOptimizer assigns
+    whole tensors, so its worst rank may hold slightly more).
 
 Common to all: tied embeddings count once (a pipeline's last stage keeps its own copy of a tied
 embedding, as Megatron does); TP shards q/k/v/gate/up/fc by rows (dim 0, biases too),
