@@ -336,7 +336,7 @@ def _step_bytes(model, batches):
 def test_lmforge_step_memory_equals_saved_tensors_and_autocast_copies(preset, overrides, ac):
     """Issue 16 §2: the trainer runs a step's micro-batches inside one autocast context, so autocast
     casts each fp32 weight (and bias) once and reuses that 16-bit copy in every micro-batch and in
-    the recompute of backward. With 1 and with 3 micro-batches in flight, what autograd saves plus
+    the recompute of backward. With 1 and with 4 micro-batches in flight, what autograd saves plus
     autocast's cached copies equals, byte for byte, the lmforge estimate: activations x micro-batches
     + the copies ONCE (+ the RoPE tables, saved by blocks that run without recompute). The copies
     do not grow with the micro-batches, are not freed by activation checkpointing, live through the
@@ -346,16 +346,16 @@ def test_lmforge_step_memory_equals_saved_tensors_and_autocast_copies(preset, ov
     cfg, model = _small_model(preset, overrides)
     apply_activation_checkpointing(model.blocks, ac)
     s, b = 32, 2
-    batches = [torch.randint(0, cfg.model.vocab_size, (b, s)) for _ in range(3)]
+    batches = [torch.randint(0, cfg.model.vocab_size, (b, s)) for _ in range(4)]
     one, copies_one, _, _ = _step_bytes(model, batches[:1])
-    three, copies_three, after_backward, after_exit = _step_bytes(model, batches)
+    four, copies_four, after_backward, after_exit = _step_bytes(model, batches)
 
     mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac), "adamw", s, weights="lmforge")
     copies = mem.detail["autocast_weight_copies"]
     rope = mem.detail.get("rope_tables", 0) if ac != "full" else 0
-    assert copies_one == copies_three == after_backward == copies > 0 and after_exit == 0
+    assert copies_one == copies_four == after_backward == copies > 0 and after_exit == 0
     assert one == mem.activations + copies + rope
-    assert three == 3 * mem.activations + copies + rope
+    assert four == 4 * mem.activations + copies + rope
     # the planner counts the copies once whatever the pipeline keeps in flight
     piped = estimate_memory(cfg.model, Layout(pp=2, pp_schedule="gpipe", micro_batch=b, grad_accum=8, ac=ac), "adamw",
                             s, weights="lmforge")
