@@ -2,7 +2,8 @@
 
 On a CUDA machine: for the tiny and gpt2-124m presets and each activation-checkpointing mode,
 build the model and an AdamW optimizer on the GPU, run one step (so gradients and optimizer state
-exist), free the gradients, then measure
+exist), free the gradients, then run a step the way the trainer does (forward and backward inside
+ONE autocast context, so autocast casts each weight once per step) and measure
 
   fwd   = torch.cuda.memory_allocated() after the forward pass (loss computed) - before it
   peak  = torch.cuda.max_memory_allocated() during forward + backward - before the forward
@@ -13,8 +14,8 @@ and compare with the estimate (`estimate_memory(..., weights="lmforge")`):
   est_peak = est_fwd + gradients (fp32, allocated during backward)
 
 printing both and the ratio measured / estimated. On a machine without CUDA it says so and exits
-(status 0); `--cpu-saved` instead compares with the bytes autograd saves on CPU (what the tests
-assert exactly).
+(status 0); `--cpu-saved` instead compares, on CPU, with the bytes autograd saves plus the 16-bit
+copies autocast's cache holds (`step_bytes`, what the tests assert exactly).
 
     python benchmarks/plan_activation_check.py [--batch 8] [--seq 1024] [--json out.json] [--cpu-saved]
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,43 @@ def _estimate(cfg, b: int, s: int, ac: str):
     return mem, fwd
 
 
+def step_bytes(model, batches, dtype=torch.bfloat16) -> tuple[int, int, int, int]:
+    """The trainer's step on CPU: the forwards of `batches` inside ONE autocast context, each
+    micro-batch's graph kept (as a pipeline schedule keeps those in flight), then one backward in
+    the same context. Returns (bytes of the unique storages autograd saves or autocast's cache
+    holds, bytes of the 16-bit parameter copies alive after the forwards, after the backward, and
+    after the context exits). The parameters themselves are not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    casts: list[weakref.ref] = []
+
+    class CastSpy(TorchDispatchMode):  # records the 16-bit copies autocast makes of parameters
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in params:
+                casts.append(weakref.ref(out))
+            return out
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def alive() -> dict[int, int]:
+        return {c().untyped_storage().data_ptr(): c().untyped_storage().nbytes() for c in casts if c() is not None}
+
+    with torch.autocast("cpu", dtype=dtype):
+        with CastSpy(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses = [F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()) for x in batches]
+        copies = alive()
+        sum(losses).backward()
+        after_backward = sum(alive().values())
+    return sum((saved | copies).values()), sum(copies.values()), after_backward, sum(alive().values())
+
+
 def run_cuda(batch: int, seq: int) -> list[dict]:
     rows = []
     dev = torch.device("cuda")
@@ -60,20 +99,20 @@ def run_cuda(batch: int, seq: int) -> list[dict]:
             x = torch.randint(0, cfg.model.vocab_size, (batch, s), device=dev)
 
             def loss_fn():
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    logits = model(x)
-                return F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+                return F.cross_entropy(model(x).float().flatten(0, 1), x.flatten())
 
-            loss_fn().backward()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss_fn().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            loss = loss_fn()
-            torch.cuda.synchronize()
-            fwd = torch.cuda.memory_allocated() - base
-            loss.backward()
+            with torch.autocast("cuda", dtype=torch.bfloat16):  # one context per step, as the trainer
+                loss = loss_fn()
+                torch.cuda.synchronize()
+                fwd = torch.cuda.memory_allocated() - base
+                loss.backward()
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
             mem, est_fwd = _estimate(cfg, batch, s, ac)
@@ -85,7 +124,7 @@ def run_cuda(batch: int, seq: int) -> list[dict]:
     return rows
 
 
-def run_cpu_saved(batch: int, seq: int) -> list[dict]:
+def run_cpu_saved(batch: int, seq: int, micro_batches: int = 1) -> list[dict]:
     rows = []
     for preset, _ in CASES:
         cfg = load_config(preset, {"model.n_layers": 2})
@@ -93,17 +132,13 @@ def run_cpu_saved(batch: int, seq: int) -> list[dict]:
         for ac in ("none", "full", "every_k"):
             model = build_model(cfg.model, "cpu", seed=0)
             apply_activation_checkpointing(model.blocks, ac)
-            x = torch.randint(0, cfg.model.vocab_size, (batch, s))
-
-            def fn():
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    logits = model(x)
-                return F.cross_entropy(logits.float().flatten(0, 1), x.flatten())
-
-            measured = saved_activation_bytes(fn, exclude=list(model.parameters()))
-            _, est = _estimate(cfg, batch, s, ac)
+            xs = [torch.randint(0, cfg.model.vocab_size, (batch, s)) for _ in range(micro_batches)]
+            measured = step_bytes(model, xs)[0]
+            mem, est = _estimate(cfg, batch, s, ac)
+            est += (micro_batches - 1) * mem.activations
             rows.append({"preset": f"{preset} (2 layers)", "ac": ac, "batch": batch, "seq": s,
-                         "measured_saved": measured, "estimated": est, "ratio": measured / est})
+                         "micro_batches": micro_batches, "measured_saved": measured, "estimated": est,
+                         "ratio": measured / est})
     return rows
 
 
@@ -112,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--cpu-saved", action="store_true", help="compare with autograd's saved tensors on CPU instead")
+    ap.add_argument("--cpu-saved", action="store_true",
+                    help="compare with autograd's saved tensors + autocast's cached copies on CPU instead")
+    ap.add_argument("--micro-batches", type=int, default=1, help="--cpu-saved: forwards kept in flight in one step")
     args = ap.parse_args(argv)
     if args.cpu_saved:
-        rows = run_cpu_saved(min(args.batch, 2), min(args.seq, 64))
+        rows = run_cpu_saved(min(args.batch, 2), min(args.seq, 64), args.micro_batches)
         for r in rows:
-            print(f"{r['preset']:<22} ac={r['ac']:<9} b={r['batch']} s={r['seq']}: saved {r['measured_saved'] / 1e6:9.3f} MB "
+            print(f"{r['preset']:<22} ac={r['ac']:<9} b={r['batch']} s={r['seq']} m={r['micro_batches']}: "
+                  f"saved {r['measured_saved'] / 1e6:9.3f} MB "
                   f"estimated {r['estimated'] / 1e6:9.3f} MB ratio {r['ratio']:.4f}")
     else:
         if not torch.cuda.is_available():

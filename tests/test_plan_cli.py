@@ -13,7 +13,8 @@ def test_table_output(capsys):
     rc = plan_main(["--model", "llama2-70b", "--gpus", "8xA100-80GB", "--layout", "zero=3,ac=full", "--price", "2.0"])
     out = capsys.readouterr().out
     assert rc == 0
-    for text in ("Memory per GPU", "optimizer states", "megatron", "lmforge", "DOES NOT FIT", "step time",
+    for text in ("Memory per GPU", "optimizer states", "lmforge /GPU", "megatron /GPU", "zero-paper /GPU",
+                 "DOES NOT FIT", "step time", "MFU (model FLOPs, PaLM)", "HFU (hardware FLOPs, with recompute)",
                  "GPU-hours", "cost at $2/GPU-hour", "dp=8,zero=3"):
         assert text in out, text
 
@@ -26,8 +27,11 @@ def test_json_output_and_search(capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["cluster"]["world_size"] == 512
     assert rep["layout"]["dp"] == 512 and rep["layout"]["grad_accum"] == 2
-    mem = rep["memory"]["megatron"]
-    assert mem["bytes_per_param"]["model_states"] == pytest.approx(16 / 512)
+    assert rep["conventions"] == ["lmforge", "megatron", "zero-paper"]
+    assert rep["memory"]["zero-paper"]["bytes_per_param"]["model_states"] == pytest.approx(16 / 512)
+    assert rep["memory"]["megatron"]["bytes_per_param"]["model_states"] == pytest.approx(18 / 512)
+    assert rep["search_fit_convention"] == "lmforge"
+    assert set(rep["search"][0]["memory_gb_per_gpu_by_convention"]) == {"lmforge", "megatron", "zero-paper"}
     assert rep["compute"]["train_tokens"] == 2e12 and rep["compute"]["cost"] > 0
     assert len(rep["search"]) == 3 and rep["search"][0]["rank"] == 1 and rep["search"][0]["fits"]
     assert rep["search"][0]["reason"]
@@ -37,20 +41,65 @@ def test_search_table(capsys):
     assert plan_main(["--model", "gpt2-124m", "--gpus", "8xH100", "--search", "--top", "4", "--weights", "lmforge"]) == 0
     out = capsys.readouterr().out
     assert "Layout search" in out and "Why:" in out and "#1" in out
+    assert "fit-checked with the lmforge convention" in out and "GB lmforge" in out and "GB megatron" not in out
+
+
+@pytest.mark.parametrize("weights,fit,columns", [
+    ("all", "lmforge", ("GB lmforge", "GB megatron", "GB zero-paper")),
+    ("megatron,zero-paper", "megatron", ("GB megatron", "GB zero-paper")),
+    ("zero-paper", "zero-paper", ("GB zero-paper",)),
+])
+def test_search_states_its_fit_convention_and_every_memory_asked_for(weights, fit, columns, capsys):
+    assert plan_main(["--model", "llama2-70b", "--gpus", "64x8xH100", "--search", "--top", "3", "--weights", weights]) == 0
+    out = capsys.readouterr().out
+    assert f"fit-checked with the {fit} convention" in out
+    header = next(line for line in out.splitlines() if line.strip().startswith("#  layout"))
+    assert all(col in header for col in columns) and header.count("GB ") == len(columns)
+    assert f"'fits' is by {fit}" in out
+
+
+_T = ["--model", "tiny", "--gpus", "8xH100"]
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "tiny", "--gpus", "8xRTX9090"], "unknown GPU 'RTX9090'; known devices: A100-40GB"),
-    (["--model", "tiny", "--gpus", "8xH100", "--layout", "dp=8,warp=2"], "unknown layout key 'warp'"),
-    (["--model", "tiny", "--gpus", "8xH100", "--layout", "tp=7"], "tp = 7"),
+    (_T + ["--layout", "dp=8,warp=2"], "unknown layout key 'warp'"),
+    (_T + ["--layout", "tp=7"], "tp = 7"),
     (["--model", "no-such-model", "--gpus", "8xH100"], "unknown preset 'no-such-model'"),
-    (["--model", "tiny", "--gpus", "8xH100", "--mfu", "1.5"], "--mfu 1.5"),
-    (["--model", "tiny", "--gpus", "8xH100", "--global-batch-tokens", "100"], "--global-batch-tokens 100"),
-    (["--model", "tiny", "--gpus", "8xH100", "--layout", "dp=16"], "16 GPUs"),
+    (_T + ["--mfu", "1.5"], "--mfu 1.5"),
+    (_T + ["--mfu", "nan"], "--mfu nan"),
+    (_T + ["--global-batch-tokens", "100"], "--global-batch-tokens 100"),
+    (_T + ["--layout", "dp=16"], "16 GPUs"),
+    # issue 17, item 6
+    (_T + ["--global-batch-tokens=-1024"], "--global-batch-tokens -1024 must be >= 1"),
+    (_T + ["--global-batch-tokens", "0"], "--global-batch-tokens 0 must be >= 1"),
+    (_T + ["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+    (_T + ["--tokens=-1e9"], "--tokens -1e+09 must be a finite number > 0"),
+    (_T + ["--tokens", "nan"], "--tokens nan must be a finite number > 0"),
+    (_T + ["--tokens", "inf"], "--tokens inf must be a finite number > 0"),
+    (_T + ["--price=-2"], "--price -2 must be a finite number >= 0"),
+    (_T + ["--price", "inf"], "--price inf must be a finite number >= 0"),
+    (_T + ["--usable", "1.5"], "--usable 1.5 must be in (0, 1]"),
+    (_T + ["--usable", "0"], "--usable 0 must be in (0, 1]"),
+    (_T + ["--search", "--top", "0"], "--top 0 must be >= 1"),
+    (_T + ["--search", "--top=-1"], "--top -1 must be >= 1"),
+    (_T + ["--layout", "dp=2"], "dp x tp x pp = 2 x 1 x 1 = 2 GPUs but --gpus gives 8"),
+    (_T + ["--layout", "sp=1"], "sp = 1 needs tp >= 2"),
+    (_T + ["--weights", "both,megatron-lm"], "unknown convention 'megatron-lm'"),
+    (_T + ["--allow-offload"], "--allow-offload widens the layout search; add --search"),
+    (_T + ["--search", "--allow-offload", "--host-memory-gb", "-5"], "--host-memory-gb -5 must be a finite number > 0"),
+    (_T + ["--nodes", "0"], "--nodes 0 must be >= 1"),
 ])
 def test_errors_name_the_bad_value(argv, needle, capsys):
     assert plan_main(argv) == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err, err
+
+
+def test_no_fit_hint_names_allow_offload(capsys):
+    assert plan_main(["--model", "llama2-70b", "--gpus", "1xA100-40GB", "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "No layout fits" in out and "--allow-offload" in out
 
 
 def test_auto_precision_follows_the_device(capsys):
@@ -64,14 +113,57 @@ def test_auto_precision_follows_the_device(capsys):
 
 
 def test_gpt3_on_one_v100_through_the_cli(capsys):
-    # Back-of-envelope convention: 6N FLOPs per token, no recompute, MFU applied as is.
-    argv = ["--model", "gpt3-175b", "--gpus", "V100", "--precision", "fp16", "--layout", "ac=none",
-            "--tokens", "3e11", "--mfu", "0.277", "--flops", "6N", "--ideal", "--json"]
+    """Lambda's 355 years at 28 TFLOP/s (MFU 28/125 of the V100's fp16 peak), from the preset as is:
+    its full recompute is not model work and must not add a third (it said 474 years)."""
+    argv = ["--model", "gpt3-175b", "--gpus", "V100", "--precision", "fp16", "--tokens", "3e11",
+            "--mfu", str(28 / 125), "--flops", "6N", "--ideal", "--json"]
     assert plan_main(argv) == 0
     rep = json.loads(capsys.readouterr().out)
-    years = rep["compute"]["train_s"] / (365.25 * 86400)
-    assert years == pytest.approx(288, rel=0.01)  # the preset's N is 174.6B, hence 287.5
+    assert rep["layout"]["ac"] == "full"
+    assert rep["compute"]["train_years"] == pytest.approx(355, rel=0.01)
+    assert rep["compute"]["mfu"] == pytest.approx(0.224) and rep["compute"]["hfu"] == pytest.approx(0.224 * 4 / 3)
     assert rep["memory"]["megatron"]["fits"] is False
+
+
+def test_preset_token_counts_are_the_papers(capsys):
+    """Default training tokens (the preset's run, batch ramp-up included): GPT-3 300B, Llama 2 2T,
+    Chinchilla 1.4T."""
+    for preset, tokens in (("gpt3-175b", 300e9), ("llama2-70b", 2e12), ("chinchilla-70b", 1.4e12)):
+        assert plan_main(["--model", preset, "--gpus", "8xH100", "--json", "--layout", "zero=3,ac=full"]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        assert rep["compute"]["train_tokens"] == pytest.approx(tokens, rel=2e-3), preset
+
+
+def test_chinchilla_preset_says_what_it_approximates(capsys):
+    """Chinchilla's published shape counts 64.95B parameters, not the 70B of its name: the plan
+    reports the count and the preset says why (and what else it approximates)."""
+    from pathlib import Path
+
+    assert plan_main(["--model", "chinchilla-70b", "--gpus", "8xH100", "--json", "--layout", "zero=3,ac=full"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["memory"]["lmforge"]["params_total"] / 1e9 == pytest.approx(64.95, abs=0.01)
+    text = (Path(__file__).resolve().parents[1] / "lmforge" / "presets" / "chinchilla-70b.toml").read_text()
+    assert "64.95B" in text and "70B" in text and "RoPE stands in" in text
+
+
+def test_readme_planning_commands_run(capsys):
+    """Every `lmforge plan` command of README.md's Planning section works (and stays fast)."""
+    import re
+    import shlex
+    import time
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("### Planning"):]
+    section = section[:section.index("\n### ", 5)]
+    commands = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
+                for line in block.splitlines() if line.startswith("lmforge plan")]
+    assert len(commands) >= 3
+    for cmd in commands:
+        start = time.perf_counter()
+        assert plan_main(shlex.split(cmd)[2:]) == 0, cmd
+        assert time.perf_counter() - start < 5, cmd
+    capsys.readouterr()
 
 
 def test_default_micro_batch_adapts_to_the_replicas(capsys):

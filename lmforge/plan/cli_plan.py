@@ -2,27 +2,52 @@
 
     lmforge plan --model PRESET_OR_TOML --gpus 8xA100-80GB [--nodes N]
                  [--layout dp=8,zero=3,tp=1,pp=1,mb=1,ac=full] [--global-batch-tokens T]
-                 [--seq-len S] [--tokens D] [--mfu 0.4] [--flops palm|6N] [--ideal] [--price 2.0] [--optimizer adamw]
-                 [--precision bf16] [--weights megatron|lmforge|both] [--devices extra.toml]
-                 [--search [--allow-offload]] [--top 10] [--json]
+                 [--seq-len S] [--tokens D] [--mfu 0.4] [--flops palm|6N] [--ideal] [--price 2.0]
+                 [--optimizer adamw] [--precision bf16] [--weights lmforge,megatron,zero-paper|all]
+                 [--devices extra.toml] [--usable 0.9]
+                 [--search [--allow-offload [--host-memory-gb 2048]] [--top 10]] [--json]
 
 Defaults come from the model's config: sequence length `data.seq_len`, global batch
-`train.global_batch_size` x seq_len tokens, training tokens `train.steps` x that batch,
+`train.global_batch_size` x seq_len tokens, training tokens those of the config's run
+(`train.steps` steps, the batch ramp-up included),
 optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device has it, else fp16, else fp32), micro-batch `train.micro_batch_size`,
 activation checkpointing `train.activation_checkpoint`, tp/pp from `[parallel]`; the default
 layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
+
+Memory is shown under each convention asked for (`--weights`, default all three: "lmforge" =
+what lmforge allocates, "megatron" = Megatron-LM's 18 B/param, "zero-paper" = the ZeRO paper's
+16 B/param); the search fit-checks with "lmforge" whenever it is among them (planning an lmforge
+run), else with the first one named, and says which.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from lmforge.plan.flops import estimate_step
+from lmforge.plan.flops import config_train_tokens, estimate_step
 from lmforge.plan.hardware import load_devices, parse_cluster
-from lmforge.plan.memory import Layout, estimate_memory
+from lmforge.plan.memory import CONVENTIONS, Layout, estimate_memory
 from lmforge.plan.report import candidates_table, memory_table, step_table, to_json
 from lmforge.plan.search import search_layouts
+
+_WEIGHTS_ALIASES = {"all": CONVENTIONS, "both": ("lmforge", "megatron")}
+
+
+def parse_conventions(text: str) -> tuple[str, ...]:
+    """'lmforge,megatron' -> ('lmforge', 'megatron'); 'all' -> every convention."""
+    names: list[str] = []
+    for item in filter(None, (p.strip().lower() for p in text.split(","))):
+        for name in _WEIGHTS_ALIASES.get(item, (item,)):
+            if name not in CONVENTIONS:
+                raise ValueError(f"--weights {text!r}: unknown convention {item!r}; use {', '.join(CONVENTIONS)}, "
+                                 f"a comma-separated list of them, or all")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError(f"--weights {text!r} names no convention; use {', '.join(CONVENTIONS)} or all")
+    return tuple(names)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,26 +56,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", required=True, help="cluster: 8xA100-80GB (one node), 64x8xH100 (nodes x GPUs x device) or H100")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (multiplies a one-node --gpus spec)")
     p.add_argument("--layout", default=None, help="dp=8,zero=3,tp=1,pp=1,mb=1,ga=4,ac=full,sp=1,sched=1f1b,v=1,offload=0")
-    p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per optimizer step (default: from the config)")
+    p.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="tokens per optimizer step, a multiple of the sequence length (default: from the config)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: data.seq_len)")
-    p.add_argument("--tokens", type=float, default=None, help="training tokens D (default: train.steps x batch tokens)")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed MFU of the matmuls (default 0.4)")
+    p.add_argument("--tokens", type=float, default=None,
+                   help="training tokens D (default: the config's run, train.steps steps with its batch ramp-up)")
+    p.add_argument("--mfu", type=float, default=0.4,
+                   help="model FLOPs utilisation (PaLM: model FLOPs, recompute not counted, / peak). With --ideal: the "
+                        "run's end-to-end MFU, applied as is. Otherwise: the MFU of large matmuls without recompute; "
+                        "the layout model derives each layout's MFU and HFU from it (default 0.4)")
     p.add_argument("--flops", default="palm", choices=("palm", "6N"),
                    help="FLOPs per token: palm = 6N_matmul + 12*L*h*s (default) or 6N = 6 x all parameters")
     p.add_argument("--ideal", action="store_true",
-                   help="apply --mfu as is (no matmul-shape heuristic), for back-of-envelope 6ND/(GPUs x peak x MFU)")
+                   help="back-of-envelope: time = D x FLOPs/token / (GPUs x peak x MFU), --mfu as is (no shape "
+                        "heuristic, bubble, communication or recompute time: they are inside the MFU)")
     p.add_argument("--price", type=float, default=None, help="price per GPU-hour for the cost estimate")
     p.add_argument("--optimizer", default=None, help="optimizer (default: optim.name)")
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32", "fp8"), help="default: train.precision")
-    p.add_argument("--weights", default="both", choices=("megatron", "lmforge", "both"),
-                   help="memory convention: literature (16 B/param Adam) or what lmforge allocates (default: both)")
+    p.add_argument("--weights", default="all",
+                   help="memory conventions to show, comma-separated: lmforge (what lmforge allocates), megatron "
+                        "(Megatron-LM's 18 B/param), zero-paper (the ZeRO paper's 16 B/param), or all (default). "
+                        "The search fit-checks with lmforge when listed, else with the first")
     p.add_argument("--devices", default=None, help="TOML file with extra devices")
-    p.add_argument("--usable", type=float, default=0.9, help="fraction of device memory a plan may use (default 0.9)")
+    p.add_argument("--usable", type=float, default=0.9, help="fraction of device (and host) memory a plan may use (default 0.9)")
     p.add_argument("--search", action="store_true", help="enumerate and rank layouts that fit")
-    p.add_argument("--allow-offload", action="store_true", help="let --search also try CPU offload of optimizer states")
-    p.add_argument("--top", type=int, default=10, help="candidates to show with --search")
+    p.add_argument("--allow-offload", action="store_true",
+                   help="let --search also try CPU offload (FSDP's sharded states in host RAM, checked per node)")
+    p.add_argument("--host-memory-gb", type=float, default=None,
+                   help="host RAM per node in GB, for --allow-offload (default: the device's reference system)")
+    p.add_argument("--top", type=int, default=10, help="candidates to show with --search (>= 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse impossible numbers up front, naming the flag and what it must be."""
+    def finite_positive(flag: str, value: float | None, allow_zero: bool = False) -> None:
+        if value is None:
+            return
+        ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+        if not ok:
+            raise ValueError(f"{flag} {value:g} must be a finite number {'>= 0' if allow_zero else '> 0'}")
+
+    finite_positive("--tokens", args.tokens)
+    finite_positive("--price", args.price, allow_zero=True)
+    finite_positive("--host-memory-gb", args.host_memory_gb)
+    if not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
+        raise ValueError(f"--mfu {args.mfu:g} must be in (0, 1] (a fraction of the peak, e.g. 0.4)")
+    if not (math.isfinite(args.usable) and 0 < args.usable <= 1):
+        raise ValueError(f"--usable {args.usable:g} must be in (0, 1] (a fraction of the device memory, e.g. 0.9)")
+    if args.top < 1:
+        raise ValueError(f"--top {args.top} must be >= 1 (the number of layouts to show)")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ValueError(f"--seq-len {args.seq_len} must be >= 1")
+    if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
+        raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} must be >= 1 (a multiple of the "
+                         f"sequence length)")
+    if args.nodes is not None and args.nodes < 1:
+        raise ValueError(f"--nodes {args.nodes} must be >= 1")
+    if args.host_memory_gb is not None and not args.allow_offload:
+        raise ValueError("--host-memory-gb bounds CPU offload; it needs --search --allow-offload")
+    if args.allow_offload and not args.search:
+        raise ValueError("--allow-offload widens the layout search; add --search")
 
 
 def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_text: str | None) -> Layout:
@@ -63,8 +130,10 @@ def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_
         if world % (given.tp * given.pp):
             raise ValueError(f"tp x pp = {given.tp * given.pp} does not divide the {world} GPUs")
         given.dp = world // (given.tp * given.pp)
-    if given.world_size > world:
-        raise ValueError(f"layout uses dp x tp x pp = {given.world_size} GPUs but --gpus gives {world}")
+    if given.world_size != world:
+        raise ValueError(f"layout uses dp x tp x pp = {given.dp} x {given.tp} x {given.pp} = {given.world_size} GPUs "
+                         f"but --gpus gives {world}; the plan is for every GPU of the cluster: leave dp= out (it "
+                         f"fills the cluster) or set dp = {world // (given.tp * given.pp) or 1}, or change --gpus")
     if not ({"mb", "micro_batch"} & explicit) and seq_sequences % given.dp == 0:
         # the config's micro-batch, lowered to the largest divisor of the per-replica batch
         per_dp = seq_sequences // given.dp
@@ -94,34 +163,36 @@ def plan_main(argv: list[str]) -> int:
     """Entry point of `lmforge plan`. Returns a process exit code (2 on bad input)."""
     args = build_parser().parse_args(argv)
     try:
+        _check_args(args)
+        conventions = parse_conventions(args.weights)
+        fit_convention = "lmforge" if "lmforge" in conventions else conventions[0]
         from lmforge.config import load_config
 
         cfg = load_config(args.model)
         devices = load_devices(args.devices)
         cluster = parse_cluster(args.gpus, nodes=args.nodes, devices=devices)
-        seq_len = args.seq_len or cfg.data.seq_len
+        seq_len = args.seq_len if args.seq_len is not None else cfg.data.seq_len
         if seq_len > cfg.model.max_seq_len:
             raise ValueError(f"--seq-len {seq_len} exceeds model.max_seq_len = {cfg.model.max_seq_len}")
-        batch_tokens = args.global_batch_tokens or cfg.train.global_batch_size * seq_len
+        batch_tokens = (args.global_batch_tokens if args.global_batch_tokens is not None
+                        else cfg.train.global_batch_size * seq_len)
         if batch_tokens % seq_len:
             raise ValueError(f"--global-batch-tokens {batch_tokens} is not a multiple of the sequence length {seq_len}")
         sequences = batch_tokens // seq_len
         precision = _resolve_precision(args.precision or cfg.train.precision, cluster.device)
         optimizer = args.optimizer or cfg.optim.name
-        train_tokens = args.tokens if args.tokens is not None else float(cfg.train.steps * batch_tokens)
-        if not 0 < args.mfu <= 1:
-            raise ValueError(f"--mfu {args.mfu} must be in (0, 1]")
+        train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg))
         layout = _default_layout(cfg, cluster.world_size, sequences, precision, args.layout)
-        conventions = ["megatron", "lmforge"] if args.weights == "both" else [args.weights]
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
                              price_per_gpu_hour=args.price, flops_convention=args.flops,
-                             use_shape_efficiency=not args.ideal)
-        cands = []
+                             use_shape_efficiency=not args.ideal, ideal=args.ideal, convention=fit_convention)
+        cands = None
         if args.search:
             cands = search_layouts(cfg.model, cluster, sequences, seq_len, optimizer=optimizer, mfu=args.mfu,
-                                   precision=precision, weights=conventions[0], usable_fraction=args.usable,
-                                   top=args.top, model_name=cfg.preset, allow_offload=args.allow_offload)
+                                   precision=precision, weights=fit_convention, show=conventions,
+                                   usable_fraction=args.usable, top=args.top, model_name=cfg.preset,
+                                   config=cfg, allow_offload=args.allow_offload, host_memory_gb=args.host_memory_gb)
     except ValueError as exc:  # ConfigError is a ValueError
         print(f"lmforge plan: error: {exc}", file=sys.stderr)
         return 2
@@ -129,10 +200,12 @@ def plan_main(argv: list[str]) -> int:
     if args.json:
         report = {"model": cfg.preset, "cluster": cluster.to_dict(), "seq_len": seq_len,
                   "global_batch_tokens": batch_tokens, "optimizer": optimizer, "precision": precision,
-                  "layout": layout.to_dict(), "usable_fraction": args.usable,
+                  "layout": layout.to_dict(), "usable_fraction": args.usable, "conventions": list(conventions),
                   "memory": {m.convention: m.as_dict() | {"fits": m.total <= budget} for m in mems},
-                  "compute": step.as_dict(), "assumed_mfu": args.mfu}
-        if args.search:
+                  "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal}
+        if cands is not None:
+            report["search_fit_convention"] = cands.fit_convention
+            report["search_refused_by_lmforge"] = cands.refused
             report["search"] = [c.as_dict() for c in cands]
         print(to_json(report))
         return 0
@@ -141,9 +214,9 @@ def plan_main(argv: list[str]) -> int:
     print(memory_table(mems, cluster.device.memory_bytes, args.usable))
     print()
     print(step_table(step, cluster, args.mfu, precision))
-    if args.search:
+    if cands is not None:
         print()
-        print(candidates_table(cands))
+        print(candidates_table(cands, cluster, args.usable))
     return 0
 
 

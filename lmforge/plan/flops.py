@@ -1,32 +1,56 @@
 """Compute, time and cost: FLOPs per token, step time, training time, GPU-hours, pipeline bubble,
-and a rough communication estimate.
+and a first-order communication estimate.
 
 Conventions:
 
 - FLOPs per token (training, forward + backward) follow PaLM: 6N + 12*L*h*s, where N counts the
   weights that take part in a matmul (blocks + output projection; embedding lookups excluded) and
   the 12*L*h*s term is the attention scores and values (`lmforge.model.accounting.flops_per_token`,
-  the trainer's own torch-free function);
-  `convention="6N"` gives the plain 6 x (all parameters) figure
-  used by back-of-envelope estimates (e.g. GPT-3: 6 * 175e9 * 300e9 = 3.15e23 FLOPs).
-- MFU is model FLOPs (the above, recomputation *not* counted) / (GPUs x dense peak x time). Full
-  activation recompute costs one extra forward (model FLOPs x 4/3 of hardware work); selective
-  ~3% (documented estimate).
-- Training time = D x FLOPs/token / (GPUs x peak x MFU). GPU-hours = time x GPUs; cost = GPU-hours
-  x price per GPU-hour.
+  the trainer's own torch-free function); `convention="6N"` gives the plain 6 x (all parameters)
+  figure used by back-of-envelope estimates (e.g. GPT-3: 6 * 175e9 * 300e9 = 3.15e23 FLOPs).
+- MFU (model FLOPs utilisation, PaLM, Chowdhery et al. 2022) = model FLOPs per second /
+  (GPUs x dense peak); recomputation is *not* model work. HFU (hardware FLOPs utilisation) counts
+  the FLOPs the GPUs really execute, recomputation included: HFU = MFU x recompute factor (full
+  recompute re-runs the forward: 4/3; selective ~1.03, a documented estimate; every_k in
+  proportion to the blocks checkpointed). The planner prints both.
+- The assumed MFU (`mfu=`, `--mfu`):
+  - `ideal=True` (`--ideal`): the run's end-to-end MFU, applied as is: training time =
+    D x FLOPs/token / (GPUs x peak x MFU). Bubble, communication and recompute are inside it (a
+    run with full recompute at this MFU has HFU = 4/3 MFU, which must not exceed 1).
+  - otherwise (the layout model, used by the search): the MFU that a layout with large matmuls and
+    no recompute reaches before bubble and exposed communication. The GPUs then execute at that
+    rate (HFU = MFU there), scaled by the matmul-shape heuristic; recomputation is extra hardware
+    work at the same rate; the pipeline bubble and exposed communication stretch the step. The
+    layout's resulting end-to-end MFU and HFU are reported.
+- Training time = D / tokens per second. GPU-hours = time x GPUs; cost = GPU-hours x price.
 - Pipeline bubble (fraction of the step spent idle) = (p-1)/v / (m + (p-1)/v) for p stages, m
   micro-batches, v virtual stages per rank (interleaved 1F1B; v = 1 otherwise): (p-1)/(m+p-1).
-- Communication (ring algorithms; bytes per GPU on the wire, n ranks): all-reduce 2(n-1)/n x S,
-  all-gather / reduce-scatter (n-1)/n x S. Ranks are placed TP innermost, then PP, then DP
-  outermost; a group whose span fits in a node uses `intra_node_gbps`, otherwise
-  `inter_node_gbps` (per GPU, one NIC each). DP: DDP/ZeRO-1 one all-reduce of 16-bit gradients
-  per step; ZeRO-2 a reduce-scatter per micro-batch + one all-gather; ZeRO-3 per micro-batch two
-  all-gathers of the weights (forward, backward) and a reduce-scatter. DP traffic overlaps with
-  the backward pass (2/3 of compute); what does not fit is exposed. TP: four all-reduces of the
-  layer activations (s*b*h 16-bit) per layer per micro-batch (six with full recompute), exposed.
-  PP: one send forward and one backward of s*b*h 16-bit values per micro-batch, exposed.
-  CPU offload: 8 bytes/param of the rank's shard over PCIe (25 GB/s) plus a host optimizer step
-  streaming 16 bytes/param at 50 GB/s, exposed.
+- Communication: each collective costs a latency plus its bytes on the wire over the link
+  bandwidth (ring algorithms, bytes per GPU, n ranks: all-reduce 2(n-1)/n x S, all-gather /
+  reduce-scatter (n-1)/n x S; a send S). Latency: `ceil(log2 n)` steps of 5 us over NVLink or
+  10 us over the network (tree / recursive-halving depth; order of NCCL's small-message
+  latency), one step for a send. So a 1 MB collective reaches well under its link bandwidth, and
+  many small collectives (TP's per layer, PP's per micro-batch) cost what they cost on a real
+  cluster. Ranks are placed as lmforge's DeviceMesh ("pp", "dp", "tp") and Megatron's default
+  order place them: TP innermost, then DP, PP outermost; a group whose span fits in a node uses
+  `intra_node_gbps`, otherwise `inter_node_gbps` (per GPU, one NIC each).
+  - TP: per layer per micro-batch, two all-reduces of s*b*h 16-bit activations in forward and two
+    in backward (one more pair with full recompute); with SP the same bytes as all-gathers +
+    reduce-scatters (twice the calls). Exposed.
+  - PP: one send forward and one backward of s*b*h/t 16-bit values per micro-batch and virtual
+    stage. Exposed.
+  - DP, bytes by the memory convention (what each framework sends): "lmforge" all-reduces fp32
+    gradients once per step (DDP buckets of 25 MB; ZeRO-1's ZeroRedundancyOptimizer then
+    broadcasts the updated fp32 parameters, one call per tensor); FSDP2 all-gathers 16-bit
+    weights and reduce-scatters fp32 gradients per block and micro-batch (ZeRO-3: two
+    all-gathers, forward and backward; ZeRO-2: one). "megatron" reduces fp32 main gradients and
+    gathers bf16 weights (distributed optimizer: reduce-scatter + all-gather once per step);
+    "zero-paper" sends 16-bit gradients and weights. ZeRO-2 reduce-scatters per micro-batch and
+    gathers once per step; ZeRO-3 gathers twice and reduce-scatters per micro-batch (fp32 runs:
+    4-byte everything). Traffic once per step overlaps with the last micro-batch's backward
+    (2/3 of its compute), traffic per micro-batch with all the compute; the rest is exposed.
+  - CPU offload: 8 bytes/param of the rank's shard over PCIe (25 GB/s) plus a host optimizer step
+    streaming 16 bytes/param at 50 GB/s, exposed.
   These are first-order estimates for ranking layouts, not a network simulator.
 - `shape_efficiency` (used to rank layouts): matmuls shrink with a small micro-batch or a large
   TP degree; the assumed MFU applies to large matmuls and is scaled by
@@ -40,18 +64,20 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lmforge.config import ModelConfig
+from lmforge.config import Config, ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
 from lmforge.parallel.formulas import pipeline_bubble  # noqa: F401 (re-exported)
 from lmforge.plan.hardware import Cluster, Device
-from lmforge.plan.memory import Layout, cfg_key, stage_specs, total_params, tp_shape
+from lmforge.plan.memory import Layout, cfg_key, check_convention, stage_specs, total_params, tp_shape
 
-_CACHE: dict[tuple, float] = {}
+_CACHE: dict[tuple, tuple[float, int]] = {}
 
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
 OFFLOAD_PCIE_BPS = 25e9   # host <-> GPU, per GPU, one direction (PCIe Gen4 x16 effective)
 OFFLOAD_HOST_BPS = 50e9   # host memory bandwidth available to one GPU's CPU optimizer step
 RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.03, "full": 4.0 / 3.0}
+LATENCY_STEP_S = {"intra": 5e-6, "inter": 10e-6}  # one latency step of a collective, NVLink / network
+DDP_BUCKET_BYTES = 25 * 2**20                      # torch DDP's default bucket_cap_mb = 25
 
 
 def flops_per_token(model_cfg: ModelConfig, seq_len: int, convention: str = "palm") -> float:
@@ -64,11 +90,12 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int, convention: str = "pal
     return model_flops_per_token(model_cfg, seq_len)
 
 
-def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int) -> float:
-    """Parameters one rank of pipeline stage 0 holds under TP degree `tp` (cached)."""
+def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int) -> tuple[float, int]:
+    """(parameters, parameter tensors) one rank of pipeline stage 0 holds under TP degree `tp`."""
     key = ("stage0", cfg_key(model_cfg), pp, tp)
     if key not in _CACHE:
-        _CACHE[key] = sum(math.prod(tp_shape(sp, tp)) for sp in stage_specs(model_cfg, pp, 0))
+        specs = stage_specs(model_cfg, pp, 0)
+        _CACHE[key] = (sum(math.prod(tp_shape(sp, tp)) for sp in specs), len(specs))
     return _CACHE[key]
 
 
@@ -95,22 +122,65 @@ def shape_efficiency(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> fl
     return (tokens / (tokens + 128)) * (ht / (ht + 128)) / (h / (h + 128))
 
 
-def _group_bandwidth(cluster: Cluster, span: int, size: int) -> float:
-    """GB/s per GPU for a group of `size` ranks spread over `span` consecutive ranks."""
-    if size <= 1:
-        return math.inf
-    dev = cluster.device
-    gbps = dev.intra_node_gbps if span <= cluster.gpus_per_node else dev.inter_node_gbps
-    return gbps * 1e9
+@dataclass(frozen=True)
+class _Link:
+    """The link a group of `size` ranks spread over `span` consecutive ranks communicates over."""
+
+    bytes_per_s: float
+    latency_step_s: float
+    size: int
+
+    @classmethod
+    def of(cls, cluster: Cluster, span: int, size: int) -> "_Link":
+        dev = cluster.device
+        inside = span <= cluster.gpus_per_node
+        gbps = dev.intra_node_gbps if inside else dev.inter_node_gbps
+        return cls(gbps * 1e9, LATENCY_STEP_S["intra" if inside else "inter"], size)
+
+    def collective(self, calls: float, wire_bytes: float) -> float:
+        """`calls` collectives over the group moving `wire_bytes` per GPU in all."""
+        if self.size <= 1:
+            return 0.0
+        return calls * self.latency_step_s * math.ceil(math.log2(self.size)) + wire_bytes / self.bytes_per_s
+
+    def sends(self, calls: float, wire_bytes: float) -> float:
+        return calls * self.latency_step_s + wire_bytes / self.bytes_per_s
+
+
+def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m: int, layers: int
+                ) -> tuple[float, float, float, float]:
+    """(calls once per step, bytes once per step, calls per step made per micro-batch, their bytes)
+    of one data-parallel rank, ring bytes per GPU (see the module docstring)."""
+    n = layout.dp
+    ring = (n - 1) / n
+    full = layout.precision == "fp32"
+    grad_b = 4 if (full or convention != "zero-paper") else 2  # gradient element on the wire
+    weight_b = 4 if full else 2                                  # 16-bit weight gathers
+    if layout.zero == 0:
+        calls = math.ceil(grad_b * params / DDP_BUCKET_BYTES)
+        return calls, 2 * ring * grad_b * params, 0.0, 0.0
+    if layout.zero == 1:
+        if convention == "lmforge":  # DDP all-reduce + ZeroRedundancyOptimizer's per-tensor broadcasts
+            calls = math.ceil(4 * params / DDP_BUCKET_BYTES) + tensors
+            return calls, 2 * ring * 4 * params + ring * 4 * params, 0.0, 0.0
+        calls = 2 * math.ceil(grad_b * params / DDP_BUCKET_BYTES)  # reduce-scatter + all-gather
+        return calls, ring * (grad_b + weight_b) * params, 0.0, 0.0
+    gathers = 2 if layout.zero == 3 else 1
+    if convention == "lmforge" or layout.zero == 3:  # FSDP2: gather every micro-batch
+        per_mb_calls = m * layers * (gathers + 1)
+        return 0.0, 0.0, per_mb_calls, m * ring * (gathers * weight_b + grad_b) * params
+    # literature ZeRO-2: reduce-scatter per micro-batch, one all-gather per step
+    return layers, ring * weight_b * params, m * layers, m * ring * grad_b * params
 
 
 @dataclass
 class StepEstimate:
-    """Time per optimizer step and derived throughput, cost and training time."""
+    """Time per optimizer step and derived throughput, utilisation, cost and training time."""
 
     tokens_per_step: int
     flops_per_token: float
     model_flops_per_step: float
+    hardware_flops_per_step: float
     compute_s: float
     bubble_fraction: float
     comm_s: dict[str, float] = field(default_factory=dict)
@@ -118,7 +188,10 @@ class StepEstimate:
     step_s: float = 0.0
     tokens_per_s: float = 0.0
     tokens_per_s_per_gpu: float = 0.0
-    mfu: float = 0.0
+    mfu: float = 0.0                  # model FLOPs utilisation (PaLM): recompute not counted
+    hfu: float = 0.0                  # hardware FLOPs utilisation: recompute counted
+    recompute_factor: float = 1.0
+    ideal: bool = False
     n_gpus: int = 1
     train_tokens: float | None = None
     train_s: float | None = None
@@ -130,17 +203,23 @@ class StepEstimate:
         d = asdict(self)
         if self.train_s is not None:
             d["train_days"] = self.train_s / 86400
+            d["train_years"] = self.train_s / SECONDS_PER_YEAR
         return d
 
 
 def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, mfu: float = 0.4,
                   train_tokens: float | None = None, price_per_gpu_hour: float | None = None,
-                  flops_convention: str = "palm", use_shape_efficiency: bool = True) -> StepEstimate:
-    """Step time of `layout` on `cluster`: ideal compute at `mfu` (scaled by recompute and, when
-    `use_shape_efficiency`, by the matmul-shape heuristic), stretched by the pipeline bubble,
-    plus exposed communication. `mfu` is what the layout would reach with no bubble and no
-    exposed communication; the returned `mfu` is the resulting end-to-end estimate."""
+                  flops_convention: str = "palm", use_shape_efficiency: bool = True, ideal: bool = False,
+                  convention: str = "lmforge") -> StepEstimate:
+    """Step time of `layout` on `cluster`. `ideal`: `mfu` is the run's end-to-end MFU, applied as
+    is. Otherwise `mfu` is the MFU of large matmuls without recompute (scaled, when
+    `use_shape_efficiency`, by the matmul-shape heuristic); recompute is extra hardware work at that
+    rate, and the pipeline bubble and exposed communication (DP bytes as `convention` sends them)
+    stretch the step. The returned `mfu` / `hfu` are the resulting end-to-end figures."""
     layout.validate(model_cfg)
+    check_convention(convention)
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu = {mfu} must be in (0, 1]")
     if layout.world_size > cluster.world_size:
         raise ValueError(f"layout needs {layout.world_size} GPUs (dp x tp x pp) but the cluster "
                          f"{cluster} has {cluster.world_size}")
@@ -150,56 +229,88 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
     tokens = layout.sequences_per_step * seq_len
     fpt = flops_per_token(model_cfg, seq_len, flops_convention)
     model_flops = tokens * fpt
-    eff = mfu * (shape_efficiency(model_cfg, layout, seq_len) if use_shape_efficiency else 1.0)
-    compute = model_flops * recompute_factor(layout, model_cfg.n_layers) / (n_gpus * peak * eff)
+    rf = recompute_factor(layout, model_cfg.n_layers)
+    hardware_flops = model_flops * rf
+    if ideal:
+        if mfu * rf > 1:
+            raise ValueError(f"MFU {mfu:g} with {layout.ac} recompute means hardware FLOPs utilisation "
+                             f"{mfu * rf:.0%} > 100%; lower --mfu (at most {1 / rf:.3g}) or change ac=")
+        step = model_flops / (n_gpus * peak * mfu)
+        est = StepEstimate(tokens_per_step=tokens, flops_per_token=fpt, model_flops_per_step=model_flops,
+                           hardware_flops_per_step=hardware_flops, compute_s=step, bubble_fraction=0.0,
+                           step_s=step, tokens_per_s=tokens / step, tokens_per_s_per_gpu=tokens / step / n_gpus,
+                           mfu=mfu, hfu=mfu * rf, recompute_factor=rf, ideal=True, n_gpus=n_gpus)
+        return _with_totals(est, train_tokens, price_per_gpu_hour)
+    rate = mfu * (shape_efficiency(model_cfg, layout, seq_len) if use_shape_efficiency else 1.0)
+    compute = hardware_flops / (n_gpus * peak * rate)
     m = layout.grad_accum
     bubble = pipeline_bubble(layout.pp, m, layout.virtual_stages) if layout.pp > 1 else 0.0
     busy = compute / (1 - bubble)
 
-    # Communication.
+    # Communication (placement: TP innermost, then DP, PP outermost).
     s, b, h = seq_len, layout.micro_batch, model_cfg.dim
     act_bytes = 2 * s * b * h
     layers = model_cfg.n_layers // layout.pp
+    t, v = layout.tp, layout.virtual_stages
     comm: dict[str, float] = {}
-    t = layout.tp
     if t > 1:
-        per_layer = 6 if layout.ac == "full" else 4
-        vol = per_layer * layers * m * 2 * (t - 1) / t * act_bytes
-        comm["tp"] = vol / _group_bandwidth(cluster, t, t)
+        per_layer = 6 if layout.ac == "full" else 4  # all-reduces; SP: as many all-gather + reduce-scatter pairs
+        calls = per_layer * layers * m * (2 if layout.sp else 1)
+        comm["tp"] = _Link.of(cluster, t, t).collective(calls, per_layer * layers * m * 2 * (t - 1) / t * act_bytes)
     if layout.pp > 1:
-        comm["pp"] = 2 * m * act_bytes / t / _group_bandwidth(cluster, t * layout.pp, layout.pp)
+        comm["pp"] = _Link.of(cluster, n_gpus, layout.pp).sends(2 * m * v, 2 * m * v * act_bytes / t)
+    dp_overlap = 0.0
     if layout.dp > 1:
-        n = layout.dp
-        stage_params = _stage0_params(model_cfg, layout.pp, t)
-        size = 2 * stage_params  # 16-bit gradients / weights
-        ring = (n - 1) / n * size
-        if layout.zero <= 1:
-            vol = 2 * ring
-        elif layout.zero == 2:
-            vol = m * ring + ring
-        else:
-            vol = m * 3 * ring
-        comm["dp"] = vol / _group_bandwidth(cluster, t * layout.pp * n, n)
+        params, tensors = _stage0_params(model_cfg, layout.pp, t)
+        once_calls, once_bytes, mb_calls, mb_bytes = _dp_traffic(layout, convention, params, tensors, m, layers)
+        link = _Link.of(cluster, t * layout.dp, layout.dp)
+        once, per_mb = link.collective(once_calls, once_bytes), link.collective(mb_calls, mb_bytes)
+        comm["dp"] = once + per_mb
+        backward = compute * 2 / 3
+        dp_overlap = min(once, backward / m) + min(per_mb, compute)
+        dp_overlap = min(dp_overlap, comm["dp"], compute)
     if layout.cpu_offload:
-        shard = _stage0_params(model_cfg, layout.pp, t) / (layout.dp if layout.zero else 1)
+        shard = _stage0_params(model_cfg, layout.pp, t)[0] / (layout.dp if layout.zero else 1)
         # gradients down and weights up over PCIe (4 + 4 bytes), and the optimizer update on the
         # host streaming ~16 bytes/param through host memory; not overlapped.
         comm["offload"] = shard * (8 / OFFLOAD_PCIE_BPS + 16 / OFFLOAD_HOST_BPS)
-    exposed = (comm.get("tp", 0.0) + comm.get("pp", 0.0) + comm.get("offload", 0.0)
-               + max(0.0, comm.get("dp", 0.0) - compute * 2 / 3))
+    exposed = sum(comm.values()) - dp_overlap
     step = busy + exposed
     est = StepEstimate(tokens_per_step=tokens, flops_per_token=fpt, model_flops_per_step=model_flops,
-                       compute_s=compute, bubble_fraction=bubble, comm_s=comm, exposed_comm_s=exposed, step_s=step,
-                       tokens_per_s=tokens / step, tokens_per_s_per_gpu=tokens / step / n_gpus,
-                       mfu=model_flops / (step * n_gpus * peak), n_gpus=n_gpus)
+                       hardware_flops_per_step=hardware_flops, compute_s=compute, bubble_fraction=bubble,
+                       comm_s=comm, exposed_comm_s=exposed, step_s=step, tokens_per_s=tokens / step,
+                       tokens_per_s_per_gpu=tokens / step / n_gpus, mfu=model_flops / (step * n_gpus * peak),
+                       hfu=hardware_flops / (step * n_gpus * peak), recompute_factor=rf, n_gpus=n_gpus)
+    return _with_totals(est, train_tokens, price_per_gpu_hour)
+
+
+def _with_totals(est: StepEstimate, train_tokens: float | None, price_per_gpu_hour: float | None) -> StepEstimate:
     if train_tokens:
         est.train_tokens = float(train_tokens)
         est.train_s = train_tokens / est.tokens_per_s
-        est.gpu_hours = est.train_s * n_gpus / 3600
+        est.gpu_hours = est.train_s * est.n_gpus / 3600
         if price_per_gpu_hour is not None:
             est.price_per_gpu_hour = price_per_gpu_hour
             est.cost = est.gpu_hours * price_per_gpu_hour
     return est
+
+
+def config_train_tokens(config: Config) -> int:
+    """Tokens the config's run trains on: `train.steps` optimizer steps of `train.global_batch_size`
+    sequences of `data.seq_len` tokens, the batch ramp-up (`schedule.batch_rampup_*`) included as
+    the trainer applies it (`lmforge.optim.schedules.BatchRampup`, restated here without torch: the
+    batch grows from the start batch in whole increments, linearly in the tokens seen)."""
+    t, s, seq = config.train, config.schedule, config.data.seq_len
+    full = t.global_batch_size * seq
+    if not s.batch_rampup_start or s.batch_rampup_tokens <= 0:
+        return t.steps * full
+    increment = s.batch_rampup_increment or t.micro_batch_size * config.parallel.dp
+    n_increments = (t.global_batch_size - s.batch_rampup_start) // increment
+    seen = steps = 0
+    while steps < t.steps and seen < s.batch_rampup_tokens:
+        seen += (s.batch_rampup_start + increment * (n_increments * seen // s.batch_rampup_tokens)) * seq
+        steps += 1
+    return seen + (t.steps - steps) * full
 
 
 def simple_training_estimate(n_params: float, tokens: float, device: Device, n_gpus: int = 1, mfu: float = 0.4,

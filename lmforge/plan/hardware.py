@@ -8,6 +8,9 @@ Conventions (stated once, used everywhere in `lmforge.plan`):
 - Peaks are *dense* tensor-core TFLOP/s (no 2:4 sparsity), per device, from the vendors' data
   sheets. `None` means the precision is not supported by the matrix units (e.g. bf16 on V100):
   asking for it raises a ValueError rather than silently using another number.
+- `host_memory_gb` is the host RAM of one node (the reference system's: DGX-1 / DGX A100 / DGX
+  H100 ...), which CPU offload of a whole node's GPUs must fit in; `None` where no reference system
+  fixes it (the CLI's `--host-memory-gb` then supplies it).
 - Bandwidths are GB/s per device, *one direction*: `intra_node_gbps` is the NVLink/ICI (or PCIe)
   bandwidth to the other devices of the same node, `inter_node_gbps` is the network bandwidth per
   device across nodes (one NIC per GPU: 100/200/400 Gb/s InfiniBand = 12.5/25/50 GB/s).
@@ -52,6 +55,7 @@ class Device:
     hbm_gbps: float | None = None
     aliases: tuple[str, ...] = field(default=())
     notes: str = ""
+    host_memory_gb: float | None = None   # host RAM per node (bounds CPU offload); None = unknown
 
     @property
     def memory_bytes(self) -> float:
@@ -77,23 +81,26 @@ class Device:
 def _catalogue() -> dict[str, Device]:
     devices = [
         Device("V100", 32, None, 125, 15.7, None, 150, 12.5, 8, 900, ("V100-32GB", "V100-SXM2"),
-               "SXM2 32GB; NVLink2 300 GB/s bidirectional; 100 Gb/s IB per GPU. No bf16."),
+               "SXM2 32GB; NVLink2 300 GB/s bidirectional; 100 Gb/s IB per GPU. No bf16. Host: DGX-1, 512 GB.",
+               host_memory_gb=512),
         Device("A100-40GB", 40, 312, 312, 19.5, None, 300, 25, 8, 1555, ("A100-SXM-40GB",),
-               "SXM4; fp32 is non-tensor (TF32 156); NVLink3 600 GB/s bidir; 200 Gb/s HDR per GPU."),
+               "SXM4; fp32 is non-tensor (TF32 156); NVLink3 600 GB/s bidir; 200 Gb/s HDR per GPU. Host: DGX A100, 1 TB.",
+               host_memory_gb=1024),
         Device("A100-80GB", 80, 312, 312, 19.5, None, 300, 25, 8, 2039, ("A100", "A100-SXM-80GB"),
-               "SXM4 80GB; as A100-40GB with HBM2e."),
+               "SXM4 80GB; as A100-40GB with HBM2e. Host: DGX A100 640GB, 2 TB.", host_memory_gb=2048),
         Device("H100-SXM", 80, 989, 989, 67, 1979, 450, 50, 8, 3350, ("H100", "H100-80GB", "H100-SXM5"),
-               "SXM5; NVLink4 900 GB/s bidir; 400 Gb/s NDR per GPU."),
+               "SXM5; NVLink4 900 GB/s bidir; 400 Gb/s NDR per GPU. Host: DGX H100, 2 TB.", host_memory_gb=2048),
         Device("H100-PCIe", 80, 756, 756, 51, 1513, 64, 50, 8, 2000, ("H100-PCIE-80GB",),
                "PCIe Gen5 x16 (64 GB/s per direction) between GPUs of a node."),
         Device("H200", 141, 989, 989, 67, 1979, 450, 50, 8, 4800, ("H200-SXM",),
-               "H100 compute with 141 GB HBM3e."),
+               "H100 compute with 141 GB HBM3e. Host: DGX H200, 2 TB.", host_memory_gb=2048),
         Device("B200", 180, 2250, 2250, 75, 4500, 900, 50, 8, 8000, ("B200-SXM",),
-               "DGX B200 (180 GB usable per GPU); NVLink5 1.8 TB/s bidir."),
+               "DGX B200 (180 GB usable per GPU); NVLink5 1.8 TB/s bidir. Host: 2 TB (up to 4 TB).",
+               host_memory_gb=2048),
         Device("TPU-v4", 32, 275, None, None, None, 150, 25, 4, 1200, ("TPUv4", "v4"),
                "One chip; ICI 6 links; 4 chips per host; bf16 only on the MXUs."),
         Device("CPU", 24, 2.0, None, 0.33, None, 10, 1.25, 1, 40, ("cpu",),
-               "This project's 2-core CPU machine, measured (bf16 AMX 2048^3 matmul)."),
+               "This project's 2-core CPU machine, measured (bf16 AMX 2048^3 matmul).", host_memory_gb=24),
     ]
     return {d.name: d for d in devices}
 

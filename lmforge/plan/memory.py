@@ -1,43 +1,88 @@
 """Memory per GPU for a model config, an optimizer and a parallel layout.
 
-Two conventions, chosen with `weights=`:
+Three conventions, chosen with `weights=`, each named for what it counts:
 
-``"megatron"`` (the literature; Rajbhandari et al. 2020, Korthikanti et al. 2022)
-    Mixed precision (bf16/fp16/fp8) keeps a 16-bit copy of the weights (2 B/param), 16-bit
-    gradients (2), and fp32 master weights (4) plus the optimizer state in fp32 (Adam/AdamW: m
-    and v, 8): mixed-precision Adam = 2 + 2 + 12 = 16 bytes/param. fp32 training: 4 + 4 + 8.
-    ZeRO with N data-parallel ranks shards flat buffers exactly (numel/N):
-    ZeRO-1 (optimizer + master) 4 + 12/N, ZeRO-2 (+ gradients) 2 + 14/N, ZeRO-3 (+ weights) 16/N.
-    Activations per layer, 16-bit, with dropout masks (s seq, b micro-batch, h hidden, a heads,
-    t TP): sbh(34 + 5as/h); with TP sbh(10 + 24/t + 5as/(ht)); with TP+SP (sbh/t)(34 + 5as/h);
-    selective recompute drops the 5as/h term; full recompute keeps the layer input, 2sbh
-    (2sbh/t with SP).
+``"zero-paper"`` (Rajbhandari et al. 2020, the ZeRO paper)
+    Mixed precision (bf16/fp16/fp8) keeps 16-bit weights (2 B/param), 16-bit gradients (2), and
+    fp32 master weights (4) plus the optimizer state in fp32 (Adam/AdamW: m and v, 8):
+    2 + 2 + 12 = 16 bytes/param. fp32 training: 4 + 4 + state. With N data-parallel ranks ZeRO
+    shards flat buffers exactly (numel/N): ZeRO-1 (master + state) 4 + 12/N, ZeRO-2
+    (+ gradients) 2 + 14/N, ZeRO-3 (+ weights) 16/N.
 
-``"lmforge"`` (what lmforge allocates today, modelled exactly for the tests)
-    Parameters are fp32 and are the master weights (4 B/param, no 16-bit copy), gradients are
+``"megatron"`` (Megatron-LM's `theoretical_memory_usage.py` and its distributed-optimizer table;
+DeepSpeed's ZeRO estimators count the same 18 for the states they shard)
+    bf16/fp8 runs keep bf16 weights (2), fp32 "main" gradients (4) and fp32 master weights +
+    Adam moments (12): 18 bytes/param; the distributed optimizer (ZeRO-1 here) shards the 12:
+    6 + 12/d. fp16 runs keep fp16 gradients (2) and shard an fp32 copy of them with the
+    optimizer: 20, or 4 + 16/d. fp32 runs: 16, or 8 + 8/d. Megatron has no ZeRO-2/3; this
+    convention extends its breakdown the ZeRO way: ZeRO-2 also shards the fp32 gradients
+    (2 + 16/d), ZeRO-3 everything (18/d).
+
+Both literature conventions count activations as Korthikanti et al. (2022) do, 16-bit tensors
+and 1-byte dropout masks (s seq, b micro-batch, h hidden, a heads, t TP, F = MLP hidden / h,
+r = kv heads / heads). Per layer, without TP:
+
+    sbh (10 + 4 + 4r + kF) [+ 5as/h without fused attention],  k = 4 (GELU), 6 (SwiGLU)
+
+where 10 = the two norm inputs (4) + q/k/v input (2) + fc1 input (2) + two dropout masks (2);
+4 + 4r = q (2), k and v (2r each) and the attention output / out-projection input (2); and the
+MLP keeps, per element of F, 2 + 2 bytes for GELU (fc1 output = GELU input, fc2 input) or
+2 + 2 + 2 for SwiGLU (gate output, up output, and their product = down input). For GPT
+(r = 1, GELU, F = 4) this is the paper's 34 = 18 + 4F; Megatron's estimator writes 18 + 4F for
+every MLP, which undercounts a SwiGLU MLP by 2F (the second fc1 half). With TP the 10 stays
+replicated and the rest is divided by t (GPT: 10 + 24/t); with TP + SP everything is divided by t.
+The 5as/h term is the softmax output, its dropout mask and output (2 + 1 + 2 bytes per score):
+lmforge runs `scaled_dot_product_attention` (flash / memory-efficient kernels), which keeps no
+[s, s] matrix, so the term is off by default (`fused_attention=True`) and only the unfused,
+published formula keeps it. Selective recompute drops that term (so under fused attention it
+saves nothing in these conventions); full recompute keeps the layer input, 2sbh (2sbh/t with SP).
+
+``"lmforge"`` (what lmforge allocates; the trainer runs each optimizer step's forward and backward
+passes over all its micro-batches inside one `torch.autocast` context, and FSDP2 runs with
+`MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)`)
+    Parameters are fp32 and are the master weights (4 B/param, no separate copy), gradients are
     fp32 (4), optimizer state is whatever `lmforge.optim` keeps per tensor (AdamW: m, v fp32 plus
-    a 4-byte `step` tensor per parameter tensor). bf16/fp16 is autocast: each matmul weight is
-    cast once per forward and that 2-byte copy is held for backward (reported under buffers).
-    ZeRO shards like FSDP2's `fully_shard`: each tensor is chunked along dim 0 into N pieces of
-    ceil(dim0/N) rows (padded), so the worst rank holds ceil(dim0/N) x (other dims) elements.
+    a 4-byte `step` tensor per parameter tensor). Sharding follows the layout lmforge builds:
+    ZeRO-1 is DDP + `ZeroRedundancyOptimizer` (optimizer state sharded), ZeRO-2 and ZeRO-3 are
+    FSDP2 `fully_shard` without / with resharding after forward: parameters, gradients and
+    optimizer state are all sharded, each tensor chunked along dim 0 into N pieces of
+    ceil(dim0/N) rows (the worst rank holds ceil(dim0/N) x (other dims) elements). Buffers:
+    - layouts whose parameters are not FSDP-sharded (single device, DDP, ZeRO-1, TP or PP without
+      FSDP): autocast caches one 16-bit cast of every Linear weight and bias of the stage (fp32
+      leaves; a tied embedding too, through the head)
+      until the step's autocast context exits, so the copies are counted once per step, not per
+      micro-batch in flight, and activation recompute does not free them (the recompute in
+      backward runs inside the same context and reuses them);
+    - DDP and ZeRO-1: DDP's all-reduce buckets, an fp32 copy of the gradients (torch's default
+      `gradient_as_bucket_view=False`);
+    - FSDP2 (ZeRO-2/3): parameters are all-gathered directly in 16-bit, so autocast casts nothing.
+      ZeRO-3 holds the gathered 16-bit weights of the current and the prefetched block, ZeRO-2
+      the whole stage's; both hold the root module's gathered weights (embedding, final norm,
+      head: the root spans the whole forward and backward), the head's 16-bit unsharded gradient
+      (computed first in backward, reduce-scattered with the root's at the end), and one block's
+      unsharded 16-bit gradients with their fp32 reduce-scatter input;
+    - fp32 runs: no 16-bit copies (FSDP2 gathers fp32 weights instead).
     Activations are counted tensor by tensor from what autograd saves under bf16 autocast with
     `scaled_dot_product_attention` (no s^2 term, no dropout): per layer
     sbh(8 [fp32 inputs of the two norms] + 6 [16-bit copies fed to q/k/v] + 4 + 4r [q, k, v,
     attention output] + 8 if RMSNorm [its fp32 outputs] + 2 if RoPE [wo input copy] + MLP),
-    MLP = 8f/h + 4 (SwiGLU) or 4f/h + 2 (GELU), r = kv_heads/heads, plus norm statistics and the
-    attention log-sum-exp (4bas); full recompute keeps the fp32 block input, 4sbh. Outside the
-    blocks: token ids, the final norm, and the fp32 log-softmax of the logits (4sbV). These are
-    byte-exact against autograd's saved tensors on CPU (tests); CUDA kernels may differ slightly
-    (benchmarks/plan_activation_check.py measures it).
+    MLP = 8F + 4 (SwiGLU) or 4F + 2 (GELU), plus norm statistics and the attention log-sum-exp
+    (4bas); full recompute keeps the fp32 block input, 4sbh. Outside the blocks: token ids, the
+    final norm, and the fp32 log-softmax of the logits (4sbV). These are byte-exact against
+    autograd's saved tensors on CPU (tests); CUDA kernels may differ slightly
+    (benchmarks/plan_activation_check.py measures it). Under TP only the tensor-parallel parts
+    are divided by t: SP's sharding of the norms' inputs is not credited yet (an overestimate),
+    and ZeRO-1's optimizer shard is taken as FSDP's even chunk (ZeroRedundancyOptimizer assigns
+    whole tensors, so its worst rank may hold slightly more).
 
-Common to both: tied embeddings count once (a pipeline's last stage keeps its own copy of a
-tied embedding, as Megatron does); TP shards q/k/v/gate/up/fc by rows (dim 0, biases too),
+Common to all: tied embeddings count once (a pipeline's last stage keeps its own copy of a tied
+embedding, as Megatron does); TP shards q/k/v/gate/up/fc by rows (dim 0, biases too),
 wo/down/proj by columns (dim 1, bias replicated), the embedding and output head by vocabulary
 rows, and replicates norms and a learned position table. PP puts the embedding on stage 0 and
 the final norm + head on the last stage; the report is for the worst stage. In flight on stage 0:
 GPipe all m micro-batches, 1F1B min(p, m), interleaved 1F1B p(1 + (p-1)/(pv)) micro-batches of
-its layers. CPU offload moves master weights and optimizer states (and, with ZeRO-3, the
-sharded weights and gradients, as FSDP2's CPUOffloadPolicy does) to host memory.
+its layers. CPU offload moves master weights and optimizer states (and, with ZeRO-3 or lmforge's
+FSDP2, the sharded weights and gradients, as FSDP2's CPUOffloadPolicy does) to host memory.
 """
 
 from __future__ import annotations
@@ -53,7 +98,8 @@ from lmforge.optim.state_memory import OPTIMIZER_NAMES, optimizer_state_bytes_pe
 AC_MODES = ("none", "full", "every_k", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
-CONVENTIONS = ("megatron", "lmforge")
+CONVENTIONS = ("lmforge", "megatron", "zero-paper")
+LITERATURE = ("megatron", "zero-paper")
 COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "buffers")
 
 # Optimizer spelling accepted by the planner -> lmforge.optim name.
@@ -66,6 +112,13 @@ def normalise_optimizer(name: str) -> str:
     if key not in OPTIMIZER_NAMES:
         raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZER_NAMES)}")
     return key
+
+
+def check_convention(name: str) -> str:
+    """`name` if it is a memory convention, else a ValueError listing them."""
+    if name not in CONVENTIONS:
+        raise ValueError(f"memory convention {name!r} is not one of {', '.join(CONVENTIONS)}")
+    return name
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,6 +153,11 @@ class Layout:
     def sequences_per_step(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp
 
+    @property
+    def fsdp(self) -> bool:
+        """Parameters sharded over dp (ZeRO-2/3 = FSDP2 `fully_shard` in lmforge)."""
+        return self.zero >= 2 and self.dp > 1
+
     def validate(self, model_cfg: ModelConfig | None = None) -> "Layout":
         for key in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "ac_every"):
             value = getattr(self, key)
@@ -113,6 +171,9 @@ class Layout:
             raise ValueError(f"layout ac = {self.ac!r} is not one of {', '.join(AC_MODES)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"layout precision = {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.sp and self.tp < 2:
+            raise ValueError(f"layout sp = 1 needs tp >= 2 (sequence parallelism shards activations over the "
+                             f"tensor-parallel ranks), got tp = {self.tp}; set tp= or drop sp=1")
         if self.virtual_stages > 1 and self.pp_schedule != "interleaved":
             raise ValueError(f"layout virtual_stages = {self.virtual_stages} needs pp_schedule = interleaved")
         if model_cfg is not None:
@@ -188,7 +249,7 @@ class ParamSpec:
     layer: int = -1
     tp_dim: int | None = None
     is_embedding: bool = False
-    matmul: bool = False          # a Linear weight: its 16-bit autocast copy is saved for backward
+    matmul: bool = False          # an input of a Linear (weight or bias): autocast casts it to 16-bit
 
     @property
     def numel(self) -> int:
@@ -237,7 +298,8 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     def linear(prefix: str, n_in: int, n_out: int, tp_dim: int, layer: int) -> list[ParamSpec]:
         specs = [ParamSpec(f"{prefix}.weight", (n_out, n_in), "block", layer, tp_dim, matmul=True)]
         if cfg.bias:
-            specs.append(ParamSpec(f"{prefix}.bias", (n_out,), "block", layer, 0 if tp_dim == 0 else None))
+            specs.append(ParamSpec(f"{prefix}.bias", (n_out,), "block", layer, 0 if tp_dim == 0 else None,
+                                   matmul=True))
         return specs
 
     for i in range(cfg.n_layers):
@@ -351,18 +413,38 @@ def literature_state_bytes_per_param(optimizer: str, shape: tuple[int, ...] | No
     return optimizer_state_bytes_per_param(name)
 
 
-def model_state_bytes_per_param(optimizer: str = "adamw", zero: int = 0, dp: int = 1, precision: str = "bf16") -> float:
-    """Literature bytes/param of weights + gradients + master + optimizer state per GPU, for large
-    matrices: mixed-precision Adam 2 + 2 + 12 = 16; ZeRO-1 4 + 12/N; ZeRO-2 2 + 14/N; ZeRO-3 16/N
-    (N = dp). Other optimizers replace the 8 bytes of Adam's m and v by their own state."""
+def literature_parts(convention: str, precision: str, state_bytes: float) -> tuple[tuple[str, float, int], ...]:
+    """Model-state bytes per parameter of a literature convention, as (component, bytes, the
+    lowest ZeRO stage that shards it); `state_bytes` = the optimizer's fp32 state per parameter
+    (Adam: 8). See the module docstring."""
+    if precision == "fp32":  # no 16-bit copy, no separate master: 4 + 4 + state in both
+        return (("weights", 4, 3), ("gradients", 4, 2), ("optimizer_states", state_bytes, 1))
+    if convention == "zero-paper":
+        return (("weights", 2, 3), ("gradients", 2, 2), ("master_weights", 4, 1), ("optimizer_states", state_bytes, 1))
+    assert convention == "megatron", convention
+    if precision == "fp16":  # fp16 gradients, plus an fp32 copy of them that the optimizer shards
+        return (("weights", 2, 3), ("gradients", 2, 2), ("gradients", 4, 1), ("master_weights", 4, 1),
+                ("optimizer_states", state_bytes, 1))
+    return (("weights", 2, 3), ("gradients", 4, 2), ("master_weights", 4, 1), ("optimizer_states", state_bytes, 1))
+
+
+def model_state_bytes_per_param(optimizer: str = "adamw", zero: int = 0, dp: int = 1, precision: str = "bf16",
+                                convention: str = "zero-paper") -> float:
+    """Bytes/param of weights + gradients + master + optimizer state per GPU for large matrices,
+    in a literature convention (N = dp). zero-paper, mixed-precision Adam: 2 + 2 + 12 = 16;
+    ZeRO-1 4 + 12/N; ZeRO-2 2 + 14/N; ZeRO-3 16/N. megatron, bf16 Adam: 2 + 4 + 12 = 18;
+    distributed optimizer (ZeRO-1) 6 + 12/N; ZeRO-2 2 + 16/N; ZeRO-3 18/N. Other optimizers
+    replace the 8 bytes of Adam's m and v by their own state."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero = {zero!r} must be 0, 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp = {dp} must be >= 1")
-    w, g, m = (2, 2, 4) if precision != "fp32" else (4, 4, 0)
-    k = m + literature_state_bytes_per_param(optimizer)
+    if convention not in LITERATURE:
+        raise ValueError(f"convention {convention!r} must be one of {', '.join(LITERATURE)} (lmforge's bytes "
+                         f"depend on the tensor shapes: use estimate_memory)")
+    parts = literature_parts(convention, precision, literature_state_bytes_per_param(optimizer))
     n = dp if zero else 1
-    return (w / n if zero >= 3 else w) + (g / n if zero >= 2 else g) + k / n
+    return sum(b / n if zero >= stage else b for _, b, stage in parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,6 +471,7 @@ class MemoryBreakdown:
     activations: float = 0.0
     buffers: float = 0.0
     cpu_bytes: float = 0.0
+    fused_attention: bool = True
     detail: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -403,6 +486,7 @@ class MemoryBreakdown:
         return {
             "model": self.model, "convention": self.convention, "optimizer": self.optimizer,
             "seq_len": self.seq_len, "layout": self.layout.to_dict(), "stage": self.stage,
+            "fused_attention": self.fused_attention,
             "params_total": self.params_total, "params_per_rank": self.params_per_rank,
             "bytes": {c: getattr(self, c) for c in COMPONENTS} | {"model_states": self.model_states,
                                                                    "total": self.total, "cpu": self.cpu_bytes},
@@ -446,21 +530,28 @@ def _in_flight(layout: Layout, stage: int) -> float:
     return float(k)
 
 
-def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str,
-                               checkpointed: bool | None = None) -> float:
-    """Activation bytes of one transformer layer for one micro-batch on one GPU."""
+def _literature_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str,
+                                     fused_attention: bool) -> float:
+    """Korthikanti et al.'s per-layer bytes, generalised to GQA and the MLP type (module docstring)."""
     s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
     sbh = s * b * h
-    ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
-    if convention == "megatron":
-        sp_div = t if layout.sp else 1
-        if ac == "full":
-            return 2 * sbh / sp_div
-        attn = 0.0 if ac == "selective" else 5 * a * s / h
-        if layout.sp or t == 1:
-            return sbh / t * (34 + attn)
-        return sbh * (10 + 24 / t + attn / t)
-    # lmforge: tensors autograd saves under bf16 autocast with SDPA (see module docstring).
+    sp_div = t if layout.sp else 1
+    if ac == "full":
+        return 2 * sbh / sp_div
+    r = cfg.kv_heads / cfg.n_heads
+    k_mlp = 6 if cfg.activation == "swiglu" else 4
+    replicated = 10.0
+    split = 4 + 4 * r + k_mlp * cfg.ffn_dim / h
+    core = 0.0 if (fused_attention or ac == "selective") else 5 * a * s / h
+    if layout.sp or t == 1:
+        return sbh / t * (replicated + split + core)
+    return sbh * (replicated + (split + core) / t)
+
+
+def _lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str) -> float:
+    """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring)."""
+    s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
+    sbh = s * b * h
     half = 4 if layout.precision == "fp32" else 2
     r = cfg.kv_heads / cfg.n_heads
     F = cfg.ffn_dim / h
@@ -480,13 +571,24 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
     return sbh * (resid + normed + casts + attn + wo_in + mlp) + norm_stats + lse
 
 
+def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str,
+                               checkpointed: bool | None = None, fused_attention: bool = True) -> float:
+    """Activation bytes of one transformer layer for one micro-batch on one GPU. `checkpointed`
+    overrides the layout's mode (True = full recompute, False = none); `fused_attention=False`
+    gives the literature's unfused formula (with the 5as/h score term)."""
+    ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
+    if check_convention(convention) == "lmforge":
+        return _lmforge_activation_per_layer(cfg, layout, seq_len, ac)
+    return _literature_activation_per_layer(cfg, layout, seq_len, ac, fused_attention)
+
+
 def _extras(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, stage: int) -> dict[str, float]:
     """Activations outside the blocks: embedding output on the first stage, final norm + logits on
     the last (one micro-batch)."""
     s, b, h, V, t = seq_len, layout.micro_batch, cfg.dim, cfg.vocab_size, layout.tp
     sbh = s * b * h
     out: dict[str, float] = {}
-    if convention == "megatron":
+    if convention in LITERATURE:
         sp_div = t if layout.sp else 1
         if stage == 0:
             out["embedding"] = sbh / sp_div  # dropout mask
@@ -503,149 +605,161 @@ def _extras(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, sta
     return out
 
 
-_STATE_CACHE: dict[tuple, tuple[dict[str, float], float, float]] = {}
+@dataclass(frozen=True)
+class _StageStates:
+    """Model-state bytes of one pipeline stage on one rank, and the parameter counts (after TP,
+    before ZeRO) that the buffers depend on."""
+
+    comp: tuple[tuple[str, float], ...]
+    params: float          # parameters of the stage on this TP rank
+    matmul_16bit: float    # bytes of one 16-bit copy of its matmul weights (a tied head's included)
+    layer_params: float    # one transformer block
+    root_params: float     # outside the blocks: embedding, positions, final norm, head
+    head_params: float     # the output projection (last stage), tied or not
 
 
-def _stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, stage: int
-                  ) -> tuple[dict[str, float], float, float]:
-    """(model-state bytes by component, parameters held, 16-bit autocast copies) for one stage."""
+_STATE_CACHE: dict[tuple, _StageStates] = {}
+
+
+def _stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, stage: int) -> _StageStates:
     key = (cfg_key(cfg), layout.dp if layout.zero else 1, layout.zero, layout.tp, layout.pp,
            layout.precision, opt, convention, stage)
     hit = _STATE_CACHE.get(key)
     if hit is not None:
-        return dict(hit[0]), hit[1], hit[2]
+        return hit
     n_dp = layout.dp if layout.zero > 0 else 1
-    mixed = layout.precision != "fp32"
-    comp = dict.fromkeys(COMPONENTS, 0.0)
-    params_here = 0.0
-    cast_bytes = 0.0
+    comp = dict.fromkeys(COMPONENTS[:4], 0.0)
+    params = matmul = layer = root = head = 0.0
     specs = stage_specs(cfg, layout.pp, stage)
+    first_layer = stage * (cfg.n_layers // layout.pp)
     for spec in specs:
         local = tp_shape(spec, layout.tp)
         full_n = math.prod(local)
-        params_here += full_n
-
-        def sharded(component_stage: int) -> float:
-            if layout.zero < component_stage or n_dp == 1:
-                return float(full_n)
-            if convention == "megatron":
-                return full_n / n_dp
-            return float(math.prod(fsdp_shard_shape(local, n_dp)))
-
-        if convention == "megatron":
-            w_b, g_b, m_b = (2, 2, 4) if mixed else (4, 4, 0)
-            comp["weights"] += w_b * sharded(3)
-            comp["gradients"] += g_b * sharded(2)
-            comp["master_weights"] += m_b * sharded(1)
-            comp["optimizer_states"] += literature_state_bytes_per_param(opt, local) * sharded(1)
+        params += full_n
+        if spec.where == "block":
+            layer += full_n if spec.layer == first_layer else 0
         else:
-            comp["weights"] += 4 * sharded(3)
-            comp["gradients"] += 4 * sharded(2)
-            shard_shape = fsdp_shard_shape(local, n_dp) if (layout.zero >= 1 and n_dp > 1) else local
-            comp["optimizer_states"] += lmforge_state_bytes(opt, spec, shard_shape)
-            if mixed and spec.matmul:
-                cast_bytes += 2 * full_n
-    if convention == "lmforge" and mixed and cfg.tie_embeddings and layout.pp == 1:
-        # the tied head multiplies by a 16-bit cast of the embedding
-        cast_bytes += 2 * math.prod(tp_shape(specs[0], layout.tp))
+            root += full_n
+        if "lm_head" in spec.name:
+            head += full_n
+        if spec.matmul:
+            matmul += 2 * full_n
+        if convention in LITERATURE:  # flat buffers sharded exactly
+            state = literature_state_bytes_per_param(opt, local)
+            for c, nbytes, zero_stage in literature_parts(convention, layout.precision, state):
+                shard = n_dp if (layout.zero >= zero_stage and n_dp > 1) else 1
+                comp[c] += nbytes * full_n / shard
+            continue
+        # lmforge: FSDP2 shards every tensor along dim 0; ZeroRedundancyOptimizer the state only
+        shard_n = math.prod(fsdp_shard_shape(local, n_dp))
+        comp["weights"] += 4 * (shard_n if layout.fsdp else full_n)
+        comp["gradients"] += 4 * (shard_n if layout.fsdp else full_n)
+        state_shape = fsdp_shard_shape(local, n_dp) if (layout.zero >= 1 and n_dp > 1) else local
+        comp["optimizer_states"] += lmforge_state_bytes(opt, spec, state_shape)
+    if cfg.tie_embeddings and layout.pp == 1:
+        # the tied embedding is also the head: its matmul uses a 16-bit cast of the embedding
+        emb = math.prod(tp_shape(specs[0], layout.tp))
+        matmul += 2 * emb
+        head += emb
     if len(_STATE_CACHE) > 4096:
         _STATE_CACHE.clear()
-    _STATE_CACHE[key] = (dict(comp), params_here, cast_bytes)
-    return comp, params_here, cast_bytes
+    hit = _StageStates(tuple(comp.items()), params, matmul, layer, root, head)
+    _STATE_CACHE[key] = hit
+    return hit
 
 
-_SUM_CACHE: dict[tuple, float] = {}
+def _literature_buffers(layout: Layout, states: _StageStates, convention: str) -> dict[str, float]:
+    """ZeRO-3: the gathered 16-bit weights of the current and the prefetched layer, and one
+    layer's unsharded gradients before the reduce-scatter."""
+    if not (layout.zero == 3 and layout.dp > 1):
+        return {}
+    parts = literature_parts(convention, layout.precision, 0.0)
+    w = sum(b for c, b, _ in parts if c == "weights")
+    g = sum(b for c, b, stage in parts if c == "gradients" and stage >= 2)
+    return {"zero3_gather_buffers": (2 * w + g) * states.layer_params}
 
 
-def _cached_sum(key: tuple, fn) -> float:
-    if key not in _SUM_CACHE:
-        if len(_SUM_CACHE) > 4096:
-            _SUM_CACHE.clear()
-        _SUM_CACHE[key] = fn()
-    return _SUM_CACHE[key]
-
-
-class _LazySpecs:
-    """stage_specs(...) built only when iterated (the sums over it are cached)."""
-
-    def __init__(self, cfg: ModelConfig, pp: int, stage: int):
-        self.args = (cfg, pp, stage)
-
-    def __iter__(self):
-        return iter(stage_specs(*self.args))
-
-
-def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, convention: str,
-                     stage: int) -> tuple[dict[str, float], float, float, dict[str, float]]:
-    n_dp = layout.dp if layout.zero > 0 else 1
+def _lmforge_buffers(cfg: ModelConfig, layout: Layout, states: _StageStates) -> dict[str, float]:
+    """What lmforge allocates besides parameters, gradients, optimizer state and activations."""
     mixed = layout.precision != "fp32"
+    out: dict[str, float] = {}
+    if not layout.fsdp:
+        if mixed:  # autocast's cache: one 16-bit copy per matmul weight for the whole step
+            out["autocast_weight_copies"] = states.matmul_16bit
+        if layout.dp > 1:  # DDP (ZeRO-1 too): fp32 all-reduce buckets, gradient_as_bucket_view=False
+            out["ddp_gradient_buckets"] = 4 * states.params
+    else:
+        half = 2 if mixed else 4  # FSDP2 gathers in param_dtype (16-bit), fp32 runs in fp32
+        held = states.params if layout.zero == 2 else 2 * states.layer_params + states.root_params
+        out["fsdp_gathered_weights"] = half * held
+        reduce_input = 4 if mixed else 0  # the fp32 reduce-scatter input (reduce_dtype = fp32)
+        out["fsdp_unsharded_gradients"] = (half + reduce_input) * states.layer_params + half * states.head_params
+    if cfg.pos_emb == "rope":
+        out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
+    return out
+
+
+def _checkpointed_layers(layout: Layout, layers: int) -> int:
+    if layout.ac == "full":
+        return layers
+    if layout.ac == "every_k":
+        return len(range(0, layers, layout.ac_every))
+    return 0
+
+
+def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, convention: str, stage: int,
+                     fused_attention: bool) -> tuple[dict[str, float], float, float, dict[str, float]]:
+    states = _stage_states(cfg, layout, opt, convention, stage)
+    comp = dict.fromkeys(COMPONENTS, 0.0)
+    for c, v in states.comp:
+        comp[c] += v
     detail: dict[str, float] = {}
     cpu = 0.0
-    comp, params_here, cast_bytes = _stage_states(cfg, layout, opt, convention, stage)
-    specs = _LazySpecs(cfg, layout.pp, stage)
-    # Host offload.
-    if layout.cpu_offload:
-        moved = ["master_weights", "optimizer_states"] + (["weights", "gradients"] if layout.zero == 3 else [])
+    if layout.cpu_offload:  # host offload (lmforge: FSDP2's CPUOffloadPolicy moves every sharded state)
+        sharded_too = layout.zero == 3 or (convention == "lmforge" and layout.fsdp)
+        moved = ["master_weights", "optimizer_states"] + (["weights", "gradients"] if sharded_too else [])
         for c in moved:
             cpu += comp[c]
             comp[c] = 0.0
     # Activations.
     layers = cfg.n_layers // layout.pp
-    n_ckpt = 0
-    if layout.ac == "full":
-        n_ckpt = layers
-    elif layout.ac == "every_k":
-        n_ckpt = len(range(0, layers, layout.ac_every))
+    n_ckpt = _checkpointed_layers(layout, layers)
+
+    def per_layer(checkpointed: bool | None) -> float:
+        return activation_bytes_per_layer(cfg, layout, seq_len, convention, checkpointed, fused_attention)
+
     if layout.ac in ("full", "every_k"):
-        per_layer = (n_ckpt * activation_bytes_per_layer(cfg, layout, seq_len, convention, True)
-                     + (layers - n_ckpt) * activation_bytes_per_layer(cfg, layout, seq_len, convention, False))
+        blocks = n_ckpt * per_layer(True) + (layers - n_ckpt) * per_layer(False)
     else:
-        per_layer = layers * activation_bytes_per_layer(cfg, layout, seq_len, convention)
+        blocks = layers * per_layer(None)
     extras = _extras(cfg, layout, seq_len, convention, stage)
     in_flight = _in_flight(layout, stage)
     last_in_flight = float(layout.grad_accum) if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
-    comp["activations"] = in_flight * (per_layer + extras.get("embedding", 0.0)) + last_in_flight * extras.get("output", 0.0)
-    detail["activations_blocks"] = in_flight * per_layer
+    comp["activations"] = in_flight * (blocks + extras.get("embedding", 0.0)) + last_in_flight * extras.get("output", 0.0)
+    detail["activations_blocks"] = in_flight * blocks
     detail["activations_outside_blocks"] = comp["activations"] - detail["activations_blocks"]
     detail["micro_batches_in_flight"] = in_flight
     # Buffers.
     if convention == "lmforge":
-        # autocast's cached 16-bit weight copies, held until backward; with recompute, the block
-        # weights are re-cast in backward and only the head's copy outlives the forward.
-        if layout.ac in ("full", "every_k"):
-            block_cast = _cached_sum(("cast", cfg_key(cfg), layout.pp, stage, layout.tp), lambda: sum(
-                2 * math.prod(tp_shape(s, layout.tp)) for s in specs if s.matmul and s.where == "block"))
-            frac = n_ckpt / layers if layers else 0.0
-            cast_bytes -= block_cast * frac
-        # autocast drops its cache when each micro-batch's forward exits, so every micro-batch
-        # in flight holds its own copies
-        cast_bytes *= in_flight
-        detail["autocast_weight_copies"] = cast_bytes
-        comp["buffers"] += cast_bytes
-        if cfg.pos_emb == "rope":
-            detail["rope_tables"] = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
-            comp["buffers"] += detail["rope_tables"]
-    if layout.zero == 3 and n_dp > 1:
-        # all-gathered 16-bit weights of the current and the prefetched layer + one layer's
-        # unsharded gradients before the reduce-scatter.
-        layer_params = _cached_sum(("layer", cfg_key(cfg), layout.pp, stage, layout.tp), lambda: sum(
-            math.prod(tp_shape(s, layout.tp)) for s in specs if s.where == "block" and s.layer == stage * layers))
-        wb = 2 if mixed else 4
-        detail["zero3_gather_buffers"] = 2 * wb * layer_params + (wb if convention == "megatron" else 4) * layer_params
-        comp["buffers"] += detail["zero3_gather_buffers"]
-    return comp, cpu, params_here, detail
+        buffers = _lmforge_buffers(cfg, layout, states)
+    else:
+        buffers = _literature_buffers(layout, states, convention)
+    detail.update(buffers)
+    comp["buffers"] = sum(buffers.values())
+    return comp, cpu, states.params, detail
 
 
 def estimate_memory(model_cfg: ModelConfig, layout: Layout, optimizer: str = "adamw", seq_len: int | None = None,
-                    weights: str = "megatron", model_name: str = "model") -> MemoryBreakdown:
+                    weights: str = "lmforge", model_name: str = "model", fused_attention: bool = True
+                    ) -> MemoryBreakdown:
     """Bytes per GPU for `model_cfg` trained with `optimizer` under `layout`, worst pipeline stage.
 
-    `weights` picks the convention: "megatron" (literature, 16 B/param for mixed-precision Adam)
-    or "lmforge" (what lmforge allocates: fp32 params = master, fp32 grads, exact optimizer
-    state per tensor). See the module docstring for every formula.
+    `weights` picks the convention: "lmforge" (what lmforge allocates), "megatron" (Megatron-LM's
+    18 B/param for bf16 Adam) or "zero-paper" (the ZeRO paper's 16 B/param). `fused_attention`
+    (the literature conventions only; lmforge always uses SDPA): False keeps Korthikanti's
+    [s, s] score term. See the module docstring for every formula.
     """
-    if weights not in CONVENTIONS:
-        raise ValueError(f"weights convention {weights!r} is not one of {', '.join(CONVENTIONS)}")
+    check_convention(weights)
     opt = normalise_optimizer(optimizer)
     layout.validate(model_cfg)
     seq_len = model_cfg.max_seq_len if seq_len is None else int(seq_len)
@@ -654,11 +768,12 @@ def estimate_memory(model_cfg: ModelConfig, layout: Layout, optimizer: str = "ad
     n_total = total_params(model_cfg)
     best = None
     for stage in sorted({0, layout.pp - 1}):
-        comp, cpu, params_here, detail = _stage_breakdown(model_cfg, layout, opt, seq_len, weights, stage)
+        comp, cpu, params_here, detail = _stage_breakdown(model_cfg, layout, opt, seq_len, weights, stage,
+                                                          fused_attention)
         total = sum(comp.values())
         if best is None or total > best[0]:
             best = (total, stage, comp, cpu, params_here, detail)
     _, stage, comp, cpu, params_here, detail = best
     return MemoryBreakdown(model=model_name, layout=layout, optimizer=opt, seq_len=seq_len, convention=weights,
-                           params_total=n_total, params_per_rank=params_here, stage=stage,
-                           cpu_bytes=cpu, detail=detail, **comp)
+                           params_total=n_total, params_per_rank=params_here, stage=stage, cpu_bytes=cpu,
+                           fused_attention=fused_attention or weights == "lmforge", detail=detail, **comp)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from lmforge.plan.flops import SECONDS_PER_YEAR, StepEstimate
 from lmforge.plan.hardware import Cluster
 from lmforge.plan.memory import MemoryBreakdown
-from lmforge.plan.search import Candidate, explain_winner
+from lmforge.plan.search import SearchResult, explain_winner
 
 
 def human_bytes(n: float) -> str:
@@ -50,7 +51,7 @@ def _grid(rows: list[tuple[str, ...]], align: str) -> list[str]:
 
 
 def memory_table(mems: list[MemoryBreakdown], device_bytes: float | None = None, usable_fraction: float = 0.9) -> str:
-    """One column per convention (e.g. megatron and lmforge) of bytes per GPU and bytes/param."""
+    """One column per convention (lmforge, megatron, zero-paper) of bytes per GPU and bytes/param."""
     comps = ["weights", "gradients", "master_weights", "optimizer_states"]
     head = ("component",) + tuple(x for m in mems for x in (f"{m.convention} /GPU", "B/param"))
     rows: list[tuple[str, ...]] = [head]
@@ -80,17 +81,22 @@ def step_table(step: StepEstimate, cluster: Cluster, assumed_mfu: float, precisi
             ("FLOPs per token", f"{step.flops_per_token:.4g}"),
             ("tokens per step", f"{step.tokens_per_step:,}"),
             ("model FLOPs per step", f"{step.model_flops_per_step:.4g}"),
-            (f"GPUs x peak ({precision})", f"{step.n_gpus} x {cluster.device.peak_flops(precision) / 1e12:g} TFLOP/s"),
-            ("assumed MFU (no bubble/comm)", f"{assumed_mfu:.1%}"),
-            ("compute time per step", human_seconds(step.compute_s)),
-            ("pipeline bubble", f"{step.bubble_fraction:.1%}")]
-    for k, v in step.comm_s.items():
-        rows.append((f"{k.upper()} communication", human_seconds(v)))
-    rows += [("exposed communication", human_seconds(step.exposed_comm_s)),
-             ("step time", human_seconds(step.step_s)),
+            ("hardware FLOPs per step", f"{step.hardware_flops_per_step:.4g} (x{step.recompute_factor:.3g} recompute)"),
+            (f"GPUs x peak ({precision})", f"{step.n_gpus} x {cluster.device.peak_flops(precision) / 1e12:g} TFLOP/s")]
+    if step.ideal:
+        rows.append(("assumed MFU (end to end, as is)", f"{assumed_mfu:.1%}"))
+    else:
+        rows += [("assumed MFU (large matmuls, no recompute)", f"{assumed_mfu:.1%}"),
+                 ("compute time per step", human_seconds(step.compute_s)),
+                 ("pipeline bubble", f"{step.bubble_fraction:.1%}")]
+        for k, v in step.comm_s.items():
+            rows.append((f"{k.upper()} communication", human_seconds(v)))
+        rows.append(("exposed communication", human_seconds(step.exposed_comm_s)))
+    rows += [("step time", human_seconds(step.step_s)),
              ("tokens/s (cluster)", f"{step.tokens_per_s:,.0f}"),
              ("tokens/s per GPU", f"{step.tokens_per_s_per_gpu:,.0f}"),
-             ("estimated end-to-end MFU", f"{step.mfu:.1%}")]
+             ("MFU (model FLOPs, PaLM)", f"{step.mfu:.1%}"),
+             ("HFU (hardware FLOPs, with recompute)", f"{step.hfu:.1%}")]
     if step.train_s is not None:
         rows += [("training tokens", f"{step.train_tokens:.4g}"),
                  ("training time", human_seconds(step.train_s)),
@@ -100,15 +106,45 @@ def step_table(step: StepEstimate, cluster: Cluster, assumed_mfu: float, precisi
     return "\n".join(["Compute and time:"] + _grid(rows, "<>"))
 
 
-def candidates_table(cands: list[Candidate]) -> str:
+def _refusal_kinds(refused: dict[str, int]) -> list[tuple[str, int]]:
+    """Refusal reasons grouped by kind (the message with its numbers blanked), most frequent first;
+    each kind shown by its first message."""
+    kinds: dict[str, list] = {}
+    for why, n in refused.items():
+        kind = re.sub(r"\d+", "#", why)
+        entry = kinds.setdefault(kind, [why, 0])
+        entry[1] += n
+    return sorted(((why, n) for why, n in kinds.values()), key=lambda kv: -kv[1])
+
+
+_CONVENTION_WORDS = {"lmforge": "what lmforge allocates", "megatron": "Megatron-LM's 18 B/param",
+                     "zero-paper": "the ZeRO paper's 16 B/param"}
+
+
+def candidates_table(cands: SearchResult, cluster: Cluster, usable_fraction: float = 0.9) -> str:
+    fit = cands.fit_convention
+    budget = usable_fraction * cluster.device.memory_gb
+    head = (f"Layout search, fit-checked with the {fit} convention ({_CONVENTION_WORDS[fit]}): "
+            f"{usable_fraction:.0%} of {cluster.device.memory_gb:g} GB = {budget:g} GB per GPU usable; "
+            f"{cands.tried:,} layouts tried.")
+    lines = [head]
+    if cands.refused:
+        lines.append(f"Left out {sum(cands.refused.values()):,} layouts that lmforge refuses with this config, e.g.:")
+        lines += [f"  {n:,} x {why}" for why, n in _refusal_kinds(cands.refused)[:6]]
+    if cands.note:
+        lines.append(cands.note)
     if not cands:
-        return "Search: " + explain_winner(cands)
-    rows = [("#", "layout", "tok/s/GPU", "MFU", "step", "bubble", "GB/GPU", "fits")]
+        return "\n".join(lines + ["Search: " + explain_winner(cands, cands.offload_tried)])
+    mem_cols = tuple(f"GB {c}" for c in cands.conventions)
+    rows = [("#", "layout", "tok/s/GPU", "MFU", "HFU", "step", "bubble") + mem_cols + ("fits",)]
     for c in cands:
         rows.append((str(c.rank), c.layout.short(), f"{c.step.tokens_per_s_per_gpu:,.0f}", f"{c.step.mfu:.1%}",
-                     human_seconds(c.step.step_s), f"{c.step.bubble_fraction:.1%}", f"{c.memory.total / 1e9:.1f}",
-                     "yes" if c.fits else "no"))
-    lines = ["Layout search (ranked by estimated throughput):"] + _grid(rows, "><>>>>>>")
+                     f"{c.step.hfu:.1%}", human_seconds(c.step.step_s), f"{c.step.bubble_fraction:.1%}")
+                    + tuple(f"{c.memories[conv].total / 1e9:.1f}" for conv in cands.conventions)
+                    + ("yes" if c.fits else "no",))
+    lines.append(f"Ranked by estimated throughput; the simplest layout within {cands.margin:.0%} of the fastest "
+                 f"goes first. GB/GPU under each convention; 'fits' is by {fit}:")
+    lines += _grid(rows, "><>>>>>" + ">" * len(mem_cols) + ">")
     lines.append("Why:")
     lines += [f"  #{c.rank}: {c.reason}" for c in cands[:5]]
     lines.append(explain_winner([c for c in cands if c.fits]))

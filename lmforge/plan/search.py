@@ -1,41 +1,78 @@
 """Layout search: enumerate (dp, ZeRO stage, tp, pp, schedule, micro-batch, AC) for a model on a
 cluster and a global batch, keep those that fit in memory, rank them by estimated throughput.
 
-Placement follows the usual rule and is what the time model assumes: TP innermost (inside a
-node, over NVLink: it communicates every layer), PP next (point-to-point activations only, the
-cheapest traffic to send across nodes), DP outermost (one gradient reduction per step that
-overlaps with the backward pass). TP is therefore limited to the GPUs of one node; every
-candidate uses all GPUs of the cluster (dp = GPUs / (tp x pp)).
+Placement is lmforge's DeviceMesh ("pp", "dp", "tp"; Megatron's default order too), and what the
+time model assumes: TP innermost (inside a node, over NVLink: it communicates at every layer),
+DP next (its gradient reduction overlaps with the backward pass), PP outermost (point-to-point
+activations only, the cheapest traffic to send across nodes). TP is therefore limited to the GPUs
+of one node; every candidate uses all GPUs of the cluster (dp = GPUs / (tp x pp)).
 
-Fit test: the estimated bytes per GPU (worst pipeline stage) <= `usable_fraction` (default 0.9)
-x device memory, leaving room for the CUDA context, allocator fragmentation and workspaces.
+Fit test: the estimated bytes per GPU (worst pipeline stage), in the convention the search
+fit-checks with, <= `usable_fraction` (default 0.9) x device memory, leaving room for the CUDA
+context, allocator fragmentation and workspaces. With CPU offload, the host memory the GPUs of one
+node offload to must also fit in `usable_fraction` x the node's host RAM.
+
+When the plan is for an lmforge run (`weights="lmforge"` and the run's `config` given), layouts that
+lmforge's config validation refuses for this model and batch (e.g. ZeRO-1 with TP or PP, SP with
+learned positions, PP with tied embeddings) are left out, and `SearchResult.refused` says why.
+
+Ranking: fastest first, except that the simplest layout within `margin` (default 3%) of the
+fastest goes first: the time model is first-order, and differences that small are below its
+resolution, while every added mechanism (CPU offload, pipeline, interleaving, TP, a higher ZeRO
+stage, recompute) costs engineering and risk. Simplicity is judged in that order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
-from lmforge.config import ModelConfig
+from lmforge.config import Config, ConfigError, ModelConfig
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
-from lmforge.plan.memory import Layout, MemoryBreakdown, estimate_memory
+from lmforge.plan.memory import Layout, MemoryBreakdown, check_convention, estimate_memory
+
+SIMPLER_MARGIN = 0.03
+_AC_RANK = {"none": 0, "selective": 1, "every_k": 2, "full": 3}
 
 
 @dataclass
 class Candidate:
     layout: Layout
-    memory: MemoryBreakdown
+    memory: MemoryBreakdown          # in the convention the search fit-checked with
     step: StepEstimate
     fits: bool
     reason: str = ""
     rank: int = 0
+    memories: dict[str, MemoryBreakdown] = field(default_factory=dict)  # every convention asked for
+    host_bytes_per_node: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "layout": self.layout.to_dict(), "layout_str": self.layout.short(),
-                "fits": self.fits, "reason": self.reason,
-                "memory_gb_per_gpu": self.memory.total / 1e9, "memory": self.memory.as_dict(),
-                "step": self.step.as_dict()}
+                "fits": self.fits, "reason": self.reason, "fit_convention": self.memory.convention,
+                "memory_gb_per_gpu": self.memory.total / 1e9,
+                "memory_gb_per_gpu_by_convention": {k: m.total / 1e9 for k, m in self.memories.items()},
+                "host_gb_per_node": self.host_bytes_per_node / 1e9,
+                "memory": self.memory.as_dict(), "step": self.step.as_dict()}
+
+
+class SearchResult(list):
+    """The ranked candidates (a list), plus what the search did: the convention it fit-checked
+    with, the conventions shown, how many layouts it tried, the layouts lmforge would refuse
+    (reason -> count), and a note on what it assumed."""
+
+    def __init__(self, cands: list[Candidate], fit_convention: str, conventions: tuple[str, ...],
+                 tried: int, refused: dict[str, int], margin: float, note: str = "", offload_tried: bool = False):
+        super().__init__(cands)
+        self.note = note
+        self.offload_tried = offload_tried
+        self.fit_convention = fit_convention
+        self.conventions = conventions
+        self.tried = tried
+        self.refused = refused
+        self.margin = margin
 
 
 def _divisors(n: int) -> list[int]:
@@ -79,13 +116,71 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                 for zero in zero_stages:
                     if zero and dp == 1:
                         continue
-                    for offload in ((False, True) if allow_offload else (False,)):
+                    # CPU offload is FSDP's (CPUOffloadPolicy): sharded layouts only
+                    for offload in ((False, True) if allow_offload and zero >= 2 else (False,)):
                         for ac in ac_modes:
                             for sched, v in schedules:
-                                out.append(Layout(dp=dp, zero=zero, tp=tp, sp=tp > 1, pp=pp, pp_schedule=sched,
-                                                  virtual_stages=v, micro_batch=mb, grad_accum=ga, ac=ac,
-                                                  cpu_offload=offload, precision=precision))
+                                for sp in ((True, False) if tp > 1 else (False,)):
+                                    out.append(Layout(dp=dp, zero=zero, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
+                                                      virtual_stages=v, micro_batch=mb, grad_accum=ga, ac=ac,
+                                                      cpu_offload=offload, precision=precision))
     return out
+
+
+def lmforge_config_for(config: Config, layout: Layout, seq_len: int) -> Config:
+    """`config` with the layout's parallel and batch settings, as `lmforge train` would take them."""
+    zero, dp = layout.zero, layout.dp
+    sharded = dp > 1 and zero >= 1
+    par = dataclasses.replace(
+        config.parallel, tp=layout.tp, pp=layout.pp, dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1,
+        zero_stage=zero if sharded else 0, sequence_parallel=layout.sp, pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload)
+    precision = "bf16" if layout.precision == "fp8" else layout.precision
+    train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch, precision=precision,
+                                global_batch_size=layout.sequences_per_step, activation_checkpoint=layout.ac,
+                                ac_every=layout.ac_every)
+    data = dataclasses.replace(config.data, seq_len=seq_len)
+    # the plan is for the full batch: a batch ramp-up is a schedule detail left out here (see
+    # `rampup_note`)
+    schedule = dataclasses.replace(config.schedule, batch_rampup_start=0, batch_rampup_tokens=0,
+                                   batch_rampup_increment=0)
+    return dataclasses.replace(config, parallel=par, train=train, data=data, schedule=schedule)
+
+
+def rampup_note(config: Config | None) -> str:
+    """What the search assumes about the config's batch ramp-up ('' when it has none)."""
+    if config is None or not config.schedule.batch_rampup_start:
+        return ""
+    return (f"The config ramps the batch up from {config.schedule.batch_rampup_start} sequences; the search plans "
+            f"the full batch. lmforge needs the ramp-up's start and increment to be multiples of micro-batch x dp, "
+            f"and refuses a ramp-up with pp > 1.")
+
+
+def lmforge_refusal(config: Config, layout: Layout, seq_len: int) -> str | None:
+    """None if lmforge's config validation accepts `layout` for this run, else its reason."""
+    try:
+        lmforge_config_for(config, layout, seq_len).validate()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def complexity(layout: Layout) -> tuple:
+    """Sort key of how much machinery a layout needs (smaller = simpler)."""
+    return (layout.cpu_offload, layout.pp > 1, layout.virtual_stages > 1, layout.tp > 1, layout.sp, layout.zero,
+            _AC_RANK[layout.ac])
+
+
+def _rank(cands: list[Candidate], margin: float) -> list[Candidate]:
+    """Fastest first, but the simplest fitting layout within `margin` of the fastest leads."""
+    fitting = sorted((c for c in cands if c.fits), key=lambda c: (-c.step.tokens_per_s, c.memory.total))
+    rest = sorted((c for c in cands if not c.fits), key=lambda c: (-c.step.tokens_per_s, c.memory.total))
+    if fitting:
+        best = fitting[0].step.tokens_per_s
+        near = [c for c in fitting if c.step.tokens_per_s >= (1 - margin) * best]
+        near.sort(key=lambda c: (complexity(c.layout), -c.step.tokens_per_s, c.memory.total))
+        fitting = near + [c for c in fitting if c.step.tokens_per_s < (1 - margin) * best]
+    return fitting + rest
 
 
 def _reason(c: Candidate, cluster: Cluster) -> str:
@@ -94,65 +189,118 @@ def _reason(c: Candidate, cluster: Cluster) -> str:
     parts = []
     if L.tp > 1:
         parts.append(f"TP={L.tp} inside a node ({dev.intra_node_gbps:g} GB/s)")
-    if L.pp > 1:
-        where = "across nodes" if L.tp * L.pp > cluster.gpus_per_node else "inside a node"
-        parts.append(f"PP={L.pp} {where} ({L.pp_schedule}, bubble {st.bubble_fraction:.0%})")
     zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[L.zero]
-    parts.append(f"DP={L.dp} outermost ({zero})")
+    dp_where = "inside a node" if L.tp * L.dp <= cluster.gpus_per_node else "across nodes"
+    parts.append(f"DP={L.dp} {dp_where} ({zero})")
+    if L.pp > 1:
+        where = "across nodes" if L.world_size > cluster.gpus_per_node else "inside a node"
+        parts.append(f"PP={L.pp} outermost, {where} ({L.pp_schedule}, bubble {st.bubble_fraction:.0%})")
     parts.append(f"AC {L.ac}" + (" (no recompute)" if L.ac == "none" else ""))
+    if L.cpu_offload:
+        parts.append(f"CPU offload ({c.host_bytes_per_node / 1e9:,.0f} GB host RAM per node)")
     comm_share = st.exposed_comm_s / st.step_s if st.step_s else 0.0
     parts.append(f"exposed comm {comm_share:.0%}")
-    parts.append(f"{mem.total / 1e9:.1f}/{dev.memory_gb:g} GB")
+    parts.append(f"{mem.total / 1e9:.1f}/{dev.memory_gb:g} GB ({mem.convention})")
     return "; ".join(parts)
 
 
 def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, *,
                    optimizer: str = "adamw", mfu: float = 0.4, precision: str = "bf16",
-                   weights: str = "megatron", usable_fraction: float = 0.9, top: int | None = 10,
-                   include_unfit: bool = False, model_name: str = "model", **enum_kw: Any) -> list[Candidate]:
+                   weights: str = "lmforge", show: tuple[str, ...] = (), usable_fraction: float = 0.9,
+                   top: int | None = 10, include_unfit: bool = False, model_name: str = "model",
+                   config: Config | None = None, margin: float = SIMPLER_MARGIN,
+                   host_memory_gb: float | None = None, **enum_kw: Any) -> SearchResult:
     """Rank the layouts of `model_cfg` on `cluster` for `global_batch` sequences of `seq_len`
     tokens by estimated tokens/s (fitting ones first), each with a one-line reason.
 
-    Ties in throughput go to the layout with less memory. `top=None` returns all."""
+    `weights` is the convention the search fit-checks with (and whose DP traffic the time model
+    uses); `show` adds conventions to compute for the fitting candidates. With `config` (the run's
+    config) and `weights="lmforge"`, layouts lmforge refuses are left out. `host_memory_gb` (per
+    node; default: the device's catalogue entry) bounds CPU offload. `top=None` returns all."""
+    check_convention(weights)
+    for conv in show:
+        check_convention(conv)
     if global_batch < 1:
         raise ValueError(f"global batch = {global_batch} sequences must be >= 1")
+    if top is not None and top < 1:
+        raise ValueError(f"top = {top} must be >= 1 (the number of layouts to show)")
+    if not 0 < usable_fraction <= 1:
+        raise ValueError(f"usable fraction {usable_fraction} must be in (0, 1]")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin = {margin} must be in [0, 1)")
     layouts = enumerate_layouts(model_cfg, cluster, global_batch, precision=precision, **enum_kw)
     if not layouts:
         raise ValueError(f"no layout of {cluster.world_size} GPUs divides the global batch of {global_batch} "
                          f"sequences; use a multiple of the GPU count")
+    host_gb = host_memory_gb if host_memory_gb is not None else cluster.device.host_memory_gb
+    if any(lay.cpu_offload for lay in layouts) and not host_gb:
+        raise ValueError(f"CPU offload needs the host RAM per node, which the catalogue does not list for "
+                         f"{cluster.device.name}; pass --host-memory-gb (GB of RAM per node)")
     budget = usable_fraction * cluster.device.memory_bytes
+    host_budget = usable_fraction * (host_gb or 0) * 1e9
+    conventions = tuple(dict.fromkeys((weights, *show)))
+    refused: Counter[str] = Counter()
     cands: list[Candidate] = []
+    verdicts: dict[tuple, str | None] = {}
     for lay in layouts:
+        if config is not None and weights == "lmforge":
+            key = (lay.dp > 1, lay.zero, lay.tp, lay.pp, lay.sp, lay.pp_schedule, lay.virtual_stages,
+                   lay.micro_batch, lay.grad_accum, lay.cpu_offload, lay.ac)
+            if key not in verdicts:
+                verdicts[key] = lmforge_refusal(config, lay, seq_len)
+            if verdicts[key] is not None:
+                refused[verdicts[key]] += 1
+                continue
         mem = estimate_memory(model_cfg, lay, optimizer, seq_len, weights=weights, model_name=model_name)
-        fits = mem.total <= budget
+        host = mem.cpu_bytes * cluster.gpus_per_node
+        fits = mem.total <= budget and host <= host_budget
         if not fits and not include_unfit:
             continue
-        step = estimate_step(model_cfg, lay, cluster, seq_len, mfu=mfu)
-        cands.append(Candidate(lay, mem, step, fits))
-    cands.sort(key=lambda c: (not c.fits, -round(c.step.tokens_per_s, 6), c.memory.total))
-    for i, c in enumerate(cands):
+        step = estimate_step(model_cfg, lay, cluster, seq_len, mfu=mfu, convention=weights)
+        cands.append(Candidate(lay, mem, step, fits, host_bytes_per_node=host))
+    ranked = _rank(cands, margin)
+    shown = ranked if top is None else ranked[:top]
+    for i, c in enumerate(shown):
         c.rank = i + 1
+        c.memories = {conv: (c.memory if conv == weights else
+                             estimate_memory(model_cfg, c.layout, optimizer, seq_len, weights=conv, model_name=model_name))
+                      for conv in conventions}
         c.reason = _reason(c, cluster)
-    if cands and cands[0].fits and len(cands) > 1:
-        best = cands[0]
-        for c in cands[1:top or len(cands)]:
+    if shown and shown[0].fits:
+        best = shown[0]
+        fastest = max(c.step.tokens_per_s for c in shown if c.fits)
+        if best.step.tokens_per_s < fastest:
+            best.reason += (f"; simplest layout within {margin:.0%} of the fastest "
+                            f"({fastest / best.step.tokens_per_s - 1:.1%} slower)")
+        for c in shown[1:]:
             if c.fits:
-                c.reason += f"; {best.step.tokens_per_s / c.step.tokens_per_s - 1:.1%} slower than #1"
-    return cands if top is None else cands[:top]
+                diff = best.step.tokens_per_s / c.step.tokens_per_s - 1
+                c.reason += f"; {abs(diff):.1%} {'slower' if diff >= 0 else 'faster'} than #1"
+    note = rampup_note(config) if weights == "lmforge" else ""
+    return SearchResult(shown, weights, conventions, len(layouts), dict(refused), margin, note,
+                        offload_tried=any(lay.cpu_offload for lay in layouts))
 
 
-def explain_winner(cands: list[Candidate]) -> str:
+def explain_winner(cands: list[Candidate], offload_tried: bool = False) -> str:
     """A few sentences on why the top layout wins (for the terminal report)."""
     if not cands:
-        return "No layout fits in memory: add GPUs, use ZeRO-3 / CPU offload, full recompute, or a shorter sequence."
+        if offload_tried:
+            return ("No layout fits in memory, CPU offload included (checked against the host RAM per node): add "
+                    "GPUs or nodes, or shorten the sequence (ZeRO-3, full recompute and every micro-batch size "
+                    "were already tried).")
+        return ("No layout fits in memory: add GPUs, shorten the sequence, or let the search also try CPU "
+                "offload of the optimizer states and sharded weights with --allow-offload (ZeRO-3, full "
+                "recompute and every micro-batch size were already tried).")
     best = cands[0]
     L = best.layout
-    lines = [f"#1 {L.short()}: {best.step.tokens_per_s_per_gpu:,.0f} tok/s/GPU, est. MFU {best.step.mfu:.1%}."]
-    lines.append("TP stays inside a node because it all-reduces activations at every layer; PP crosses nodes "
-                 "because it only sends activations between neighbours; DP is outermost because its one "
-                 "gradient reduction per step overlaps with the backward pass.")
+    lines = [f"#1 {L.short()}: {best.step.tokens_per_s_per_gpu:,.0f} tok/s/GPU, est. MFU {best.step.mfu:.1%} "
+             f"(HFU {best.step.hfu:.1%})."]
+    lines.append("TP stays inside a node because it communicates at every layer; DP comes next because its "
+                 "gradient reduction overlaps with the backward pass; PP is outermost because it only sends "
+                 "activations between neighbouring stages.")
     if L.ac == "none":
-        lines.append("No activation recompute is needed at this micro-batch, which saves ~25% of the compute of full recompute.")
+        lines.append("No activation recompute is needed at this micro-batch, which saves the extra forward "
+                     "pass (1/4 of the hardware work) of full recompute.")
     if L.pp > 1:
         lines.append(f"Pipeline bubble {best.step.bubble_fraction:.1%} with {L.grad_accum} micro-batches over {L.pp} stages.")
     return "\n".join(lines)
