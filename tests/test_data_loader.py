@@ -121,3 +121,19 @@ def test_bad_inputs(shards):
         loader.load_state_dict({"epoch": 0, "position": 500, "seed": 0})
     with pytest.raises(ValueError, match="position"):
         loader.load_state_dict({"seed": 0})
+
+
+def test_masking_a_one_row_batch_leaves_its_inputs_alone(tmp_path):
+    """mask_doc_boundaries with batch_size 1 wrote -100 into the inputs (x and y shared storage)."""
+    import numpy as np
+
+    from lmforge.data.loader import PackedLoader
+    from lmforge.data.shards import TokenShards, write_token_shards
+
+    tokens = np.array([5, 0, 7, 8, 0, 9, 3, 4, 0, 6] * 20, dtype=np.int64)
+    write_token_shards([tokens], tmp_path / "s", shard_tokens=64, vocab_size=16, meta={})
+    loader = PackedLoader(TokenShards(tmp_path / "s"), seq_len=8, batch_size=1, seed=0, mask_doc_boundaries=True,
+                          eos_id=0)
+    for _ in range(5):
+        x, y = loader.next_batch()
+        assert (x >= 0).all() and (y[x == 0] == -100).all()

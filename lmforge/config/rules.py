@@ -51,6 +51,7 @@ def check_cross_section(cfg: "Config") -> None:
     check_data_vs_model(cfg)
     check_batch(cfg)
     check_tensor_parallel(cfg)
+    check_context_parallel(cfg)
     check_pipeline(cfg)
     check_features(cfg)
 
@@ -126,7 +127,28 @@ def valid_tp_degrees(cfg: "Config") -> list[int]:
     """Every tensor-parallel degree that passes all of the TP rules for this model and data."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
     return [t for t in divisors(m.n_heads) if m.kv_heads % t == 0 and (t == 1 or (
-        m.vocab_size % t == 0 and m.ffn_dim % t == 0 and (not p.sequence_parallel or d.seq_len % t == 0)))]
+        m.vocab_size % t == 0 and m.ffn_dim % t == 0 and (not p.sequence_parallel or (d.seq_len // p.cp) % t == 0)))]
+
+
+def check_context_parallel(cfg: "Config") -> None:
+    """CP cuts each sequence into 2 x cp equal chunks (rank i keeps chunks i and 2cp-1-i); sequence
+    parallelism then splits a rank's cp-th of the sequence over the TP ranks. No rule on the heads:
+    K/V are gathered along the sequence, so every CP rank holds all (its TP share of) the KV heads,
+    however few GQA leaves (unlike head-scattering CP such as DeepSpeed-Ulysses)."""
+    d, p = cfg.data, cfg.parallel
+    if p.cp == 1:
+        return
+    if d.seq_len % (2 * p.cp):
+        ok = [k for k in divisors(d.seq_len // 2) if k > 1][:6] if d.seq_len % 2 == 0 else []
+        hint = f"choose parallel.cp among {ok}" if ok else "use an even data.seq_len"
+        raise ConfigError(
+            f"parallel.cp = {p.cp} must divide data.seq_len / 2 = {d.seq_len / 2:g}: each sequence is cut into "
+            f"2 x cp = {2 * p.cp} equal chunks (CP rank i keeps chunks i and 2cp-1-i); {hint}, or change "
+            f"data.seq_len.")
+    if p.sequence_parallel and (d.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel with parallel.cp = {p.cp}: each CP rank's {d.seq_len // p.cp} tokens "
+            f"(data.seq_len / cp) must be divisible by parallel.tp = {p.tp}.")
 
 
 def check_pipeline(cfg: "Config") -> None:

@@ -197,12 +197,15 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout. world size = dp_replicate x dp_shard x tp x pp."""
+    """Parallel layout. world size = dp_replicate x dp_shard x cp x tp x pp, on one DeviceMesh with dims
+    (pp, dp_replicate, dp_shard, cp, tp), outermost to innermost: TP on neighbouring ranks (the most
+    traffic), then CP, data parallel, pipeline stages outermost."""
 
     dp_replicate: int = _f(1, "Data-parallel replicas (DDP, or the replicate dimension of HSDP).")
     dp_shard: int = _f(1, "Data-parallel shards (FSDP/ZeRO dimension).")
     tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
     pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
+    cp: int = _f(1, "Context-parallel degree (long sequences; lmforge.parallel.context_parallel): each sequence is cut into 2 x cp chunks and CP rank i keeps chunks i and 2cp-1-i (even causal work); every layer all-gathers K and V over the cp ranks before attention on the rank's own queries and reduce-scatters their gradients in backward. Activations per rank shrink to ~1/cp, plus the gathered K/V of the whole sequence (2 x seq x kv heads x head_dim per layer). cp must divide data.seq_len / 2 (with sequence_parallel also: tp divides data.seq_len / cp). Any kv-head count works: the all-gather is over the sequence, so every CP rank holds all the (its TP share of the) KV heads of the whole sequence, replicated across the cp ranks; GQA only makes the gathered K/V smaller. The CP ranks hold the same parameters, so their gradients are averaged with the data-parallel ones (FSDP2 shards over dp_shard x cp). Composes with dp_replicate / dp_shard, tp (+ sequence_parallel) and pp.")
     timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
@@ -221,7 +224,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def fsdp(self) -> bool:
@@ -230,7 +233,7 @@ class ParallelConfig:
         return (self.dp_shard > 1 and self.zero_stage != 1) or self.zero_stage in (2, 3)
 
     def check(self) -> None:
-        at_least(1, "parallel", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp,
+        at_least(1, "parallel", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, pp=self.pp,
                   pp_virtual_stages=self.pp_virtual_stages, powersgd_rank=self.powersgd_rank)
         at_least(0, "parallel", max_staleness=self.max_staleness)
         if self.timeout_s <= 0:
@@ -270,10 +273,10 @@ class ParallelConfig:
                 f"tensor parallelism goes through FSDP2 on the DeviceMesh; use parallel.dp_shard = "
                 f"{self.dp_replicate} (dp_replicate = 1) instead.")
         if self.async_sgd:
-            if self.tp > 1 or self.pp > 1 or self.dp_shard > 1 or self.dp_replicate < 2:
+            if self.tp > 1 or self.pp > 1 or self.cp > 1 or self.dp_shard > 1 or self.dp_replicate < 2:
                 raise ConfigError(
                     "parallel.async_sgd = true needs a pure data-parallel launch: parallel.dp_replicate = world size "
-                    ">= 2 (1 server + workers) and tp = pp = dp_shard = 1.")
+                    ">= 2 (1 server + workers) and tp = pp = dp_shard = 1, cp = 1.")
             if self.ddp_comm_hook != "none" or self.zero_stage:
                 raise ConfigError("parallel.async_sgd = true: ddp_comm_hook and zero_stage do not apply; leave them "
                                   "at 'none' / 0.")

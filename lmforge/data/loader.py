@@ -228,7 +228,9 @@ class PackedLoader:
             rows[sel] = self.streams[int(s)].gather(windows[sel] * self.seq_len,
                                                     self.seq_len + 1)
         rows_t = torch.from_numpy(rows)
-        x, y = rows_t[:, :-1].contiguous(), rows_t[:, 1:].contiguous()
+        # (.clone(): for one-row batches .contiguous() returns views of the same storage, and masking
+        # y would write -100 into x)
+        x, y = rows_t[:, :-1].clone(), rows_t[:, 1:].clone()
         if self.mask_doc_boundaries:
             y[x == self.eos_id] = IGNORE_INDEX
         return x, y

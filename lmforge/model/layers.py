@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +26,44 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
+
+
+class SequenceShard(Protocol):
+    """This rank's share of every sequence under context parallelism (implemented by
+    lmforge.parallel.context_parallel): its tokens' positions, and attention of its queries over the
+    keys/values of the whole sequence."""
+
+    positions: torch.Tensor  # (local seq,) int64: positions of this rank's tokens in the sequence
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor: ...
+
+
+_shard: SequenceShard | None = None  # set while a context-parallel training step runs
+
+
+@contextlib.contextmanager
+def sequence_sharded(shard: SequenceShard | None) -> Iterator[None]:
+    """Within this context the model's tokens are `shard`'s part of longer sequences: positions and
+    attention follow it. The layout holds it around forward *and* backward (activation checkpointing
+    recomputes attention in backward); evaluation and generation run outside, on whole sequences."""
+    global _shard
+    previous, _shard = _shard, shard
+    try:
+        yield
+    finally:
+        _shard = previous
+
+
+def token_positions(start: int, seq: int, device: torch.device) -> torch.Tensor:
+    """Positions of a forward's `seq` tokens: start .. start + seq - 1, or the shard's (context parallel)."""
+    return _shard.positions if _shard is not None else torch.arange(start, start + seq, device=device)
+
+
+def rope_rows(rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The RoPE tables the blocks index from position 0: whole, or the shard's rows (context parallel)."""
+    if rope is None or _shard is None:
+        return rope
+    return rope[0][_shard.positions], rope[1][_shard.positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,9 +109,12 @@ class Attention(nn.Module):
         mask = None
         if start > 0 and seq > 1:
             mask = torch.ones(seq, start + seq, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=start == 0 and seq > 1,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
+        dropout_p = self.dropout if self.training else 0.0
+        if _shard is not None:  # context parallelism: this rank's queries over the whole sequence's keys/values
+            out = _shard.attention(q, k, v, dropout_p)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0 and seq > 1,
+                                                 dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
-from lmforge.model.layers import Block, KVCache, make_norm, rope_tables
+from lmforge.model.layers import Block, KVCache, make_norm, rope_rows, rope_tables, token_positions
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
 
 
@@ -94,9 +94,9 @@ class Transformer(nn.Module):
                 f"sequence of {start + seq} tokens exceeds model.max_seq_len = {self.cfg.max_seq_len}.")
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + seq, device=tokens.device))
+            x = x + self.pos_emb(token_positions(start, seq, tokens.device))
         x = self.emb_dropout(x)
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
+        rope = rope_rows((self.rope_cos, self.rope_sin)) if self.cfg.pos_emb == "rope" else None
         for i, block in enumerate(self.blocks.values()):
             x = block(x, rope, kv_caches[i] if kv_caches else None)
         if targets is not None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.parallel.mesh import MESH_DIMS, DistInfo
+from lmforge.parallel.mesh import FLAT_DIMS, MESH_DIMS, DistInfo
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -27,9 +27,9 @@ def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: D
     """Global gradient L2 norm over every TP shard, FSDP shard and pipeline stage, then clip.
 
     A local shard of a DTensor gradient counts on the ranks whose coordinate is 0 along the mesh
-    dims where it is *replicated* (and along the dp/tp dims its mesh does not span); a plain tensor
-    (replicated over dp and tp, e.g. a norm weight without sequence parallelism) counts on dp = tp = 0
-    of its pipeline stage. Partial (unreduced) DTensor gradients, which sequence parallelism leaves
+    dims where it is *replicated* (and along the dp/cp/tp dims its mesh does not span; a flattened
+    dim such as FSDP's "dp_shard_cp" spans its parts); a plain tensor (replicated over dp, cp and tp,
+    e.g. a norm weight without sequence parallelism) counts on dp = cp = tp = 0 of its pipeline stage. Partial (unreduced) DTensor gradients, which sequence parallelism leaves
     on replicated norm weights, are all-reduced to Replicate first, so the optimizer sees the true
     gradient. The squared norm is summed on the training device (FSDP2 CPU offload keeps gradients
     in host memory: their partial sums move to the device), so the all-reduce is an NCCL one on GPUs.
@@ -49,9 +49,9 @@ def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: D
         if g is None:
             continue
         if isinstance(g, DTensor):
-            names = g.device_mesh.mesh_dim_names
-            rep = [n for n, pl in zip(names, g.placements) if pl.is_replicate()]
-            rep += [d for d in replicated_dims if d not in names]
+            dims = [FLAT_DIMS.get(n, (n,)) for n in g.device_mesh.mesh_dim_names]  # each mesh dim's own dims
+            rep = [d for ds, pl in zip(dims, g.placements) if pl.is_replicate() for d in ds]
+            rep += [d for d in replicated_dims if not any(d in ds for ds in dims)]
             local = g.to_local()
         else:
             rep, local = replicated_dims, g

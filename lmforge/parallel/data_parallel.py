@@ -48,12 +48,13 @@ class DataParallel(Layout):
 
 
 def apply_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
-    """DistributedDataParallel over the data-parallel ranks, with the configured compression hook."""
+    """DistributedDataParallel over the data-parallel (x context-parallel) ranks, with the configured
+    compression hook."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # RoPE tables are deterministic buffers: nothing to broadcast
     ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-              broadcast_buffers=False, process_group=info.dp_group)
+              broadcast_buffers=False, process_group=info.dp_cp_group)
     hook = cfg.parallel.ddp_comm_hook
     if hook == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
@@ -66,7 +67,7 @@ def apply_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
     elif hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        state = psgd.PowerSGDState(process_group=info.dp_group, matrix_approximation_rank=cfg.parallel.powersgd_rank,
+        state = psgd.PowerSGDState(process_group=info.dp_cp_group, matrix_approximation_rank=cfg.parallel.powersgd_rank,
                                    start_powerSGD_iter=2, random_seed=cfg.train.seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
     return ddp

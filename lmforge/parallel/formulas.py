@@ -11,3 +11,41 @@ def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> flo
         raise ValueError(f"pp = {pp}, micro_batches = {micro_batches}, virtual_stages = {virtual_stages} must be >= 1")
     b = (pp - 1) / virtual_stages
     return b / (micro_batches + b)
+
+
+def cp_kv_bytes(micro_batch: int, seq_len: int, kv_heads: int, head_dim: int, dtype_bytes: int, tp: int = 1) -> int:
+    """Context parallelism: bytes of one layer's K and V for the whole sequences of a micro-batch,
+    2 b s (kv_heads / tp) head_dim x dtype bytes. Every CP rank holds them after the all-gather and
+    saves them for backward (the K/V term of a CP rank's activations, whatever cp), and it is the
+    size of each all-gather output and of each reduce-scatter input."""
+    return 2 * micro_batch * seq_len * (kv_heads // tp) * head_dim * dtype_bytes
+
+
+def cp_activation_bytes(single_rank_bytes: float, kv_bytes: float, cp: int) -> float:
+    """Saved activations of one layer on one CP rank: the rank's 1/cp of the tokens, with the K/V of
+    the whole sequence in place of its own share: (A - KV) / cp + KV, where A is the layer's
+    activations for the whole sequence on one rank and KV = `cp_kv_bytes` (part of A: attention
+    saves K and V in one process too). The attention masks of the rank's two chunks, c^2 (2 cp + 1)
+    elements with c = seq_len / (2 cp), are built once and shared by every layer (`cp_mask_elements`)."""
+    return (single_rank_bytes - kv_bytes) / cp + kv_bytes
+
+
+def cp_mask_elements(seq_len: int, cp: int) -> int:
+    """Elements of a CP rank's two additive attention masks (chunk j's c queries against the (j + 1) c
+    keys before and at it, for j = i and 2cp-1-i): c^2 (2 cp + 1), c = seq_len / (2 cp); one copy per
+    rank (dtype of the attention), shared by all layers and micro-batches."""
+    c = seq_len // (2 * cp)
+    return c * c * (2 * cp + 1)
+
+
+def cp_comm_bytes(kv_bytes: int, cp: int, n_layers: int, micro_batches: int, recompute: bool = False) -> dict[str, int]:
+    """Context-parallel traffic of one optimizer step on one rank: per layer and micro-batch one K/V
+    all-gather (output `kv_bytes`; again in backward when activation checkpointing recomputes the
+    layer) and one reduce-scatter of their gradients (input `kv_bytes`). 'collective_bytes' is the
+    size of the tensors the collectives produce / consume; a ring algorithm sends and receives
+    (cp - 1) / cp of it per rank ('wire_bytes')."""
+    gathers = n_layers * micro_batches * (2 if recompute else 1)
+    scatters = n_layers * micro_batches
+    through = (gathers + scatters) * kv_bytes
+    return {"all_gather_bytes": gathers * kv_bytes, "reduce_scatter_bytes": scatters * kv_bytes,
+            "collective_bytes": through, "wire_bytes": through * (cp - 1) // cp}

@@ -36,7 +36,8 @@ class FullyShard(ShardedLayout):
 
 def fsdp_description(cfg: Config) -> str:
     p = cfg.parallel
-    hsdp = f"HSDP ({p.dp_replicate} replicas x {p.dp_shard} shards)" if p.dp_replicate > 1 else f"{p.dp_shard} shards"
+    shards = f"{p.dp_shard * p.cp} shards" + (f" (dp_shard {p.dp_shard} x cp {p.cp})" if p.cp > 1 else "")
+    hsdp = f"HSDP ({p.dp_replicate} replicas x {shards})" if p.dp_replicate > 1 else shards
     stage = "ZeRO-3" if reshard_after_forward(cfg) else "ZeRO-2"
     return f"FSDP2 fully_shard: {hsdp}, {stage}" + (", CPU offload" if p.cpu_offload else "")
 
@@ -52,11 +53,13 @@ def reshard_after_forward(cfg: Config) -> bool:
 
 def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str) -> nn.Module:
     """fully_shard every transformer block of `model` (a Transformer or a pipeline stage chunk), then
-    `model` itself, on the data-parallel sub-mesh."""
+    `model` itself, on the data-parallel sub-mesh (sharded over dp_shard x cp under context
+    parallelism: the CP ranks hold the same parameters)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     p = cfg.parallel
-    mesh = info.sub_mesh("dp_replicate", "dp_shard") if p.dp_replicate > 1 else info.sub_mesh("dp_shard")
+    shard = "dp_shard_cp" if p.cp > 1 else "dp_shard"
+    mesh = info.sub_mesh("dp_replicate", shard) if p.dp_replicate > 1 else info.sub_mesh(shard)
     kw: dict = {"mesh": mesh}
     if precision in LOW_PRECISION:  # 16-bit gathers, fp32 gradient reduction into the fp32 shards
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[precision], reduce_dtype=torch.float32)

@@ -17,6 +17,13 @@ Loss scale: each micro-batch contributes its summed token NLL divided by the tar
 *global* step (all-reduced over the data-parallel ranks), and data-parallel layouts multiply the
 loss they backpropagate by the dp degree because DDP and FSDP average gradients: mean_r(dp * nll_r
 / N) = sum_r(nll_r) / N, the gradient of one big batch (see lmforge.model.loss).
+
+Context parallelism (parallel.cp > 1) is not a layout of its own but a part of every one: each rank
+keeps its two chunks of the step's sequences (`local_sequences`: tokens and targets, cut here, not
+in the loader) and runs forward and backward inside the model's sequence-sharding hook
+(lmforge.parallel.context_parallel). The CP ranks hold other targets of the same sequences and the
+same parameters, so "data parallel" above means dp x cp: the target count and the loss are summed
+over the dp_cp group and the loss is scaled by dp x cp against the gradient averaging over it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from lmforge.config import Config
 from lmforge.model.loss import count_targets, normalise, token_nll_sum
 from lmforge.model.transformer import Transformer, build_model
 from lmforge.parallel.clip import clip_grad_norm_, clip_grad_norm_sharded_
+from lmforge.parallel.context_parallel import SequenceSharding
 from lmforge.parallel.mesh import DistInfo, all_reduce_sum
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -39,14 +47,16 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 class Layout:
     name = "single"
-    data_parallel = False  # True: gradients are averaged over the dp ranks (the loss scales by dp)
+    data_parallel = False  # True: gradients are averaged over the dp (x cp) ranks (the loss scales by that)
     gathers_for_eval = False  # True: evaluation runs on a full copy gathered on every rank (TP, PP)
 
     def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str):
         self.model = model  # this rank's model (sharded or split in place): state dicts, parameters
         self.module: nn.Module = model  # what the forward runs through (DDP: its wrapper)
         self.cfg, self.dist = cfg, dist_info
-        self.dp = dist_info.dp_size if self.data_parallel else 1
+        self.dp = dist_info.dp_cp_size if self.data_parallel else 1  # ranks the gradients are averaged over
+        self.cp = SequenceSharding(dist_info.group("cp"), dist_info.cp_rank, dist_info.cp_size, dist_info.device) \
+            if dist_info.cp_size > 1 else None
         self._gathered: Transformer | None = None
         self._gathered_version: object = None
 
@@ -56,10 +66,11 @@ class Layout:
         """Gradients of the step's micro-batches, accumulated; returns the global step's mean token
         loss (equal on every rank). `precision.step()` spans the micro-batches so autocast casts each
         weight to 16 bits once per step, not once per micro-batch."""
+        micro_batches, sharded = self.local_sequences(micro_batches)
         n_targets = self.global_targets(micro_batches)
         loss_sum = torch.zeros((), device=self.dist.device)
         last = len(micro_batches) - 1
-        with precision.step():
+        with precision.step(), sharded:
             for i, (x, y) in enumerate(micro_batches):
                 with self.micro_batch_context(i == last):
                     loss = normalise(self.nll_sum(x, y, precision), n_targets)
@@ -77,6 +88,14 @@ class Layout:
             logits = self.module(x)
         return token_nll_sum(logits, y)
 
+    def local_sequences(self, micro_batches: list[Batch]) -> tuple[list[Batch], contextlib.AbstractContextManager]:
+        """Context parallelism: this rank's two chunks of every sequence of the step (tokens and
+        targets), and the context to run their forward and backward in; else the batches as they are."""
+        if self.cp is None:
+            return micro_batches, contextlib.nullcontext()
+        seq_len = micro_batches[0][0].shape[1]
+        return [(self.cp.local(x), self.cp.local(y)) for x, y in micro_batches], self.cp.sharded(seq_len)
+
     def micro_batch_context(self, last: bool) -> contextlib.AbstractContextManager:
         """Around each micro-batch's forward + backward (DDP: no gradient sync but on the last)."""
         return contextlib.nullcontext()
@@ -85,12 +104,12 @@ class Layout:
         return t
 
     def global_targets(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """Target tokens of the whole global step (this rank's, summed over the dp ranks)."""
+        """Target tokens of the whole global step (this rank's, summed over the dp x cp ranks)."""
         return self.dp_sum(count_targets([y for _, y in micro_batches]).to(self.dist.device))
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """In-place SUM over the data-parallel ranks of this rank's TP/PP coordinate."""
-        return all_reduce_sum(t, self.dist.dp_group) if self.dp > 1 else t
+        """In-place SUM over the data-parallel (x context-parallel) ranks of this rank's TP/PP coordinate."""
+        return all_reduce_sum(t, self.dist.dp_cp_group) if self.dp > 1 else t
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient L2 norm (the same on every rank), gradients clipped to `max_norm`."""

@@ -4,12 +4,19 @@
     ...
     destroy_distributed()
 
-world size = parallel.dp_replicate x parallel.dp_shard x parallel.tp x parallel.pp, laid out on one
-DeviceMesh with named dims ("pp", "dp_replicate", "dp_shard", "tp"), outermost to innermost
-(torchtitan's order): the TP group is neighbouring ranks (most traffic: one node / NVLink), data
-parallel next, pipeline stages outermost (least traffic: point-to-point activations).
-``DistInfo.dp_rank / dp_size`` are the data-parallel coordinate: all ranks of one TP group and of
-one pipeline read the same micro-batches.
+world size = parallel.dp_replicate x parallel.dp_shard x parallel.cp x parallel.tp x parallel.pp, laid
+out on one DeviceMesh with named dims ("pp", "dp_replicate", "dp_shard", "cp", "tp"), outermost to
+innermost (torchtitan's order): the TP group is neighbouring ranks (most traffic: every matmul; one
+node / NVLink), context parallelism next (one K/V all-gather and one reduce-scatter per layer),
+then data parallel (one gradient reduction per step), pipeline stages outermost (least traffic:
+point-to-point activations). ``DistInfo.dp_rank / dp_size`` are the data-parallel coordinate: all
+ranks of one TP group, of one CP group and of one pipeline read the same micro-batches (the CP
+ranks then keep their own chunks of each sequence: lmforge.parallel.context_parallel).
+
+Context parallelism adds two flattened dims (torchtitan's names), made once here on every rank:
+"dp_shard_cp" (dp_shard x cp: FSDP2 shards parameters over it, since the CP ranks hold the same
+parameters) and "dp_cp" (dp_replicate x dp_shard x cp: the ranks that split the step's tokens,
+over which gradients are averaged and target counts and losses summed).
 
 Backends (NCCL serves CUDA tensors only, with no receive-from-any-source and no tags):
 
@@ -32,7 +39,7 @@ import datetime
 import logging
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,15 +50,17 @@ from lmforge.config import Config, ConfigError
 log = logging.getLogger("lmforge.parallel")
 
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost -> innermost (torchtitan's order)
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost -> innermost (torchtitan's order)
+FLAT_DIMS = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),  # flattened dims -> theirs
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
 @dataclass
 class DistInfo:
     """Where this process sits. Single process: rank 0 of 1, no process group, no mesh.
 
-    ``mesh`` is one DeviceMesh with dims ("pp", "dp_replicate", "dp_shard", "tp"): TP innermost
-    (neighbouring ranks, the most traffic), then data parallel, pipeline outermost. Ranks of one TP
+    ``mesh`` is one DeviceMesh with dims MESH_DIMS: TP innermost (neighbouring ranks, the most
+    traffic), then CP, then data parallel, pipeline outermost. Ranks of one TP group, of one CP
     group and of one pipeline (all its stages) share a dp_rank and read the same data.
     """
 
@@ -68,17 +77,23 @@ class DistInfo:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    flat: dict = field(default_factory=dict)  # flattened sub-meshes by name ("dp_shard_cp", "dp_cp"; CP only)
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1 or self.backend is not None
 
     def sub_mesh(self, *names: str):
-        """The sub-mesh over `names` (e.g. "tp", or ("dp_replicate", "dp_shard"))."""
+        """The sub-mesh over `names` (e.g. "tp", or ("dp_replicate", "dp_shard")); a flattened dim
+        ("dp_shard_cp") alone is the mesh kept when it was made."""
+        if len(names) == 1 and names[0] in self.flat:
+            return self.flat[names[0]]
         return self.mesh[names[0] if len(names) == 1 else names]
 
     def group(self, name: str):
-        """Process group of one mesh dim ("pp", "tp", "dp_replicate", "dp_shard")."""
+        """Process group of one mesh dim ("pp", "tp", "cp", "dp_replicate", "dp_shard")."""
         return self.mesh.get_group(name)
 
     @property
@@ -90,6 +105,20 @@ class DistInfo:
         if sizes["dp_replicate"] == 1 or sizes["dp_shard"] == 1:
             return self.group("dp_shard" if sizes["dp_replicate"] == 1 else "dp_replicate")
         return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks that split the step's tokens: data parallel x context parallel."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_group(self):
+        """Process group of the ranks that hold the same parameters and split the step's tokens: the
+        data-parallel ranks and, under context parallelism, the CP ranks (they hold other tokens of the
+        same sequences). Gradients are averaged and target counts summed over it (None = the world)."""
+        if self.cp_size == 1:
+            return self.dp_group
+        return None if self.dp_cp_size == self.world_size else self.flat["dp_cp"].get_group()
 
 
 def launched_by_torchrun() -> bool:
@@ -104,7 +133,8 @@ def check_layout(cfg: Config, world_size: int, cuda: bool) -> None:
             else "this is a single process (not launched by torchrun)"
         raise ConfigError(
             f"the parallel layout needs parallel.dp_replicate ({p.dp_replicate}) x parallel.dp_shard "
-            f"({p.dp_shard}) x parallel.tp ({p.tp}) x parallel.pp ({p.pp}) = {p.world_size} processes, but "
+            f"({p.dp_shard}) x {f'parallel.cp ({p.cp}) x ' if p.cp > 1 else ''}parallel.tp ({p.tp}) x "
+            f"parallel.pp ({p.pp}) = {p.world_size} processes, but "
             f"{how} (world size {world_size}); launch with `torchrun --nproc-per-node {p.world_size} -m lmforge "
             f"train ...` or change the layout so the product equals {world_size}.")
     if p.ddp_comm_hook == "bf16" and not cuda:
@@ -153,17 +183,18 @@ def init_distributed(cfg: Config) -> DistInfo:
     from torch.distributed.device_mesh import init_device_mesh
 
     p = cfg.parallel
-    shape = (p.pp, p.dp_replicate, p.dp_shard, p.tp)
+    shape = (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
+    flat = {name: mesh[dims]._flatten(name) for name, dims in FLAT_DIMS.items() if name != "dp"} if p.cp > 1 else {}
     dp_rank, dp_size = coord["dp_replicate"] * p.dp_shard + coord["dp_shard"], p.dp
     if p.async_sgd:  # rank 0 serves parameters; workers 1..N-1 split the data N-1 ways
         dp_rank, dp_size = max(rank - 1, 0), world - 1
-    log.info("distributed: %d ranks, backend %s, mesh pp=%d x dp_replicate=%d x dp_shard=%d x tp=%d, timeout %.0f s",
-             world, backend, p.pp, p.dp_replicate, p.dp_shard, p.tp, p.timeout_s)
+    log.info("distributed: %d ranks, backend %s, mesh pp=%d x dp_replicate=%d x dp_shard=%d x cp=%d x tp=%d, "
+             "timeout %.0f s", world, backend, p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, p.timeout_s)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh, backend=backend,
                     host_group=host_group, dp_rank=dp_rank, dp_size=dp_size, tp_rank=coord["tp"], tp_size=p.tp, pp_rank=coord["pp"],
-                    pp_size=p.pp)
+                    pp_size=p.pp, cp_rank=coord["cp"], cp_size=p.cp, flat=flat)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -14,6 +14,11 @@ The parallel layout is applied in one fixed order, each step on what the previou
                       what actually runs) or DDP (wraps the whole module, so it comes last); done by
                       the Layout chosen below, which pipelines stage chunks first (step 1's stages)
 
+Context parallelism (parallel.cp) changes no module: the CP ranks hold the same parameters, so step
+5 runs over dp x cp (DDP over "dp_cp", FSDP2 over "dp_shard_cp"; CP alone is DDP over the cp
+ranks), and every Layout cuts each step's sequences into the rank's chunks and runs them inside
+the model's sequence-sharding hook (lmforge.parallel.context_parallel).
+
 Layers that change the model's modules (LoRA adapters, FP8 linears) are applied by the caller
 before this step.
 """
@@ -56,10 +61,15 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
         layout = TensorParallel(model, cfg, dist_info, precision)
     elif p.fsdp:
         layout = FullyShard(model, cfg, dist_info, precision)
-    elif p.dp > 1 or dist_info.distributed:  # (under torchrun one process too: DDP at world size 1)
+    elif p.dp > 1 or p.cp > 1 or dist_info.distributed:  # CP ranks average like dp ones; under torchrun
+        # one process too: DDP at world size 1
         layout = DataParallel(model, cfg, dist_info, precision)
     else:
         layout = Layout(model, cfg, dist_info, precision)
-    for line in layout.describe():
+    lines = list(layout.describe())
+    if layout.cp is not None:  # context parallelism runs inside every layout (lmforge.parallel.layout)
+        layout.name += "+cp"
+        lines += layout.cp.describe(cfg, 2 if precision in ("bf16", "fp16") else 4)
+    for line in lines:
         log.info("%s", line)
     return layout

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.layers import rope_rows, token_positions
 from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.formulas import pipeline_bubble
@@ -83,13 +84,13 @@ class StageChunk(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
-            seq = x.shape[1]
             h = self.tok_emb(x)
             if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(seq, device=x.device))
+                h = h + self.pos_emb(token_positions(0, x.shape[1], x.device))
             x = self.emb_dropout(h)
+        rope = rope_rows(self._rope)
         for block in self.blocks.values():
-            x = block(x, self._rope)
+            x = block(x, rope)
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))
         return x
@@ -116,7 +117,7 @@ class Pipelined(ShardedLayout):
         self.chunks, self.stages = [], []
         for s in stage_ids:
             chunk = StageChunk(model, stage_layers(cfg.model.n_layers, n_stages, s), s == 0, s == n_stages - 1)
-            if p.dp > 1:
+            if p.dp * p.cp > 1:  # (over dp_shard x cp with context parallelism)
                 chunk = apply_fsdp(chunk, cfg, dist_info, precision)
             self.chunks.append(chunk)
             self.stages.append(pipelining.PipelineStage(chunk, s, n_stages, dist_info.device,
@@ -137,11 +138,12 @@ class Pipelined(ShardedLayout):
         the same value on every rank. One autocast context spans the schedule, so each weight is
         cast to 16 bits once per step however many micro-batches are in flight."""
         assert len(micro_batches) == self.microbatches, (len(micro_batches), self.microbatches)
+        micro_batches, sharded = self.local_sequences(micro_batches)  # (context parallel: this rank's chunks)
         self._n_targets = self.global_targets(micro_batches)
         losses: list[torch.Tensor] = []  # the schedule's per-micro-batch loss_fn outputs (last stage)
         x = torch.cat([mb[0] for mb in micro_batches])
         y = torch.cat([mb[1] for mb in micro_batches])
-        with loss_parallel_context(self.cfg.parallel.tp), precision.step(), precision.autocast():
+        with loss_parallel_context(self.cfg.parallel.tp), precision.step(), precision.autocast(), sharded:
             if self.first:
                 self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None)
             elif self.last:
@@ -154,7 +156,7 @@ class Pipelined(ShardedLayout):
                 total += to_local_value(loss.detach()).to(total.device) / self.dp
             if self.dist.tp_rank != 0:  # every TP rank of the last stage holds the same value: count it once
                 total.zero_()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)  # over dp (partial sums) and pp (only the last stage)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)  # over dp x cp (partial sums) and pp (only the last stage)
         return total
 
     def describe(self) -> Iterator[str]:

@@ -23,7 +23,8 @@ layer's own all-reduce (or reduce-scatter) completes together with x W^T. No ext
 
 Applied by `lmforge.parallel.parallelize` before activation checkpointing / compile (the plan
 names the modules) and before FSDP. `TensorParallel` is the layout: FSDP2 on the data-parallel
-sub-mesh when dp > 1 (2-D FSDP x TP), loss_parallel cross-entropy, evaluation on a gathered copy.
+sub-mesh when dp > 1 (2-D FSDP x TP; over dp_shard x cp with context parallelism), loss_parallel
+cross-entropy, evaluation on a gathered copy.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class TensorParallel(ShardedLayout):
 
     def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str):
         super().__init__(model, cfg, dist_info, precision)
-        if cfg.parallel.dp > 1:
+        if cfg.parallel.dp * cfg.parallel.cp > 1:  # (the CP ranks hold the same parameters: FSDP2 shards over them)
             apply_fsdp(model, cfg, dist_info, precision)
             self.name = "fsdp+tp"
 
@@ -176,5 +177,5 @@ class TensorParallel(ShardedLayout):
         p = self.cfg.parallel
         sp = "sequence parallel" if p.sequence_parallel else "no sequence parallelism"
         yield f"tensor parallel: {p.tp} ranks, {sp}, vocab-parallel embedding + loss_parallel cross-entropy"
-        if p.dp > 1:
+        if p.dp * p.cp > 1:
             yield fsdp_description(self.cfg)

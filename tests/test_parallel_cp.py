@@ -1,0 +1,286 @@
+"""Context parallelism (parallel.cp) on CPU/gloo against one process.
+
+Real torchrun jobs (tests/cp_driver.py runs several `Trainer(cfg).fit()` in one launch, so torch's
+import and the process group are paid once per world size) on a tiny prepared corpus, every run
+with the one-process run's seed, data and global batch (8 sequences of 32 tokens per step) and with
+`data.mask_doc_boundaries = true`, so the ranks' chunks hold unequal target counts and the global
+token normalisation over dp x cp is exercised. Per-step training loss AND gradient norm of 20 steps
+must agree to 1e-5 relative, the tolerance of the other layouts (observed <= 4e-7, fp32: only the
+reduction order differs):
+
+* CP=2 (DDP over the cp ranks, 4 micro-batches of 2 per step) and CP=4 alone;
+* CP=2 x FSDP2 (dp_shard 2: FSDP2 shards over dp_shard x cp = 4 ranks);
+* CP=2 x TP=2 with sequence parallelism (each CP rank's 16 tokens split again over the TP ranks).
+
+The CP=2 run's step-10 checkpoint resumes in one process, the CP=2 x FSDP2 run's at CP=4 (DDP):
+steps 11-20 again equal to the one-process run. A 4-rank probe measures the hook itself at cp = 1,
+2 and 4 on a GQA model with one KV head (fewer KV heads than cp): loss and gradients equal to one
+process, per-rank saved activations = (A - KV) / cp + KV + the rank's masks (A: one process's,
+KV: the whole sequence's K/V), and bytes through the collectives = the closed form
+(lmforge.parallel.formulas). Last, a tiny model trains on 8192-token sequences under CP=4.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.config import ConfigError, ModelConfig, load_config
+from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes, cp_mask_elements
+from tests.conftest import make_corpus
+from tests.test_parallel_dp import TINY, free_port
+
+DRIVER = str(Path(__file__).with_name("cp_driver.py"))
+TOL = 1e-5  # relative, per step, loss and grad norm; observed <= 4e-7
+BASE = {**TINY, "train.sample_tokens": 0, "train.eval_batches": 1, "checkpoint.save_final": "false",
+        "checkpoint.every_minutes": 0}
+LAYOUTS = {  # name: (processes, overrides); all of a world size run in one launch
+    "cp2": (2, {"parallel.cp": 2, "checkpoint.every_steps": 10}),  # micro-batches of 2: accumulation 4
+    "cp4": (4, {"parallel.cp": 4, "train.micro_batch_size": 4}),
+    "fsdp2xcp2": (4, {"parallel.dp_shard": 2, "parallel.cp": 2, "train.micro_batch_size": 4,
+                      "checkpoint.every_steps": 10}),
+    "tp2spxcp2": (4, {"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.cp": 2,
+                      "train.micro_batch_size": 8}),
+}
+LONG = {**BASE, "parallel.cp": 4, "data.seq_len": 8192, "model.max_seq_len": 8192, "model.dim": 32,
+        "model.n_heads": 2, "data.mask_doc_boundaries": "false", "train.global_batch_size": 1,
+        "train.micro_batch_size": 1, "train.steps": 3, "schedule.warmup_steps": 1, "train.log_every": 1}
+PROBE = {"model": {"vocab_size": 320, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 1, "max_seq_len": 128},
+         "batch": 2, "seq_len": 128}
+
+
+def records(run: Path) -> dict[int, tuple[float, float]]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in recs if "loss" in r}
+
+
+def worst(got: dict, want: dict) -> tuple[float, float]:
+    """Largest relative difference of the loss and of the grad norm over the steps of `got`."""
+    return tuple(max(abs(got[s][i] - want[s][i]) / abs(want[s][i]) for s in got) for i in (0, 1))
+
+
+def launch(out: Path, nproc: int, runs: dict[str, dict], probe: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """Start tests/cp_driver.py under torchrun for `runs` (and the probe); (the process, its log file)."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec, log = out / f"spec{nproc}.json", out / f"launch{nproc}.log"
+    spec.write_text(json.dumps({"out": str(out), "probe": probe,
+                                "runs": [{"name": n, "overrides": o} for n, o in runs.items()]}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port",
+           str(free_port()), DRIVER, str(spec)]
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1]), log
+
+
+def finish(launched: tuple[subprocess.Popen, Path]) -> None:
+    proc, log = launched
+    proc.wait(timeout=600)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-6000:]
+    print("\n".join(line for line in output.splitlines() if "TIMING" in line))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """40 small documents; the validation split (~13k tokens) holds one 8192-token window."""
+    from lmforge.data.pipeline import run_prepare
+    from lmforge.data.prepare_config import prepare_config_from_dict
+
+    root = tmp_path_factory.mktemp("cp")
+    make_corpus(root / "raw", n_docs=40)
+    cfg = prepare_config_from_dict({"vocab_size": 320, "val_fraction": 0.2, "workers": 1,
+                                    "sources": [{"path": "raw/*.txt"}]}, base_dir=root)
+    run_prepare(cfg, root / "prepared")
+    return root / "prepared"
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory) -> Path:
+    """Both launches at once (2 and 4 processes), the one-process reference meanwhile, then the CP=2
+    run's step-10 checkpoint in one process. The 4-process launch resumes its own CP=2 x FSDP2
+    step-10 checkpoint at CP=4 (DDP): another CP degree and another layout."""
+    from tests.cp_driver import run_trainings
+
+    root = tmp_path_factory.mktemp("cp-runs")
+    base = {**BASE, "data.corpus": str(corpus)}
+
+    def resume(run: str) -> dict:
+        return {**base, "checkpoint.resume": str(root / run / "checkpoints" / "step_00000010")}
+
+    layouts = {n: (procs, {**base, **o}) for n, (procs, o) in LAYOUTS.items()}
+    t0 = time.time()
+    two = launch(root, 2, {n: o for n, (procs, o) in layouts.items() if procs == 2})
+    four = launch(root, 4, {**{n: o for n, (procs, o) in layouts.items() if procs == 4},
+                            "resumed-cp4": {**resume("fsdp2xcp2"), "parallel.cp": 4, "train.micro_batch_size": 4},
+                            "long": {**LONG, "data.corpus": str(corpus)}}, probe=PROBE)
+    try:
+        run_trainings({"out": str(root), "runs": [{"name": "single", "overrides": base}]})
+        t1 = time.time()
+        finish(two)
+        t2 = time.time()
+        run_trainings({"out": str(root), "runs": [{"name": "resumed-single", "overrides": resume("cp2")}]})
+        t3 = time.time()
+        finish(four)
+    finally:  # (a failure leaves no launch behind: torchrun's agent stops its workers on SIGTERM)
+        for proc, _ in (two, four):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    print(f"TIMING one process {t1 - t0:.1f} s, 2-process launch {t2 - t0:.1f} s, resumed in one process "
+          f"{t3 - t2:.1f} s, 4-process launch {time.time() - t0:.1f} s (the launches overlap)")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_layout_matches_one_process(runs, layout):
+    ref, got = records(runs / "single"), records(runs / layout)
+    assert sorted(got) == list(range(1, 21)) and got.keys() == ref.keys()
+    loss, norm = worst(got, ref)
+    print(f"\n{layout}: max relative difference vs one process over 20 steps: loss {loss:.1e}, grad norm {norm:.1e}")
+    assert loss < TOL and norm < TOL, (layout, loss, norm, got, ref)
+    summary = json.loads((runs / layout / "summary.json").read_text())
+    assert summary["layout"].endswith("+cp"), summary["layout"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed", ["resumed-single", "resumed-cp4"])
+def test_context_parallel_checkpoint_resumes_in_one_process_and_at_cp4(runs, resumed):
+    """A CP checkpoint holds the model's parameters (CP does not change them) and the loader's global
+    position, so one process (from CP=2) and CP=4 (from CP=2 x FSDP2) continue the very same run."""
+    ref, got = records(runs / "single"), records(runs / resumed)
+    assert sorted(got) == list(range(11, 21))  # it started from step 10, not from scratch
+    loss, norm = worst(got, ref)
+    print(f"\n{resumed} from a CP=2 step-10 checkpoint: loss {loss:.1e}, grad norm {norm:.1e} vs one process")
+    assert loss < TOL and norm < TOL, (loss, norm, got, ref)
+
+
+@pytest.fixture(scope="module")
+def probe(runs) -> list[dict]:
+    return [json.loads((runs / f"probe_rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.slow
+def test_context_parallel_attention_equals_one_process_with_fewer_kv_heads_than_cp(probe):
+    """One KV head, cp = 2 and 4: the loss and every gradient (summed over the CP ranks) are one process's."""
+    for rank, p in enumerate(probe):
+        one = p["1"]
+        for cp in ("2", "4"):
+            assert abs(p[cp]["nll"] - one["nll"]) / one["nll"] < 1e-6, (rank, cp, p[cp]["nll"], one["nll"])
+            scale = max(abs(g) for g in one["grad"])
+            assert max(abs(a - b) for a, b in zip(p[cp]["grad"], one["grad"])) / scale < 1e-5, (rank, cp)
+        assert p["4"]["positions"] == [*range(rank * 16, rank * 16 + 16), *range((7 - rank) * 16, (8 - rank) * 16)]
+
+
+@pytest.mark.slow
+def test_context_parallel_saved_activations_scale_as_one_over_cp_plus_kv(probe):
+    """Per-rank bytes autograd saves (parameters excluded): the rank's 1/cp of one process's, with the
+    K/V of the whole sequence (which one process also saves) in place of its 1/cp share, plus the
+    rank's two attention masks (built once, shared by the layers). Equal on every rank (balanced)."""
+    m, b, t = PROBE["model"], PROBE["batch"], PROBE["seq_len"]
+    kv = m["n_layers"] * cp_kv_bytes(b, t, m["n_kv_heads"], m["dim"] // m["n_heads"], 4)
+    one = probe[0]["1"]["saved_bytes"]
+    for cp in (2, 4):
+        saved = {p[str(cp)]["saved_bytes"] for p in probe}
+        assert len(saved) == 1, saved  # every rank holds the same: the chunks balance memory too
+        want = cp_activation_bytes(one, kv, cp) + 4 * cp_mask_elements(t, cp)
+        got = saved.pop()
+        print(f"\ncp={cp}: saved {got:,} B per rank, formula (A - KV)/cp + KV + masks = {want:,.0f} B "
+              f"(A = {one:,} B one process, KV = {kv:,} B)")
+        assert abs(got - want) / want < 0.01, (cp, got, want)
+        assert probe[0][str(cp)]["mask_bytes"] == 4 * cp_mask_elements(t, cp)
+
+
+@pytest.mark.slow
+def test_context_parallel_communication_matches_the_formula(runs, probe):
+    """Bytes through the all-gathers and reduce-scatters the CP layer calls, counted as they run,
+    against lmforge.parallel.formulas.cp_comm_bytes: per step, per rank."""
+    m = ModelConfig(**{k.removeprefix("model."): v for k, v in BASE.items() if k.startswith("model.")})
+    for name, (_, extra) in LAYOUTS.items():
+        comm = json.loads((runs / name / "cp_comm.json").read_text())
+        micro = int(extra.get("train.micro_batch_size", BASE["train.micro_batch_size"]))
+        dp = int(extra.get("parallel.dp_shard", 1))
+        tp = int(extra.get("parallel.tp", 1))
+        kv = cp_kv_bytes(micro, 32, m.kv_heads // tp, m.head_dim, 4)
+        want = cp_comm_bytes(kv, extra["parallel.cp"], m.n_layers, BASE["train.global_batch_size"] // (micro * dp))
+        for key in ("all_gather_bytes", "reduce_scatter_bytes"):
+            assert comm[key] == want[key] * comm["steps"], (name, key, comm, want)
+    # the probe's backward alone: one reduce-scatter per layer, no all-gather
+    pm = PROBE["model"]
+    kv = cp_kv_bytes(PROBE["batch"], PROBE["seq_len"], pm["n_kv_heads"], pm["dim"] // pm["n_heads"], 4)
+    assert probe[0]["4"]["comm_backward"]["reduce_scatter_bytes"] == pm["n_layers"] * kv
+    assert probe[0]["4"]["comm_backward"]["all_gather_bytes"] == 0
+
+
+@pytest.mark.slow
+def test_8192_token_sequences_train_under_cp4(runs):
+    got = records(runs / "long")
+    assert sorted(got) == [1, 2, 3]
+    assert got[3][0] < got[1][0] - 0.2, got  # it learns (observed 5.77 -> 5.43)
+    comm = json.loads((runs / "long" / "cp_comm.json").read_text())
+    assert comm["all_gather_bytes"] == 3 * 2 * cp_kv_bytes(1, 8192, 2, 16, 4)
+
+
+def test_chunks_positions_and_masks():
+    """Rank i holds chunks i and 2cp-1-i; its masks let position p see keys <= p (no process group
+    is needed for the slicing and the masks)."""
+    from lmforge.parallel.context_parallel import SequenceSharding
+
+    seq = torch.arange(16).view(1, 16)
+    held = []
+    for rank in range(4):
+        s = SequenceSharding(None, rank, 4, torch.device("cpu"))
+        held.append(s.local(seq)[0].tolist())
+        with s.sharded(16):
+            assert s.positions.tolist() == held[-1]
+        for chunk, mask in zip(s.chunks_of[rank], s.masks(2, torch.float32)):
+            queries = torch.arange(chunk * 2, chunk * 2 + 2)[:, None]
+            assert torch.equal(mask == 0, torch.arange(mask.shape[1])[None] <= queries)
+    assert held == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert sorted(sum(held, [])) == list(range(16))
+
+
+def test_document_masking_leaves_the_cp_ranks_unequal_target_counts(corpus):
+    """Why the target count is summed over the CP ranks: with document-boundary masking each rank's
+    chunks of the same sequences hold a different number of targets."""
+    from lmforge.data.loader import PackedLoader, open_tokens
+    from lmforge.data.prepare import load_prepared
+    from lmforge.model.loss import count_targets
+    from lmforge.parallel.context_parallel import SequenceSharding
+
+    data = load_prepared(corpus)
+    loader = PackedLoader(open_tokens(data.train_dir), 32, 64, seed=1337, mask_doc_boundaries=True,
+                          eos_id=data.tokenizer.eos_id)
+    _, y = loader.next_batch()
+    counts = [int(count_targets(SequenceSharding(None, r, 4, torch.device("cpu")).local(y))) for r in range(4)]
+    assert sum(counts) == int(count_targets(y)) < y.numel() and len(set(counts)) > 1, counts
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"parallel.cp": 3}, "parallel.cp = 3 must divide data.seq_len / 2 = 64"),
+    ({"parallel.cp": 2, "data.seq_len": 250}, "choose parallel.cp among"),
+    ({"parallel.cp": 4, "parallel.tp": 4, "parallel.sequence_parallel": True, "data.seq_len": 8,
+      "model.n_heads": 4}, r"each CP rank's 2 tokens \(data.seq_len / cp\) must be divisible by parallel.tp = 4"),
+    ({"parallel.cp": 0}, "parallel.cp = 0 must be >= 1"),
+    ({"parallel.async_sgd": True, "parallel.dp_replicate": 2, "parallel.cp": 2}, "cp = 1"),
+])
+def test_context_parallel_config_validation(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", {"train.global_batch_size": 64, "train.micro_batch_size": 16, **bad})
+
+
+def test_context_parallel_layouts_are_checked_before_any_process_group():
+    from lmforge.parallel.mesh import check_layout
+
+    batch = {"train.global_batch_size": 64, "train.micro_batch_size": 16}
+    cfg = load_config("tiny", {**batch, "parallel.cp": 2, "parallel.dp_shard": 2, "parallel.tp": 2,
+                               "model.n_kv_heads": 2})  # kv heads = tp = cp: all allowed
+    check_layout(cfg, 8, cuda=False)
+    with pytest.raises(ConfigError, match=r"parallel.cp \(2\) x parallel.tp \(2\) x parallel.pp \(1\) = 8 processes"):
+        check_layout(cfg, 4, cuda=False)
+    load_config("tiny", {**batch, "parallel.cp": 8, "model.n_kv_heads": 1})  # one KV head, 8 CP ranks: fine
