@@ -38,7 +38,7 @@ from tests.test_parallel_dp import TINY, free_port
 
 DRIVER = str(Path(__file__).with_name("cp_driver.py"))
 TOL = 1e-5  # relative, per step, loss and grad norm; observed <= 4e-7
-BASE = {**TINY, "train.sample_tokens": 0, "train.eval_batches": 1, "checkpoint.save_final": "false",
+BASE = {**TINY, "train.sample_tokens": 0, "train.eval_sequences": 8, "checkpoint.save_final": "false",
         "checkpoint.every_minutes": 0}
 LAYOUTS = {  # name: (processes, overrides); all of a world size run in one launch
     "cp2": (2, {"parallel.cp": 2, "checkpoint.every_steps": 10}),  # micro-batches of 2: accumulation 4

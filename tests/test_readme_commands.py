@@ -16,6 +16,8 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ SKIP = "(not run by tests"
 BRIEF = ("--train.steps 25 --train.global_batch_size 12 --train.micro_batch_size 2 --data.seq_len 32 "
          "--train.eval_sequences 4 --train.eval_every 0 --train.sample_tokens 4 --train.log_every 5 "
          "--train.plot false --train.tensorboard false --train.progress lines --train.threads 1 "
-         "--checkpoint.every_minutes 0")
+         "--checkpoint.every_minutes 0 --schedule.warmup_steps 5")
 
 
 def readme_blocks() -> list[tuple[str, str]]:
@@ -34,11 +36,12 @@ def readme_blocks() -> list[tuple[str, str]]:
     text = (ROOT / "README.md").read_text()
     data_start, data_end = text.index("### Your own corpus"), text.index("### Planning")
     blocks = []
-    for m in list(re.finditer(r"```bash\n(.*?)\n```", text, flags=re.S))[2:]:
+    for m in list(re.finditer(r"^( *)```bash\n(.*?)\n\1```", text, flags=re.S | re.M))[2:]:
         if data_start <= m.start() < data_end:
             continue
         heading = re.findall(r"^#+ (.*)$", text[:m.start()], flags=re.M)[-1]
-        commands = re.sub(r"\\\n\s*", "", m.group(1)).splitlines()  # one line per command
+        body = textwrap.dedent(m.group(2))  # a block inside a list item is indented
+        commands = re.sub(r"\\\n\s*", "", body).splitlines()  # one line per command
         kept = [c for c in commands if SKIP not in c]
         blocks.append((heading, "\n".join(kept)))
     return blocks
@@ -53,6 +56,8 @@ def fixtures(cwd: Path) -> None:
     for name in ("hellaswag.jsonl", "piqa.jsonl"):
         (cwd / name).write_text("".join(json.dumps({"context": c, "choices": ch, "label": 0}) + "\n" for c, ch in [
             ("The king", [" spoke to the people.", " zzz qqq."]), ("The queen", [" walked home.", " xq zz."])]))
+    (cwd / "sft.jsonl").write_text("".join(json.dumps({"prompt": f"Q{i}: who speaks?", "response": " ROMEO."}) + "\n"
+                                           for i in range(40)))
     (cwd / "sweep.toml").write_text('[grid]\n"optim.lr" = [1e-3, 3e-3]\n')
 
 
@@ -60,21 +65,25 @@ def fixtures(cwd: Path) -> None:
 def test_every_readme_command_runs(tmp_path):
     blocks = readme_blocks()
     headings = [h for h, _ in blocks]
-    for must in ("Using it", "Scale out", "Parallel layouts (tensor, pipeline, 2-D/3-D, async SGD)", "Never lose a run",
+    for must in ("Using it", "Planning", "Scale out", "Never lose a run",
                  "Evaluate, fine-tune, and interoperate with Hugging Face", "Watching runs, reports and sweeps"):
         assert must in headings, headings
     fixtures(tmp_path)
     env = {**os.environ, "LMFORGE_TRAIN_ARGS": BRIEF, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     for heading, script in blocks:
-        if "lmforge import --hf path/to/llama" in script:  # a transformers folder to import
-            subprocess.run(["lmforge", "export", "--run", "runs/tiny", "--out", "path/to/llama"], cwd=tmp_path, env=env,
-                           check=True, capture_output=True)
+        if "lmforge import --hf path/to/llama" in script and not (tmp_path / "path/to/llama").exists():
+            # a transformers folder to import (several sections import it)
+            made = subprocess.run(["lmforge", "export", "--run", "runs/tiny", "--out", "path/to/llama"], cwd=tmp_path,
+                                  env=env, capture_output=True, text=True)
+            assert made.returncode == 0, made.stdout + made.stderr
         if "lmforge report runs/a runs/b" in script:  # two runs to compare
             for name in ("a", "b"):
                 subprocess.run(["cp", "-r", "runs/tiny", f"runs/{name}"], cwd=tmp_path, check=True)
+        t0 = time.time()
         proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=900)
+        print(f"{time.time() - t0:6.1f} s  {heading}")
         assert proc.returncode == 0, f"README section {heading!r}:\n{script}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     # what the commands made: the runs, the export, the report, the sweeps
     assert (tmp_path / "runs" / "tiny" / "model.safetensors").is_file()
