@@ -44,3 +44,18 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# The longest test files, longest first. CI runs the suite on two pytest-xdist workers, one file per
+# work unit in collection order (`--dist loadfile --no-loadscope-reorder` in pyproject.toml): starting
+# the files that take minutes first keeps one worker from being left with them at the end.
+LONGEST_FIRST = ("test_readme_commands.py", "test_gpu_suite.py", "test_e2e.py", "test_parallel_mp.py",
+                 "test_ckpt_fault.py", "test_parallel_dp.py", "test_parallel_cp.py", "test_parallel_optim.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
