@@ -115,7 +115,7 @@ class Trainer:
         # model, parallel layout, optimizer, precision
         model = build_training_model(cfg, self.device)
         self.n_params = model.num_params()
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, {n: p.numel() for n, p in model.named_parameters() if p.requires_grad})
         precision, reason = resolve_precision(t.precision, self.device)
         self.layout = self.build_layout(model, precision)
         self.model = self.layout.model
