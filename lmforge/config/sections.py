@@ -111,7 +111,7 @@ class OptimConfig:
     momentum: float = _f(0.9, "Momentum for the 'momentum' (SGD) optimizer.")
     nesterov: bool = _f(False, "Nesterov momentum for the 'momentum' optimizer.")
     grad_clip: float = _f(1.0, "Clip the global gradient L2 norm to this value (0 = no clipping).")
-    fused: Literal["auto", "on", "off"] = _f("auto", "Kernel of torch's SGD/Adam/AdamW: 'auto' = torch's fused kernels wherever this torch has them for the parameters' device (CUDA; CPU since torch 2.4: ~5x less CPU time per AdamW step than foreach, same update to float rounding), foreach (multi-tensor) elsewhere; 'on' = fused kernels; 'off' = foreach everywhere. Only for optim.name in sgd, momentum, adam, adamw.")
+    fused: Literal["auto", "on", "off"] = _f("auto", "Kernel of torch's SGD/Adam/AdamW: 'auto' = torch's fused kernels wherever this torch has them for the parameters (CUDA; CPU since torch 2.4, fp32 weights: ~5x less CPU time per AdamW step than foreach, same update to float rounding; FSDP2/TP DTensor weights: Adam/AdamW only), foreach (multi-tensor) elsewhere; 'on' = fused kernels; 'off' = foreach everywhere. Only for optim.name in sgd, momentum, adam, adamw.")
     muon_lr: float = _f(0.02, "Muon only: learning rate of the orthogonalised updates of 2-D weight matrices (embeddings, lm_head, norms and biases use AdamW at optim.lr).")
     muon_momentum: float = _f(0.95, "Muon only: momentum (Nesterov) of the matrix updates.")
 

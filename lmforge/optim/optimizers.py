@@ -92,10 +92,16 @@ def fused_devices() -> frozenset[str]:
         return frozenset({"cuda"})
 
 
+# torch 2.13's DTensor (FSDP2 / TP parameters) has sharding rules for the fused Adam/AdamW ops only:
+# aten._fused_sgd_ raises NotImplementedError on DTensor parameters
+_DTENSOR_FUSED = frozenset({"adam", "adamw"})
+
+
 def _fast_path_kwargs(model: nn.Module, cfg: OptimConfig) -> dict[str, bool]:
     """optim.fused: 'auto' = torch's fused kernels wherever this torch has them for the parameters
-    (CUDA; CPU since torch 2.4, for fp32/fp64 parameters: lmforge keeps fp32 master weights), foreach
-    (multi-tensor) elsewhere; 'on' / 'off' force fused / foreach.
+    (CUDA; CPU since torch 2.4, for fp32/fp64 parameters: lmforge keeps fp32 master weights; on
+    DTensor parameters for Adam/AdamW only), foreach (multi-tensor) elsewhere; 'on' / 'off' force
+    fused / foreach.
 
     The fused kernels compute the same update as foreach, element by element in one pass (same
     formula; results agree to float rounding, tests/test_fast_path_defaults.py) and are faster:
@@ -106,9 +112,13 @@ def _fast_path_kwargs(model: nn.Module, cfg: OptimConfig) -> dict[str, bool]:
     """
     fused = {"auto": None, "on": True, "off": False}[cfg.fused]
     if fused is None:
+        from torch.distributed.tensor import DTensor
+
         params = [p for p in model.parameters() if p.requires_grad]
         exact = lambda p: p.device.type != "cpu" or p.dtype in (torch.float32, torch.float64)  # noqa: E731
-        fused = bool(params) and all(p.device.type in fused_devices() and exact(p) for p in params)
+        sharded = any(isinstance(p, DTensor) for p in params)
+        fused = (bool(params) and all(p.device.type in fused_devices() and exact(p) for p in params)
+                 and (not sharded or cfg.name in _DTENSOR_FUSED))
     return {"fused": True} if fused else {"foreach": True}
 
 
