@@ -11,14 +11,17 @@ What is timed (per optimizer step, same process, arms interleaved):
   micro-batch with the step-normalised loss, unscale, global-norm clip, spike guard, optimizer
   step, zero_grad, LR schedule). Nothing is copied from the trainer: it is the class `lmforge
   train` runs.
-* reference: the minimal loop every peer starts from. The same model class built the same way
-  (`build_model(cfg.model, device, seed)`, plus the same activation checkpointing and per-block
-  torch.compile when the config asks for them), the same micro-batch shapes and accumulation,
-  torch AdamW with torch's own defaults for the device (for-loop on CPU, `fused=True` on CUDA as
-  nanoGPT does; same lr/betas/eps/weight decay, decay on >= 2-D tensors), the same precision
-  (autocast dtype; GradScaler for fp16) and per micro-batch: forward -> cross-entropy (mean) /
-  accumulation -> backward; then clip_grad_norm_ -> step -> zero_grad. Its batches are made
-  once, up front, on the device: the reference pays nothing for data, lmforge pays its loader.
+* reference: the minimal loop every peer starts from, given the same torch options as lmforge:
+  the same model class built the same way (`build_model(cfg.model, device, seed)`, plus the same
+  activation checkpointing and per-block torch.compile when the config asks for them), the same
+  micro-batch shapes and accumulation, torch AdamW with the same kernel as lmforge's optimizer
+  (fused when lmforge's is fused, foreach when it is foreach: one flag any loop can set; same
+  lr/betas/eps/weight decay, decay on >= 2-D tensors), the same precision (autocast dtype;
+  GradScaler for fp16) and per micro-batch: forward -> logits -> cross-entropy (mean) /
+  accumulation -> backward; then clip_grad_norm_ -> step -> zero_grad. Its batches are made once,
+  up front, on the device: the reference pays nothing for data, lmforge pays its loader. So a
+  ratio above 1 is what lmforge itself adds (train.loss_chunk: the cross-entropy fused with the
+  output projection, chunk by chunk), not torch flags.
 * optionally (`--guard-arm`) lmforge again with the spike guard switched off for the block
   (`trainer.guard = None`): the guard's cost is its host sync per step (a no-op on CPU; on CUDA
   it waits for the step's kernels) plus a few microseconds of Python.
@@ -29,12 +32,14 @@ ratios (reference step time / lmforge step time of the same repetition = lmforge
 the reference's), and CPU-seconds per step (`time.process_time`, less sensitive to other jobs).
 The load average is recorded.
 
-MFU = tokens/s x flops_per_token / peak, flops_per_token = 6N + 12*L*d*s (PaLM convention,
-`lmforge.model.accounting.flops_per_token`: N = matmul weights incl. the output projection,
-L layers, d model width, s sequence length). Peak: on CUDA the catalogue's dense peak for the
-run's precision (`lmforge.train.profiler.device_peak`); on CPU no spec sheet applies, so the
-best n^3 matmul rate is measured in fp32 and in bf16 (before and after the timed steps, the
-better of the two kept) and MFU is given against both.
+MFU = tokens/s x flops_per_token / peak, flops_per_token = the trainer's own count
+(`lmforge.model.accounting.flops_per_token`: 6N + 12*L*d*s when every weight trains, N = matmul
+weights incl. the output projection, L layers, d model width, s sequence length; fewer where
+weights are frozen). Peak: the one the run uses, as the trainer picks it
+(`lmforge.train.profiler.device_peak`): on CUDA the catalogue's dense peak for the run's
+precision; on CPU no spec sheet applies, so the best n^3 matmul rate is measured in fp32 (and in
+the run's 16-bit dtype when it runs one, the faster kept), before and after the timed steps, the
+better of the two kept. No MFU is given against a peak the run did not use.
 
 Peak memory: CUDA `max_memory_allocated` over each arm's steps (both models are resident, so
 each arm's figure includes the other's weights and optimizer state; `resident_gb` says how much
@@ -68,6 +73,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from lmforge.config import Config, load_config, parse_override_value  # noqa: E402
+from lmforge.config.rules import resolve_loss_chunk  # noqa: E402
 from lmforge.data.prepare import PreparedData  # noqa: E402
 from lmforge.data.shards import write_token_shards  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
@@ -117,7 +123,8 @@ def sync(device: torch.device) -> None:
 class Reference:
     """The plain loop: forward + cross-entropy + backward + clip + step, nothing else."""
 
-    def __init__(self, cfg: Config, device: torch.device, precision: str, batches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, cfg: Config, device: torch.device, precision: str, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                 fast_path: str):
         from lmforge.model.transformer import build_model
         from lmforge.parallel.activation_ckpt import apply_activation_checkpointing
 
@@ -130,7 +137,7 @@ class Reference:
         params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        extra = {"fused": True} if device.type == "cuda" else {}
+        extra = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(fast_path, {})  # lmforge's kernel
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **extra)
@@ -156,17 +163,20 @@ class Reference:
 
 
 def measure_peaks(device: torch.device, precision: str) -> dict:
-    """MFU denominators: catalogue peak on GPUs; measured fp32 and bf16 matmul peaks on CPU."""
+    """The MFU denominator the run uses: the catalogue peak on GPUs; on CPU the measured fp32
+    matmul rate, or the run's 16-bit one where that is faster (as `device_peak` picks it)."""
     from lmforge.train import profiler
 
     if device.type == "cuda":
         peak = profiler.device_peak(device, precision)
-        return {"run": peak.flops, "source": peak.source, "device_name": peak.device_name}
+        return {"run": peak.flops, "run_label": precision, "source": peak.source, "device_name": peak.device_name}
     out = {"device_name": profiler.cpu_name(), "source": f"measured best n^3 matmul on {torch.get_num_threads()} threads"}
-    for name, dtype, n in (("fp32", torch.float32, 1024), ("bf16", torch.bfloat16, 1024)):
-        profiler._MEASURED.pop((str(device), dtype, torch.get_num_threads()), None)  # re-measure each call
-        out[name] = profiler.measure_matmul_flops(device, dtype, n=n, reps=5, budget_s=1.0)
-    out["run"] = max(out["fp32"], out["bf16"]) if precision == "bf16" else out["fp32"]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for name in dict.fromkeys(("fp32", precision)):
+        profiler._MEASURED.pop((str(device), dtypes[name], torch.get_num_threads()), None)  # re-measure each call
+        out[name] = profiler.measure_matmul_flops(device, dtypes[name], n=1024, reps=5, budget_s=1.0)
+    out["run_label"] = max(dict.fromkeys(("fp32", precision)), key=lambda k: out[k])
+    out["run"] = out[out["run_label"]]
     return out
 
 
@@ -213,7 +223,7 @@ def run(args: argparse.Namespace) -> dict:
     reference = None
     if not args.no_reference and not distributed:
         batches = [tuple(tt.to(device) for tt in trainer.loader.next_batch()) for _ in range(cfg.grad_accum_steps)]
-        reference = Reference(cfg, device, precision, batches)
+        reference = Reference(cfg, device, precision, batches, _fast_path(trainer.optimizer))
         arms["reference"] = None
     guard = trainer.guard
     if args.guard_arm and guard is not None:
@@ -266,14 +276,17 @@ def run(args: argparse.Namespace) -> dict:
 
     peaks_after = measure_peaks(device, precision)
     peaks = dict(peaks_after)
-    for key in ("fp32", "bf16", "run"):
+    for key in ("fp32", "bf16", "fp16"):
         if key in peaks_before:
             peaks[key] = max(peaks_before[key], peaks_after[key])
+    if device.type == "cpu":  # the better of before/after, in the dtype the run's peak comes from
+        peaks["run_label"] = max((k for k in ("fp32", precision) if k in peaks), key=lambda k: peaks[k])
+        peaks["run"] = peaks[peaks["run_label"]]
 
     fpt = trainer.flops_per_token
     world = cfg.parallel.world_size if distributed else 1
     results: dict = {
-        "schema": "lmforge.train_throughput/1",
+        "schema": "lmforge.train_throughput/2",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "git_commit": git_commit(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -284,16 +297,20 @@ def run(args: argparse.Namespace) -> dict:
                     "load_average": [round(v, 2) for v in os.getloadavg()]},
         "config": {"preset": cfg.preset, "overrides": {k: v for k, v in overrides.items() if k not in BENCH_OVERRIDES},
                    "n_params": trainer.n_params, "flops_per_token": fpt,
-                   "flops_formula": "6N + 12*L*d*s (N = matmul weights incl. output projection)",
+                   "flops_formula": "6N + 12*L*d*s (N = matmul weights incl. output projection; LoRA / frozen "
+                                    "weights: their weight gradients not counted, lmforge.model.accounting)",
                    "precision": precision, "layout": trainer.layout.name, "world_size": world,
                    "tokens_per_step_per_rank": tokens_per_step, "micro_batch_size": t.micro_batch_size,
                    "seq_len": cfg.data.seq_len, "grad_accum_steps": cfg.grad_accum_steps,
                    "activation_checkpoint": t.activation_checkpoint, "compile": t.compile,
-                   "loss_chunk": getattr(t, "loss_chunk", 0), "optimizer": type(trainer.optimizer).__name__,
-                   "optimizer_fast_path": _fast_path(trainer.optimizer), "guard": guard is not None},
+                   "loss_chunk": resolve_loss_chunk(cfg, device.type, precision), "loss_chunk_setting": t.loss_chunk,
+                   "optimizer": type(trainer.optimizer).__name__, "optimizer_fast_path": _fast_path(trainer.optimizer),
+                   "reference_optimizer_fast_path": _fast_path(reference.opt) if reference else None,
+                   "guard": guard is not None},
         "protocol": {"warmup_steps": args.warmup, "reps": args.reps, "steps_per_block": args.block,
                      "order": "alternating (A B, B A, ...)"},
-        "peak_flops": {k: v for k, v in peaks.items() if k in ("fp32", "bf16", "run")},
+        "peak_flops": {k: v for k, v in peaks.items() if k in ("fp32", "bf16", "fp16", "run")},
+        "peak_used": peaks["run_label"],
         "peak_source": peaks.get("source", ""),
         "arms": {},
     }
@@ -306,9 +323,6 @@ def run(args: argparse.Namespace) -> dict:
                "mfu": tok_s * fpt / peaks["run"] if peaks.get("run") else None,
                "peak_mem_gb": mem[name] if device.type == "cuda" else _rss_gb(),
                "step_times_s": wall[name]}
-        if device.type == "cpu":
-            arm["mfu_vs_fp32_peak"] = tok_s * fpt / peaks["fp32"]
-            arm["mfu_vs_bf16_peak"] = tok_s * fpt / peaks["bf16"]
         results["arms"][name] = arm
     if data_s:  # lmforge's loader on the critical path: memmap gather + host->device copy per step
         d = statistics.median(data_s[args.warmup:] or data_s)
@@ -349,25 +363,22 @@ def _rss_gb() -> float:
 
 
 def format_table(res: dict) -> str:
-    cpu = res["machine"]["device"] == "cpu"
-    head = "| arm | tokens/s (median) | tokens/s (best) | step ms (median) | CPU-s/step | MFU |"
-    if cpu:
-        head += " MFU vs fp32 peak | MFU vs bf16 peak |"
-    head += " peak mem GB |"
+    used = res.get("peak_used", "run")
+    head = f"| arm | tokens/s (median) | tokens/s (best) | step ms (median) | CPU-s/step | MFU vs {used} peak | peak mem GB |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, a in res["arms"].items():
         mfu = f"{100 * a['mfu']:.1f}%" if a["mfu"] is not None else "-"
-        row = (f"| {name} | {a['tokens_per_s_median']:,.0f} | {a['tokens_per_s_best']:,.0f} | "
-               f"{a['step_time_s_median'] * 1e3:.1f} | {a['cpu_s_per_step_median']:.3f} | {mfu} |")
-        if cpu:
-            row += f" {100 * a['mfu_vs_fp32_peak']:.1f}% | {100 * a['mfu_vs_bf16_peak']:.1f}% |"
-        row += f" {a['peak_mem_gb']:.2f} |"
-        lines.append(row)
+        lines.append(f"| {name} | {a['tokens_per_s_median']:,.0f} | {a['tokens_per_s_best']:,.0f} | "
+                     f"{a['step_time_s_median'] * 1e3:.1f} | {a['cpu_s_per_step_median']:.3f} | {mfu} | "
+                     f"{a['peak_mem_gb']:.2f} |")
     pk = res["peak_flops"]
+    c = res["config"]
     lines.append("")
-    lines.append("peaks: " + ", ".join(f"{k} {v / 1e9:,.1f} GFLOP/s" for k, v in pk.items())
-                 + f" ({res['peak_source']}); FLOPs/token {res['config']['flops_per_token'] / 1e6:.1f} M "
-                   f"({res['config']['flops_formula']})")
+    lines.append(f"peak used for MFU: {used} {pk['run'] / 1e9:,.1f} GFLOP/s ({res['peak_source']}); FLOPs/token "
+                 f"{c['flops_per_token'] / 1e6:.1f} M ({c['flops_formula']})")
+    lines.append(f"lmforge: optimizer {c['optimizer']} ({c['optimizer_fast_path']}), loss_chunk {c['loss_chunk']} "
+                 f"({c['loss_chunk_setting']}), compile {c['compile']}; reference: AdamW "
+                 f"({c['reference_optimizer_fast_path']}), plain cross-entropy, compile {c['compile']}")
     lm = res["arms"]["lmforge"]
     if "data_share" in lm:
         lines.append(f"lmforge data fetch (next_micro_batches): {lm['data_s_per_step_median'] * 1e3:.3f} ms/step "

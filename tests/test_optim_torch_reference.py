@@ -87,13 +87,13 @@ def test_trajectory_matches_textbook_rule(name: str) -> None:
     ("sgd", torch.optim.SGD), ("momentum", torch.optim.SGD),
     ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW),
 ])
-def test_torch_optimizers_are_used_with_foreach_on_cpu(name: str, cls: type) -> None:
+def test_torch_optimizers_are_used_with_fused_kernels_on_cpu(name: str, cls: type) -> None:
+    # optim.fused = "auto": torch 2.13 has fused CPU kernels for these, and auto picks them
     opt = build_optimizer(OptimConfig(name=name, lr=LR, weight_decay=WD), _mlp())
     assert type(opt) is cls
-    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
-    # torch 2.13 also has fused CPU kernels for these; fused=True selects them.
-    fused = build_optimizer(OptimConfig(name=name, lr=LR, weight_decay=WD, fused="on"), _mlp())
-    assert fused.defaults["fused"] is True
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+    foreach = build_optimizer(OptimConfig(name=name, lr=LR, weight_decay=WD, fused="off"), _mlp())
+    assert foreach.defaults["foreach"] is True and not foreach.defaults["fused"]
     assert name != "sgd" or opt.defaults["momentum"] == 0.0
 
 

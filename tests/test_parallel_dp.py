@@ -11,9 +11,12 @@ is exercised too.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,42 @@ def test_world_size_mismatch_is_a_clear_error_not_a_hang(corpus, tmp_path):
     assert proc.returncode != 0
     assert "parallel.dp_replicate (1) x parallel.dp_shard (1)" in proc.stderr, proc.stderr[-2000:]
     assert "world size 2" in proc.stderr
+
+
+STALL_DRIVER = str(Path(__file__).with_name("stall_driver.py"))
+
+
+@pytest.mark.slow
+def test_a_collective_waiting_past_timeout_s_fails_naming_the_rank(corpus, tmp_path):
+    """README: "a collective that waits longer than parallel.timeout_s fails with an error naming the
+    rank". A real 2-rank DDP job in which rank 1 sleeps 120 s before step 1 (tests/stall_driver.py):
+    rank 0 waits in step 1's first collective (the all-reduce of the step's target count), fails
+    after timeout_s = 5 s with "rank 0 of 2: ... timed out ...", and torchrun ends the job, the
+    sleeping rank included, long before the sleep is over (no hang)."""
+    timeout_s, sleep_s = 5, 120
+    marker = tmp_path / "asleep"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()),
+           STALL_DRIVER, "1", "1", str(sleep_s), str(marker)] + overrides(
+        corpus, tmp_path / "run", **{"parallel.dp_replicate": 2, "parallel.timeout_s": timeout_s, "train.steps": 4,
+                                     "train.log_every": 1})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=sleep_s - 30)
+    except subprocess.TimeoutExpired:
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        for pid in [proc.pid, *map(int, workers)]:  # (torchrun's workers have process groups of their own)
+            os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the job hung past {sleep_s - 30} s:\n{err[-3000:]}")
+    ended = time.time()
+    assert proc.returncode != 0
+    assert marker.is_file(), f"rank 1 never reached step 1 (the job failed earlier):\n{err[-3000:]}"
+    waited = ended - float(marker.read_text())
+    # it waited for the timeout (not failing early), then ended within seconds (torchrun stops rank 1)
+    assert timeout_s - 1 <= waited < timeout_s + 30, (waited, err[-3000:])
+    named = [line for line in err.splitlines() if line.startswith("rank 0 of 2: ")]
+    assert named and "timed out" in named[0].lower(), err[-3000:]
+    print(f"\ncollective timeout: job ended {waited:.1f} s after rank 1 stalled (timeout_s {timeout_s}); {named[0][:160]}")
 
 
 BATCH = {"train.global_batch_size": 64, "train.micro_batch_size": 16}  # divisible by dp = 2 and 4

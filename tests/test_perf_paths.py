@@ -111,7 +111,7 @@ def test_optim_fused_switch(small_data, tmp_path):
         loss, norm = t.train_step(t.next_micro_batches())
         assert torch.isfinite(loss) and torch.isfinite(norm)
     assert make_trainer(small_data, tmp_path, **{"optim.fused": "off"}).optimizer.defaults["foreach"] is True
-    assert make_trainer(small_data, tmp_path).optimizer.defaults["foreach"] is True  # auto on CPU
+    assert make_trainer(small_data, tmp_path).optimizer.defaults["fused"] is True  # auto: fused on CPU too
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -112,7 +112,7 @@ class OptimConfig:
     momentum: float = _f(0.9, "Momentum for the 'momentum' (SGD) optimizer.")
     nesterov: bool = _f(False, "Nesterov momentum for the 'momentum' optimizer.")
     grad_clip: float = _f(1.0, "Clip the global gradient L2 norm to this value (0 = no clipping).")
-    fused: Literal["auto", "on", "off"] = _f("auto", "Kernel of torch's SGD/Adam/AdamW: 'auto' = fused on CUDA, foreach (multi-tensor) elsewhere; 'on' = fused kernels everywhere (torch also has CPU ones: ~5x less CPU time per step than foreach on the tiny model); 'off' = foreach everywhere. Only for optim.name in sgd, momentum, adam, adamw.")
+    fused: Literal["auto", "on", "off"] = _f("auto", "Kernel of torch's SGD/Adam/AdamW: 'auto' = torch's fused kernels wherever this torch has them for the parameters (CUDA; CPU since torch 2.4, fp32 weights: ~5x less CPU time per AdamW step than foreach, same update to float rounding; FSDP2/TP DTensor weights: Adam/AdamW only), foreach (multi-tensor) elsewhere; 'on' = fused kernels; 'off' = foreach everywhere. Only for optim.name in sgd, momentum, adam, adamw.")
     muon_lr: float = _f(0.02, "Muon only: learning rate of the orthogonalised updates of 2-D weight matrices (embeddings, lm_head, norms and biases use AdamW at optim.lr).")
     muon_momentum: float = _f(0.95, "Muon only: momentum (Nesterov) of the matrix updates.")
 
@@ -164,7 +164,7 @@ class TrainConfig:
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
     compile: bool = _f(False, "Compile each transformer block with torch.compile.")
-    loss_chunk: int = _f(0, "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass). 0 = off (the plain logits + F.cross_entropy). Try 1024-8192 with large vocabularies. Not with parallel.tp > 1 or parallel.pp > 1.")
+    loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks where measured faster, else 0: on a CPU, in fp32, with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (rule: lmforge.config.rules.resolve_loss_chunk; not yet measured on GPUs, so off there: try 4096 by hand). Not with parallel.tp > 1 or parallel.pp > 1.")
     fp8: bool = _f(False, "Train the transformer blocks' nn.Linear layers with FP8 matmuls (torchao.float8 dynamic scaling; the output projection stays in the run's precision). Needs the `torchao` package and a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: L4, H100, H200, B200).")
     seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
@@ -189,7 +189,7 @@ class TrainConfig:
                   micro_batch_size=self.micro_batch_size, ac_every=self.ac_every, log_every=self.log_every,
                   eval_sequences=self.eval_sequences)
         at_least(0, "train", eval_every=self.eval_every, sample_tokens=self.sample_tokens, threads=self.threads,
-                  loss_chunk=self.loss_chunk)
+                  **({} if self.loss_chunk == "auto" else {"loss_chunk": self.loss_chunk}))
         if self.fp8 and self.device == "cpu":
             raise ConfigError("train.fp8 = true needs a CUDA GPU with FP8 tensor cores (H100/H200/L4/B200); "
                               "train.device = 'cpu'. Set train.fp8 = false.")

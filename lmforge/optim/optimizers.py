@@ -81,15 +81,44 @@ def describe_groups(groups: list[dict[str, Any]] | torch.optim.Optimizer) -> lis
     return rows
 
 
-def _fast_path_kwargs(model: nn.Module, cfg: OptimConfig) -> dict[str, bool]:
-    """optim.fused: 'auto' = fused kernels on CUDA, foreach elsewhere; 'on' / 'off' force them.
+def fused_devices() -> frozenset[str]:
+    """Device types for which this torch build has fused SGD/Adam/AdamW kernels (CUDA, and the
+    CPU since torch 2.4)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    (torch 2.13 also has fused SGD/Adam/AdamW kernels for CPU: optim.fused = 'on'.)
+        return frozenset(_get_fused_kernels_supported_devices())
+    except ImportError:  # (a private helper: if it moves, fall back to what every torch has)
+        return frozenset({"cuda"})
+
+
+# torch 2.13's DTensor (FSDP2 / TP parameters) has sharding rules for the fused Adam/AdamW ops only:
+# aten._fused_sgd_ raises NotImplementedError on DTensor parameters
+_DTENSOR_FUSED = frozenset({"adam", "adamw"})
+
+
+def _fast_path_kwargs(model: nn.Module, cfg: OptimConfig) -> dict[str, bool]:
+    """optim.fused: 'auto' = torch's fused kernels wherever this torch has them for the parameters
+    (CUDA; CPU since torch 2.4, for fp32/fp64 parameters: lmforge keeps fp32 master weights; on
+    DTensor parameters for Adam/AdamW only), foreach (multi-tensor) elsewhere; 'on' / 'off' force
+    fused / foreach.
+
+    The fused kernels compute the same update as foreach, element by element in one pass (same
+    formula; results agree to float rounding, tests/test_fast_path_defaults.py) and are faster:
+    on the 2-core AMD EPYC CPU the fused AdamW step of a 16M-parameter model took 5.5x less CPU
+    time than foreach (26.6 vs 147 ms, 1 thread). On the CPU auto keeps foreach for 16-bit
+    parameters: torch 2.13's fused CPU SGD with momentum is not deterministic on bf16 parameters
+    (two identical runs differ after 4 steps; tests/test_optim_state.py's bitwise resume caught it).
     """
     fused = {"auto": None, "on": True, "off": False}[cfg.fused]
     if fused is None:
-        first = next(model.parameters(), None)
-        fused = first is not None and first.device.type == "cuda"
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        exact = lambda p: p.device.type != "cpu" or p.dtype in (torch.float32, torch.float64)  # noqa: E731
+        sharded = any(isinstance(p, DTensor) for p in params)
+        fused = (bool(params) and all(p.device.type in fused_devices() and exact(p) for p in params)
+                 and (not sharded or cfg.name in _DTENSOR_FUSED))
     return {"fused": True} if fused else {"foreach": True}
 
 

@@ -80,8 +80,11 @@ class Layout:
 
     def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
         """Summed token NLL (fp32) of one micro-batch. train.loss_chunk: fused with the output
-        projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits)."""
-        chunk = self.cfg.train.loss_chunk
+        projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits); "auto"
+        resolved by lmforge.config.rules.resolve_loss_chunk (0 where the layout cannot use it)."""
+        from lmforge.config.rules import resolve_loss_chunk
+
+        chunk = resolve_loss_chunk(self.cfg, self.dist.device.type, precision.name)
         with precision.autocast():
             if chunk:
                 return self.module(x, targets=y, loss_chunk=chunk)

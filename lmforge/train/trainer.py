@@ -120,7 +120,8 @@ class Trainer:
         # model, parallel layout, optimizer, precision
         model = build_training_model(cfg, self.device)
         self.n_params = model.num_params()
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, trainable)
         precision = resolve_precision(t.precision, self.device)
         self.layout = self.build_layout(model, precision.name)
         self.model = self.layout.model
