@@ -1,0 +1,34 @@
+"""Several `lmforge train` runs one after another in one process group (for the parity tests).
+
+    [torchrun --nproc-per-node N] tests/train_runs_driver.py RUNS
+
+RUNS is a JSON list of argument lists, each the `--section.key value ...` of one `lmforge train`
+command line. Each goes through the real command line (`lmforge.cli.main`), as `python -m lmforge
+train` would; the process group that the first run forms is kept for the others. One launch for
+several runs keeps the tests fast: torch's import and the process-group setup are paid once, not
+once per run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import lmforge.train.trainer as trainer_module
+from lmforge.cli import main as lmforge_main
+from lmforge.parallel.mesh import destroy_distributed
+
+
+def main(runs: list[list[str]]) -> int:
+    trainer_module.destroy_distributed = lambda: None  # keep one process group for every run
+    try:
+        for args in runs:
+            if code := lmforge_main(["train", *args]):
+                return code
+        return 0
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1])))
