@@ -83,7 +83,7 @@ _T = ["--model", "tiny", "--gpus", "8xH100"]
     (_T + ["--usable", "0"], "--usable 0 must be in (0, 1]"),
     (_T + ["--search", "--top", "0"], "--top 0 must be >= 1"),
     (_T + ["--search", "--top=-1"], "--top -1 must be >= 1"),
-    (_T + ["--layout", "dp=2"], "dp x tp x pp = 2 x 1 x 1 = 2 GPUs but --gpus gives 8"),
+    (_T + ["--layout", "dp=2"], "dp x cp x tp x pp = 2 x 1 x 1 x 1 = 2 GPUs but --gpus gives 8"),
     (_T + ["--layout", "sp=1"], "sp = 1 needs tp >= 2"),
     (_T + ["--weights", "both,megatron-lm"], "unknown convention 'megatron-lm'"),
     (_T + ["--allow-offload"], "--allow-offload widens the layout search; add --search"),

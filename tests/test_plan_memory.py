@@ -385,10 +385,14 @@ def test_lmforge_fsdp_layouts_cast_nothing_and_hold_gathered_16_bit_weights():
     assert "autocast_weight_copies" not in single.detail
 
 
-def test_lmforge_ddp_buckets_are_an_fp32_copy_of_the_gradients(tmp_path):
-    """lmforge's DDP (torch's default gradient_as_bucket_view=False) allocates all-reduce buckets
-    the size of the fp32 gradients: the estimate's ddp_gradient_buckets equals the bucket bytes
-    DDP reports (one process, gloo)."""
+def test_lmforge_ddp_gradients_are_views_into_the_buckets(tmp_path):
+    """lmforge's DDP runs with gradient_as_bucket_view=True (issue 16 §2 follow-up): after a
+    synchronising backward every gradient is a view into DDP's fp32 all-reduce buckets, so the
+    gradients exist once: the bucket bytes DDP reports (one process, gloo) = the gradient bytes of
+    the estimate, and no separate bucket copy is counted (before: 4 B/param more). Under gradient
+    accumulation the trainer's zero_grad(set_to_none=True) lets the no_sync micro-batches build
+    fresh gradients beside the buckets until the last backward copies them in: the estimate for
+    grad_accum > 1 keeps that second copy (ddp_gradient_buckets), as measured here."""
     import torch.distributed as dist
 
     from lmforge.parallel.data_parallel import apply_ddp
@@ -397,16 +401,39 @@ def test_lmforge_ddp_buckets_are_an_fp32_copy_of_the_gradients(tmp_path):
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     cfg, model = _small_model(*_SMALL_CASES[1])
+    params = list({id(p): p for p in model.parameters()}.values())
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+
+    def grad_storages() -> dict[int, int]:
+        return {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in params}
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         ddp = apply_ddp(model, cfg, DistInfo(backend="gloo"))
+        assert ddp.gradient_as_bucket_view
         buckets = sum(int(n) for n in str(ddp._get_ddp_logging_data()["bucket_sizes"]).split(","))
+        ddp(x).float().sum().backward()  # one synchronising backward: the gradients become bucket views
+        in_buckets, held = grad_storages(), [p.grad for p in params]  # (held: no address reused below)
+        model.zero_grad(set_to_none=True)  # as the trainer does after each step
+        with ddp.no_sync():  # the first micro-batch of an accumulating step
+            ddp(x).float().sum().backward()
+        accumulating = grad_storages()
+        ddp(x).float().sum().backward()  # the last micro-batch: copied into the buckets, views again
+        after = grad_storages()
     finally:
         dist.destroy_process_group()
+    # the gradients' storages are the buckets (DDP rebuilds its buckets once, in the second step's
+    # forward, in the order the gradients became ready: the same bytes at another address)
+    assert sum(in_buckets.values()) == sum(after.values()) == buckets
+    assert not set(accumulating) & (set(in_buckets) | set(after))  # fresh tensors beside the buckets meanwhile
+    grad_bytes = sum(4 * p.numel() for p in params)
+    assert sum(accumulating.values()) == grad_bytes
     for zero in (0, 1):
-        mem = estimate_memory(cfg.model, Layout(dp=2, zero=zero), "adamw", 32, weights="lmforge")
-        assert mem.detail["ddp_gradient_buckets"] == buckets == mem.gradients
-    assert "ddp_gradient_buckets" not in estimate_memory(cfg.model, Layout(dp=2, zero=3), "adamw", 32).detail
+        one = estimate_memory(cfg.model, Layout(dp=2, zero=zero), "adamw", 32, weights="lmforge")
+        assert one.gradients == buckets == grad_bytes and "ddp_gradient_buckets" not in one.detail
+        acc = estimate_memory(cfg.model, Layout(dp=2, zero=zero, grad_accum=2), "adamw", 32, weights="lmforge")
+        assert acc.gradients + acc.detail["ddp_gradient_buckets"] == grad_bytes + buckets
+    assert "ddp_gradient_buckets" not in estimate_memory(cfg.model, Layout(dp=2, zero=3, grad_accum=2), "adamw", 32).detail
 
 
 def test_issue16_before_and_after_on_the_published_layouts():

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lmforge.model.layers import sequence_sharded
-from lmforge.parallel.formulas import cp_comm_bytes, cp_kv_bytes
+from lmforge.parallel.formulas import cp_comm_bytes, cp_kv_bytes, recomputed_layers
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); GPU images may be older
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -148,7 +148,8 @@ class SequenceSharding:
         """A log line: the chunks, and the step's traffic by the closed form (lmforge.parallel.formulas)."""
         m, t = cfg.model, cfg.train
         kv = cp_kv_bytes(t.micro_batch_size, cfg.data.seq_len, m.kv_heads, m.head_dim, dtype_bytes, cfg.parallel.tp)
-        comm = cp_comm_bytes(kv, self.size, m.n_layers, cfg.grad_accum_steps, t.activation_checkpoint != "none")
+        comm = cp_comm_bytes(kv, self.size, m.n_layers, cfg.grad_accum_steps,
+                             recomputed_layers(t.activation_checkpoint, m.n_layers, t.ac_every))
         yield (f"context parallel: {self.size} ranks, rank i holds chunks i and {2 * self.size - 1}-i of "
                f"{cfg.data.seq_len // (2 * self.size)} tokens of every {cfg.data.seq_len}-token sequence; K/V "
                f"all-gathered per layer ({kv / 2**20:.2f} MiB per micro-batch), their gradients reduce-scattered: "

@@ -52,9 +52,15 @@ def apply_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
     compression hook."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # RoPE tables are deterministic buffers: nothing to broadcast
+    # RoPE tables are deterministic buffers: nothing to sync in forward (torch 2.13 renamed the
+    # switch; `forward_sync_buffers=False` still syncs them once at construction, which is harmless
+    # for identical tables; GPU images may have an older torch)
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+               else {"broadcast_buffers": False})
+    # gradient_as_bucket_view: the gradients are views into the all-reduce buckets, so the fp32
+    # gradients exist once (the default, False, keeps the buckets as a second fp32 copy: 4 B/param)
     ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-              broadcast_buffers=False, process_group=info.dp_cp_group)
+              process_group=info.dp_cp_group, gradient_as_bucket_view=True, **no_sync)
     hook = cfg.parallel.ddp_comm_hook
     if hook == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook

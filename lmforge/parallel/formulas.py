@@ -33,19 +33,34 @@ def cp_activation_bytes(single_rank_bytes: float, kv_bytes: float, cp: int) -> f
 def cp_mask_elements(seq_len: int, cp: int) -> int:
     """Elements of a CP rank's two additive attention masks (chunk j's c queries against the (j + 1) c
     keys before and at it, for j = i and 2cp-1-i): c^2 (2 cp + 1), c = seq_len / (2 cp); one copy per
-    rank (dtype of the attention), shared by all layers and micro-batches."""
+    rank (dtype of the attention), shared by all layers and micro-batches. They are also the
+    (query, key) scores the rank computes per head and sequence, the same on every rank: the causal
+    work is balanced (contiguous slices of seq_len / cp tokens would give the last rank 2 cp / (cp + 1)
+    times the mean)."""
     c = seq_len // (2 * cp)
     return c * c * (2 * cp + 1)
 
 
-def cp_comm_bytes(kv_bytes: int, cp: int, n_layers: int, micro_batches: int, recompute: bool = False) -> dict[str, int]:
+def cp_comm_bytes(kv_bytes: int, cp: int, n_layers: int, micro_batches: int, recomputed_layers: int = 0
+                  ) -> dict[str, int]:
     """Context-parallel traffic of one optimizer step on one rank: per layer and micro-batch one K/V
-    all-gather (output `kv_bytes`; again in backward when activation checkpointing recomputes the
-    layer) and one reduce-scatter of their gradients (input `kv_bytes`). 'collective_bytes' is the
-    size of the tensors the collectives produce / consume; a ring algorithm sends and receives
-    (cp - 1) / cp of it per rank ('wire_bytes')."""
-    gathers = n_layers * micro_batches * (2 if recompute else 1)
+    all-gather (output `kv_bytes`; again in backward for each of the `recomputed_layers` that
+    activation checkpointing re-runs) and one reduce-scatter of their gradients (input `kv_bytes`).
+    'collective_bytes' is the size of the tensors the collectives produce / consume; a ring
+    algorithm sends and receives (cp - 1) / cp of it per rank ('wire_bytes'); 'calls' counts the
+    collectives."""
+    gathers = (n_layers + recomputed_layers) * micro_batches
     scatters = n_layers * micro_batches
     through = (gathers + scatters) * kv_bytes
     return {"all_gather_bytes": gathers * kv_bytes, "reduce_scatter_bytes": scatters * kv_bytes,
-            "collective_bytes": through, "wire_bytes": through * (cp - 1) // cp}
+            "collective_bytes": through, "wire_bytes": through * (cp - 1) // cp, "calls": gathers + scatters}
+
+
+def recomputed_layers(activation_checkpoint: str, n_layers: int, every: int = 2) -> int:
+    """Of `n_layers` blocks, how many activation checkpointing re-runs forward in backward
+    (lmforge.parallel.activation_ckpt): all of them under 'full' and 'selective' (the selective
+    policy saves the matmul and attention outputs but still re-runs the block, collectives
+    included), blocks 0, k, 2k, ... under 'every_k' (k = `every`), none under 'none'."""
+    if activation_checkpoint == "none":
+        return 0
+    return len(range(0, n_layers, every)) if activation_checkpoint == "every_k" else n_layers

@@ -1,7 +1,7 @@
 """`lmforge plan`: will it fit, how long, how much, and which layout, from the config alone.
 
     lmforge plan --model PRESET_OR_TOML --gpus 8xA100-80GB [--nodes N]
-                 [--layout dp=8,zero=3,tp=1,pp=1,mb=1,ac=full] [--global-batch-tokens T]
+                 [--layout dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full] [--global-batch-tokens T]
                  [--seq-len S] [--tokens D] [--mfu 0.4] [--flops palm|6N] [--ideal] [--price 2.0]
                  [--optimizer adamw] [--precision bf16] [--weights lmforge,megatron,zero-paper|all]
                  [--devices extra.toml] [--usable 0.9]
@@ -11,7 +11,7 @@ Defaults come from the model's config: sequence length `data.seq_len`, global ba
 `train.global_batch_size` x seq_len tokens, training tokens those of the config's run
 (`train.steps` steps, the batch ramp-up included),
 optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device has it, else fp16, else fp32), micro-batch `train.micro_batch_size`,
-activation checkpointing `train.activation_checkpoint`, tp/pp from `[parallel]`; the default
+activation checkpointing `train.activation_checkpoint`, tp/pp/cp from `[parallel]`; the default
 layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
 
 Memory is shown under each convention asked for (`--weights`, default all three: "lmforge" =
@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="preset name (e.g. llama2-70b) or path to a config TOML")
     p.add_argument("--gpus", required=True, help="cluster: 8xA100-80GB (one node), 64x8xH100 (nodes x GPUs x device) or H100")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (multiplies a one-node --gpus spec)")
-    p.add_argument("--layout", default=None, help="dp=8,zero=3,tp=1,pp=1,mb=1,ga=4,ac=full,sp=1,sched=1f1b,v=1,offload=0")
+    p.add_argument("--layout", default=None,
+                   help="dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ga=4,ac=full,sp=1,sched=1f1b,v=1,offload=0 (cp: context "
+                        "parallelism, cp divides seq_len / 2; dp left out fills the cluster)")
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step, a multiple of the sequence length (default: from the config)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: data.seq_len)")
@@ -120,20 +122,24 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--allow-offload widens the layout search; add --search")
 
 
-def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_text: str | None) -> Layout:
+def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_text: str | None,
+                    seq_len: int | None = None) -> Layout:
     par, tr = cfg.parallel, cfg.train
-    base = {"tp": par.tp, "pp": par.pp, "micro_batch": tr.micro_batch_size, "ac": tr.activation_checkpoint,
-            "ac_every": tr.ac_every, "precision": precision, "zero": 3 if par.dp_shard > 1 else 0}
-    given = Layout.parse(layout_text or "", **base).validate(cfg.model)  # values, then vs. the model
+    base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": tr.micro_batch_size,
+            "ac": tr.activation_checkpoint, "ac_every": tr.ac_every, "precision": precision,
+            "zero": 3 if par.dp_shard > 1 else 0}
+    given = Layout.parse(layout_text or "", **base).validate(cfg.model, seq_len)  # values, then vs. the model
     explicit = {item.split("=", 1)[0].strip().lower() for item in (layout_text or "").split(",") if "=" in item}
+    model_ranks = given.cp * given.tp * given.pp  # the GPUs that one data-parallel replica spans
     if not ({"dp"} & explicit):
-        if world % (given.tp * given.pp):
-            raise ValueError(f"tp x pp = {given.tp * given.pp} does not divide the {world} GPUs")
-        given.dp = world // (given.tp * given.pp)
+        if world % model_ranks:
+            raise ValueError(f"cp x tp x pp = {given.cp} x {given.tp} x {given.pp} = {model_ranks} does not divide "
+                             f"the {world} GPUs")
+        given.dp = world // model_ranks
     if given.world_size != world:
-        raise ValueError(f"layout uses dp x tp x pp = {given.dp} x {given.tp} x {given.pp} = {given.world_size} GPUs "
-                         f"but --gpus gives {world}; the plan is for every GPU of the cluster: leave dp= out (it "
-                         f"fills the cluster) or set dp = {world // (given.tp * given.pp) or 1}, or change --gpus")
+        raise ValueError(f"layout uses dp x cp x tp x pp = {given.dp} x {given.cp} x {given.tp} x {given.pp} = "
+                         f"{given.world_size} GPUs but --gpus gives {world}; the plan is for every GPU of the cluster: "
+                         f"leave dp= out (it fills the cluster) or set dp = {world // model_ranks or 1}, or change --gpus")
     if not ({"mb", "micro_batch"} & explicit) and seq_sequences % given.dp == 0:
         # the config's micro-batch, lowered to the largest divisor of the per-replica batch
         per_dp = seq_sequences // given.dp
@@ -144,7 +150,7 @@ def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_
             raise ValueError(f"global batch of {seq_sequences} sequences is not divisible by micro-batch "
                              f"{given.micro_batch} x dp {given.dp}; change --global-batch-tokens or mb=")
         given.grad_accum = seq_sequences // per
-    if given.zero and given.dp == 1:
+    if given.zero and given.shard_ranks == 1:
         given.zero = 0
     return given
 
@@ -182,7 +188,7 @@ def plan_main(argv: list[str]) -> int:
         precision = _resolve_precision(args.precision or cfg.train.precision, cluster.device)
         optimizer = args.optimizer or cfg.optim.name
         train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg))
-        layout = _default_layout(cfg, cluster.world_size, sequences, precision, args.layout)
+        layout = _default_layout(cfg, cluster.world_size, sequences, precision, args.layout, seq_len)
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
                              price_per_gpu_hour=args.price, flops_convention=args.flops,

@@ -31,15 +31,24 @@ Conventions:
   10 us over the network (tree / recursive-halving depth; order of NCCL's small-message
   latency), one step for a send. So a 1 MB collective reaches well under its link bandwidth, and
   many small collectives (TP's per layer, PP's per micro-batch) cost what they cost on a real
-  cluster. Ranks are placed as lmforge's DeviceMesh ("pp", "dp", "tp") and Megatron's default
-  order place them: TP innermost, then DP, PP outermost; a group whose span fits in a node uses
-  `intra_node_gbps`, otherwise `inter_node_gbps` (per GPU, one NIC each).
+  cluster. Ranks are placed as lmforge's DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+  and Megatron's default order place them: TP innermost, then CP, DP, PP outermost; a group whose
+  span fits in a node uses `intra_node_gbps`, otherwise `inter_node_gbps` (per GPU, one NIC each).
+  Under context parallelism a rank holds s/cp tokens of each sequence: s below is s/cp for the
+  TP and PP traffic and for the matmul shapes.
+  - CP: `lmforge.parallel.formulas.cp_comm_bytes` per step and rank: per layer and micro-batch one
+    all-gather of the whole sequence's K/V (`cp_kv_bytes`, attention dtype) and one reduce-scatter of
+    their gradients, one more all-gather per recomputed layer; a ring moves (cp-1)/cp of it per
+    rank, over the tp x cp span. Exposed (the collectives sit between the layer's matmuls).
+    The compute needs no CP term: every rank computes the same c^2 (2cp + 1) (query, key) scores
+    per head (`cp_mask_elements`; two chunks per rank balance the causal work), so the step's
+    FLOPs divide evenly over all GPUs as without CP.
   - TP: per layer per micro-batch, two all-reduces of s*b*h 16-bit activations in forward and two
     in backward (one more pair with full recompute); with SP the same bytes as all-gathers +
     reduce-scatters (twice the calls). Exposed.
   - PP: one send forward and one backward of s*b*h/t 16-bit values per micro-batch and virtual
     stage. Exposed.
-  - DP, bytes by the memory convention (what each framework sends): "lmforge" all-reduces fp32
+  - DP (over dp x cp ranks), bytes by the memory convention (what each framework sends): "lmforge" all-reduces fp32
     gradients once per step (DDP buckets of 25 MB; ZeRO-1's ZeroRedundancyOptimizer then
     broadcasts the updated fp32 parameters, one call per tensor); FSDP2 all-gathers 16-bit
     weights and reduce-scatters fp32 gradients per block and micro-batch (ZeRO-3: two
@@ -54,7 +63,7 @@ Conventions:
   These are first-order estimates for ranking layouts, not a network simulator.
 - `shape_efficiency` (used to rank layouts): matmuls shrink with a small micro-batch or a large
   TP degree; the assumed MFU applies to large matmuls and is scaled by
-  (T/(T+128)) x ((h/t)/((h/t)+128)) / (h/(h+128)), T = micro_batch x seq_len tokens. A heuristic,
+  (T/(T+128)) x ((h/t)/((h/t)+128)) / (h/(h+128)), T = micro_batch x seq_len / cp tokens. A heuristic,
   stated so it can be checked against measurements.
 """
 
@@ -66,9 +75,10 @@ from typing import Any
 
 from lmforge.config import Config, ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
-from lmforge.parallel.formulas import pipeline_bubble  # noqa: F401 (re-exported)
+from lmforge.parallel.formulas import cp_comm_bytes, pipeline_bubble, recomputed_layers  # noqa: F401 (re-exported)
 from lmforge.plan.hardware import Cluster, Device
-from lmforge.plan.memory import Layout, cfg_key, check_convention, stage_specs, total_params, tp_shape
+from lmforge.plan.memory import (Layout, cfg_key, check_convention, cp_kv_layer_bytes, stage_specs, total_params,
+                                 tp_shape)
 
 _CACHE: dict[tuple, tuple[float, int]] = {}
 
@@ -117,7 +127,7 @@ def training_time_seconds(total_flops: float, n_gpus: int, peak_flops: float, mf
 
 
 def shape_efficiency(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> float:
-    tokens = layout.micro_batch * seq_len
+    tokens = layout.micro_batch * seq_len // layout.cp  # a CP rank's matmuls see its seq_len / cp tokens
     h, ht = model_cfg.dim, model_cfg.dim / layout.tp
     return (tokens / (tokens + 128)) * (ht / (ht + 128)) / (h / (h + 128))
 
@@ -151,7 +161,7 @@ def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m:
                 ) -> tuple[float, float, float, float]:
     """(calls once per step, bytes once per step, calls per step made per micro-batch, their bytes)
     of one data-parallel rank, ring bytes per GPU (see the module docstring)."""
-    n = layout.dp
+    n = layout.shard_ranks
     ring = (n - 1) / n
     full = layout.precision == "fp32"
     grad_b = 4 if (full or convention != "zero-paper") else 2  # gradient element on the wire
@@ -171,6 +181,23 @@ def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m:
         return 0.0, 0.0, per_mb_calls, m * ring * (gathers * weight_b + grad_b) * params
     # literature ZeRO-2: reduce-scatter per micro-batch, one all-gather per step
     return layers, ring * weight_b * params, m * layers, m * ring * grad_b * params
+
+
+def cp_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, int]:
+    """Context-parallel traffic of one optimizer step on one rank (`formulas.cp_comm_bytes`) for the
+    layers of the rank's pipeline stage, with one more K/V all-gather per layer that activation
+    checkpointing re-runs in backward (`formulas.recomputed_layers`)."""
+    layers = model_cfg.n_layers // layout.pp
+    return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len), layout.cp, layers, layout.grad_accum,
+                         recomputed_layers(layout.ac, layers, layout.ac_every))
+
+
+def _cp_comm_seconds(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int) -> float:
+    """Seconds of the step's CP collectives on one rank: the CP group spans tp x cp consecutive ranks
+    (the mesh puts CP just outside TP); the gathers and scatters sit between the layer's matmuls,
+    so none of it overlaps."""
+    traffic = cp_comm(model_cfg, layout, seq_len)
+    return _Link.of(cluster, layout.tp * layout.cp, layout.cp).collective(traffic["calls"], traffic["wire_bytes"])
 
 
 @dataclass
@@ -216,12 +243,12 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
     `use_shape_efficiency`, by the matmul-shape heuristic); recompute is extra hardware work at that
     rate, and the pipeline bubble and exposed communication (DP bytes as `convention` sends them)
     stretch the step. The returned `mfu` / `hfu` are the resulting end-to-end figures."""
-    layout.validate(model_cfg)
+    layout.validate(model_cfg, seq_len)
     check_convention(convention)
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu = {mfu} must be in (0, 1]")
     if layout.world_size > cluster.world_size:
-        raise ValueError(f"layout needs {layout.world_size} GPUs (dp x tp x pp) but the cluster "
+        raise ValueError(f"layout needs {layout.world_size} GPUs (dp x cp x tp x pp) but the cluster "
                          f"{cluster} has {cluster.world_size}")
     dev: Device = cluster.device
     peak = dev.peak_flops(layout.precision)
@@ -242,13 +269,14 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
                            mfu=mfu, hfu=mfu * rf, recompute_factor=rf, ideal=True, n_gpus=n_gpus)
         return _with_totals(est, train_tokens, price_per_gpu_hour)
     rate = mfu * (shape_efficiency(model_cfg, layout, seq_len) if use_shape_efficiency else 1.0)
-    compute = hardware_flops / (n_gpus * peak * rate)
+    compute = hardware_flops / (n_gpus * peak * rate)  # (CP ranks' attention work is balanced: docstring)
     m = layout.grad_accum
     bubble = pipeline_bubble(layout.pp, m, layout.virtual_stages) if layout.pp > 1 else 0.0
     busy = compute / (1 - bubble)
 
-    # Communication (placement: TP innermost, then DP, PP outermost).
-    s, b, h = seq_len, layout.micro_batch, model_cfg.dim
+    # Communication (placement: TP innermost, then CP, DP, PP outermost). A rank holds seq_len / cp
+    # tokens of each sequence: its TP and PP traffic shrink with cp.
+    s, b, h = seq_len // layout.cp, layout.micro_batch, model_cfg.dim
     act_bytes = 2 * s * b * h
     layers = model_cfg.n_layers // layout.pp
     t, v = layout.tp, layout.virtual_stages
@@ -257,20 +285,22 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
         per_layer = 6 if layout.ac == "full" else 4  # all-reduces; SP: as many all-gather + reduce-scatter pairs
         calls = per_layer * layers * m * (2 if layout.sp else 1)
         comm["tp"] = _Link.of(cluster, t, t).collective(calls, per_layer * layers * m * 2 * (t - 1) / t * act_bytes)
+    if layout.cp > 1:
+        comm["cp"] = _cp_comm_seconds(model_cfg, layout, cluster, seq_len)
     if layout.pp > 1:
         comm["pp"] = _Link.of(cluster, n_gpus, layout.pp).sends(2 * m * v, 2 * m * v * act_bytes / t)
     dp_overlap = 0.0
-    if layout.dp > 1:
+    if layout.shard_ranks > 1:  # gradients averaged over dp x cp
         params, tensors = _stage0_params(model_cfg, layout.pp, t)
         once_calls, once_bytes, mb_calls, mb_bytes = _dp_traffic(layout, convention, params, tensors, m, layers)
-        link = _Link.of(cluster, t * layout.dp, layout.dp)
+        link = _Link.of(cluster, t * layout.shard_ranks, layout.shard_ranks)
         once, per_mb = link.collective(once_calls, once_bytes), link.collective(mb_calls, mb_bytes)
         comm["dp"] = once + per_mb
         backward = compute * 2 / 3
         dp_overlap = min(once, backward / m) + min(per_mb, compute)
         dp_overlap = min(dp_overlap, comm["dp"], compute)
     if layout.cpu_offload:
-        shard = _stage0_params(model_cfg, layout.pp, t)[0] / (layout.dp if layout.zero else 1)
+        shard = _stage0_params(model_cfg, layout.pp, t)[0] / (layout.shard_ranks if layout.zero else 1)
         # gradients down and weights up over PCIe (4 + 4 bytes), and the optimizer update on the
         # host streaming ~16 bytes/param through host memory; not overlapped.
         comm["offload"] = shard * (8 / OFFLOAD_PCIE_BPS + 16 / OFFLOAD_HOST_BPS)

@@ -53,8 +53,12 @@ passes over all its micro-batches inside one `torch.autocast` context, and FSDP2
       until the step's autocast context exits, so the copies are counted once per step, not per
       micro-batch in flight, and activation recompute does not free them (the recompute in
       backward runs inside the same context and reuses them);
-    - DDP and ZeRO-1: DDP's all-reduce buckets, an fp32 copy of the gradients (torch's default
-      `gradient_as_bucket_view=False`);
+    - DDP and ZeRO-1: DDP runs with `gradient_as_bucket_view=True`, so the gradients are views
+      into its fp32 all-reduce buckets (no copy; torch's default False kept a second fp32 copy,
+      4 B/param). Under gradient accumulation the trainer's `zero_grad(set_to_none=True)` lets
+      the no_sync micro-batches build fresh gradients beside the buckets until the step's last
+      backward copies them in, so a step with grad_accum > 1 still peaks at that copy
+      (`ddp_gradient_buckets`);
     - FSDP2 (ZeRO-2/3): parameters are all-gathered directly in 16-bit, so autocast casts nothing.
       ZeRO-3 holds the gathered 16-bit weights of the current and the prefetched block, ZeRO-2
       the whole stage's; both hold the root module's gathered weights (embedding, final norm,
@@ -66,6 +70,8 @@ passes over all its micro-batches inside one `torch.autocast` context, and FSDP2
     `scaled_dot_product_attention` (no s^2 term, no dropout): per layer
     sbh(8 [fp32 inputs of the two norms] + 6 [16-bit copies fed to q/k/v] + 4 + 4r [q, k, v,
     attention output] + 8 if RMSNorm [its fp32 outputs] + 2 if RoPE [wo input copy] + MLP),
+    (fp32 runs: every 2 is a 4, and the casts fed to the projections are the two norm outputs
+    themselves, 8 in all),
     MLP = 8F + 4 (SwiGLU) or 4F + 2 (GELU), plus norm statistics and the attention log-sum-exp
     (4bas); full recompute keeps the fp32 block input, 4sbh. Outside the blocks: token ids, the
     final norm, and the fp32 log-softmax of the logits (4sbV). These are byte-exact against
@@ -74,6 +80,20 @@ passes over all its micro-batches inside one `torch.autocast` context, and FSDP2
     are divided by t: SP's sharding of the norms' inputs is not credited yet (an overestimate),
     and ZeRO-1's optimizer shard is taken as FSDP's even chunk (ZeroRedundancyOptimizer assigns
     whole tensors, so its worst rank may hold slightly more).
+
+Context parallelism (`cp`, lmforge.parallel.context_parallel; all conventions): a CP rank holds
+seq_len / cp tokens of every sequence (chunks i and 2cp-1-i) and all-gathers the K and V of the
+whole sequence in every layer, saving them for backward. Per layer it keeps (A - KV) / cp + KV
+(`lmforge.parallel.formulas.cp_activation_bytes`; A the layer's bytes for whole sequences, KV
+their K/V, `cp_kv_bytes`: 2 b s (kv heads / t) head_dim x 2 bytes, 4 in fp32); full recompute
+A / cp. Outside the blocks everything is per rank (s / cp tokens); in lmforge the rank's token
+ids and targets are separate tensors (its chunks) and each stage indexes its rows of the RoPE
+tables; the rank's two additive causal masks, c^2 (2cp + 1) elements in the attention dtype
+(`cp_mask_elements`), are built once and shared by all layers and micro-batches (a buffer,
+`cp_attention_masks`). Byte-exact against what autograd saves on a CP rank (the probe of
+tests/test_parallel_cp.py, reproduced in tests/test_plan_cp.py). The CP ranks hold the same
+parameters and average gradients with the data-parallel ones, so ZeRO / FSDP shard over dp x cp
+(Megatron's distributed optimizer shards over its dp x cp group too).
 
 Common to all: tied embeddings count once (a pipeline's last stage keeps its own copy of a tied
 embedding, as Megatron does); TP shards q/k/v/gate/up/fc by rows (dim 0, biases too),
@@ -93,7 +113,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.config import ModelConfig
+from lmforge.config.base import divisors
 from lmforge.optim.state_memory import OPTIMIZER_NAMES, optimizer_state_bytes_per_param
+from lmforge.parallel.formulas import cp_activation_bytes, cp_kv_bytes, cp_mask_elements, recomputed_layers
 
 AC_MODES = ("none", "full", "every_k", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -128,11 +150,14 @@ def check_convention(name: str) -> str:
 
 @dataclass
 class Layout:
-    """A parallel layout. world size = dp x tp x pp; global batch = micro_batch x grad_accum x dp
-    sequences (with pipelining, grad_accum is the number of micro-batches m per step)."""
+    """A parallel layout. world size = dp x cp x tp x pp; global batch = micro_batch x grad_accum x dp
+    sequences (with pipelining, grad_accum is the number of micro-batches m per step). The cp ranks
+    of a context-parallel layout share each sequence (2 chunks each) and average their gradients
+    with the dp ones, so ZeRO / FSDP shard over dp x cp (`shard_ranks`)."""
 
     dp: int = 1
     zero: int = 0                 # 0 = DDP (replicated), 1, 2, 3 (= FSDP full sharding)
+    cp: int = 1                   # context parallelism (lmforge.parallel.context_parallel)
     tp: int = 1
     sp: bool = False              # sequence parallelism (with tp > 1)
     pp: int = 1
@@ -147,19 +172,27 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def sequences_per_step(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp
 
     @property
-    def fsdp(self) -> bool:
-        """Parameters sharded over dp (ZeRO-2/3 = FSDP2 `fully_shard` in lmforge)."""
-        return self.zero >= 2 and self.dp > 1
+    def shard_ranks(self) -> int:
+        """The ranks that average gradients, and that ZeRO / FSDP shard over: dp x cp."""
+        return self.dp * self.cp
 
-    def validate(self, model_cfg: ModelConfig | None = None) -> "Layout":
-        for key in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "ac_every"):
+    @property
+    def fsdp(self) -> bool:
+        """Parameters sharded over dp x cp (ZeRO-2/3 = FSDP2 `fully_shard` in lmforge)."""
+        return self.zero >= 2 and self.shard_ranks > 1
+
+    def validate(self, model_cfg: ModelConfig | None = None, seq_len: int | None = None) -> "Layout":
+        """Check the values, then (given) against the model and the sequence length: the rules of
+        lmforge's config (tp divides the heads, pp x v the layers, cp divides seq_len / 2, and with
+        SP tp divides seq_len / cp)."""
+        for key in ("dp", "cp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "ac_every"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"layout {key} = {value!r} must be an integer >= 1")
@@ -183,13 +216,25 @@ class Layout:
             if model_cfg.n_layers % (self.pp * self.virtual_stages):
                 raise ValueError(f"layout pp = {self.pp} (x virtual stages {self.virtual_stages}) must divide "
                                  f"n_layers = {model_cfg.n_layers}")
+        if seq_len is not None and self.cp > 1:
+            if seq_len % (2 * self.cp):
+                ok = [k for k in divisors(seq_len // 2) if k > 1][:6] if seq_len % 2 == 0 else []
+                hint = f"choose cp among {ok}" if ok else "use an even sequence length"
+                raise ValueError(f"layout cp = {self.cp} must divide seq_len / 2 = {seq_len / 2:g}: context "
+                                 f"parallelism cuts each sequence into 2 x cp = {2 * self.cp} equal chunks (rank i "
+                                 f"keeps chunks i and 2cp-1-i); {hint}, or change --seq-len")
+            if self.sp and (seq_len // self.cp) % self.tp:
+                raise ValueError(f"layout sp = 1 with cp = {self.cp}: each CP rank's {seq_len // self.cp} tokens "
+                                 f"(seq_len / cp) must be divisible by tp = {self.tp}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def short(self) -> str:
-        s = f"dp={self.dp},zero={self.zero},tp={self.tp},pp={self.pp},mb={self.micro_batch},ga={self.grad_accum},ac={self.ac}"
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        s = (f"dp={self.dp},zero={self.zero}{cp},tp={self.tp},pp={self.pp},mb={self.micro_batch},ga={self.grad_accum},"
+             f"ac={self.ac}")
         if self.sp:
             s += ",sp=1"
         if self.pp > 1:
@@ -200,7 +245,7 @@ class Layout:
             s += ",offload=1"
         return s
 
-    _KEYS = {"dp": "dp", "zero": "zero", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
+    _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
              "pp_schedule": "pp_schedule", "schedule": "pp_schedule", "v": "virtual_stages",
              "virtual_stages": "virtual_stages", "mb": "micro_batch", "micro_batch": "micro_batch",
              "ga": "grad_accum", "grad_accum": "grad_accum", "m": "grad_accum", "ac": "ac",
@@ -209,7 +254,7 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
-        """Parse "dp=8,zero=3,tp=1,pp=1,mb=1,ac=full" (keys: dp zero tp sp pp sched v mb ga ac
+        """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
         ac_every offload precision); unknown keys or bad values raise ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
@@ -564,28 +609,65 @@ def _lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int
         return sbh * (4 + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
     resid = 8                                   # fp32 inputs of the two norms (block in, mid)
     normed = 8 if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its fp32 output for the weight grad
-    casts = half * (3 + (2 if cfg.activation == "swiglu" else 1))  # 16-bit copies fed to the projections
+    if layout.precision == "fp32":  # each norm's output feeds its projections as it is: 2 tensors
+        casts = 8
+    else:  # autocast casts the norm output once per projection: q, k, v and fc1 (gate and up)
+        casts = half * (3 + (2 if cfg.activation == "swiglu" else 1))
     attn = half * (1 + 2 * r + 1) / t           # q, k, v, attention output
     wo_in = half / t if cfg.pos_emb == "rope" else 0.0
     mlp = half * (4 * F if cfg.activation == "swiglu" else 2 * F) / t
     return sbh * (resid + normed + casts + attn + wo_in + mlp) + norm_stats + lse
 
 
+def attention_dtype_bytes(layout: Layout) -> int:
+    """Bytes of an element of q, k, v in lmforge's attention: 16-bit under autocast (fp8 runs keep
+    attention in bf16), 4 in fp32 runs."""
+    return 4 if layout.precision == "fp32" else 2
+
+
+def cp_kv_layer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int) -> int:
+    """The K and V of one layer for the whole sequences of a micro-batch, on one (TP) rank: what a
+    context-parallel rank all-gathers and saves (`lmforge.parallel.formulas.cp_kv_bytes`)."""
+    return cp_kv_bytes(layout.micro_batch, seq_len, cfg.kv_heads, cfg.head_dim, attention_dtype_bytes(layout),
+                       layout.tp)
+
+
 def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str,
                                checkpointed: bool | None = None, fused_attention: bool = True) -> float:
     """Activation bytes of one transformer layer for one micro-batch on one GPU. `checkpointed`
     overrides the layout's mode (True = full recompute, False = none); `fused_attention=False`
-    gives the literature's unfused formula (with the 5as/h score term)."""
+    gives the literature's unfused formula (with the 5as/h score term).
+
+    Context parallelism (cp > 1): the rank holds 1/cp of every sequence's tokens but the K and V of
+    the whole sequence (all-gathered, saved for backward): (A - KV) / cp + KV with A the layer's
+    bytes for the whole sequence and KV its K/V (`lmforge.parallel.formulas.cp_activation_bytes`;
+    every term of A is linear in the sequence length once attention is fused). Full recompute keeps
+    only the block input of the rank's tokens, A / cp. The literature conventions count the same
+    all-gather design (Llama 3's, Megatron's `--cp-comm-type allgather`) with their 16-bit K/V; their
+    unfused [s, s] score term becomes the rank's c^2 (2cp + 1) scores per head (`cp_mask_elements`)."""
     ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
     if check_convention(convention) == "lmforge":
-        return _lmforge_activation_per_layer(cfg, layout, seq_len, ac)
-    return _literature_activation_per_layer(cfg, layout, seq_len, ac, fused_attention)
+        whole = _lmforge_activation_per_layer(cfg, layout, seq_len, ac)
+        kv = cp_kv_layer_bytes(cfg, layout, seq_len)
+        scores = 0.0
+    else:
+        whole = _literature_activation_per_layer(cfg, layout, seq_len, ac, fused_attention=True)
+        kv = cp_kv_bytes(layout.micro_batch, seq_len, cfg.kv_heads, cfg.head_dim, 2, layout.tp)
+        scores = _literature_activation_per_layer(cfg, layout, seq_len, ac, fused_attention) - whole
+    if layout.cp == 1:
+        return whole + scores
+    if ac == "full":
+        return whole / layout.cp
+    return cp_activation_bytes(whole, kv, layout.cp) + scores * cp_mask_elements(seq_len, layout.cp) / seq_len**2
 
 
 def _extras(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, stage: int) -> dict[str, float]:
     """Activations outside the blocks: embedding output on the first stage, final norm + logits on
-    the last (one micro-batch)."""
-    s, b, h, V, t = seq_len, layout.micro_batch, cfg.dim, cfg.vocab_size, layout.tp
+    the last (one micro-batch). Under context parallelism a rank holds seq_len / cp tokens of each
+    sequence; in lmforge its token ids and targets are then separate tensors (the chunks, cut from
+    the loader's rows), and every stage indexes the RoPE rows of its positions (fp32 cos and sin,
+    shared by the blocks: 'positions', saved by the blocks that run without full recompute)."""
+    s, b, h, V, t = seq_len // layout.cp, layout.micro_batch, cfg.dim, cfg.vocab_size, layout.tp
     sbh = s * b * h
     out: dict[str, float] = {}
     if convention in LITERATURE:
@@ -598,10 +680,14 @@ def _extras(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, sta
     half = 4 if layout.precision == "fp32" else 2
     if stage == 0:
         out["embedding"] = 8 * s * b + (8 * s if cfg.pos_emb == "learned" else 0)  # int64 ids, positions
+    layers = cfg.n_layers // layout.pp
+    if layout.cp > 1 and cfg.pos_emb == "rope" and _checkpointed_layers(layout, layers) < layers:
+        out["positions"] = 2 * s * (cfg.head_dim // 2) * 4  # this rank's rows of the cos / sin tables
     if stage == layout.pp - 1:
         normed = 4 if cfg.norm == "rmsnorm" else 0
         stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b
-        out["output"] = sbh * (4 + normed + half) + stats + 4 * s * b * V / t + 4  # + fp32 log-softmax
+        targets = 8 * s * b if layout.cp > 1 else 0  # (one process: a view of the ids' storage)
+        out["output"] = sbh * (4 + normed + half) + stats + 4 * s * b * V / t + 4 + targets  # + fp32 log-softmax
     return out
 
 
@@ -622,12 +708,11 @@ _STATE_CACHE: dict[tuple, _StageStates] = {}
 
 
 def _stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, stage: int) -> _StageStates:
-    key = (cfg_key(cfg), layout.dp if layout.zero else 1, layout.zero, layout.tp, layout.pp,
-           layout.precision, opt, convention, stage)
+    n_dp = layout.shard_ranks if layout.zero > 0 else 1  # (context parallel: dp x cp)
+    key = (cfg_key(cfg), n_dp, layout.zero, layout.tp, layout.pp, layout.precision, opt, convention, stage)
     hit = _STATE_CACHE.get(key)
     if hit is not None:
         return hit
-    n_dp = layout.dp if layout.zero > 0 else 1
     comp = dict.fromkeys(COMPONENTS[:4], 0.0)
     params = matmul = layer = root = head = 0.0
     specs = stage_specs(cfg, layout.pp, stage)
@@ -671,7 +756,7 @@ def _stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, s
 def _literature_buffers(layout: Layout, states: _StageStates, convention: str) -> dict[str, float]:
     """ZeRO-3: the gathered 16-bit weights of the current and the prefetched layer, and one
     layer's unsharded gradients before the reduce-scatter."""
-    if not (layout.zero == 3 and layout.dp > 1):
+    if not (layout.zero == 3 and layout.shard_ranks > 1):
         return {}
     parts = literature_parts(convention, layout.precision, 0.0)
     w = sum(b for c, b, _ in parts if c == "weights")
@@ -679,14 +764,18 @@ def _literature_buffers(layout: Layout, states: _StageStates, convention: str) -
     return {"zero3_gather_buffers": (2 * w + g) * states.layer_params}
 
 
-def _lmforge_buffers(cfg: ModelConfig, layout: Layout, states: _StageStates) -> dict[str, float]:
+def _lmforge_buffers(cfg: ModelConfig, layout: Layout, states: _StageStates, seq_len: int) -> dict[str, float]:
     """What lmforge allocates besides parameters, gradients, optimizer state and activations."""
     mixed = layout.precision != "fp32"
     out: dict[str, float] = {}
     if not layout.fsdp:
         if mixed:  # autocast's cache: one 16-bit copy per matmul weight for the whole step
             out["autocast_weight_copies"] = states.matmul_16bit
-        if layout.dp > 1:  # DDP (ZeRO-1 too): fp32 all-reduce buckets, gradient_as_bucket_view=False
+        if layout.shard_ranks > 1 and layout.grad_accum > 1:
+            # DDP (ZeRO-1 too) runs with gradient_as_bucket_view=True: after a synchronising
+            # backward the gradients ARE the fp32 all-reduce buckets. The trainer zeroes gradients
+            # with set_to_none=True, so the no_sync micro-batches of an accumulating step build
+            # fresh gradients beside the buckets until the last backward copies them in.
             out["ddp_gradient_buckets"] = 4 * states.params
     else:
         half = 2 if mixed else 4  # FSDP2 gathers in param_dtype (16-bit), fp32 runs in fp32
@@ -696,15 +785,14 @@ def _lmforge_buffers(cfg: ModelConfig, layout: Layout, states: _StageStates) -> 
         out["fsdp_unsharded_gradients"] = (half + reduce_input) * states.layer_params + half * states.head_params
     if cfg.pos_emb == "rope":
         out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
+    if layout.cp > 1:  # the rank's two additive causal masks, built once and shared by every layer
+        out["cp_attention_masks"] = attention_dtype_bytes(layout) * cp_mask_elements(seq_len, layout.cp)
     return out
 
 
 def _checkpointed_layers(layout: Layout, layers: int) -> int:
-    if layout.ac == "full":
-        return layers
-    if layout.ac == "every_k":
-        return len(range(0, layers, layout.ac_every))
-    return 0
+    """Layers that keep only their input (selective recompute keeps more: its own per-layer formula)."""
+    return 0 if layout.ac == "selective" else recomputed_layers(layout.ac, layers, layout.ac_every)
 
 
 def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, convention: str, stage: int,
@@ -735,13 +823,14 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
     extras = _extras(cfg, layout, seq_len, convention, stage)
     in_flight = _in_flight(layout, stage)
     last_in_flight = float(layout.grad_accum) if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
-    comp["activations"] = in_flight * (blocks + extras.get("embedding", 0.0)) + last_in_flight * extras.get("output", 0.0)
+    comp["activations"] = (in_flight * (blocks + extras.get("embedding", 0.0) + extras.get("positions", 0.0))
+                           + last_in_flight * extras.get("output", 0.0))
     detail["activations_blocks"] = in_flight * blocks
     detail["activations_outside_blocks"] = comp["activations"] - detail["activations_blocks"]
     detail["micro_batches_in_flight"] = in_flight
     # Buffers.
     if convention == "lmforge":
-        buffers = _lmforge_buffers(cfg, layout, states)
+        buffers = _lmforge_buffers(cfg, layout, states, seq_len)
     else:
         buffers = _literature_buffers(layout, states, convention)
     detail.update(buffers)
@@ -761,10 +850,10 @@ def estimate_memory(model_cfg: ModelConfig, layout: Layout, optimizer: str = "ad
     """
     check_convention(weights)
     opt = normalise_optimizer(optimizer)
-    layout.validate(model_cfg)
     seq_len = model_cfg.max_seq_len if seq_len is None else int(seq_len)
     if seq_len < 1:
         raise ValueError(f"seq_len = {seq_len} must be >= 1")
+    layout.validate(model_cfg, seq_len)
     n_total = total_params(model_cfg)
     best = None
     for stage in sorted({0, layout.pp - 1}):

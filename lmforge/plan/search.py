@@ -1,11 +1,14 @@
-"""Layout search: enumerate (dp, ZeRO stage, tp, pp, schedule, micro-batch, AC) for a model on a
+"""Layout search: enumerate (dp, ZeRO stage, cp, tp, pp, schedule, micro-batch, AC) for a model on a
 cluster and a global batch, keep those that fit in memory, rank them by estimated throughput.
 
-Placement is lmforge's DeviceMesh ("pp", "dp", "tp"; Megatron's default order too), and what the
-time model assumes: TP innermost (inside a node, over NVLink: it communicates at every layer),
-DP next (its gradient reduction overlaps with the backward pass), PP outermost (point-to-point
-activations only, the cheapest traffic to send across nodes). TP is therefore limited to the GPUs
-of one node; every candidate uses all GPUs of the cluster (dp = GPUs / (tp x pp)).
+Placement is lmforge's DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"; torchtitan's order,
+Megatron's default with CP), and what the time model assumes: TP innermost (inside a node, over
+NVLink: it communicates at every layer), CP next (a K/V all-gather and reduce-scatter per layer),
+DP next (its gradient reduction, over dp x cp, overlaps with the backward pass), PP outermost
+(point-to-point activations only, the cheapest traffic to send across nodes). TP is therefore
+limited to the GPUs of one node; every candidate uses all GPUs of the cluster
+(dp = GPUs / (cp x tp x pp)). Context parallelism is tried for long sequences only: degrees that
+leave each rank at least `CP_MIN_TOKENS_PER_RANK` (4096) tokens of a sequence (`cp_degrees`).
 
 Fit test: the estimated bytes per GPU (worst pipeline stage), in the convention the search
 fit-checks with, <= `usable_fraction` (default 0.9) x device memory, leaving room for the CUDA
@@ -18,7 +21,7 @@ learned positions, PP with tied embeddings) are left out, and `SearchResult.refu
 
 Ranking: fastest first, except that the simplest layout within `margin` (default 3%) of the
 fastest goes first: the time model is first-order, and differences that small are below its
-resolution, while every added mechanism (CPU offload, pipeline, interleaving, TP, a higher ZeRO
+resolution, while every added mechanism (CPU offload, pipeline, interleaving, CP, TP, a higher ZeRO
 stage, recompute) costs engineering and risk. Simplicity is judged in that order.
 """
 
@@ -35,6 +38,7 @@ from lmforge.plan.hardware import Cluster
 from lmforge.plan.memory import Layout, MemoryBreakdown, check_convention, estimate_memory
 
 SIMPLER_MARGIN = 0.03
+CP_MIN_TOKENS_PER_RANK = 4096  # the search tries context parallelism down to this many tokens per rank
 _AC_RANK = {"none": 0, "selective": 1, "every_k": 2, "full": 3}
 
 
@@ -87,20 +91,32 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
+def cp_degrees(seq_len: int | None, world: int, min_tokens: int = CP_MIN_TOKENS_PER_RANK) -> list[int]:
+    """Context-parallel degrees the search tries: 1, and the powers of two that cut `seq_len` into
+    2 x cp equal chunks while leaving each rank at least `min_tokens` tokens of every sequence (CP
+    is for sequences whose activations crowd a GPU; shorter slices make small matmuls and a K/V
+    all-gather per layer that costs more than it saves)."""
+    if seq_len is None:
+        return [1]
+    return [cp for cp in _pow2_upto(world) if cp == 1 or (seq_len % (2 * cp) == 0 and seq_len // cp >= min_tokens)]
+
+
 def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, *,
                       zero_stages: tuple[int, ...] = (0, 1, 2, 3), ac_modes: tuple[str, ...] = ("none", "selective", "full"),
                       precision: str = "bf16", max_micro_batch: int = 16, allow_offload: bool = False,
-                      interleaved: bool = True) -> list[Layout]:
-    """Every layout that uses all GPUs and divides the global batch (in sequences) exactly."""
+                      interleaved: bool = True, seq_len: int | None = None,
+                      cp_min_tokens: int = CP_MIN_TOKENS_PER_RANK) -> list[Layout]:
+    """Every layout that uses all GPUs and divides the global batch (in sequences) exactly; with
+    `seq_len`, context-parallel degrees too (`cp_degrees`)."""
     world = cluster.world_size
     out: list[Layout] = []
-    for tp in _pow2_upto(cluster.gpus_per_node):
-        if model_cfg.n_heads % tp or model_cfg.kv_heads % tp or world % tp:
+    for tp, cp in ((tp, cp) for tp in _pow2_upto(cluster.gpus_per_node) for cp in cp_degrees(seq_len, world, cp_min_tokens)):
+        if model_cfg.n_heads % tp or model_cfg.kv_heads % tp or world % (tp * cp):
             continue
         for pp in _divisors(model_cfg.n_layers):
-            if (world // tp) % pp:
+            if (world // (tp * cp)) % pp:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * cp * pp)
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
@@ -114,14 +130,16 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                 if pp > 1 and ga < pp:
                     continue  # fewer micro-batches than stages: most of the pipeline idles
                 for zero in zero_stages:
-                    if zero and dp == 1:
+                    if zero and dp * cp == 1:
                         continue
                     # CPU offload is FSDP's (CPUOffloadPolicy): sharded layouts only
                     for offload in ((False, True) if allow_offload and zero >= 2 else (False,)):
                         for ac in ac_modes:
                             for sched, v in schedules:
-                                for sp in ((True, False) if tp > 1 else (False,)):
-                                    out.append(Layout(dp=dp, zero=zero, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
+                                # SP splits a CP rank's seq_len / cp tokens over the TP ranks
+                                sp_ok = tp > 1 and (seq_len is None or (seq_len // cp) % tp == 0)
+                                for sp in ((True, False) if sp_ok else (False,)):
+                                    out.append(Layout(dp=dp, zero=zero, cp=cp, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
                                                       virtual_stages=v, micro_batch=mb, grad_accum=ga, ac=ac,
                                                       cpu_offload=offload, precision=precision))
     return out
@@ -130,9 +148,10 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
 def lmforge_config_for(config: Config, layout: Layout, seq_len: int) -> Config:
     """`config` with the layout's parallel and batch settings, as `lmforge train` would take them."""
     zero, dp = layout.zero, layout.dp
-    sharded = dp > 1 and zero >= 1
+    sharded = layout.shard_ranks > 1 and zero >= 1  # (FSDP2 over dp_shard x cp; ZeRO-1 needs dp_shard >= 2)
     par = dataclasses.replace(
-        config.parallel, tp=layout.tp, pp=layout.pp, dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1,
+        config.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_replicate=1 if sharded else dp,
+        dp_shard=dp if sharded else 1,
         zero_stage=zero if sharded else 0, sequence_parallel=layout.sp, pp_schedule=layout.pp_schedule,
         pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload)
     precision = "bf16" if layout.precision == "fp8" else layout.precision
@@ -166,9 +185,11 @@ def lmforge_refusal(config: Config, layout: Layout, seq_len: int) -> str | None:
 
 
 def complexity(layout: Layout) -> tuple:
-    """Sort key of how much machinery a layout needs (smaller = simpler)."""
-    return (layout.cpu_offload, layout.pp > 1, layout.virtual_stages > 1, layout.tp > 1, layout.sp, layout.zero,
-            _AC_RANK[layout.ac])
+    """Sort key of how much machinery a layout needs (smaller = simpler). Context parallelism, the
+    newest mechanism (a K/V all-gather in every layer, chunked sequences, tested on CPU only), ranks
+    after pipelining and before TP, a smaller degree first."""
+    return (layout.cpu_offload, layout.pp > 1, layout.virtual_stages > 1, layout.cp, layout.tp > 1, layout.sp,
+            layout.zero, _AC_RANK[layout.ac])
 
 
 def _rank(cands: list[Candidate], margin: float) -> list[Candidate]:
@@ -189,9 +210,14 @@ def _reason(c: Candidate, cluster: Cluster) -> str:
     parts = []
     if L.tp > 1:
         parts.append(f"TP={L.tp} inside a node ({dev.intra_node_gbps:g} GB/s)")
+    if L.cp > 1:
+        cp_where = "inside a node" if L.tp * L.cp <= cluster.gpus_per_node else "across nodes"
+        parts.append(f"CP={L.cp} {cp_where} ({c.memory.seq_len // L.cp:,} tokens per rank, K/V "
+                     f"all-gathered per layer, {st.comm_s.get('cp', 0.0) / st.step_s:.0%} of the step)")
     zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[L.zero]
-    dp_where = "inside a node" if L.tp * L.dp <= cluster.gpus_per_node else "across nodes"
-    parts.append(f"DP={L.dp} {dp_where} ({zero})")
+    dp_where = "inside a node" if L.tp * L.cp * L.dp <= cluster.gpus_per_node else "across nodes"
+    over = f" over dp x cp = {L.shard_ranks} ranks" if L.cp > 1 else ""
+    parts.append(f"DP={L.dp} {dp_where} ({zero}{over})")
     if L.pp > 1:
         where = "across nodes" if L.world_size > cluster.gpus_per_node else "inside a node"
         parts.append(f"PP={L.pp} outermost, {where} ({L.pp_schedule}, bubble {st.bubble_fraction:.0%})")
@@ -228,7 +254,7 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
         raise ValueError(f"usable fraction {usable_fraction} must be in (0, 1]")
     if not 0 <= margin < 1:
         raise ValueError(f"margin = {margin} must be in [0, 1)")
-    layouts = enumerate_layouts(model_cfg, cluster, global_batch, precision=precision, **enum_kw)
+    layouts = enumerate_layouts(model_cfg, cluster, global_batch, precision=precision, seq_len=seq_len, **enum_kw)
     if not layouts:
         raise ValueError(f"no layout of {cluster.world_size} GPUs divides the global batch of {global_batch} "
                          f"sequences; use a multiple of the GPU count")
@@ -244,7 +270,7 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
     verdicts: dict[tuple, str | None] = {}
     for lay in layouts:
         if config is not None and weights == "lmforge":
-            key = (lay.dp > 1, lay.zero, lay.tp, lay.pp, lay.sp, lay.pp_schedule, lay.virtual_stages,
+            key = (lay.dp > 1, lay.zero, lay.cp, lay.tp, lay.pp, lay.sp, lay.pp_schedule, lay.virtual_stages,
                    lay.micro_batch, lay.grad_accum, lay.cpu_offload, lay.ac)
             if key not in verdicts:
                 verdicts[key] = lmforge_refusal(config, lay, seq_len)
@@ -303,4 +329,9 @@ def explain_winner(cands: list[Candidate], offload_tried: bool = False) -> str:
                      "pass (1/4 of the hardware work) of full recompute.")
     if L.pp > 1:
         lines.append(f"Pipeline bubble {best.step.bubble_fraction:.1%} with {L.grad_accum} micro-batches over {L.pp} stages.")
+    if L.cp > 1:
+        lines.append(f"Context parallelism splits each {best.memory.seq_len:,}-token sequence over {L.cp} GPUs (two "
+                     f"chunks each, balanced causal work): activations per GPU shrink to 1/{L.cp} plus the whole "
+                     f"sequence's K/V, for a K/V all-gather and reduce-scatter in every layer; CP sits just outside "
+                     f"TP, and its ranks average gradients with the data-parallel ones.")
     return "\n".join(lines)
