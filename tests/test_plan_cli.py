@@ -89,6 +89,9 @@ _T = ["--model", "tiny", "--gpus", "8xH100"]
     (_T + ["--allow-offload"], "--allow-offload widens the layout search; add --search"),
     (_T + ["--search", "--allow-offload", "--host-memory-gb", "-5"], "--host-memory-gb -5 must be a finite number > 0"),
     (_T + ["--nodes", "0"], "--nodes 0 must be >= 1"),
+    (_T + ["--set", "foo"], "--set 'foo': use KEY=VALUE"),
+    (_T + ["--set", "model.max_seqlen=5"], "unknown config key 'model.max_seqlen'; did you mean 'model.max_seq_len'?"),
+    (_T + ["--set", "data.seq_len=100000"], "data.seq_len = 100000 exceeds model.max_seq_len = 256"),
 ])
 def test_errors_name_the_bad_value(argv, needle, capsys):
     assert plan_main(argv) == 2
@@ -162,7 +165,7 @@ def test_readme_planning_commands_run(capsys):
     for cmd in commands:
         start = time.perf_counter()
         assert plan_main(shlex.split(cmd)[2:]) == 0, cmd
-        assert time.perf_counter() - start < 5, cmd
+        assert time.perf_counter() - start < 20, cmd  # (a guard against a search that explodes, not a benchmark)
     capsys.readouterr()
 
 

@@ -192,6 +192,19 @@ def test_on_one_node_cp_is_the_fastest_and_at_128k_the_only_layout_that_fits(seq
         assert not _search(seq_len, 16, "8xH100", cp_min_tokens=seq_len + 1)  # CP left out: nothing fits
 
 
+def test_plan_cli_set_plans_a_long_context_run_and_the_search_picks_cp(capsys):
+    """README's long-context planning line: `--set` raises the preset's context; at 128k tokens the
+    search's first layout uses CP, and every layout it shows carries a cp degree."""
+    argv = ["--model", "mistral-7b", "--set", "model.max_seq_len=131072", "--set", "data.seq_len=131072",
+            "--global-batch-tokens", "8388608", "--gpus", "8x8xH100", "--search", "--top", "3"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "seq 131072" in out
+    first = re.search(r"^  1  (\S+)", out, flags=re.M).group(1)
+    assert int(re.search(r"cp=(\d+)", first).group(1)) > 1, first
+    assert "Context parallelism splits each 131,072-token sequence" in out
+
+
 def test_plan_cli_takes_cp_in_the_layout_and_shows_it(tmp_path, capsys):
     toml = tmp_path / "llama3-8b-128k.toml"
     toml.write_text('[model]\nvocab_size = 128256\ndim = 4096\nn_layers = 32\nn_heads = 32\nn_kv_heads = 8\n'

@@ -1,6 +1,6 @@
 """`lmforge plan`: will it fit, how long, how much, and which layout, from the config alone.
 
-    lmforge plan --model PRESET_OR_TOML --gpus 8xA100-80GB [--nodes N]
+    lmforge plan --model PRESET_OR_TOML [--set KEY=VALUE ...] --gpus 8xA100-80GB [--nodes N]
                  [--layout dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full] [--global-batch-tokens T]
                  [--seq-len S] [--tokens D] [--mfu 0.4] [--flops palm|6N] [--ideal] [--price 2.0]
                  [--optimizer adamw] [--precision bf16] [--weights lmforge,megatron,zero-paper|all]
@@ -50,9 +50,25 @@ def parse_conventions(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _parse_sets(items: list[str]) -> dict:
+    """`--set key=value` options as config overrides (values parsed as on `lmforge train`'s command line)."""
+    from lmforge.config.loading import parse_override_value
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: use KEY=VALUE, e.g. --set data.seq_len=32768")
+        out[key.strip()] = parse_override_value(value.strip())
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmforge plan", description="Memory, time, cost and the best layout for a model on a cluster.")
     p.add_argument("--model", required=True, help="preset name (e.g. llama2-70b) or path to a config TOML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                   help="a config override, as `lmforge train --KEY VALUE` takes it (repeatable), e.g. "
+                        "--set model.max_seq_len=131072 --set data.seq_len=131072 to plan a long-context run")
     p.add_argument("--gpus", required=True, help="cluster: 8xA100-80GB (one node), 64x8xH100 (nodes x GPUs x device) or H100")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (multiplies a one-node --gpus spec)")
     p.add_argument("--layout", default=None,
@@ -174,7 +190,7 @@ def plan_main(argv: list[str]) -> int:
         fit_convention = "lmforge" if "lmforge" in conventions else conventions[0]
         from lmforge.config import load_config
 
-        cfg = load_config(args.model)
+        cfg = load_config(args.model, _parse_sets(args.sets))
         devices = load_devices(args.devices)
         cluster = parse_cluster(args.gpus, nodes=args.nodes, devices=devices)
         seq_len = args.seq_len if args.seq_len is not None else cfg.data.seq_len
