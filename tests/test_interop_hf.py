@@ -207,7 +207,7 @@ def test_tokenizer_survives_export_and_import(tmp_path):
     assert back.encode(text) == tok.encode(text) and back.eos_id == tok.eos_id
 
 
-def test_export_and_import_never_overwrite_what_they_should_not(tmp_path):
+def test_export_and_import_never_overwrite_what_they_should_not(tmp_path, capsys):
     """`lmforge export --out <the run folder>` used to replace the run's own model.safetensors and
     tokenizer.json with the transformers ones (the run no longer loaded). Now: a run folder is never
     an export target, a transformers folder never an import target, and existing files are
@@ -233,5 +233,9 @@ def test_export_and_import_never_overwrite_what_they_should_not(tmp_path):
         import_hf_run(hf, hf)
     back = tmp_path / "back"
     assert import_main(["--hf", str(hf), "--out", str(back)]) == 0
+    capsys.readouterr()
     assert import_main(["--hf", str(hf), "--out", str(back)]) == 2  # config.toml etc. exist
+    err = capsys.readouterr().err  # the CLI's words: its flag, not the Python keyword behind it
+    assert err.startswith(f"error: --out = {str(back)!r} already holds config.toml") and "or pass --force" in err
+    assert "overwrite" not in err, err
     assert import_main(["--hf", str(hf), "--out", str(back), "--force"]) == 0

@@ -57,13 +57,17 @@ def test_matmul_flops_equal_what_torch_counts(over, lora):
         assert got["total"] < 0.8 * flops_per_token(cfg.model, seq)
 
 
-def test_lora_run_reports_the_flops_it_computes_and_mfu_is_the_identity(small_data, tmp_path):
+def test_lora_run_reports_the_flops_it_computes_and_mfu_is_the_identity(small_data, tmp_path, caplog):
     over = {**SMALL, "finetune.lora_rank": 4, "train.steps": 4, "train.log_every": 2, "train.eval_every": 0,
             "train.eval_sequences": 8, "train.sample_tokens": 0, "train.global_batch_size": 4,
             "train.micro_batch_size": 4, "train.precision": "fp32", "train.tensorboard": False, "train.plot": False,
             "train.progress": "none", "schedule.warmup_steps": 1, "checkpoint.save_final": False}
     trainer = Trainer(load_config("tiny", over), out_dir=tmp_path / "run", data=small_data)
-    trainer.fit()
+    with caplog.at_level("INFO", logger="lmforge.train"):
+        trainer.fit()
+    header = [r.getMessage() for r in caplog.records if "MFLOPs/token" in r.getMessage()]
+    assert len(header) == 2 and all("weight gradients of the trainable ones only" in h and "6N" not in h
+                                    for h in header), header  # the log names the rule it counted by
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     cfg = trainer.cfg
     want = training_flops(cfg.model, cfg.data.seq_len, trainable(trainer.model))["total"]

@@ -88,7 +88,7 @@ def test_non_tty_progress_is_plain_log_lines(run):
     for part in ("loss", "lr", "grad norm", "tok/s", "mfu", "mem", "data", "eta"):
         assert f"| {part}" in lines[0] or f" {part} " in lines[0], (part, lines[0])
     assert "\r" not in text and "\x1b[" not in text  # no bar redraws, no colour codes
-    assert "mfu: 6N + 12*L*d*s" in text and "measured" in text  # MFU denominator stated
+    assert "MFLOPs/token (6N + 12*L*d*s) against" in text and "measured" in text  # MFU denominator stated
 
 
 def test_progress_modes_and_rank0(monkeypatch):

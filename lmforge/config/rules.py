@@ -88,6 +88,8 @@ def check_batch(cfg: "Config") -> None:
         if p.pp > 1 or p.async_sgd:
             raise ConfigError(f"schedule.batch_rampup_start with parallel.{'pp > 1' if p.pp > 1 else 'async_sgd'}: "
                               "the pipeline schedule / parameter server has a fixed batch; turn the batch ramp-up off.")
+    if p.async_sgd:  # each server update is one worker's micro-batch: the global batch does not apply
+        return
     if t.global_batch_size % per_step:
         lo = (t.global_batch_size // per_step) * per_step
         hint = f"{lo} or {lo + per_step}" if lo else f"{per_step}"

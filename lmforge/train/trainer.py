@@ -122,6 +122,8 @@ class Trainer:
         self.n_params = model.num_params()
         trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, trainable)
+        self.flops_rule = "6N + 12*L*d*s" if len(trainable) == len(list(model.parameters())) else \
+            "forward + input gradients of all weights, weight gradients of the trainable ones only"
         precision = resolve_precision(t.precision, self.device)
         self.layout = self.build_layout(model, precision.name)
         self.model = self.layout.model
@@ -454,8 +456,9 @@ class Trainer:
         counts = count_params(cfg.model)
         ft = cfg.finetune  # (the corpus' unigram entropy is the baseline of pre-training only)
         self.entropy = math.nan if ft.data else unigram_entropy(self.train_shards)
-        log.info("model: %s parameters (%s non-embedding), %.1f MFLOPs/token (6N + 12*L*d*s)",
-                 f"{self.n_params:,}", f"{counts['non_embedding']:,}", self.flops_per_token / 1e6)
+        rule = self.flops_rule
+        log.info("model: %s parameters (%s non-embedding), %.1f MFLOPs/token (%s)",
+                 f"{self.n_params:,}", f"{counts['non_embedding']:,}", self.flops_per_token / 1e6, rule)
         if ft.data:  # supervised fine-tuning: say what is trained and validated on, not the corpus
             val = (f"{self.val_instruct.num_rows} rows of {ft.val_data}" if ft.val_data else
                    f"{self.val_instruct.num_rows} rows held out of it (finetune.val_fraction {ft.val_fraction})"
@@ -466,11 +469,13 @@ class Trainer:
             log.info("data: %s train tokens, %s val tokens, vocab %d; unigram entropy %.3f nats (a model that "
                      "learned nothing but token frequencies)", f"{len(self.train_shards):,}",
                      f"{len(self.val_shards):,}", self.data.tokenizer.vocab_size, self.entropy)
-        log.info("batch: %d sequences x %d tokens = %s tokens/step (micro-batch %d x %d accumulation); %s, "
-                 "device %s, %d threads", t.global_batch_size, cfg.data.seq_len, f"{cfg.tokens_per_step:,}",
-                 t.micro_batch_size, cfg.grad_accum_steps, self.precision.name, self.device, torch.get_num_threads())
-        log.info("mfu: 6N + 12*L*d*s = %.1f MFLOPs/token against %s per device (%s)",
-                 self.flops_per_token / 1e6, format_flops(self.peak.flops), self.peak.source)
+        if not cfg.parallel.async_sgd:  # (the parameter server's updates are one micro-batch each: it says so)
+            log.info("batch: %d sequences x %d tokens = %s tokens/step (micro-batch %d x %d accumulation); %s, "
+                     "device %s, %d threads", t.global_batch_size, cfg.data.seq_len, f"{cfg.tokens_per_step:,}",
+                     t.micro_batch_size, cfg.grad_accum_steps, self.precision.name, self.device,
+                     torch.get_num_threads())
+        log.info("mfu: %.1f MFLOPs/token (%s) against %s per device (%s)", self.flops_per_token / 1e6, rule,
+                 format_flops(self.peak.flops), self.peak.source)
         if self.resumed_from is not None:
             done = " (the run is already complete: use --checkpoint.resume none or another --train.out_dir " \
                    "to start over)" if self.state.step >= t.steps else ""
