@@ -12,6 +12,10 @@ reduction order differs):
 * CP=2 x FSDP2 (dp_shard 2: FSDP2 shards over dp_shard x cp = 4 ranks);
 * CP=2 x TP=2 with sequence parallelism (each CP rank's 16 tokens split again over the TP ranks).
 
+Each launch also trains 6 steps of plain SGD without clipping (tests/test_parallel_dp.py's `SGD`,
+which steps by the gradient itself, so its scale shows): CP=2, CP=2 x TP=2 without sequence
+parallelism, and CP=2 x PP=2 (1F1B, untied embeddings, against an untied one-process run).
+
 The CP=2 run's step-10 checkpoint resumes in one process, the CP=2 x FSDP2 run's at CP=4 (DDP):
 steps 11-20 again equal to the one-process run. A 4-rank probe measures the hook itself at cp = 1,
 2 and 4 on a GQA model with one KV head (fewer KV heads than cp): loss and gradients equal to one
@@ -34,7 +38,7 @@ import torch
 from lmforge.config import ConfigError, ModelConfig, load_config
 from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes, cp_mask_elements
 from tests.conftest import make_corpus
-from tests.test_parallel_dp import TINY, free_port
+from tests.test_parallel_dp import SGD, TINY, free_port
 
 DRIVER = str(Path(__file__).with_name("cp_driver.py"))
 TOL = 1e-5  # relative, per step, loss and grad norm; observed <= 4e-7
@@ -47,6 +51,12 @@ LAYOUTS = {  # name: (processes, overrides); all of a world size run in one laun
                       "checkpoint.every_steps": 10}),
     "tp2spxcp2": (4, {"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.cp": 2,
                       "train.micro_batch_size": 8}),
+}
+UNTIED = {"model.tie_embeddings": "false"}  # (pipeline stages hold the embedding and the head apart)
+SGD_LAYOUTS = {  # name: (processes, overrides, reference): 6 steps of plain SGD without clipping (`SGD`)
+    "cp2-sgd": (2, {"parallel.cp": 2}, "single-sgd"),
+    "tp2xcp2-sgd": (4, {"parallel.tp": 2, "parallel.cp": 2}, "single-sgd"),  # TP without SP under CP
+    "cp2xpp2-sgd": (4, {"parallel.cp": 2, "parallel.pp": 2, **UNTIED}, "single-sgd-untied"),
 }
 LONG = {**BASE, "parallel.cp": 4, "data.seq_len": 8192, "model.max_seq_len": 8192, "model.dim": 32,
         "model.n_heads": 2, "data.mask_doc_boundaries": "false", "train.global_batch_size": 1,
@@ -113,13 +123,16 @@ def runs(corpus, tmp_path_factory) -> Path:
         return {**base, "checkpoint.resume": str(root / run / "checkpoints" / "step_00000010")}
 
     layouts = {n: (procs, {**base, **o}) for n, (procs, o) in LAYOUTS.items()}
+    layouts |= {n: (procs, {**base, **SGD, **o}) for n, (procs, o, _) in SGD_LAYOUTS.items()}
     t0 = time.time()
     two = launch(root, 2, {n: o for n, (procs, o) in layouts.items() if procs == 2})
     four = launch(root, 4, {**{n: o for n, (procs, o) in layouts.items() if procs == 4},
                             "resumed-cp4": {**resume("fsdp2xcp2"), "parallel.cp": 4, "train.micro_batch_size": 4},
                             "long": {**LONG, "data.corpus": str(corpus)}}, probe=PROBE)
     try:
-        run_trainings({"out": str(root), "runs": [{"name": "single", "overrides": base}]})
+        run_trainings({"out": str(root), "runs": [{"name": "single", "overrides": base},
+                                                  {"name": "single-sgd", "overrides": {**base, **SGD}},
+                                                  {"name": "single-sgd-untied", "overrides": {**base, **SGD, **UNTIED}}]})
         t1 = time.time()
         finish(two)
         t2 = time.time()
@@ -146,6 +159,19 @@ def test_context_parallel_layout_matches_one_process(runs, layout):
     assert loss < TOL and norm < TOL, (layout, loss, norm, got, ref)
     summary = json.loads((runs / layout / "summary.json").read_text())
     assert summary["layout"].endswith("+cp"), summary["layout"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(SGD_LAYOUTS))
+def test_context_parallel_scales_the_gradient_like_one_process(runs, layout):
+    """Plain SGD without clipping steps by the gradient itself: a gradient normalised over the wrong
+    token count (or summed over the CP ranks one time too many) changes the loss curve. CP alone,
+    under TP without sequence parallelism, and under pipeline parallelism."""
+    ref, got = records(runs / SGD_LAYOUTS[layout][2]), records(runs / layout)
+    assert sorted(got) == list(range(1, 7)) and got.keys() == ref.keys()
+    loss, norm = worst(got, ref)
+    print(f"\n{layout}: max relative difference vs one process over 6 SGD steps: loss {loss:.1e}, grad norm {norm:.1e}")
+    assert loss < TOL and norm < TOL, (layout, loss, norm, got, ref)
 
 
 @pytest.mark.slow

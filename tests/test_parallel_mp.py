@@ -58,7 +58,7 @@ LAYOUTS = {  # name: (processes, overrides)
 }
 
 
-WITH_SGD = ("tp2-sp", "pp2-1f1b")  # one tensor-parallel and one pipeline layout also train `SGD` in their launch
+WITH_SGD = ("tp2-sp", "pp2-1f1b", "fsdp2xtp2", "tp2xpp2", "dp2xpp2")  # also train `SGD` in their launch
 
 
 @pytest.mark.slow
