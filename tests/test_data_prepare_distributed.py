@@ -163,10 +163,16 @@ def test_four_worker_processes_one_killed_and_rerun_alone_give_the_same_bytes(re
         if stage != "scan":
             _wait(procs)
             continue
-        # SIGKILL worker 2 once it has finished some but not all of its scan units
+        # SIGKILL worker 2 once it has finished some but not all of its scan units. It runs in
+        # slices of a few milliseconds (SIGSTOP / SIGCONT), so the test sees it between units
+        # however fast a unit goes on this machine, and kills it while it is stopped.
+        procs[2].send_signal(signal.SIGSTOP)
         plan = None
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while time.time() < deadline:
+            procs[2].send_signal(signal.SIGCONT)
+            time.sleep(0.003)
+            procs[2].send_signal(signal.SIGSTOP)
             plans = list(work.glob("*/plan.json"))
             if plans and plan is None:
                 try:
@@ -179,7 +185,6 @@ def test_four_worker_processes_one_killed_and_rerun_alone_give_the_same_bytes(re
                 done = {p.name for p in work.glob("*/done/scan/*.json")} & mine
                 if done:
                     break
-            time.sleep(0.002)
         assert procs[2].poll() is None, "worker 2 finished before it could be killed"
         procs[2].send_signal(signal.SIGKILL)
         procs[2].wait()
@@ -315,3 +320,27 @@ def test_s3_mistakes_are_one_line_errors(reference, s3, tmp_path):
     with pytest.raises(ValueError, match=r"^s3://nobucket/out: cannot reach it \(.*\)\. Check the "
                                          r"URL, prepare\.s3_endpoint"):
         run_prepare(cfg)
+
+
+def test_slurm_prepare_script_runs_as_written_and_gives_the_same_bytes(reference, tmp_path):
+    """examples/slurm_prepare.sh under stand-ins for sbatch (tests/fake_slurm.py: array tasks run
+    concurrently with SLURM_ARRAY_TASK_ID / _COUNT, each job before the next is submitted): one
+    array job per parallel stage, one-task jobs for the others, each depending on the one before,
+    and the bytes of one process."""
+    from tests import fake_slurm
+
+    root, raw, _, want = reference
+    cfg = write_config(tmp_path / "c.toml", str(raw), str(tmp_path / "slurm"))
+    env = {**_env(), **fake_slurm.install(tmp_path / "bin")}
+    env["PATH"] = f"{env['PATH']}:{Path(sys.executable).parent}"  # `lmforge` of this environment
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "slurm_prepare.sh"), str(cfg), "3"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = [line.split(" ", 3) for line in Path(env["FAKE_SLURM_LOG"]).read_text().splitlines()]
+    assert [j[3].split("--stage ")[1].split()[0] for j in jobs] == list(STAGES)  # every stage, in order
+    assert [j[2] for j in jobs] == ["1" if s in SINGLE else "3" for s in STAGES]
+    assert [j[1] for j in jobs] == ["-"] + [f"afterok:{j[0]}" for j in jobs[:-1]]
+    assert proc.stdout.startswith("submitted: scan 1000 -> dedup 1001")
+    assert tree_hashes(tmp_path / "slurm") == want
+    rec = json.loads((tmp_path / "slurm" / "prepare.json").read_text())
+    assert rec["timing"]["stages"]["tokenize"]["workers"] == 3

@@ -1,0 +1,37 @@
+"""examples/slurm_train.sh runs as written: under stand-ins for sbatch, srun and scontrol
+(tests/fake_slurm.py, one node of 2 CPU "GPUs") it starts torchrun with the c10d rendezvous on the
+allocation's first node and trains the layout given on its command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import fake_slurm
+from tests.test_parallel_dp import TINY, corpus, free_port  # noqa: F401  (module-scoped corpus fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_slurm_train_script_trains_the_layout_on_its_command_line(corpus, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    args = {**TINY, "data.corpus": str(corpus), "train.out_dir": str(out), "train.steps": 4, "train.sample_tokens": 0,
+            "schedule.warmup_steps": 1, "parallel.dp_shard": 2}
+    env = {**fake_slurm.install(tmp_path / "bin"), "CONFIG": "tiny", "GPUS_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{env['PATH']}:{Path(sys.executable).parent}"  # python (torchrun) of this environment
+    proc = subprocess.run(["sbatch", str(ROOT / "examples" / "slurm_train.sh"),
+                           *[a for k, v in args.items() for a in (f"--{k}", str(v))]],
+                          cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["hardware"]["world_size"] == 2, summary
+    assert summary["layout"].startswith("fsdp"), summary["layout"]
+    assert (tmp_path / "logs").is_dir()  # the script's own log folder (#SBATCH --output)
