@@ -8,11 +8,15 @@ one atomic write, one checksum, one token-shard manifest.
       metrics.jsonl    METRICS           train/<source>/  (shard folders)
       summary.json     SUMMARY           val/             (a shard folder)
       sample.txt       SAMPLE
-      checkpoints/     CHECKPOINTS     transformers model folder: config.json (HF_CONFIG), model.safetensors,
-      report/ tb/ profile/               tokenizer.json, ...
+      checkpoints/     CHECKPOINTS     cached dataset (<cache_dir>/datasets/<key>/):
+      report/          REPORT            dataset.json (DATASET_RECORD), tokenizer.json, train/, val/
+      tb/              TENSORBOARD
+      profile/         PROFILE         transformers model folder: config.json (HF_CONFIG), model.safetensors,
+                                         tokenizer.json, ...
 
 The kinds share file names (model.safetensors, tokenizer.json), so writing one kind into another
-destroys it: `folder_kind` tells them apart by the one file that marks each.
+destroys it: `folder_kind` tells them apart by the one file that marks each. A folder written
+as a whole (shards, a cached dataset) appears by one rename: `atomic_dir`.
 
 This module imports only the standard library; every layer may use it.
 """
@@ -24,7 +28,9 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,7 @@ RUN_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what `lmforge import` writes: a run 
 PREPARE_RECORD = "prepare.json"
 MIXTURE = "mixture.json"
 MANIFEST = "manifest.json"
+DATASET_RECORD = "dataset.json"  # a cached dataset of `prepare_texts` (its presence: complete)
 SHARD_FORMAT = "lmforge-token-shards"
 SHARD_FORMAT_VERSION = 1
 
@@ -158,10 +165,11 @@ def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
-def _umask_mode() -> int:
+def _umask_mode(base: int = 0o666) -> int:
+    """`base` (0o666 a file, 0o777 a folder) less the user's umask: what a plain create gives."""
     mask = os.umask(0)
     os.umask(mask)
-    return 0o666 & ~mask
+    return base & ~mask
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> None:
@@ -174,6 +182,52 @@ def atomic_write_json(path: str | Path, obj: Any, **dump: Any) -> None:
     """`obj` as JSON (indent 1 unless given), atomically, with a trailing newline."""
     dump.setdefault("indent", 1)
     atomic_write(path, json.dumps(obj, **dump) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, is_complete: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """`with atomic_dir(d) as tmp:` fill the new empty folder `tmp` (a hidden sibling of `d`,
+    `.tmp-<name>-*`) by any means; on success its files and folders are fsynced, it is renamed to
+    `d` and the parent fsynced, so `d` appears whole or not at all (its files need no atomic writes
+    of their own). On an exception `tmp` is removed and `d` untouched.
+
+    An existing `d`: without `is_complete` the rename fails (OSError) unless `d` is an empty folder
+    (callers that refuse an existing `d` check before writing). With `is_complete`, a complete `d`
+    is kept and the new folder dropped (another writer, e.g. another rank, finished first), an
+    incomplete one is replaced."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        os.chmod(tmp, _umask_mode(0o777))  # mkdtemp makes it 0700
+        _rename_dir(tmp, path, is_complete)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed; otherwise ours to drop
+    fsync_dir(path.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every folder, deepest first."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(folder)
+
+
+def _rename_dir(tmp: Path, path: Path, is_complete: Callable[[Path], bool] | None) -> None:
+    """Rename the finished `tmp` to `path`, handling an existing `path` as `atomic_dir` says."""
+    if is_complete is not None and path.exists():
+        if is_complete(path):
+            return
+        shutil.rmtree(path)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # `path` appeared meanwhile: fine if another writer completed it
+        if is_complete is None or not is_complete(path):
+            raise
 
 
 # ---- token-shard manifest -----------------------------------------------------------------------

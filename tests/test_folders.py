@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +56,97 @@ def test_atomic_write_gives_umask_permissions_and_temp_names_are_recognised(tmp_
     tmp = folders.temp_name(tmp_path / "meta.json")
     assert folders.is_temp_name(tmp.name)
     assert not folders.is_temp_name(".metadata") and not folders.is_temp_name("meta.json")
+
+
+def test_atomic_dir_publishes_a_whole_folder_or_nothing(tmp_path):
+    final = tmp_path / "ds"
+    with pytest.raises(RuntimeError):
+        with folders.atomic_dir(final) as tmp:
+            assert tmp.parent == tmp_path and not final.exists()
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("crash mid-write")
+    assert list(tmp_path.iterdir()) == []  # no final folder, no temp folder
+    old = os.umask(0o022)
+    try:
+        with folders.atomic_dir(final) as tmp:
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "a.bin").write_bytes(b"a")
+    finally:
+        os.umask(old)
+    assert (final / "sub" / "a.bin").read_bytes() == b"a" and [p.name for p in tmp_path.iterdir()] == ["ds"]
+    assert stat.S_IMODE(final.stat().st_mode) == 0o755  # not mkdtemp's 0700
+    with pytest.raises(OSError):  # without is_complete an existing (non-empty) folder is not replaced
+        with folders.atomic_dir(final) as tmp:
+            (tmp / "b.bin").write_bytes(b"b")
+    assert [p.name for p in final.rglob("*")] == ["sub", "a.bin"] and [p.name for p in tmp_path.iterdir()] == ["ds"]
+
+
+def test_atomic_dir_keeps_a_complete_folder_and_replaces_a_broken_one(tmp_path):
+    final = tmp_path / "ds"
+    final.mkdir()
+    (final / "partial").write_text("")
+
+    def complete(d: Path) -> bool:
+        return (d / "done").is_file()
+
+    with folders.atomic_dir(final, is_complete=complete) as tmp:  # broken: replaced
+        (tmp / "done").write_text("first")
+    assert sorted(p.name for p in final.iterdir()) == ["done"]
+    with folders.atomic_dir(final, is_complete=complete) as tmp:  # complete (another writer won): kept
+        (tmp / "done").write_text("second")
+    assert (final / "done").read_text() == "first" and [p.name for p in tmp_path.iterdir()] == ["ds"]
+
+
+# ---- file names are spelled only in lmforge/folders.py ----------------------------------------
+
+PACKAGE = Path(folders.__file__).parent
+# Every upper-case string constant of folders.py: the file and folder names (and the shard format tag).
+NAMES = {value for name, value in vars(folders).items() if name.isupper() and isinstance(value, str)}
+# (module, literal) -> why the literal there is not a file name
+ALLOWED = {
+    ("lmforge/cli.py", folders.REPORT): "the `lmforge report` subcommand's name",
+    ("lmforge/train/trainer.py", folders.CHECKPOINTS): "a key of summary.json (checkpoint statistics), not a path",
+}
+
+
+def file_name_literals(source: str) -> list[tuple[int, str]]:
+    """(line, value) of every string constant in `source` that is exactly one of folders.py's names,
+    except docstrings and other bare string statements (prose, not values). An f-string's literal
+    pieces are checked too: a piece equal to a name is the name written out (a name inside a longer
+    piece, as in messages, is prose and passes)."""
+    tree = ast.parse(source)
+    prose = {id(node.value) for node in ast.walk(tree)
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    return sorted((node.lineno, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in NAMES
+                  and id(node) not in prose)
+
+
+def test_file_name_literals_finds_names_used_as_values_only():
+    source = ('"""Writes config.toml."""\n'
+              'def f(d):\n'
+              '    """Reads tokenizer.json."""\n'
+              '    print(f"{d} has no tokenizer.json")\n'
+              '    return d / "config.toml", d / "config.toml.bak", f"{d}" "metrics.jsonl"\n')
+    assert file_name_literals(source) == [(5, "config.toml"), (5, "metrics.jsonl")]
+    assert file_name_literals('x = f"tb"\n') == [(1, "tb")]
+
+
+def test_file_names_are_spelled_only_in_folders_py():
+    """Every module names run-folder, dataset and shard-folder files by folders.py's constants."""
+    root = PACKAGE.parent
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(root).as_posix()
+        if path == Path(folders.__file__):
+            continue
+        found += [f"{module}:{line}: {value!r} (use folders.{_constant(value)})"
+                  for line, value in file_name_literals(path.read_text()) if (module, value) not in ALLOWED]
+    assert not found, "file names written out instead of lmforge.folders constants:\n" + "\n".join(found)
+
+
+def _constant(value: str) -> str:
+    return next(name for name, v in vars(folders).items() if name.isupper() and v == value)
 
 
 def test_manifest_totals_and_max_id():

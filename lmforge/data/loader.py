@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.data.shards import MANIFEST, TokenShards
+from lmforge.data.shards import TokenShards
+from lmforge.folders import MANIFEST, MIXTURE
 from lmforge.model.loss import IGNORE_INDEX
 
 log = logging.getLogger("lmforge.data")
@@ -75,7 +76,7 @@ class TokenMixture:
              verify_checksums: bool = False) -> "TokenMixture":
         """Open ``dir/mixture.json`` (written by ``lmforge prepare``); ``weights`` override."""
         dir = Path(dir)
-        path = dir / "mixture.json"
+        path = dir / MIXTURE
         if not path.is_file():
             raise ValueError(f"{path} not found: {dir} is not a prepared train mixture")
         try:
@@ -112,7 +113,7 @@ class TokenMixture:
 def open_tokens(dir: Path, verify_checksums: bool = False) -> TokenShards | TokenMixture:
     """A shard directory (``manifest.json``) or a prepared train mixture (``mixture.json``)."""
     dir = Path(dir)
-    if (dir / MANIFEST).is_file() or not (dir / "mixture.json").is_file():
+    if (dir / MANIFEST).is_file() or not (dir / MIXTURE).is_file():
         return TokenShards(dir, verify_checksums)
     return TokenMixture.open(dir, verify_checksums=verify_checksums)
 

@@ -16,9 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +25,8 @@ import numpy as np
 
 from lmforge.data.corpus import DEFAULT_CORPUS, fetch_default_corpus, read_text_files
 from lmforge.data.shards import TokenShards, dtype_for_vocab, write_token_shards
-from lmforge.folders import SHARD_FORMAT_VERSION, sha256_file
+from lmforge.folders import (DATASET_RECORD, PREPARE_RECORD, SHARD_FORMAT_VERSION, TOKENIZER, atomic_dir,
+                             sha256_file)
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("lmforge.data")
@@ -92,23 +90,14 @@ def prepare_texts(files: Sequence[Path], cache_dir: Path, tokenizer: str, vocab_
         return cached
 
     t0 = time.perf_counter()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{key}-"))
-    try:
+    # a complete dataset already at `final` was written by another process (e.g. another rank):
+    # it is kept; a stale or broken one is replaced
+    with atomic_dir(final, is_complete=lambda d: _open_cached(d) is not None) as tmp:
         stats = _build(files, tmp, tokenizer, vocab_size, val_fraction, shard_tokens)
         record = {"key": key, "key_fields": key_fields, "source": source,
                   "files": [str(f) for f in files], **stats,
                   "seconds": round(time.perf_counter() - t0, 2)}
-        (tmp / "dataset.json").write_text(json.dumps(record, indent=1) + "\n")
-        if final.exists() and _open_cached(final) is None:  # stale/broken: replace it
-            shutil.rmtree(final)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process (e.g. another rank) won the race
-            if _open_cached(final) is None:
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / DATASET_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     log.info("data: dataset ready in %s (%.1f s)", final, time.perf_counter() - t0)
     out = _open_cached(final)
     assert out is not None, f"dataset {final} does not open after writing"
@@ -131,7 +120,7 @@ def _build(files: list[Path], out: Path, tokenizer: str, vocab_size: int,
                  time.perf_counter() - t0)
     else:
         tok = load_tokenizer(tokenizer)
-    tok.save(out / "tokenizer.json")
+    tok.save(out / TOKENIZER)
 
     t1 = time.perf_counter()
     encoded = tok.encode_batch(docs)
@@ -164,17 +153,17 @@ def _build(files: list[Path], out: Path, tokenizer: str, vocab_size: int,
 
 def _open_cached(final: Path) -> PreparedData | None:
     """The dataset at ``final`` if it is complete and its shard sizes check out."""
-    if not (final / "dataset.json").is_file():
+    if not (final / DATASET_RECORD).is_file():
         return None
     try:
         TokenShards(final / "train")
         TokenShards(final / "val")
-        tok = Tokenizer.load(final / "tokenizer.json")
+        tok = Tokenizer.load(final / TOKENIZER)
     except ValueError as e:
         log.warning("data: cached dataset %s is unusable (%s); rebuilding", final, e)
         return None
     return PreparedData(train_dir=final / "train", val_dir=final / "val",
-                        tokenizer_path=final / "tokenizer.json", tokenizer=tok)
+                        tokenizer_path=final / TOKENIZER, tokenizer=tok)
 
 
 def _corpus_digest(files: list[Path]) -> str:
@@ -204,7 +193,7 @@ def load_prepared(out_dir: Path) -> PreparedData:
     shard folder.
     """
     out_dir = Path(out_dir)
-    rec_path = out_dir / "prepare.json"
+    rec_path = out_dir / PREPARE_RECORD
     if not rec_path.is_file():
         raise ValueError(f"{rec_path} not found: run `lmforge prepare --config C` first "
                          f"(or the run was interrupted; re-run it to resume)")
@@ -216,11 +205,11 @@ def load_prepared(out_dir: Path) -> PreparedData:
         raise ValueError(f"{rec_path}: invalid prepare record ({e}); re-run prepare") from e
     if not val:
         raise ValueError(f"{out_dir} has no validation split (val_fraction = 0)")
-    tok = Tokenizer.load(out_dir / "tokenizer.json", eos_token=eos_token,
+    tok = Tokenizer.load(out_dir / TOKENIZER, eos_token=eos_token,
                          bos_token=rec["tokenizer"].get("bos_token"),
                          pad_token=rec["tokenizer"].get("pad_token"))
     return PreparedData(train_dir=out_dir / "train", val_dir=out_dir / val["dir"],
-                        tokenizer_path=out_dir / "tokenizer.json", tokenizer=tok)
+                        tokenizer_path=out_dir / TOKENIZER, tokenizer=tok)
 
 
 def unigram_entropy(shards) -> float:

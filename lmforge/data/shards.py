@@ -10,17 +10,14 @@ Layout of a shard directory::
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lmforge.folders import (MANIFEST, SHARD_FORMAT, SHARD_FORMAT_VERSION, build_manifest, sha256_file,
-                             shard_record)
+from lmforge.folders import (MANIFEST, SHARD_FORMAT, SHARD_FORMAT_VERSION, atomic_dir, build_manifest,
+                             sha256_file, shard_record)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -47,18 +44,12 @@ def write_token_shards(token_arrays: Iterable[np.ndarray], out_dir: Path, shard_
         meta_json = json.loads(json.dumps(meta))
     except (TypeError, ValueError) as e:
         raise ValueError(f"meta must be JSON-serializable: {e}") from e
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".tmp-{out_dir.name}-"))
-    try:
+    with atomic_dir(out_dir) as tmp:
         shards = _write_shards(token_arrays, tmp, shard_tokens, vocab_size, dtype)
         manifest = build_manifest(dtype.name, vocab_size, shard_tokens, shards, meta_json)
         if manifest["total_tokens"] == 0:
             raise ValueError(f"no tokens to write to {out_dir}: the input is empty")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        os.rename(tmp, out_dir)  # (the folder appears whole: its files need no atomic writes of their own)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from lmforge.folders import atomic_write
+from lmforge.folders import TOKENIZER, atomic_write
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
@@ -212,8 +212,8 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
         return load_gpt2_tokenizer()
     path = Path(spec)
     if path.is_dir():
-        if (path / "tokenizer.json").is_file():
-            return Tokenizer.load(path / "tokenizer.json")
+        if (path / TOKENIZER).is_file():
+            return Tokenizer.load(path / TOKENIZER)
         files = find_gpt2_files(path)
         if files is None:
             raise ValueError(f"tokenizer folder {path} holds neither tokenizer.json nor "

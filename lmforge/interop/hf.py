@@ -91,7 +91,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = 
         **special)
 
 
-def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
+def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
     """ModelConfig equivalent to a transformers config.json dict (Llama or GPT-2), or ValueError."""
     kind = hf.get("model_type")
     if kind == "llama":
@@ -377,7 +377,7 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     run_cfg.data = replace(run_cfg.data, seq_len=min(run_cfg.data.seq_len, cfg.max_seq_len),
                            tokenizer=str((out / TOKENIZER).resolve()) if tokenizer else "none")
     if tokenizer is not None:
-        tokenizer.save(out / TOKENIZER)
+        tokenizer.save(out / TOKENIZER)  # atomic: Tokenizer.save writes through folders.atomic_write
     atomic_write(out / CONFIG, to_toml(run_cfg.validate()))
     save_weights(model, out / WEIGHTS)
     return out

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lmforge.folders import TOKENIZER
+
 
 def _args(request: Any) -> tuple:
     """The arguments of a harness request: `Instance.args`, or the request itself as a tuple."""
@@ -42,7 +44,7 @@ class LMForgeLM:
             if ckpt is None:
                 raise ValueError("LMForgeLM needs ckpt= (a run folder) or model= and tokenizer=.")
             _, model = load_run(ckpt, device)
-            tokenizer = Tokenizer.load(Path(ckpt) / "tokenizer.json")
+            tokenizer = Tokenizer.load(Path(ckpt) / TOKENIZER)
         if tokenizer is None:
             raise ValueError("LMForgeLM needs the run's tokenizer (tokenizer.json in the run folder).")
         self.model, self.tokenizer = model.eval(), tokenizer

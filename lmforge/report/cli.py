@@ -11,6 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from lmforge.folders import REPORT
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmforge report", description=__doc__.split("\n\n")[1])
@@ -31,7 +33,7 @@ def report_main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = args.out or (runs[0] / "report" if len(runs) == 1 else Path("lmforge-report"))
+    out = args.out or (runs[0] / REPORT if len(runs) == 1 else Path("lmforge-report"))
     try:
         page = build_report(runs, out, embed=args.embed, title=args.title)
     except ImportError as exc:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lmforge.config import ModelConfig
+from lmforge.folders import CONFIG, HF_CONFIG, WEIGHTS, describe_kind, folder_kind
 from lmforge.model.transformer import Transformer
 
 # fields that do not change the weights' shapes or the function (training-time or init-only settings)
@@ -40,16 +41,17 @@ def architecture_differences(want: ModelConfig, have: ModelConfig) -> list[str]:
 def checkpoint_model_config(path: str | Path) -> ModelConfig | None:
     """The ModelConfig of an lmforge run folder or a transformers folder (None for anything else)."""
     path = Path(path)
-    if (path / "config.toml").is_file():
+    kind = folder_kind(path)
+    if kind == "run":
         from lmforge.config import load_config
 
-        return load_config(str(path / "config.toml")).model
-    if (path / "config.json").is_file():
+        return load_config(str(path / CONFIG)).model
+    if kind == "transformers":
         import json
 
         from lmforge.interop.hf import model_config_from_hf
 
-        return model_config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+        return model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), str(path / HF_CONFIG))
     return None
 
 
@@ -74,13 +76,13 @@ def load_pretrained(model: Transformer, init_from: str | Path) -> ModelConfig | 
         return None
     have = checkpoint_model_config(path)
     if have is None:
-        raise ValueError(f"{path} holds neither config.toml (an lmforge run) nor config.json (a transformers model).")
+        raise ValueError(f"{path} is neither {describe_kind('run')} nor {describe_kind('transformers')}.")
     diffs = architecture_differences(model.cfg, have)
     if diffs:
         raise ValueError(f"{path}: the checkpoint's architecture differs from this config's (fine-tune vs "
                          f"checkpoint): {'; '.join(diffs)}. Set these model.* keys to the checkpoint's values.")
-    if (path / "config.toml").is_file():
-        load_weights(model, path / "model.safetensors")
+    if folder_kind(path) == "run":
+        load_weights(model, path / WEIGHTS)
     else:
         from lmforge.interop.hf import load_hf_weights
 

@@ -45,6 +45,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+from lmforge.folders import TENSORBOARD
+
 log = logging.getLogger("lmforge.train")
 
 TRAIN_FIELDS: dict[str, str] = {
@@ -148,7 +150,7 @@ def make_sinks(out_dir: Path, tensorboard: bool, wandb: bool, config: dict[str, 
     sinks: list[Sink] = []
     if tensorboard:
         try:
-            sinks.append(TensorBoardSink(Path(out_dir) / "tb"))
+            sinks.append(TensorBoardSink(Path(out_dir) / TENSORBOARD))
         except ImportError:
             log.info("metrics: TensorBoard off (`pip install tensorboard` to enable; train.tensorboard)")
     if wandb:

@@ -38,7 +38,8 @@ from lmforge.data.loader import PackedLoader
 from lmforge.data.prepare import unigram_entropy
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
-from lmforge.folders import CONFIG, METRICS, PROFILE, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS, atomic_write
+from lmforge.folders import (CONFIG, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS, atomic_path,
+                             atomic_write)
 from lmforge.model.transformer import count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.optim.schedules import BatchRampup, build_scheduler
@@ -173,7 +174,8 @@ class Trainer:
         if rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(self.out_dir / CONFIG, to_toml(cfg))
-            shutil.copyfile(self.data.tokenizer_path, self.out_dir / TOKENIZER)
+            with atomic_path(self.out_dir / TOKENIZER) as tmp:
+                shutil.copyfile(self.data.tokenizer_path, tmp)
         self.metrics = MetricsWriter(self.out_dir / METRICS, make_sinks(
             self.out_dir, t.tensorboard and rank0, t.wandb and rank0, cfg.to_dict(), self.out_dir.name), enabled=rank0)
         for event in self._early:
@@ -554,9 +556,9 @@ class Trainer:
             try:
                 from lmforge.report.plots import plot_runs
 
-                plot_runs([self.out_dir], self.out_dir / "report")
+                plot_runs([self.out_dir], self.out_dir / REPORT)
             except ImportError:
-                log.info("plots skipped: `pip install matplotlib` to get %s/report/*.png", self.out_dir)
+                log.info("plots skipped: `pip install matplotlib` to get %s/*.png", self.out_dir / REPORT)
         return result
 
     def save_final_weights(self, path: Path) -> None:
