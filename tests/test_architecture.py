@@ -1,6 +1,10 @@
 """lmforge's import graph: no cycles, and no import from a lower layer to a higher one, with the
 layers ARCHITECTURE.md defines. Every import counts, top-level and deferred (inside functions),
-except those under `if TYPE_CHECKING:` (never executed)."""
+except those under `if TYPE_CHECKING:` (never executed).
+
+And one home for each concern, read from the syntax tree (docstrings and comments do not count):
+cross-entropy / log-softmax only in lmforge.model.loss, and no branch on the parallel layout in
+the trainer (lmforge.train.trainer drives every layout through `Layout`)."""
 
 from __future__ import annotations
 
@@ -173,3 +177,136 @@ def test_the_checks_see_a_planted_violation(planted, monkeypatch):
     check = test_the_import_graph_has_no_cycle if planted == "cycle" else test_no_import_goes_up_a_layer
     with pytest.raises(AssertionError, match="cycle" if planted == "cycle" else "lmforge.train.trainer"):
         check()
+
+
+# ---- one home for the loss ---------------------------------------------------------------------
+
+LOSS_HOME = "lmforge.model.loss"
+LOSS_NAMES = {"cross_entropy", "log_softmax", "nll_loss", "CrossEntropyLoss", "NLLLoss", "LogSoftmax"}
+
+
+def loss_uses(source: str) -> list[int]:
+    """Lines of `source` that name a cross-entropy / log-softmax / NLL function: a call or a
+    reference (`F.cross_entropy(...)`, `x.log_softmax(-1)`, `torch.nn.NLLLoss`) or an import of one."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.Name):
+            name = node.id
+        elif isinstance(node, ast.alias):
+            name = node.name.rpartition(".")[2]
+        else:
+            continue
+        if name in LOSS_NAMES:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_loss_is_written_only_in_model_loss():
+    assert loss_uses(MODULES[LOSS_HOME].read_text()), "the check no longer sees lmforge.model.loss's own cross-entropy"
+    bad = [f"{MODULES[m].relative_to(ROOT)}:{line}" for m in sorted(MODULES) if m != LOSS_HOME
+           for line in loss_uses(MODULES[m].read_text())]
+    assert not bad, ("cross-entropy / log-softmax outside lmforge/model/loss.py (use its token_nll_sum with "
+                     "IGNORE_INDEX targets):\n" + "\n".join(bad))
+
+
+def test_the_loss_check_sees_a_planted_violation():
+    source = ('"""F.cross_entropy and log_softmax in a docstring do not count."""\n'
+              "import torch.nn.functional as F\n"
+              "from torch.nn.functional import nll_loss\n"
+              "loss = F.cross_entropy(logits, targets)\n"
+              "logp = logits.float().log_softmax(-1)\n")
+    assert loss_uses(source) == [3, 4, 5]
+
+
+# ---- no branch on the layout in the trainer ----------------------------------------------------
+
+TRAINER = PACKAGE / "train" / "trainer.py"
+# layout degrees and shapes, as config fields (cfg.parallel.*) and as DistInfo fields (self.dist.*)
+LAYOUT_FIELDS = {"dp", "dp_replicate", "dp_shard", "cp", "tp", "pp", "zero_stage", "pp_schedule", "pp_virtual_stages",
+                 "sequence_parallel", "dp_size", "dp_cp_size", "cp_size", "tp_size", "pp_size"}
+# (function, cfg.parallel field) -> why the trainer may branch on it there
+TRAINER_ALLOWED = {
+    ("log_run_header", "async_sgd"): "a log line only: the batch line does not describe the parameter server's "
+                                     "one-micro-batch updates, and AsyncSGDTrainer logs its own",
+}
+
+
+def layout_names() -> set[str]:
+    """The layouts' names (`name = "ddp"`, `self.name = "zero1"` in lmforge/parallel)."""
+    names = set()
+    for path in (PACKAGE / "parallel").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str) and any(ast.unparse(t) in ("name", "self.name")
+                                                                  for t in node.targets)):
+                names.add(node.value.value)
+    return names
+
+
+def _conditions(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+        return [node.test]
+    if isinstance(node, ast.comprehension):
+        return list(node.ifs)
+    if isinstance(node, ast.Match):
+        return [node.subject]
+    return []
+
+
+def _function_of(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return node.name
+    return "<module>"
+
+
+def layout_branches(source: str, allowed=TRAINER_ALLOWED) -> list[str]:
+    """Where `source` branches on the parallel layout: a condition that reads `parallel.<field>`
+    (but the allowed (function, field) pairs), a layout degree (`p.tp`, `self.dist.pp_size`) or
+    `layout.<attr>`; or any comparison with a layout's name ("ddp", "fsdp", ...)."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    names = layout_names()
+    bad = []
+    for node in ast.walk(tree):
+        func = _function_of(node, parents)
+        for test in _conditions(node):
+            for a in ast.walk(test):
+                if not isinstance(a, ast.Attribute):
+                    continue
+                owner = a.value.attr if isinstance(a.value, ast.Attribute) else getattr(a.value, "id", None)
+                if ((owner == "parallel" and (func, a.attr) not in allowed) or owner == "layout"
+                        or a.attr in LAYOUT_FIELDS):
+                    bad.append(f"line {test.lineno} (in {func}): branches on {ast.unparse(a)}")
+        if isinstance(node, ast.Compare):
+            for c in ast.walk(node):
+                if isinstance(c, ast.Constant) and c.value in names:
+                    bad.append(f"line {node.lineno} (in {func}): compares with the layout name {c.value!r}")
+    return bad
+
+
+def test_the_trainer_does_not_branch_on_the_layout():
+    bad = layout_branches(TRAINER.read_text())
+    assert not bad, ("lmforge/train/trainer.py branches on the parallel layout; put what differs behind "
+                     "lmforge.parallel.layout.Layout:\n" + "\n".join(bad))
+
+
+PLANTED_BRANCHES = {
+    "config field": "if self.cfg.parallel.pp > 1:\n        pass",
+    "aliased section": "p = cfg.parallel\n    return 1 if p.tp > 1 else 2",
+    "mesh degree": "while self.dist.pp_size > 1:\n        pass",
+    "layout attribute": "if self.layout.gathers_for_eval:\n        pass",
+    "layout name": "fsdp = self.layout.name in ('fsdp', 'zero1')",
+    "allowed elsewhere only": "if not self.cfg.parallel.async_sgd:\n        pass",
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_BRANCHES))
+def test_the_layout_check_sees_a_planted_violation(planted):
+    assert {"ddp", "fsdp", "single"} <= layout_names()
+    assert layout_branches(f"def step(self, cfg):\n    {PLANTED_BRANCHES[planted]}\n")
+    if planted == "allowed elsewhere only":  # the allowlist is per function
+        assert not layout_branches(f"def log_run_header(self, cfg):\n    {PLANTED_BRANCHES[planted]}\n")

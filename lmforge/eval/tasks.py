@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from lmforge.data.jsonl import read_records
+from lmforge.model.loss import IGNORE_INDEX, token_nll_sum
 
 
 @torch.no_grad()
@@ -43,14 +44,14 @@ def continuation_logprobs(model: torch.nn.Module, requests: Sequence[tuple[Seque
         group = rows[lo:lo + batch_size]
         width = max(len(x) for x, _, _ in group)
         x = torch.zeros(len(group), width, dtype=torch.long)
-        for r, (inp, _, _) in enumerate(group):
-            x[r, :len(inp)] = torch.tensor(inp)  # right padding: causal, so it never affects real positions
-        logp = model(x.to(device)).float().log_softmax(-1).cpu()
+        y = torch.full_like(x, IGNORE_INDEX)  # only the continuation's tokens are scored
         for r, (inp, tgt, n) in enumerate(group):
-            pos = torch.arange(len(inp) - n, len(inp))
-            target = torch.tensor(tgt[-n:])
-            lp = logp[r, pos]
-            out.append((float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
+            x[r, :len(inp)] = torch.tensor(inp)  # right padding: causal, so it never affects real positions
+            y[r, len(inp) - n:len(inp)] = torch.tensor(tgt[-n:])
+        logits = model(x.to(device))
+        y = y.to(device)
+        greedy = ((logits.argmax(-1) == y) | (y == IGNORE_INDEX)).all(-1).tolist()
+        out += [(-float(token_nll_sum(logits[r], y[r])), greedy[r]) for r in range(len(group))]
     model.train(was_training)
     return out
 

@@ -55,8 +55,10 @@ def count_targets(targets: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
 
 
 def normalise(nll_sum: torch.Tensor, n_targets: torch.Tensor, dp: int = 1) -> torch.Tensor:
-    """The loss to backpropagate: summed NLL / the global step's target count (at least 1), times
-    the data-parallel degree that gradient averaging divides by again (module docstring)."""
+    """Summed NLL / the global step's target count (at least 1), times `dp`: the number of ranks
+    whose gradients DDP / FSDP average (module docstring). dp = 1: the mean token loss to report;
+    a data-parallel layout backpropagates the loss normalised with its dp (x cp) degree. The one
+    place the loss is scaled for gradient averaging."""
     loss = nll_sum / n_targets.clamp(min=1)
     return loss * dp if dp > 1 else loss
 

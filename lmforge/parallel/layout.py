@@ -73,9 +73,9 @@ class Layout:
         with precision.step(), sharded:
             for i, (x, y) in enumerate(micro_batches):
                 with self.micro_batch_context(i == last):
-                    loss = normalise(self.nll_sum(x, y, precision), n_targets)
-                    precision.backward(loss * self.dp if self.dp > 1 else loss)
-                loss_sum += self.local_value(loss.detach())
+                    nll = self.nll_sum(x, y, precision)
+                    precision.backward(normalise(nll, n_targets, self.dp))
+                    loss_sum += self.local_value(normalise(nll.detach(), n_targets))
         return self.dp_sum(loss_sum)
 
     def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:

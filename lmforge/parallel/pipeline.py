@@ -129,8 +129,7 @@ class Pipelined(ShardedLayout):
         self._n_targets = torch.ones(())
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = normalise(token_nll_sum(logits, y), self._n_targets)
-        return loss * self.dp if self.dp > 1 else loss
+        return normalise(token_nll_sum(logits, y), self._n_targets, self.dp)
 
     def forward_backward(self, micro_batches: list[Batch], precision) -> torch.Tensor:
         """Forward + backward of the step's micro-batches through the schedule (the schedule's
