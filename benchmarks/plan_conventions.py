@@ -3,17 +3,21 @@
 For each configuration it prints, per GPU (decimal GB):
 
 - lmforge plan, convention "lmforge" (what lmforge allocates: model states, then buffers: autocast
-  copies, DDP buckets or FSDP2's gathered weights), "megatron" (18 B/param) and "zero-paper"
-  (16 B/param), model states and activations;
-- Megatron-LM's `megatron/training/theoretical_memory_usage.py`: weights + optimizer and
-  activations, restated below from its formulas (`megatron_estimate`);
+  copies, DDP buckets or FSDP2's gathered weights), "megatron" (Megatron-LM's estimator: 18
+  B/param and its activation formula) and "zero-paper" (16 B/param, Korthikanti's activations
+  generalised to the MLP type and GQA), model states and activations;
+- Megatron-LM's `megatron/training/theoretical_memory_usage.py` (commit
+  d98e8a64ddf34856e74b24714e3bedb2f5a39553): weights + optimizer and activations, restated below
+  from its formulas (`megatron_estimate`);
 - DeepSpeed's `estimate_zero2_model_states_mem_needs` and
-  `estimate_zero3_model_states_mem_needs` (GPU side, no offload), restated below
-  (`deepspeed_zero2_gpu`, `deepspeed_zero3_gpu`). They are pure data-parallel estimators: for
-  layouts with TP/PP they are applied to one rank's model-parallel shard with N = dp (labelled).
+  `estimate_zero3_model_states_mem_needs` (commit 38327e07f6cd39b63418f60cedd1651b0be3e7c3,
+  version.txt 0.16.5; GPU side, no offload), restated below (`deepspeed_zero2_gpu`,
+  `deepspeed_zero3_gpu`). They are pure data-parallel estimators: for layouts with TP/PP they are
+  applied to one rank's model-parallel shard with N = dp (labelled).
 
 The restatements are this project's code, written from the formulas (not copied); tests check
-them against figures derived by hand. Run:
+them against figures derived by hand, and the planner's "megatron" convention against them
+(tests/test_plan_conventions.py). Run:
 
     python benchmarks/plan_conventions.py [--json out.json]
 """
@@ -59,34 +63,50 @@ CASES = (
 
 # ---------------------------------------------------------------------------------------------
 # Megatron-LM's theoretical memory usage (dense GPT, no MoE / MLA / MTP), restated
+#
+# Read at NVIDIA/Megatron-LM commit d98e8a64ddf34856e74b24714e3bedb2f5a39553 (2026-08-22); the
+# file megatron/training/theoretical_memory_usage.py was last changed there by 1bcb3b9e0b02
+# (2026-06-15). The padded vocabulary is megatron/core/tokenizers/utils/build_tokenizer.py's
+# `vocab_size_with_padding` with --make-vocab-size-divisible-by's default, 128.
 # ---------------------------------------------------------------------------------------------
 
+MEGATRON_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 
-def megatron_params(cfg: ModelConfig) -> tuple[float, float, float]:
-    """(transformer block parameters incl. the final norm, embedding parameters h x V, total) as
-    Megatron's formula counts them: no linear biases, no position table; norms 1 (RMSNorm) or 2
-    (LayerNorm) vectors of h."""
+
+def megatron_padded_vocab(cfg: ModelConfig, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 x t (its `padded_vocab_size`)."""
+    multiple = divisible_by * tp
+    return math.ceil(cfg.vocab_size / multiple) * multiple
+
+
+def megatron_params(cfg: ModelConfig, tp: int = 1) -> dict[str, float]:
+    """Parameters as Megatron's formula counts them: no linear biases, no position table; norms 1
+    (RMSNorm) or 2 (LayerNorm) vectors of h; SwiGLU's MLP 3/2 of a GELU one of the same ffn
+    width; GQA's k and v in (1 + groups/heads). Returns the block's matrices (sharded by TP), its
+    norms and the final norm (replicated), one embedding (padded vocab x h) and the total."""
     h, heads, groups = cfg.dim, cfg.n_heads, cfg.kv_heads
     norm = 1 if cfg.norm == "rmsnorm" else 2
     gated = 1.5 if cfg.activation == "swiglu" else 1.0
     q_ratio = cfg.head_dim * heads / h
     attention = 2 * h * h * (1 + groups / heads) * q_ratio
-    layer = 2 * h * (cfg.ffn_dim * gated + norm) + attention
-    block = layer * cfg.n_layers + norm * h
-    embedding = h * cfg.vocab_size
-    total = block + embedding * (1 if cfg.tie_embeddings else 2)
-    return block, embedding, total
+    mlp = 2 * h * cfg.ffn_dim * gated
+    matrices = (attention + mlp) * cfg.n_layers
+    replicated = 2 * h * norm * cfg.n_layers + norm * h
+    embedding = h * megatron_padded_vocab(cfg, tp)
+    total = matrices + replicated + embedding * (1 if cfg.tie_embeddings else 2)
+    return {"matrices": matrices, "replicated": replicated, "embedding": embedding, "total": total}
 
 
 def megatron_estimate(cfg: ModelConfig, lay: Layout, seq_len: int, distributed_optimizer: bool) -> dict[str, float]:
-    """Megatron's weight+optimizer and activation bytes for the most loaded (first) stage."""
-    block, embedding, _ = megatron_params(cfg)
+    """Megatron's weight+optimizer and activation bytes for its most loaded shard (the first stage)."""
+    n = megatron_params(cfg, lay.tp)
     t, p, d = lay.tp, lay.pp, lay.dp
-    shard = (block / p + embedding) / t
+    sharded = (n["matrices"] / p + n["embedding"]) / t
     if not cfg.tie_embeddings and p == 1:
-        shard += embedding / t
+        sharded += n["embedding"] / t
+    shard = sharded + n["replicated"] / p
     per_param = 6 + 12 / d if distributed_optimizer else 18
-    s, b, h, V = seq_len, lay.micro_batch, cfg.dim, cfg.vocab_size
+    s, b, h, V = seq_len, lay.micro_batch, cfg.dim, megatron_padded_vocab(cfg, t)
     with_sp = lay.sp and lay.ac == "selective"  # Megatron's SP formula; otherwise its "without SP" one
     per_layer = (18 + 4 * cfg.ffn_dim / h) / t if with_sp else 10 + 24 / t
     act = s * b * h * per_layer * cfg.n_layers + (8 * s * b * p + s * b * h * p) / (t if with_sp else 1)
@@ -103,7 +123,14 @@ def megatron_estimate(cfg: ModelConfig, lay: Layout, seq_len: int, distributed_o
 
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed's ZeRO estimators (GPU side, no offload), restated
+#
+# Read at microsoft/DeepSpeed commit 38327e07f6cd39b63418f60cedd1651b0be3e7c3 (2025-02-21,
+# version.txt 0.16.5): estimate_zero2_model_states_mem_needs in
+# deepspeed/runtime/zero/stage_1_and_2.py, estimate_zero3_model_states_mem_needs in
+# deepspeed/runtime/zero/stage3.py (cpu_offload=False branches; DeepSpeed rounds down to int).
 # ---------------------------------------------------------------------------------------------
+
+DEEPSPEED_COMMIT = "38327e07f6cd39b63418f60cedd1651b0be3e7c3"
 
 
 def deepspeed_zero2_gpu(params: float, gpus: int) -> float:
@@ -144,7 +171,7 @@ def compare(case: Case) -> dict:
         "lmforge_states": ours["lmforge"].model_states, "lmforge_buffers": ours["lmforge"].buffers,
         "lmforge_activations": ours["lmforge"].activations,
         "megatron_conv_states": ours["megatron"].model_states, "megatron_conv_activations": ours["megatron"].activations,
-        "zero_paper_states": ours["zero-paper"].model_states,
+        "zero_paper_states": ours["zero-paper"].model_states, "zero_paper_activations": ours["zero-paper"].activations,
         "megatron_estimator_states": meg["model_states"], "megatron_estimator_activations": meg["activations"],
         "deepspeed_zero2": deepspeed_zero2_gpu(shard, lay.dp),
         "deepspeed_zero3": deepspeed_zero3_gpu(shard, largest, lay.dp),
@@ -164,11 +191,11 @@ def markdown(rows: list[dict]) -> str:
         out.append(f"| {r['case']} | {gb(r['lmforge_states'])} + {gb(r['lmforge_buffers'])} | "
                    f"{gb(r['megatron_conv_states'])} | {gb(r['megatron_estimator_states'])} | "
                    f"{gb(r['zero_paper_states'])} | {gb(r['deepspeed_zero2'])}{ds} | {gb(r['deepspeed_zero3'])}{ds} |")
-    out += ["", "| configuration | lmforge activations | megatron / zero-paper conv. (Korthikanti, fused) "
-            "| Megatron's estimator |", "|---|---|---|---|"]
+    out += ["", "| configuration | lmforge activations | megatron conv. | Megatron's estimator "
+            "| zero-paper conv. (Korthikanti, fused, MLP type + GQA) |", "|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['case']} | {gb(r['lmforge_activations'])} | {gb(r['megatron_conv_activations'])} | "
-                   f"{gb(r['megatron_estimator_activations'])} |")
+                   f"{gb(r['megatron_estimator_activations'])} | {gb(r['zero_paper_activations'])} |")
     return "\n".join(out)
 
 

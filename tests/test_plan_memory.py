@@ -51,11 +51,12 @@ def test_megatron_convention_is_18_bytes_and_6_plus_12_over_d():
 
 def test_gpt3_t8_p8_d8_distributed_optimizer_matches_megatrons_estimator():
     """Megatron's theoretical_memory_usage for GPT-3 175B, t8 p8 d8, distributed optimizer, SP +
-    selective recompute: the most loaded shard holds (transformer/8 + embedding)/8 = 2.795B params
-    x (6 + 12/8) = 20.96 GB, and its activations are 34 sbh x 96 layers / 8 + embedding terms =
-    10.29 GB. The planner's megatron convention also counts the biases and the learned position
-    table that Megatron's parameter formula leaves out (+0.9%); the zero-paper convention, used
-    as "megatron" before, said 15.5 GB."""
+    selective recompute: the most loaded shard holds (transformer/8 + embedding)/8 = 2.797B params
+    (vocabulary padded to 51200) x (6 + 12/8) = 20.98 GB, and its activations are 34 sbh x 96
+    layers / 8 + embedding terms = 10.29 GB (tests/test_plan_conventions.py: equal). The planner's
+    megatron convention also counts the biases and the learned position table that Megatron's
+    parameter formula leaves out, and no vocabulary padding (+0.9%); the zero-paper convention,
+    used as "megatron" before, said 15.5 GB."""
     cfg = load_config("gpt3-175b").model
     lay = Layout(dp=8, zero=1, tp=8, sp=True, pp=8, grad_accum=192, ac="selective")
     meg = estimate_memory(cfg, lay, "adamw", 2048, weights="megatron")
@@ -100,7 +101,9 @@ def test_cpu_offload_moves_states_to_host():
 
 
 def test_korthikanti_activation_formulas():
-    """The published (unfused) formulas, reproduced with fused_attention=False."""
+    """The published (unfused) formulas, reproduced with fused_attention=False (the zero-paper
+    convention; the megatron convention the same, except SP without selective recompute, where
+    Megatron's report uses its formula without SP: next test)."""
     cfg = load_config("gpt3-175b").model
     s, b, h, a = 2048, 1, cfg.dim, cfg.n_heads
     sbh = s * b * h
@@ -109,9 +112,42 @@ def test_korthikanti_activation_formulas():
                                                       fused_attention=False)
         assert per() == pytest.approx(sbh * (34 + 5 * a * s / h))
         assert per(tp=8) == pytest.approx(sbh * (10 + 24 / 8 + 5 * a * s / (h * 8)))
-        assert per(tp=8, sp=True) == pytest.approx(sbh / 8 * (34 + 5 * a * s / h))
         assert per(tp=8, sp=True, ac="selective") == pytest.approx(sbh / 8 * 34)
         assert per(ac="full") == pytest.approx(2 * sbh)
+        assert per(tp=8, sp=True, ac="full") == pytest.approx(2 * sbh / 8)
+    per = lambda **kw: activation_bytes_per_layer(cfg, Layout(micro_batch=b, **kw), s, "zero-paper",  # noqa: E731
+                                                  fused_attention=False)
+    assert per(tp=8, sp=True) == pytest.approx(sbh / 8 * (34 + 5 * a * s / h))
+
+
+def test_megatron_convention_follows_megatrons_activation_formula():
+    """Megatron-LM's theoretical_memory_usage.py (commit d98e8a64, benchmarks/plan_conventions.py):
+    with SP and selective recompute sbh(18 + 4 ffn/h)/t per layer, otherwise sbh(10 + 24/t), for
+    any MLP type and any number of query groups (Llama-2-70B: SwiGLU, F = 3.5, GQA r = 1/8); token
+    ids (8sb) and the embedding dropout mask (sbh); the output layer's inputs 4sbh(1 + V/h)/t with
+    SP, else 2(sbV/t + sbh); and x 1.05 for temporaries without SP. Full recompute, which the file
+    does not model, keeps each layer's input (2sbh, /t with SP), as Korthikanti et al. do."""
+    cfg = load_config("llama2-70b").model
+    s, h, a, V, L = 4096, cfg.dim, cfg.n_heads, cfg.vocab_size, cfg.n_layers
+    sbh = s * h
+    per = lambda **kw: activation_bytes_per_layer(cfg, Layout(**kw), s, "megatron")  # noqa: E731
+    assert per() == pytest.approx(34 * sbh)            # not the zero-paper convention's 35.5
+    assert per(tp=8) == pytest.approx((10 + 24 / 8) * sbh)
+    assert per(tp=8, sp=True, ac="selective") == pytest.approx((18 + 4 * 3.5) / 8 * sbh)
+    assert per(tp=8, sp=True) == per(tp=8)             # SP without selective: the formula without SP
+    assert per(ac="selective") == per()                # (no [s, s] scores: fused attention)
+    assert per(ac="full") == 2 * sbh and per(tp=8, sp=True, ac="full") == 2 * sbh / 8
+    assert activation_bytes_per_layer(cfg, Layout(), s, "megatron", fused_attention=False) == pytest.approx(
+        (34 + 5 * a * s / h) * sbh)
+    # the whole model, one stage (p = 1): layers, embedding terms, output layer, x 1.05
+    mem = estimate_memory(cfg, Layout(), "adamw", s, weights="megatron")
+    assert mem.activations == pytest.approx(1.05 * (L * 34 * sbh + 8 * s + sbh + 2 * (s * V + sbh)))
+    assert mem.detail["activations_temporaries_allowance"] == pytest.approx(mem.activations * 0.05 / 1.05)
+    sp = estimate_memory(cfg, Layout(tp=8, sp=True, ac="selective"), "adamw", s, weights="megatron")
+    assert sp.activations == pytest.approx((L * 32 * sbh + 8 * s + sbh + 4 * sbh * (1 + V / h)) / 8)
+    assert "activations_temporaries_allowance" not in sp.detail
+    full = estimate_memory(cfg, Layout(ac="full"), "adamw", s, weights="megatron")
+    assert full.activations == pytest.approx(1.05 * (L * 2 * sbh + 8 * s + sbh + 2 * (s * V + sbh)))
 
 
 def test_fused_attention_stores_no_score_matrix():
@@ -132,24 +168,28 @@ def test_fused_attention_stores_no_score_matrix():
 
 
 def test_mlp_constant_follows_the_mlp_type():
-    """Per layer sbh(10 + 4 + 4r + kF), k = 4 (GELU: fc1 output, fc2 input) or 6 (SwiGLU: gate and
-    up outputs, their product): GPT-3's 34 = 18 + 4F at F = 4; Llama-2-70B (SwiGLU, F = 3.5,
-    GQA r = 1/8) 14.5 + 21 = 35.5, not GPT's 34."""
+    """The zero-paper convention, per layer sbh(10 + 4 + 4r + kF), k = 4 (GELU: fc1 output, fc2
+    input) or 6 (SwiGLU: gate and up outputs, their product): GPT-3's 34 = 18 + 4F at F = 4;
+    Llama-2-70B (SwiGLU, F = 3.5, GQA r = 1/8) 14.5 + 21 = 35.5, not GPT's 34 (which the megatron
+    convention keeps, as Megatron's estimator does)."""
     s = 2048
     gpt3 = load_config("gpt3-175b").model
     llama = load_config("llama2-70b").model
     sbh = lambda cfg: s * cfg.dim  # noqa: E731
-    assert activation_bytes_per_layer(gpt3, Layout(), s, "megatron") == pytest.approx(34 * sbh(gpt3))
+    assert activation_bytes_per_layer(gpt3, Layout(), s, "zero-paper") == pytest.approx(34 * sbh(gpt3))
     f = llama.ffn_dim / llama.dim
     assert f == 3.5 and llama.kv_heads / llama.n_heads == 1 / 8
-    assert activation_bytes_per_layer(llama, Layout(), s, "megatron") == pytest.approx((14.5 + 6 * f) * sbh(llama))
+    assert activation_bytes_per_layer(llama, Layout(), s, "zero-paper") == pytest.approx((14.5 + 6 * f) * sbh(llama))
+    assert activation_bytes_per_layer(llama, Layout(), s, "megatron") == pytest.approx(34 * sbh(llama))
     # with TP the replicated 10 stays, the rest is split: GPT 10 + 24/t
     assert activation_bytes_per_layer(llama, Layout(tp=8), s, "zero-paper") == pytest.approx(
         (10 + (4.5 + 6 * f) / 8) * sbh(llama))
-    # a GELU MLP of another width: 18 + 4F (Megatron's estimator's constant)
+    # a GELU MLP of another width: 18 + 4F (Megatron's estimator's constant, with SP + selective)
     narrow = load_config("gpt2-124m", {"model.ffn_hidden": 2048}).model
-    assert activation_bytes_per_layer(narrow, Layout(), 1024, "megatron") == pytest.approx(
+    assert activation_bytes_per_layer(narrow, Layout(), 1024, "zero-paper") == pytest.approx(
         (18 + 4 * 2048 / 768) * 1024 * 768)
+    assert activation_bytes_per_layer(narrow, Layout(tp=2, sp=True, ac="selective"), 1024, "megatron") == (
+        pytest.approx((18 + 4 * 2048 / 768) * 1024 * 768 / 2))
 
 
 def test_pipeline_schedules_keep_different_numbers_of_micro_batches():

@@ -22,7 +22,8 @@ from lmforge.config import OptimConfig
 from lmforge.optim import registry
 from lmforge.optim.registry import OPTIMIZER_NAMES
 
-__all__ = ["OPTIMIZER_NAMES", "build_optimizer", "describe_groups", "measured_state_bytes", "param_groups"]
+__all__ = ["OPTIMIZER_NAMES", "build_optimizer", "describe_groups", "measured_state_bytes",
+           "measured_state_bytes_by_param", "param_groups"]
 
 
 def embedding_ids(model: nn.Module) -> set[int]:
@@ -92,16 +93,11 @@ def fused_devices() -> frozenset[str]:
         return frozenset({"cuda"})
 
 
-# torch 2.13's DTensor (FSDP2 / TP parameters) has sharding rules for the fused Adam/AdamW ops only:
-# aten._fused_sgd_ raises NotImplementedError on DTensor parameters
-_DTENSOR_FUSED = frozenset({"adam", "adamw"})
-
-
 def _fast_path_kwargs(model: nn.Module, cfg: OptimConfig) -> dict[str, bool]:
     """optim.fused: 'auto' = torch's fused kernels wherever this torch has them for the parameters
     (CUDA; CPU since torch 2.4, for fp32/fp64 parameters: lmforge keeps fp32 master weights; on
-    DTensor parameters for Adam/AdamW only), foreach (multi-tensor) elsewhere; 'on' / 'off' force
-    fused / foreach.
+    DTensor parameters only for the optimizers whose registry entry says `dtensor_fused`: Adam and
+    AdamW), foreach (multi-tensor) elsewhere; 'on' / 'off' force fused / foreach.
 
     The fused kernels compute the same update as foreach, element by element in one pass (same
     formula; results agree to float rounding, tests/test_fast_path_defaults.py) and are faster:
@@ -118,7 +114,7 @@ def _fast_path_kwargs(model: nn.Module, cfg: OptimConfig) -> dict[str, bool]:
         exact = lambda p: p.device.type != "cpu" or p.dtype in (torch.float32, torch.float64)  # noqa: E731
         sharded = any(isinstance(p, DTensor) for p in params)
         fused = (bool(params) and all(p.device.type in fused_devices() and exact(p) for p in params)
-                 and (not sharded or cfg.name in _DTENSOR_FUSED))
+                 and (not sharded or registry.spec(cfg.name).dtensor_fused))
     return {"fused": True} if fused else {"foreach": True}
 
 
@@ -186,16 +182,22 @@ def build_adamw(model: nn.Module, cfg: OptimConfig, extra: dict[str, Any]) -> to
                              **_fast_path_kwargs(model, cfg))
 
 
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in `value` (a tensor, or dicts / lists / tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def measured_state_bytes_by_param(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, int]:
+    """Bytes of the tensors in `optimizer.state[p]`, for every parameter p that has state."""
+    return {p: _tensor_bytes(state) for p, state in optimizer.state.items()}
+
+
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor held in `optimizer.state` (nested dicts/lists included)."""
-
-    def tensor_bytes(value: Any) -> int:
-        if isinstance(value, torch.Tensor):
-            return value.numel() * value.element_size()
-        if isinstance(value, dict):
-            return sum(tensor_bytes(v) for v in value.values())
-        if isinstance(value, (list, tuple)):
-            return sum(tensor_bytes(v) for v in value)
-        return 0
-
-    return sum(tensor_bytes(s) for s in optimizer.state.values())
+    return sum(measured_state_bytes_by_param(optimizer).values())

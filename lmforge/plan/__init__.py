@@ -4,7 +4,7 @@ Nothing here imports torch. Modules:
   hardware  Device, CATALOGUE, load_devices(extra_toml), get_device, parse_cluster -> Cluster
   memory    Layout, estimate_memory(model_cfg, layout, optimizer, seq_len, weights=...) -> MemoryBreakdown
             in one of CONVENTIONS: "lmforge" (what lmforge allocates), "megatron" (Megatron-LM's
-            18 B/param), "zero-paper" (the ZeRO paper's 16 B/param); model_state_bytes_per_param,
+            estimator: 18 B/param, its activation formula), "zero-paper" (the ZeRO paper's 16 B/param); model_state_bytes_per_param,
             activation_bytes_per_layer, param_specs
   flops     flops_per_token, estimate_step -> StepEstimate (MFU and HFU), pipeline_bubble,
             simple_training_estimate, config_train_tokens

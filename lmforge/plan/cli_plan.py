@@ -15,8 +15,8 @@ activation checkpointing `train.activation_checkpoint`, tp/pp/cp from `[parallel
 layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
 
 Memory is shown under each convention asked for (`--weights`, default all three: "lmforge" =
-what lmforge allocates, "megatron" = Megatron-LM's 18 B/param, "zero-paper" = the ZeRO paper's
-16 B/param); the search fit-checks with "lmforge" whenever it is among them (planning an lmforge
+what lmforge allocates, "megatron" = Megatron-LM's estimator (18 B/param), "zero-paper" = the
+ZeRO paper's 16 B/param); the search fit-checks with "lmforge" whenever it is among them (planning an lmforge
 run), else with the first one named, and says which.
 """
 
@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32", "fp8"), help="default: train.precision")
     p.add_argument("--weights", default="all",
                    help="memory conventions to show, comma-separated: lmforge (what lmforge allocates), megatron "
-                        "(Megatron-LM's 18 B/param), zero-paper (the ZeRO paper's 16 B/param), or all (default). "
-                        "The search fit-checks with lmforge when listed, else with the first")
+                        "(Megatron-LM's estimator, 18 B/param), zero-paper (the ZeRO paper's 16 B/param), or all "
+                        "(default). The search fit-checks with lmforge when listed, else with the first")
     p.add_argument("--devices", default=None, help="TOML file with extra devices")
     p.add_argument("--usable", type=float, default=0.9, help="fraction of device (and host) memory a plan may use (default 0.9)")
     p.add_argument("--search", action="store_true", help="enumerate and rank layouts that fit")

@@ -9,18 +9,39 @@ Three conventions, chosen with `weights=`, each named for what it counts:
     shards flat buffers exactly (numel/N): ZeRO-1 (master + state) 4 + 12/N, ZeRO-2
     (+ gradients) 2 + 14/N, ZeRO-3 (+ weights) 16/N.
 
-``"megatron"`` (Megatron-LM's `theoretical_memory_usage.py` and its distributed-optimizer table;
-DeepSpeed's ZeRO estimators count the same 18 for the states they shard)
-    bf16/fp8 runs keep bf16 weights (2), fp32 "main" gradients (4) and fp32 master weights +
-    Adam moments (12): 18 bytes/param; the distributed optimizer (ZeRO-1 here) shards the 12:
-    6 + 12/d. fp16 runs keep fp16 gradients (2) and shard an fp32 copy of them with the
+``"megatron"`` (Megatron-LM's own estimate: `megatron/training/theoretical_memory_usage.py`, read
+at NVIDIA/Megatron-LM commit d98e8a64ddf34856e74b24714e3bedb2f5a39553, and its
+distributed-optimizer table; DeepSpeed's ZeRO estimators count the same 18 for the states they
+shard)
+    Model states: bf16/fp8 runs keep bf16 weights (2), fp32 "main" gradients (4) and fp32 master
+    weights + Adam moments (12): 18 bytes/param; the distributed optimizer (ZeRO-1 here) shards
+    the 12: 6 + 12/d. fp16 runs keep fp16 gradients (2) and shard an fp32 copy of them with the
     optimizer: 20, or 4 + 16/d. fp32 runs: 16, or 8 + 8/d. Megatron has no ZeRO-2/3; this
     convention extends its breakdown the ZeRO way: ZeRO-2 also shards the fp32 gradients
-    (2 + 16/d), ZeRO-3 everything (18/d).
+    (2 + 16/d), ZeRO-3 everything (18/d). The bytes/param are Megatron's, the parameters the
+    model's own tensors: Megatron's formula leaves out linear biases and a learned position
+    table, pads the vocabulary to a multiple of 128 t, and spreads the final norm over the
+    pipeline stages (benchmarks/plan_conventions.py pins the difference).
+    Activations, as that file computes them (16-bit tensors, 1-byte dropout masks; s seq, b
+    micro-batch, h hidden, t TP, p PP), whatever the MLP type or the number of query groups
+    (Korthikanti et al.'s Table 2 for a 4h GELU MLP and multi-head attention, with flash
+    attention's absence of [s, s] scores):
+    - with SP and selective recompute: per layer sbh(18 + 4 ffn/h)/t (GPT: 34/t); token ids and
+      the embedding's dropout mask (8sb + sbh)/t; the output layer's inputs 4sbh(1 + V/h)/t;
+    - any other layout (SP without selective recompute included), its formula "without SP":
+      per layer sbh(10 + 24/t); (8sb + sbh); output 2(sbV/t + sbh); everything x 1.05 for
+      temporaries (`MEGATRON_ALLOWANCE`, in the breakdown's detail).
+    Micro-batches in flight as for the other conventions (1F1B: min(p, m) on the first stage,
+    which is Megatron's L layers x min(1, m/p); interleaved: its penalty 1 + (p-1)/(pv), here
+    capped at m). What the file does not model is extended, not copied: a layer under full
+    recompute keeps its input, 2sbh (2sbh/t with SP), as in Korthikanti et al. (the file counts
+    such layers in full: Llama-2-70B at 4096 tokens without TP / PP, 96.2 GB instead of 6.0);
+    `fused_attention=False` adds the 5as/h score term where no selective recompute drops it;
+    context parallelism and the last pipeline stage follow the rules below.
 
-Both literature conventions count activations as Korthikanti et al. (2022) do, 16-bit tensors
-and 1-byte dropout masks (s seq, b micro-batch, h hidden, a heads, t TP, F = MLP hidden / h,
-r = kv heads / heads). Per layer, without TP:
+``"zero-paper"`` counts activations as Korthikanti et al. (2022) do, generalised to GQA and the MLP
+type: 16-bit tensors and 1-byte dropout masks (F = MLP hidden / h, a heads, r = kv heads /
+heads). Per layer, without TP:
 
     sbh (10 + 4 + 4r + kF) [+ 5as/h without fused attention],  k = 4 (GELU), 6 (SwiGLU)
 
@@ -36,6 +57,8 @@ lmforge runs `scaled_dot_product_attention` (flash / memory-efficient kernels), 
 [s, s] matrix, so the term is off by default (`fused_attention=True`) and only the unfused,
 published formula keeps it. Selective recompute drops that term (so under fused attention it
 saves nothing in these conventions); full recompute keeps the layer input, 2sbh (2sbh/t with SP).
+Outside the blocks: the embedding's dropout mask sbh, the final norm's and the head's inputs
+4sbh, and fp32 logits 4sbV/t (sbh terms / t with SP).
 
 ``"lmforge"`` (what lmforge allocates; the trainer runs each optimizer step's forward and backward
 passes over all its micro-batches inside one `torch.autocast` context, and FSDP2 runs with
@@ -114,6 +137,7 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.config.base import divisors
+from lmforge.optim.registry import REGISTRY
 from lmforge.optim.state_memory import OPTIMIZER_NAMES, optimizer_state_bytes_per_param
 from lmforge.parallel.formulas import cp_activation_bytes, cp_kv_bytes, cp_mask_elements, recomputed_layers
 
@@ -123,6 +147,7 @@ PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 CONVENTIONS = ("lmforge", "megatron", "zero-paper")
 LITERATURE = ("megatron", "zero-paper")
 COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "buffers")
+MEGATRON_ALLOWANCE = 1.05  # Megatron's activation formula "without SP": x 1.05 for temporaries
 
 # Optimizer spelling accepted by the planner -> lmforge.optim name.
 _OPT_ALIASES = {"8bit-adam": "adam8bit", "adam-8bit": "adam8bit", "adamw8bit": "adam8bit", "sgdm": "momentum"}
@@ -419,43 +444,27 @@ def fsdp_shard_shape(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------
 
 
-def _uses_muon(spec: ParamSpec) -> bool:
+def is_hidden_matrix(spec: ParamSpec) -> bool:
+    """A matrix that optimizers with a rule of their own for hidden matrices (Muon) treat as one:
+    2-D, not an embedding, not the output head (lmforge.optim.muon's grouping)."""
     return len(spec.shape) >= 2 and not spec.is_embedding and "lm_head" not in spec.name
 
 
 def lmforge_state_bytes(optimizer: str, spec: ParamSpec, shape: tuple[int, ...], *, block_size: int = 256,
                         min_8bit_size: int = 4096) -> int:
-    """Exact bytes `lmforge.optim` keeps in `optimizer.state[p]` for a fp32 tensor of `shape`
-    (the element part from `optimizer_state_bytes_per_param`, plus per-tensor `step` tensors and
-    8-bit block padding, as the implementations allocate them)."""
-    n = math.prod(shape)
-    name = normalise_optimizer(optimizer)
-    if name in ("sgd", "momentum", "lion", "lamb"):  # lamb's step is a Python int
-        return int(optimizer_state_bytes_per_param(name) * n)
-    if name in ("adam", "adamw"):
-        return int(optimizer_state_bytes_per_param(name) * n) + 4  # fp32 0-dim `step` tensor
-    if name == "adafactor":
-        if len(shape) >= 2:
-            batch = math.prod(shape[:-2])
-            return 4 * batch * (shape[-2] + shape[-1]) + 4
-        return 4 * n + 4
-    if name == "muon":
-        if _uses_muon(spec):
-            return 4 * n
-        return 8 * n + 4
-    assert name == "adam8bit"
-    if n >= min_8bit_size:
-        blocks = math.ceil(n / block_size)
-        return 2 * (blocks * block_size + 4 * blocks)
-    return 8 * n
+    """Exact bytes `lmforge.optim` keeps in `optimizer.state[p]` for a fp32 tensor of `shape`: the
+    optimizer's `StateSize` in `lmforge.optim.registry` (state tensors, per-tensor `step` tensors,
+    8-bit block padding and scales), as the implementations allocate them."""
+    state = REGISTRY[normalise_optimizer(optimizer)].state
+    return state.tensor_bytes(shape, hidden_matrix=is_hidden_matrix(spec), block_size=block_size,
+                              min_8bit_size=min_8bit_size)
 
 
 def literature_state_bytes_per_param(optimizer: str, shape: tuple[int, ...] | None = None) -> float:
-    """fp32 optimizer state bytes per parameter (the literature convention; no per-tensor scalars)."""
-    name = normalise_optimizer(optimizer)
-    if name == "adafactor":
-        return optimizer_state_bytes_per_param(name, shape=shape)
-    return optimizer_state_bytes_per_param(name)
+    """fp32 optimizer state bytes per parameter (the literature convention; no per-tensor scalars;
+    `shape` matters for factored state only; an optimizer with its own rule for hidden matrices
+    is counted at its matrix figure)."""
+    return optimizer_state_bytes_per_param(normalise_optimizer(optimizer), shape=shape)
 
 
 def literature_parts(convention: str, precision: str, state_bytes: float) -> tuple[tuple[str, float, int], ...]:
@@ -593,6 +602,28 @@ def _literature_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: 
     return sbh * (replicated + (split + core) / t)
 
 
+def megatron_sp_formula(layout: Layout, ac: str | None = None) -> bool:
+    """Whether Megatron's report uses its sequence-parallel activation formula: only with SP and
+    selective recompute (`ac`: the layer's mode, default the layout's); any other layout gets its
+    formula "without SP"."""
+    return layout.sp and (layout.ac if ac is None else ac) == "selective"
+
+
+def _megatron_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str,
+                                   fused_attention: bool) -> float:
+    """Megatron-LM's per-layer bytes as its `theoretical_memory_usage.py` computes them (module
+    docstring): sbh(18 + 4 ffn/h)/t with SP and selective recompute, else sbh(10 + 24/t), whatever
+    the MLP type or the query groups; a fully recomputed layer keeps its input, 2sbh (/t with SP)."""
+    s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
+    sbh = s * b * h
+    if ac == "full":
+        return 2 * sbh / (t if layout.sp else 1)
+    if megatron_sp_formula(layout, ac):
+        return sbh * (18 + 4 * cfg.ffn_dim / h) / t
+    scores = 0.0 if (fused_attention or ac == "selective") else 5 * a * s * s * b / t
+    return sbh * (10 + 24 / t) + scores
+
+
 def _lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str) -> float:
     """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring)."""
     s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
@@ -651,9 +682,10 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
         kv = cp_kv_layer_bytes(cfg, layout, seq_len)
         scores = 0.0
     else:
-        whole = _literature_activation_per_layer(cfg, layout, seq_len, ac, fused_attention=True)
+        per = _megatron_activation_per_layer if convention == "megatron" else _literature_activation_per_layer
+        whole = per(cfg, layout, seq_len, ac, fused_attention=True)
         kv = cp_kv_bytes(layout.micro_batch, seq_len, cfg.kv_heads, cfg.head_dim, 2, layout.tp)
-        scores = _literature_activation_per_layer(cfg, layout, seq_len, ac, fused_attention) - whole
+        scores = per(cfg, layout, seq_len, ac, fused_attention) - whole
     if layout.cp == 1:
         return whole + scores
     if ac == "full":
@@ -670,6 +702,13 @@ def _extras(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, sta
     s, b, h, V, t = seq_len // layout.cp, layout.micro_batch, cfg.dim, cfg.vocab_size, layout.tp
     sbh = s * b * h
     out: dict[str, float] = {}
+    if convention == "megatron":  # token ids (int64) and the embedding's dropout mask; output-layer inputs
+        sp = megatron_sp_formula(layout)
+        if stage == 0:
+            out["embedding"] = (8 * s * b + sbh) / (t if sp else 1)
+        if stage == layout.pp - 1:
+            out["output"] = 4 * (sbh + s * b * V) / t if sp else 2 * (s * b * V / t + sbh)
+        return out
     if convention in LITERATURE:
         sp_div = t if layout.sp else 1
         if stage == 0:
@@ -827,6 +866,10 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
                            + last_in_flight * extras.get("output", 0.0))
     detail["activations_blocks"] = in_flight * blocks
     detail["activations_outside_blocks"] = comp["activations"] - detail["activations_blocks"]
+    if convention == "megatron" and not megatron_sp_formula(layout):
+        # Megatron's formula "without SP" adds 5% of the activations for temporaries
+        detail["activations_temporaries_allowance"] = (MEGATRON_ALLOWANCE - 1) * comp["activations"]
+        comp["activations"] *= MEGATRON_ALLOWANCE
     detail["micro_batches_in_flight"] = in_flight
     # Buffers.
     if convention == "lmforge":
@@ -844,7 +887,8 @@ def estimate_memory(model_cfg: ModelConfig, layout: Layout, optimizer: str = "ad
     """Bytes per GPU for `model_cfg` trained with `optimizer` under `layout`, worst pipeline stage.
 
     `weights` picks the convention: "lmforge" (what lmforge allocates), "megatron" (Megatron-LM's
-    18 B/param for bf16 Adam) or "zero-paper" (the ZeRO paper's 16 B/param). `fused_attention`
+    estimator: 18 B/param for bf16 Adam, its activation formula) or "zero-paper" (the ZeRO paper's
+    16 B/param, Korthikanti's activations). `fused_attention`
     (the literature conventions only; lmforge always uses SDPA): False keeps Korthikanti's
     [s, s] score term. See the module docstring for every formula.
     """

@@ -117,7 +117,7 @@ def _refusal_kinds(refused: dict[str, int]) -> list[tuple[str, int]]:
     return sorted(((why, n) for why, n in kinds.values()), key=lambda kv: -kv[1])
 
 
-_CONVENTION_WORDS = {"lmforge": "what lmforge allocates", "megatron": "Megatron-LM's 18 B/param",
+_CONVENTION_WORDS = {"lmforge": "what lmforge allocates", "megatron": "Megatron-LM's estimator, 18 B/param",
                      "zero-paper": "the ZeRO paper's 16 B/param"}
 
 
