@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+
+# CI runs the suite on two pytest-xdist workers on two cores. There, every process a test starts
+# (`lmforge train`, torchrun, the GPU suite's smoke run) gets one thread unless the test says
+# otherwise: torch's default of one thread per core would oversubscribe the core the other worker
+# is using, and a busy-waiting second thread makes both workers several times slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 WORDS = ("the king and queen walked to the castle where a knight told a story of the sea and the "
          "storm while the people of the town sang songs about love honour and war").split()
