@@ -44,6 +44,11 @@ class AsyncSGDTrainer(Trainer):
         pulled copy; the one-process layout, with no collective in the step."""
         return Layout(model, self.cfg, self.dist, precision)
 
+    def end_together(self) -> None:
+        """No closing barrier: a worker is done when the server stops it, while the server goes on
+        to its final evaluation, sample and checkpoint, which may outlast parallel.timeout_s. The
+        stop message is the last one either side sends."""
+
     def train(self) -> TrainResult:
         if self.dist.rank != 0:
             self.work()

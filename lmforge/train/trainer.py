@@ -221,14 +221,23 @@ class Trainer:
             if not is_rank0():
                 log.setLevel(logging.WARNING)  # only rank 0 prints progress and info lines
             self.setup()
-            if self.finished:
-                return self.report_finished()
-            return self.train()
+            result = self.report_finished() if self.finished else self.train()
+            self.end_together()
+            return result
         finally:
             if getattr(self, "ckpt", None) is not None:
                 self.ckpt.close()  # never leave a save half-written behind an exception
             if getattr(self, "dist", None) is not None and self.dist.distributed:
                 destroy_distributed()
+
+    def end_together(self) -> None:
+        """Every rank waits here for the others before any tears its process groups down. A rank
+        that closes its connections while a peer is still finishing its last collective can abort
+        that peer on exit (gloo; seen once in CI as a SIGABRT, "terminate called without an active
+        exception", on one rank of a 4-rank run that only reported a finished run). Only after a
+        clean end: after an error a peer may never arrive."""
+        if self.dist.distributed:
+            torch.distributed.barrier(group=self.dist.host_group)
 
     def report_finished(self) -> TrainResult:
         """The run in the folder is complete: report its summary, change nothing."""
