@@ -53,6 +53,7 @@ class S3Backup:
         self.on_event = on_event or (lambda e: None)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
         self.uploaded: list[str] = []
         self.errors: list[str] = []
 
@@ -105,10 +106,11 @@ class S3Backup:
     # ---- upload (background) -----------------------------------------------------------------
     def upload(self, folder: Path, keep: list[str]) -> None:
         """Queue `folder` for upload; afterwards delete remote checkpoints not named in `keep`."""
-        self._queue.put((Path(folder), list(keep)))
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._worker, name="lmforge-s3", daemon=True)
-            self._thread.start()
+        with self._lock:  # (the worker leaves under the same lock: a queued folder always has a worker)
+            self._queue.put((Path(folder), list(keep)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._worker, name="lmforge-s3", daemon=True)
+                self._thread.start()
 
     def wait(self) -> None:
         self._queue.join()
@@ -118,10 +120,22 @@ class S3Backup:
             try:
                 folder, keep = self._queue.get(timeout=5)
             except queue.Empty:
-                return
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
             try:
                 self._upload(folder)
                 self._prune(keep)
+            except FileNotFoundError:
+                # A checkpoint is validated before it is queued, so a file gone since means the local
+                # rotation (keep_last) removed it while its upload waited or ran: newer checkpoints
+                # supersede it and the remote copy must not keep it either. Skipped, not failed.
+                self._delete_remote(folder.name)
+                log.info("checkpoint: %s was rotated away locally before its backup finished; skipped", folder.name)
+                self.on_event({"event": "backup_skipped", "path": str(folder),
+                               "message": f"{folder.name} rotated away locally before its backup finished"})
             except Exception as e:  # noqa: BLE001 - a failed backup must not stop training
                 msg = f"S3 backup of {folder.name} failed: {type(e).__name__}: {e}"
                 self.errors.append(msg)
@@ -170,13 +184,15 @@ class S3Backup:
 
     def _prune(self, keep: list[str]) -> None:
         for name in self.remote_checkpoints():
-            if name in keep:
-                continue
-            paginator = self.client.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{self.prefix}{name}/"):
-                objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-                if objs:
-                    self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objs})
+            if name not in keep:
+                self._delete_remote(name)
+
+    def _delete_remote(self, name: str) -> None:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{self.prefix}{name}/"):
+            objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objs:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objs})
 
     # ---- restore -----------------------------------------------------------------------------
     def latest_complete(self) -> str | None:
