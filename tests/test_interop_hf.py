@@ -145,6 +145,25 @@ def test_import_cli_writes_a_run_folder_generate_can_use(tmp_path):
     assert (_hf_logits(tmp_path / "hf2", tokens) - hf(tokens).logits).abs().max().item() < TOL
 
 
+def test_an_imported_runs_config_fixes_the_model_and_leaves_training_to_the_layout(tmp_path):
+    """The imported config.toml holds what the import knows (model, data); a fine-tuning run from it
+    adapts the micro-batch to its own global batch as it would a preset's, instead of refusing the
+    default micro_batch_size 16 as if the user had chosen it."""
+    from lmforge.cli import main
+    from lmforge.config import ConfigError, load_config
+    from lmforge.folders import CONFIG
+
+    _hf_llama(tmp_path, tie=False)
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    text = (tmp_path / "run" / CONFIG).read_text()
+    assert "[model]" in text and "[data]" in text and "[train]" not in text and "[optim]" not in text
+    cfg = load_config(str(tmp_path / "run" / CONFIG), {"train.global_batch_size": 12})
+    assert cfg.train.micro_batch_size == 12 and cfg.model.n_layers == 2 and cfg.model.kv_heads == 1
+    assert any("micro_batch_size 16 -> 12" in note for note in cfg.adjustments), cfg.adjustments
+    with pytest.raises(ConfigError, match="micro_batch_size"):  # the user's own choice stays an error
+        load_config(str(tmp_path / "run" / CONFIG), {"train.global_batch_size": 12, "train.micro_batch_size": 5})
+
+
 def test_unrepresentable_configs_are_rejected_clearly(tmp_path):
     mixed = build_model(ModelConfig(**dict(BASE, norm="layernorm")), seed=0)
     with pytest.raises(ValueError, match="matches neither LlamaForCausalLM"):

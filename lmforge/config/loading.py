@@ -266,14 +266,16 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]
     return rows
 
 
-def to_toml(cfg: Config) -> str:
-    """Serialise a config back to TOML (written next to every run for reproducibility)."""
+def to_toml(cfg: Config, sections: tuple[str, ...] | None = None) -> str:
+    """Serialise a config back to TOML (written next to every run for reproducibility). With
+    `sections`, only those tables are written (plus the top-level keys): a file read back with
+    `load_config` takes the rest from the defaults, which it may still adapt to the layout."""
     lines: list[str] = []
     top = {k: v for k, v in cfg.to_dict().items() if not isinstance(v, dict)}
     for key, value in top.items():
         lines.append(f"{key} = {_toml_value(value)}")
     for key, value in cfg.to_dict().items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and (sections is None or key in sections):
             lines.append(f"\n[{key}]")
             for k, v in value.items():
                 if v is not None:

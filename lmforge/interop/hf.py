@@ -378,6 +378,9 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
                            tokenizer=str((out / TOKENIZER).resolve()) if tokenizer else "none")
     if tokenizer is not None:
         tokenizer.save(out / TOKENIZER)  # atomic: Tokenizer.save writes through folders.atomic_write
-    atomic_write(out / CONFIG, to_toml(run_cfg.validate()))
+    # Only what the import knows: the model and its data settings. The training keys stay
+    # defaults rather than choices, so a fine-tuning run from this file adapts them to its layout
+    # as it would a preset's (a file's own keys are never adapted).
+    atomic_write(out / CONFIG, to_toml(run_cfg.validate(), sections=("model", "data")))
     save_weights(model, out / WEIGHTS)
     return out
