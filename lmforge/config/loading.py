@@ -271,10 +271,11 @@ def to_toml(cfg: Config, sections: tuple[str, ...] | None = None) -> str:
     `sections`, only those tables are written (plus the top-level keys): a file read back with
     `load_config` takes the rest from the defaults, which it may still adapt to the layout."""
     lines: list[str] = []
-    top = {k: v for k, v in cfg.to_dict().items() if not isinstance(v, dict)}
-    for key, value in top.items():
-        lines.append(f"{key} = {_toml_value(value)}")
-    for key, value in cfg.to_dict().items():
+    tree = cfg.to_dict()
+    for key, value in tree.items():
+        if not isinstance(value, dict):
+            lines.append(f"{key} = {_toml_value(value)}")
+    for key, value in tree.items():
         if isinstance(value, dict) and (sections is None or key in sections):
             lines.append(f"\n[{key}]")
             for k, v in value.items():
