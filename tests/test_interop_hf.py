@@ -183,7 +183,7 @@ def test_import_rejects_weights_that_do_not_match_config(tmp_path):
     cfg = json.loads(path.read_text())
     cfg["intermediate_size"] = 64
     path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="mlp.gate.weight has shape"):
+    with pytest.raises(ValueError, match=r"mlp.gate.weight\) has shape"):
         import_hf(tmp_path / "hf")
     del cfg["intermediate_size"], cfg["num_hidden_layers"]
     cfg.update(intermediate_size=40, num_hidden_layers=3)

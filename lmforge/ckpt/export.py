@@ -8,8 +8,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmforge.config import Config, load_config
-from lmforge.folders import CONFIG, WEIGHTS, atomic_path, describe_kind, folder_kind
+from lmforge.ckpt.streaming import safetensors_writer
+from lmforge.config import Config, ModelConfig, load_config
+from lmforge.folders import CHECKPOINTS, CONFIG, WEIGHTS, atomic_path, describe_kind, folder_kind
 from lmforge.model.transformer import Transformer, build_model
 
 
@@ -45,14 +46,36 @@ def save_state(model: torch.nn.Module | dict[str, torch.Tensor], path: Path) -> 
         save_file(model_state(model), str(tmp), metadata={"format": "lmforge"})
 
 
+def save_streaming(path: Path, specs):
+    """`with save_streaming(path, [(name, dtype, shape), ...]) as write:` lmforge's weights file written
+    one tensor at a time (lmforge.ckpt.streaming), atomically."""
+    return safetensors_writer(path, specs, metadata={"format": "lmforge"})
+
+
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file; a truncated or corrupt file is a ValueError naming the
-    path and the fix (safetensors itself says only "incomplete metadata", without the path)."""
+    """All tensors of a safetensors file; a missing, truncated or corrupt file is a ValueError (see
+    `check_safetensors`)."""
+    return _checked_read(path, load_file)
+
+
+def check_safetensors(path: str | Path) -> None:
+    """ValueError naming the path and the fix when `path` is not a readable, complete safetensors file
+    (safetensors itself says only "incomplete metadata", without the path); reads the header only."""
+    from safetensors import safe_open
+
+    def header(p: str) -> None:
+        with safe_open(p, "pt"):
+            pass
+
+    _checked_read(path, header)
+
+
+def _checked_read(path: str | Path, read):
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"weights file {str(path)!r} does not exist.")
     try:
-        return load_file(str(path))
+        return read(str(path))
     except PermissionError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror}); check its permissions.") from None
     except (SafetensorError, OSError) as exc:
@@ -78,11 +101,11 @@ def load_weights(model: Transformer, path: Path) -> None:
     model.tie_weights()
 
 
-def check_run_folder(run_dir: str | Path) -> Path:
+def check_run_folder(run_dir: str | Path, checkpoint_ok: bool = False) -> Path:
     """`run_dir` as a Path if it is an lmforge run folder (config.toml + model.safetensors), else a
     ValueError that says what the path is: missing (with close names beside it), a file, another
     kind of folder (a transformers folder: `lmforge import` it first), a folder of runs (a sweep),
-    or a run that has not finished."""
+    or a run that has not finished (with `checkpoint_ok`: and has no valid checkpoint either)."""
     run_dir = Path(run_dir)
     shown = str(run_dir)
     if not run_dir.exists():
@@ -116,7 +139,7 @@ def check_run_folder(run_dir: str | Path) -> Path:
                   f"give one of them, e.g. {str(run_dir / runs[0])!r}" if runs else
                   "; give the folder `lmforge train` wrote (its train.out_dir)")
         raise ValueError(f"{shown!r} is not an lmforge run folder: it has no {CONFIG}{inside}.")
-    if not (run_dir / WEIGHTS).is_file():
+    if not (run_dir / WEIGHTS).is_file() and not (checkpoint_ok and newest_checkpoint(run_dir) is not None):
         raise ValueError(f"{shown!r} has no {WEIGHTS}: training writes it when the run finishes (or "
                          f"`lmforge import` for an imported model); finish the run with the same "
                          f"`lmforge train` command, which resumes from its newest checkpoint.")
@@ -132,3 +155,77 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[C
     load_weights(model, run_dir / WEIGHTS)
     model.eval()
     return cfg, model
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of a run folder that passes `verify_checkpoint`, or None."""
+    from lmforge.ckpt.manager import list_checkpoints, verify_checkpoint
+
+    for _, path in list_checkpoints(run_dir / CHECKPOINTS):
+        try:
+            verify_checkpoint(path)
+            return path
+        except ValueError:
+            continue
+    return None
+
+
+class WeightReader:
+    """A model's weights by (unwrapped) name, read one tensor at a time: from a module in memory, a
+    safetensors file (memory-mapped) or a torch.distributed.checkpoint folder (each tensor gathered
+    from every rank's shard files as it is read). `shapes` / `dtypes` are known without reading."""
+
+    def __init__(self, shapes: dict[str, tuple], dtypes: dict[str, torch.dtype], read):
+        self.shapes, self.dtypes, self.read = shapes, dtypes, read
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module) -> "WeightReader":
+        state = model_state(model)
+        return cls({k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()},
+                   state.__getitem__)
+
+    @classmethod
+    def of_file(cls, path: Path) -> "WeightReader":
+        from safetensors import safe_open
+
+        check_safetensors(path)
+        with safe_open(str(path), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            dtypes = {k: getattr(torch, _DTYPES[f.get_slice(k).get_dtype()]) for k in f.keys()}
+
+        def read(name: str) -> torch.Tensor:
+            with safe_open(str(path), "pt") as f:
+                return f.get_tensor(name)
+
+        return cls(shapes, dtypes, read)
+
+    @classmethod
+    def of_checkpoint(cls, folder: Path) -> "WeightReader":
+        import torch.distributed.checkpoint as dcp
+
+        from lmforge.ckpt.safe_io import SafeFileSystemReader, safe_read_metadata
+
+        prefix = "model/weights/"
+        md = {k[len(prefix):]: m for k, m in safe_read_metadata(folder).state_dict_metadata.items()
+              if k.startswith(prefix)}
+
+        def read(name: str) -> torch.Tensor:
+            t = torch.empty(tuple(md[name].size), dtype=md[name].properties.dtype)
+            dcp.load({prefix + name: t}, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
+            return t
+
+        return cls({k: tuple(m.size) for k, m in md.items()}, {k: m.properties.dtype for k, m in md.items()}, read)
+
+
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def run_weights(run_dir: str | Path) -> tuple[ModelConfig, WeightReader]:
+    """A run folder's model config and its weights: model.safetensors, or for a run that has not
+    finished its newest valid checkpoint (a sharded run's DCP shards, read tensor by tensor)."""
+    run_dir = check_run_folder(run_dir, checkpoint_ok=True)
+    cfg = load_config(str(run_dir / CONFIG)).model
+    if (run_dir / WEIGHTS).is_file():
+        return cfg, WeightReader.of_file(run_dir / WEIGHTS)
+    return cfg, WeightReader.of_checkpoint(newest_checkpoint(run_dir))

@@ -20,17 +20,21 @@ rejected with a ValueError that says which setting neither class can represent.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from lmforge.config import Config, ModelConfig, to_toml
 from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, WEIGHTS, atomic_path, atomic_write,
                              check_target)
-from lmforge.model.transformer import Transformer, build_model
+from lmforge.ckpt.export import WeightReader, run_weights, save_streaming
+from lmforge.ckpt.streaming import TensorRef, safetensors_writer
+from lmforge.model.materialise import materialise
+from lmforge.model.transformer import Transformer
 
 # activations of transformers' GPT-2 that are the tanh approximation lmforge's GeluMLP computes
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -157,71 +161,122 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def _to_gpt2(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    def get(name: str, shape_of: str) -> torch.Tensor:
-        # lmforge without biases: zero biases give GPT-2 the same function
-        return state[name] if name in state else torch.zeros(state[shape_of].shape[0])
+def _hf_tensors(cfg: ModelConfig, get: Callable[[str], torch.Tensor],
+                has: Callable[[str], bool]) -> dict[str, Callable[[], torch.Tensor]]:
+    """transformers name -> a function making that tensor from lmforge's (`get(name)`; `has(name)`:
+    whether the model has it). Nothing is read until a function is called, so an export holds one
+    output tensor at a time (called on meta tensors: the shapes and dtypes, for free)."""
+    if hf_family(cfg) == "llama":
+        return {theirs: functools.partial(get, ours) for ours, theirs in _llama_names(cfg).items()}
 
-    out = {"transformer.wte.weight": state["tok_emb.weight"], "transformer.wpe.weight": state["pos_emb.weight"],
-           "transformer.ln_f.weight": state["norm.weight"], "transformer.ln_f.bias": get("norm.bias", "norm.weight")}
+    def bias(name: str, shape_of: str) -> torch.Tensor:
+        # lmforge without biases: zero biases give GPT-2 the same function
+        if has(name):
+            return get(name)
+        like = get(shape_of)
+        return torch.zeros(like.shape[0], dtype=like.dtype, device=like.device)
+
+    def qkv(b: str, kind: str) -> torch.Tensor:
+        names = [b + f"attn.{w}" for w in ("wq", "wk", "wv")]
+        if kind == "weight":
+            return torch.cat([get(n + ".weight") for n in names]).t()
+        return torch.cat([bias(n + ".bias", n + ".weight") for n in names])
+
+    part = functools.partial
+    out = {"transformer.wte.weight": part(get, "tok_emb.weight"), "transformer.wpe.weight": part(get, "pos_emb.weight"),
+           "transformer.ln_f.weight": part(get, "norm.weight"),
+           "transformer.ln_f.bias": part(bias, "norm.bias", "norm.weight")}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
+        out["lm_head.weight"] = part(get, "lm_head.weight")
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"transformer.h.{i}."
         for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out[h + theirs + ".weight"] = state[b + ours + ".weight"]
-            out[h + theirs + ".bias"] = get(b + ours + ".bias", b + ours + ".weight")
-        qkv = [b + f"attn.{w}" for w in ("wq", "wk", "wv")]
-        out[h + "attn.c_attn.weight"] = torch.cat([state[n + ".weight"] for n in qkv]).t()
-        out[h + "attn.c_attn.bias"] = torch.cat([get(n + ".bias", n + ".weight") for n in qkv])
+            out[h + theirs + ".weight"] = part(get, b + ours + ".weight")
+            out[h + theirs + ".bias"] = part(bias, b + ours + ".bias", b + ours + ".weight")
+        out[h + "attn.c_attn.weight"] = part(qkv, b, "weight")
+        out[h + "attn.c_attn.bias"] = part(qkv, b, "bias")
         for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            out[h + theirs + ".weight"] = state[b + ours + ".weight"].t()
-            out[h + theirs + ".bias"] = get(b + ours + ".bias", b + ours + ".weight")
+            out[h + theirs + ".weight"] = lambda n=b + ours + ".weight": get(n).t()
+            out[h + theirs + ".bias"] = part(bias, b + ours + ".bias", b + ours + ".weight")
     return out
 
 
-def _from_gpt2(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
-    out = {"tok_emb.weight": hf["wte.weight"], "pos_emb.weight": hf["wpe.weight"],
-           "norm.weight": hf["ln_f.weight"], "norm.bias": hf["ln_f.bias"]}
+def hf_weight_refs(cfg: ModelConfig, hf_dir: str | Path) -> dict[str, TensorRef]:
+    """Where each lmforge weight of a `cfg` model lies in the transformers folder `hf_dir`
+    (model.safetensors, a sharded index, or pytorch_model.bin memory-mapped): read slice by slice,
+    a rank of a sharded run reads only its own parts (lmforge.ckpt.streaming.TensorRef). ValueError
+    names a missing weight."""
+    hf_dir = Path(hf_dir)
+    where = _hf_weight_files(hf_dir)
+
+    def ref(key: str, transpose: bool = False, offset: tuple[int, ...] = ()) -> TensorRef:
+        for k in (key, f"transformer.{key}"):
+            if k in where:
+                file, tensors = where[k]
+                return TensorRef(file, k, transpose, offset, tensors)
+        raise ValueError(f"{hf_dir}: weight {key!r} is missing; the weights do not match config.json (layers, "
+                         f"biases or tied embeddings).")
+
+    if hf_family(cfg) == "llama":
+        return {ours: ref(theirs) for ours, theirs in _llama_names(cfg).items()}
+    out = {"tok_emb.weight": ref("wte.weight"), "pos_emb.weight": ref("wpe.weight"),
+           "norm.weight": ref("ln_f.weight"), "norm.bias": ref("ln_f.bias")}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
+        out["lm_head.weight"] = ref("lm_head.weight")
+    d = cfg.dim
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"h.{i}."
         for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out[b + ours + ".weight"], out[b + ours + ".bias"] = hf[h + theirs + ".weight"], hf[h + theirs + ".bias"]
-        w, bias = hf[h + "attn.c_attn.weight"].t(), hf[h + "attn.c_attn.bias"]
-        for name, wt, bt in zip(("wq", "wk", "wv"), w.chunk(3), bias.chunk(3)):
-            out[b + f"attn.{name}.weight"], out[b + f"attn.{name}.bias"] = wt, bt
+            out[b + ours + ".weight"], out[b + ours + ".bias"] = ref(h + theirs + ".weight"), ref(h + theirs + ".bias")
+        for j, name in enumerate(("wq", "wk", "wv")):  # c_attn (in, 3 out): q, k, v side by side, transposed
+            out[b + f"attn.{name}.weight"] = ref(h + "attn.c_attn.weight", transpose=True, offset=(0, j * d))
+            out[b + f"attn.{name}.bias"] = ref(h + "attn.c_attn.bias", offset=(j * d,))
         for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            out[b + ours + ".weight"], out[b + ours + ".bias"] = hf[h + theirs + ".weight"].t(), hf[h + theirs + ".bias"]
+            out[b + ours + ".weight"], out[b + ours + ".bias"] = ref(h + theirs + ".weight", transpose=True), \
+                ref(h + theirs + ".bias")
     return out
 
 
-def to_hf_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's weights under transformers names and layouts (contiguous CPU tensors)."""
-    from lmforge.ckpt.export import model_state
+def _hf_weight_files(hf_dir: Path) -> dict[str, tuple[Path, dict | None]]:
+    """Stored tensor name -> (its file, the memory-mapped tensors of a pytorch_model.bin or None)."""
+    from safetensors import SafetensorError, safe_open
 
-    cfg = model.cfg
-    state = model_state(model)
-    if hf_family(cfg) == "llama":
-        out = {theirs: state[ours] for ours, theirs in _llama_names(cfg).items()}
+    index = hf_dir / "model.safetensors.index.json"
+    if (hf_dir / WEIGHTS).is_file():
+        files = [hf_dir / WEIGHTS]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({exc}); save the model again.") from None
+        return {key: (hf_dir / name, None) for key, name in weight_map.items()}
+    elif (hf_dir / "pytorch_model.bin").is_file():  # (loaded with weights_only=True: no code runs; mmap: no copy)
+        path = hf_dir / "pytorch_model.bin"
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return {key: (path, tensors) for key in tensors}
     else:
-        out = _to_gpt2(state, cfg)
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+        raise ValueError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
+                         f"save the model with `save_pretrained` first.")
+    where = {}
+    for file in files:
+        try:
+            with safe_open(str(file), "pt") as f:
+                where.update({key: (file, None) for key in f.keys()})
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{file} is not a complete safetensors file ({exc}): it was truncated or is "
+                             f"corrupt. Fix: copy or write it again from its source.") from None
+    return where
 
 
-def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
-    """transformers weights -> lmforge state dict for `cfg`; ValueError names missing tensors."""
-    try:
-        if hf_family(cfg) == "llama":
-            if cfg.tie_embeddings:
-                hf = {k: v for k, v in hf.items() if k != "lm_head.weight"}
-            return {ours: hf[theirs] for ours, theirs in _llama_names(cfg).items()}
-        return _from_gpt2(hf, cfg)
-    except KeyError as exc:
-        raise ValueError(f"{source}: weight {exc.args[0]!r} is missing; the weights do not match config.json "
-                         f"(layers, biases or tied embeddings).") from exc
+def write_hf_weights(cfg: ModelConfig, weights: WeightReader, path: Path) -> None:
+    """model.safetensors of a transformers folder, written one tensor at a time from an lmforge weight
+    reader (lmforge.ckpt.export): the peak is one output tensor (GPT-2's fused c_attn: three)."""
+    meta = lambda name: torch.empty(weights.shapes[name], dtype=weights.dtypes[name], device="meta")  # noqa: E731
+    has = weights.shapes.__contains__
+    specs = [(name, t.dtype, tuple(t.shape)) for name, make in _hf_tensors(cfg, meta, has).items() for t in [make()]]
+    with safetensors_writer(path, specs, metadata={"format": "pt"}) as write:
+        for name, make in _hf_tensors(cfg, weights.read, has).items():
+            write(name, make().contiguous())
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,15 +300,12 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
     require_transformers("lmforge export")
     check_target(out_dir, "transformers", HF_FILES, "--out", overwrite)
     if isinstance(run_or_model, Transformer):
-        model = run_or_model
+        cfg, weights = run_or_model.cfg, WeightReader.of_model(run_or_model)
     else:
-        from lmforge.ckpt.export import load_run
-
         run_dir = Path(run_or_model)
-        _, model = load_run(run_dir)
+        cfg, weights = run_weights(run_dir)
         if tokenizer is None and (run_dir / TOKENIZER).is_file():
             tokenizer = Tokenizer.load(run_dir / TOKENIZER)
-    cfg = model.cfg
     ids = {}
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -263,8 +315,7 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_cfg.save_pretrained(out)
-    with atomic_path(out / WEIGHTS) as tmp:
-        save_file(to_hf_state(model), str(tmp), metadata={"format": "pt"})
+    write_hf_weights(cfg, weights, out / WEIGHTS)
     if tokenizer is not None:
         save_hf_tokenizer(tokenizer, out, cfg.max_seq_len)
     return out
@@ -288,60 +339,33 @@ def save_hf_tokenizer(tokenizer, out_dir: Path, max_len: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a transformers folder: model.safetensors, sharded safetensors (index), or
-    pytorch_model.bin (loaded with weights_only=True: no code runs)."""
-    from lmforge.ckpt.export import read_safetensors
-
-    index = hf_dir / "model.safetensors.index.json"
-    if (hf_dir / WEIGHTS).is_file():
-        return read_safetensors(hf_dir / WEIGHTS)
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(read_safetensors(hf_dir / f))
-        return state
-    if (hf_dir / "pytorch_model.bin").is_file():
-        return torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ValueError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
-                     f"save the model with `save_pretrained` first.")
-
-
-def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
-    """A local transformers Llama or GPT-2 folder -> (ModelConfig, lmforge Transformer in eval mode)."""
-    hf_dir = Path(hf_dir)
+def _read_hf_config(hf_dir: Path) -> dict:
     cfg_path = hf_dir / HF_CONFIG
     if not cfg_path.is_file():
         raise ValueError(f"{hf_dir} is not a transformers model folder: {cfg_path.name} is missing.")
     try:
-        hf_cfg = json.loads(cfg_path.read_text())
+        return json.loads(cfg_path.read_text())
     except ValueError as exc:
         raise ValueError(f"{cfg_path}: invalid JSON ({exc})") from exc
-    cfg = model_config_from_hf(hf_cfg, str(cfg_path))
-    model = build_model(cfg, device)
-    load_hf_weights(model, hf_dir)
+
+
+def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
+    """A local transformers Llama or GPT-2 folder -> (ModelConfig, lmforge Transformer in eval mode),
+    built on the meta device and filled one weight at a time."""
+    hf_dir = Path(hf_dir)
+    cfg = model_config_from_hf(_read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
+    refs = hf_weight_refs(cfg, hf_dir)
+
+    def values(name, module, module_name, param_name, shape, index, dtype):
+        if name not in refs:
+            raise ValueError(f"{hf_dir}: no weights for {name}.")
+        return refs[name].read(shape, index, name).to(dtype)
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    materialise(model, device, values)
     model.eval()
     return cfg, model
-
-
-@torch.no_grad()
-def load_hf_weights(model: Transformer, hf_dir: str | Path) -> None:
-    """Copy the weights of a transformers folder into `model` (whose config must match it);
-    ValueError names the first tensor whose shape differs or that is missing."""
-    hf_dir = Path(hf_dir)
-    state = from_hf_state(read_hf_weights(hf_dir), model.cfg, str(hf_dir))
-    expected = model.state_dict()
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{hf_dir}: {name} has shape {tuple(tensor.shape)}, config.json implies "
-                             f"{tuple(expected[name].shape)}.")
-    dtype = model.tok_emb.weight.dtype
-    missing, _ = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if not k.startswith("rope_") and not (k == "lm_head.weight" and model.cfg.tie_embeddings)]
-    if missing:
-        raise ValueError(f"{hf_dir}: no weights for {missing[:5]}.")
-    model.tie_weights()
 
 
 def import_hf_tokenizer(hf_dir: Path):
@@ -364,11 +388,12 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     """Write an lmforge run folder (config.toml, model.safetensors, tokenizer.json if the source
     has a tokenizer) from a transformers folder, usable by `lmforge generate/eval` and fine-tuning.
     Existing files are replaced only with `overwrite`; a transformers folder is never written into."""
-    from lmforge.ckpt.export import save_weights
-
     hf_dir, out = Path(hf_dir), Path(out_dir)
     check_target(out, "run", RUN_FILES, "--out", overwrite)
-    cfg, model = import_hf(hf_dir)
+    cfg = model_config_from_hf(_read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
+    refs = hf_weight_refs(cfg, hf_dir)
+    with torch.device("meta"):
+        specs = [(name, p.dtype, tuple(p.shape)) for name, p in Transformer(cfg).named_parameters()]
     tokenizer = import_hf_tokenizer(hf_dir)  # read everything before the first write
     out.mkdir(parents=True, exist_ok=True)
     run_cfg = Config(preset="imported", description=f"imported from {hf_dir}", model=cfg)
@@ -382,5 +407,7 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     # defaults rather than choices, so a fine-tuning run from this file adapts them to its layout
     # as it would a preset's (a file's own keys are never adapted).
     atomic_write(out / CONFIG, to_toml(run_cfg.validate(), sections=("model", "data")))
-    save_weights(model, out / WEIGHTS)
+    with save_streaming(out / WEIGHTS, specs) as write:  # one tensor at a time, in fp32
+        for name, dtype, shape in specs:
+            write(name, refs[name].read(shape, (None,) * len(shape), name).to(dtype))
     return out

@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.model.init import InitRule, init_values
+
 
 class LoRALinear(nn.Linear):
     """An nn.Linear with a low-rank update; built from an existing Linear, sharing its parameters."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
-                 generator: torch.Generator | None = None) -> None:
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, name: str = "",
+                 seed: int | None = None) -> None:
         nn.Module.__init__(self)  # no fresh weight: take the base module's parameters
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
@@ -40,11 +42,14 @@ class LoRALinear(nn.Linear):
         self.scaling = alpha / rank
         self.lora_dropout = nn.Dropout(dropout)
         w = base.weight
-        a = torch.empty(rank, self.in_features, dtype=torch.float32)
-        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and the LoRA paper's code
-        a.uniform_(-bound, bound, generator=generator)
-        self.lora_a = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
+        self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, device=w.device, dtype=w.dtype))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=w.device, dtype=w.dtype))
+        if not w.is_meta:  # (on the meta device lmforge.model.materialise fills them, by the same rule)
+            rule = InitRule("uniform", 1.0 / math.sqrt(self.in_features))  # kaiming_uniform_(a=sqrt(5)), as nn.Linear
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, ()).item())
+            with torch.no_grad():
+                self.lora_a.copy_(init_values(rule, f"{name}.lora_a", self.lora_a.shape, (None, None), seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_a), self.lora_b)
@@ -54,8 +59,7 @@ class LoRALinear(nn.Linear):
     def merged(self) -> nn.Linear:
         """A plain nn.Linear computing the same function (W + scaling * B A), sharing the bias."""
         out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        delta = (self.lora_b.float() @ self.lora_a.float()) * self.scaling
-        out.weight = nn.Parameter((self.weight.float() + delta).to(self.weight.dtype),
+        out.weight = nn.Parameter(merged_weight(self.weight, self.lora_a, self.lora_b, self.rank, self.alpha),
                                   requires_grad=self.weight.requires_grad)
         out.bias = self.bias
         return out
@@ -96,7 +100,6 @@ def apply_lora(model: nn.Module, targets: str | list[str] = "wq,wk,wv,wo", rank:
     if cfg is not None and cfg.tie_embeddings and any(_matches("lm_head", t) for t in wanted):
         raise ValueError("LoRA target 'lm_head' shares its weight with the token embedding (model.tie_embeddings = "
                          "true); merging would change the embedding too. Leave lm_head out.")
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for p in model.parameters():
         p.requires_grad_(False)
     adapted = []
@@ -104,7 +107,7 @@ def apply_lora(model: nn.Module, targets: str | list[str] = "wq,wk,wv,wo", rank:
         if any(_matches(name, t) for t in wanted):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, LoRALinear(module, rank, alpha, dropout, gen))
+            setattr(parent, child, LoRALinear(module, rank, alpha, dropout, name=name, seed=seed))
             adapted.append(name)
     return adapted
 
@@ -114,18 +117,29 @@ def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is a LoRA adapter's (``<module>.lora_a`` / ``<module>.lora_b``)."""
+    return name.endswith((".lora_a", ".lora_b"))
+
+
+@torch.no_grad()
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rank: int,
+                  alpha: float) -> torch.Tensor:
+    """W + (alpha / rank) * B A in W's dtype (computed in fp32)."""
+    return (weight.float() + (lora_b.float() @ lora_a.float()) * (alpha / rank)).to(weight.dtype)
+
+
 @torch.no_grad()
 def merged_state_dict(state: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """A full state dict with adapters (``<m>.lora_a`` / ``<m>.lora_b``, e.g. gathered from FSDP
-    shards) -> the base model's state dict with ``<m>.weight += (alpha / rank) * B A``. The same
-    result as `merge_lora` on the module, for code that only holds the tensors."""
-    out = {k: v for k, v in state.items() if not k.endswith((".lora_a", ".lora_b"))}
+    """A full state dict with adapters (``<m>.lora_a`` / ``<m>.lora_b``) -> the base model's state dict
+    with ``<m>.weight += (alpha / rank) * B A``. The same result as `merge_lora` on the module, for
+    code that only holds the tensors."""
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
     for key in state:
         if key.endswith(".lora_a"):
             module = key[: -len(".lora_a")]
-            w = state[module + ".weight"]
-            delta = (state[module + ".lora_b"].float() @ state[key].float()) * (alpha / rank)
-            out[module + ".weight"] = (w.float() + delta).to(w.dtype)
+            out[module + ".weight"] = merged_weight(state[module + ".weight"], state[key], state[module + ".lora_b"],
+                                                    rank, alpha)
     return out
 
 

@@ -3,19 +3,20 @@
 GPT-2 (learned positions, LayerNorm, GELU, tied embeddings, biases) and Llama (RoPE, RMSNorm,
 SwiGLU, GQA, untied) are the same class with different `ModelConfig` values.
 
-Construction is on the meta device (no memory, no init cost, whatever the size); `build_model`
-then materialises the parameters on the target device and calls `init_weights`, which is also
-what a parallel wrapper (FSDP, TP) calls after sharding.
+Construction is on the meta device (no memory, no init cost, whatever the size). `build_model`
+materialises a whole model on one device; a parallel run instead splits and shards the meta model
+first and each rank materialises only its own part (lmforge.model.materialise, with the
+initialisation of lmforge.model.init, which gives every layout the same initial weights).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from lmforge.config import ModelConfig
+from lmforge.model.init import init_source
+from lmforge.model.materialise import materialise
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
 from lmforge.model.layers import Block, KVCache, make_norm, rope_rows, rope_tables, token_positions
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
@@ -45,34 +46,11 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    # ---- initialisation ---------------------------------------------------------------------
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """GPT-2 style init: N(0, init_std) everywhere, residual output projections scaled by
-        1/sqrt(2 * n_layers), zero biases, unit norm weights. Deterministic given `seed`."""
-        cfg = self.cfg
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
-        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("attn.wo", "mlp.proj", "mlp.down")) else cfg.init_std
-                if name == "lm_head" and cfg.tie_embeddings:
-                    continue  # shares tok_emb's weight, initialised below
-                _normal_(module.weight, std, gen)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                _normal_(module.weight, cfg.init_std, gen)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                if module.weight is not None:
-                    module.weight.fill_(1.0)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-        if cfg.pos_emb == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
+    def reset_buffers(self) -> None:
+        """(Re)compute the non-persistent buffers (RoPE tables) on their device, e.g. after `to_empty`."""
+        if self.cfg.pos_emb == "rope":
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                                   device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -114,18 +92,10 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:
-    """Construct on the meta device, materialise on `device`, initialise deterministically."""
+    """The whole model on `device`, initialised by lmforge.model.init (seed None: a seed drawn from
+    torch's global generator)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.init_weights(seed)
-    return model
-
-
-def _normal_(t: torch.Tensor, std: float, gen: torch.Generator | None) -> None:
-    """Fill `t` from N(0, std). Drawn on the CPU with `gen` so the init is identical on any device."""
-    if gen is None:
-        nn.init.normal_(t, 0.0, std)
-        return
-    t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).mul_(std))
+    return materialise(model, device, init_source(cfg, seed))

@@ -4,7 +4,7 @@ interface between the trainer and parallelism; the trainer never asks which layo
     layout = parallelize(model, cfg, dist, precision)   # lmforge.parallel.parallelize
     loss = layout.forward_backward(micro_batches, precision)
     norm = layout.clip_grad_norm(max_norm)
-    layout.eval_model()  /  layout.full_state_dict()  /  layout.prepare_optimizer(optimizer)
+    layout.inference_model()  /  layout.full_weights()  /  layout.prepare_optimizer(optimizer)
 
 This base class is the single-process layout. The others override what differs:
 `DataParallel` (DDP, ZeRO-1: lmforge.parallel.data_parallel), `FullyShard` (FSDP2 / HSDP:
@@ -37,7 +37,7 @@ from torch import nn
 
 from lmforge.config import Config
 from lmforge.model.loss import count_targets, normalise, token_nll_sum
-from lmforge.model.transformer import Transformer, build_model
+from lmforge.model.transformer import Transformer
 from lmforge.parallel.clip import clip_grad_norm_, clip_grad_norm_sharded_
 from lmforge.parallel.context_parallel import SequenceSharding
 from lmforge.parallel.mesh import DistInfo, all_reduce_sum
@@ -47,8 +47,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 class Layout:
     name = "single"
+    shards_parameters = False  # True: built on the meta device, sharded there, materialised after (FSDP2, TP, PP)
     data_parallel = False  # True: gradients are averaged over the dp (x cp) ranks (the loss scales by that)
-    gathers_for_eval = False  # True: evaluation runs on a full copy gathered on every rank (TP, PP)
 
     def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str):
         self.model = model  # this rank's model (sharded or split in place): state dicts, parameters
@@ -57,8 +57,6 @@ class Layout:
         self.dp = dist_info.dp_cp_size if self.data_parallel else 1  # ranks the gradients are averaged over
         self.cp = SequenceSharding(dist_info.group("cp"), dist_info.cp_rank, dist_info.cp_size, dist_info.device) \
             if dist_info.cp_size > 1 else None
-        self._gathered: Transformer | None = None
-        self._gathered_version: object = None
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -139,52 +137,62 @@ class Layout:
 
     # ---- evaluation and weights ---------------------------------------------------------------
 
-    def eval_model(self, version: object = None) -> nn.Module:
-        """The model evaluation and sampling run on, on every rank: the training model, or for TP / PP
-        a full unsharded copy gathered on every rank (rebuilt when `version`, e.g. the step, changes).
-        LoRA adapters are merged into the copy (the same function in eval mode)."""
-        if not self.gathers_for_eval:
-            return self.model
-        if self._gathered is None or self._gathered_version != version:
-            ft = self.cfg.finetune
-            state = self.full_state_dict(every_rank=True)
-            if ft.lora_rank:
-                from lmforge.model.lora import merged_state_dict
+    def inference_model(self):
+        """What evaluation and sampling run on, on every rank: the training model itself (one process,
+        DDP's inner module, FSDP2: a forward gathers each block's shards and frees them again), or for
+        TP / PP the rank's part driven by lmforge.parallel.inference. No rank builds a whole model;
+        LoRA adapters compute in place (the merged function, in eval mode)."""
+        return self.model
 
-                state = merged_state_dict(state, ft.lora_rank, ft.lora_alpha)
-            self._gathered = build_model(self.cfg.model, self.dist.device, seed=self.cfg.train.seed)
-            self._gathered.load_state_dict(state)
-            self._gathered.tie_weights()
-            self._gathered_version = version
-        return self._gathered
+    def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, full shape) of every weight of the whole model (unwrapped names, a tied weight
+        once under its first name), in the order `full_weights` yields them. A collective under
+        pipeline parallelism (the stages' names are exchanged): every rank calls it."""
+        mine = [(name, p.dtype, tuple(p.shape)) for name, p in self._named_weights()]
+        if self.dist.pp_size > 1:
+            parts: list = [None] * self.dist.pp_size
+            dist.all_gather_object(parts, mine, group=self.dist.group("pp"))
+            mine = [spec for part in parts for spec in part]
+        return sorted(mine, key=lambda spec: _natural(spec[0]))
 
-    def full_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
-        """Unsharded weights of the whole model on rank 0 (and on every rank with `every_rank`), on
-        the CPU. A collective on sharded layouts: every rank must call it."""
-        return {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
-
-    def gather_state(self, every_rank: bool) -> dict[str, torch.Tensor]:
-        """`full_state_dict` for sharded and split models: DTensor shards (TP, FSDP) are all-gathered
-        tensor by tensor (ranks that keep nothing drop each at once), pipeline stages' parts sent to
-        rank 0 (or exchanged among all) over the pp group."""
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(name, the whole tensor on rank 0's CPU, None on other ranks), one weight at a time in
+        `weight_specs` order: the peak is one full parameter, never the model. Sharded weights
+        (DTensors: FSDP2, TP) are all-gathered over their mesh one at a time; a pipeline stage's
+        weights travel to rank 0 point to point over rank 0's pp group. A collective: every rank
+        iterates to the end."""
         from torch.distributed.tensor import DTensor
 
-        keep = every_rank or self.dist.rank == 0 or self.dist.pp_size > 1
-        state = {}
-        for name, t in self.model.state_dict().items():
-            t = t.full_tensor() if isinstance(t, DTensor) else t
-            if keep:
-                state[name] = t.detach().cpu()
-        if self.dist.pp_size > 1:
+        specs = self.weight_specs()
+        mine = dict(self._named_weights())
+        pp = self.dist.pp_size > 1
+        if pp:  # which stage holds each weight: the pp rank whose names include it
+            owned: list = [None] * self.dist.pp_size
+            dist.all_gather_object(owned, sorted(mine), group=self.dist.group("pp"))
+            owner = {name: r for r, names in enumerate(owned) for name in names}
             group = self.dist.group("pp")
-            if every_rank:
-                parts: list = [None] * self.dist.pp_size
-                dist.all_gather_object(parts, state, group=group)
-            else:
-                parts = [None] * self.dist.pp_size if self.dist.pp_rank == 0 else None
-                dist.gather_object(state, parts, dst=dist.get_global_rank(group, 0), group=group)
-            state = {k: v for part in parts or [] for k, v in part.items()}
-        return state
+            rank0_row = dist.get_global_rank(group, 0) == 0  # this rank's pp group is rank 0's
+        for name, dtype, shape in specs:
+            t = mine.get(name)
+            if t is not None:
+                t = t.detach()
+                t = t.full_tensor() if isinstance(t, DTensor) else t
+            if pp and rank0_row and owner[name] != 0:  # a later stage's weight: its peer in rank 0's row sends it
+                if self.dist.pp_rank == owner[name]:
+                    dist.send(t.contiguous(), dst=0, group=group)
+                elif self.dist.rank == 0:
+                    t = torch.empty(shape, dtype=dtype, device=self.dist.device)
+                    dist.recv(t, src=dist.get_global_rank(group, owner[name]), group=group)
+            yield name, (t.cpu() if self.dist.rank == 0 else None)
+
+    def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's parameters and persistent buffers under unwrapped names (a tied weight once)."""
+        from lmforge.model.materialise import unwrapped_name
+
+        named = [(unwrapped_name(n), p) for n, p in self.model.named_parameters()]
+        buffers = dict(self.model.named_buffers())
+        named += [(unwrapped_name(n), buffers[n]) for n in self.model.state_dict() if n in buffers]
+        return named
 
     def describe(self) -> Iterator[str]:
         """Log lines about the layout (rank 0 prints them)."""
@@ -193,13 +201,16 @@ class Layout:
 
 class ShardedLayout(Layout):
     """A layout whose parameters are split across ranks (FSDP2 shards, TP DTensors, pipeline
-    stages): the gradient norm counts every shard once over the world, and the full weights are
-    gathered."""
+    stages): the gradient norm counts every shard once over the world."""
 
+    shards_parameters = True
     data_parallel = True
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_sharded_(self.params(), max_norm, self.dist)
 
-    def full_state_dict(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
-        return self.gather_state(every_rank)
+
+
+def _natural(name: str) -> tuple:
+    """Sort key: layer numbers compared as numbers (blocks.2 before blocks.10)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))

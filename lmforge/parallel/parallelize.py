@@ -13,6 +13,13 @@ The parallel layout is applied in one fixed order, each step on what the previou
                       DTensors over the dp sub-mesh; last of the per-block wrappers, so it wraps
                       what actually runs) or DDP (wraps the whole module, so it comes last); done by
                       the Layout chosen below, which pipelines stage chunks first (step 1's stages)
+  6. materialise      only now does any parameter get memory: each rank allocates its own part (its
+                      stages, its TP and FSDP shards) and fills it from the source
+                      (lmforge.model.materialise), so no rank ever holds the whole model; under
+                      DDP (whole replicas by design) just before the wrapper, which needs real tensors
+
+Steps 1-5 run on the meta device: splitting, DTensor sharding and fully_shard only record shapes and
+placements there.
 
 Context parallelism (parallel.cp) changes no module: the CP ranks hold the same parameters, so step
 5 runs over dp x cp (DDP over "dp_cp", FSDP2 over "dp_shard_cp"; CP alone is DDP over the cp
@@ -28,6 +35,7 @@ from __future__ import annotations
 import logging
 
 from lmforge.config import Config
+from lmforge.model.materialise import Source, materialise
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.activation_ckpt import apply_activation_checkpointing
 from lmforge.parallel.data_parallel import DataParallel
@@ -40,10 +48,12 @@ from lmforge.parallel.tensor_parallel import TensorParallel, apply_tensor_parall
 log = logging.getLogger("lmforge.parallel")
 
 
-def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision: str) -> Layout:
-    """Apply `cfg.parallel` (and train.activation_checkpoint / train.compile) to `model` in place, in
-    the order of the module docstring; returns the Layout the trainer drives. `precision` is the
-    resolved train.precision (FSDP2 gathers parameters in it)."""
+def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision: str, source: Source) -> Layout:
+    """Apply `cfg.parallel` (and train.activation_checkpoint / train.compile) to `model`, built on the
+    meta device, in place, in the order of the module docstring, and materialise this rank's part of
+    it from `source` (lmforge.model.init's initialisation, or pre-trained weights); returns the
+    Layout the trainer drives. `precision` is the resolved train.precision (FSDP2 gathers parameters
+    in it)."""
     p, t = cfg.parallel, cfg.train
     if p.async_sgd:
         raise ValueError("parallel.async_sgd = true is not a layout of one synchronous step: it runs in "
@@ -56,16 +66,20 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
         for block in model.blocks.values():
             block.compile()
     if stage_ids is not None:  # 5
-        layout: Layout = Pipelined(model, cfg, dist_info, precision, stage_ids)
+        kind, extra = Pipelined, (stage_ids,)
     elif p.tp > 1:
-        layout = TensorParallel(model, cfg, dist_info, precision)
+        kind, extra = TensorParallel, ()
     elif p.fsdp:
-        layout = FullyShard(model, cfg, dist_info, precision)
+        kind, extra = FullyShard, ()
     elif p.dp > 1 or p.cp > 1 or dist_info.distributed:  # CP ranks average like dp ones; under torchrun
-        # one process too: DDP at world size 1
-        layout = DataParallel(model, cfg, dist_info, precision)
+        kind, extra = DataParallel, ()  # one process too: DDP at world size 1
     else:
-        layout = Layout(model, cfg, dist_info, precision)
+        kind, extra = Layout, ()
+    if not kind.shards_parameters:  # 6 (DDP broadcasts rank 0's real parameters as it wraps them)
+        materialise(model, dist_info.device, source)
+    layout = kind(model, cfg, dist_info, precision, *extra)
+    if kind.shards_parameters:  # 6 (FSDP2 / TP / PP have split and sharded the model on meta)
+        materialise(model, dist_info.device, source)
     lines = list(layout.describe())
     if layout.cp is not None:  # context parallelism runs inside every layout (lmforge.parallel.layout)
         layout.name += "+cp"

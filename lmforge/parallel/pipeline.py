@@ -18,9 +18,9 @@ micro-batch i). Loss: summed token NLL / the global step's target-token count (x
 data-parallel gradient averaging), as in `Layout.forward_backward`; ``scale_grads=False`` so the
 schedule does not divide by the micro-batch count again. Each stage chunk is wrapped with FSDP2 on
 the data-parallel sub-mesh when dp > 1 (pure replication is FSDP2 on a (dp_replicate, dp_shard = 1)
-mesh: DDP's bucket rebuild breaks under a pipeline schedule); its evaluation runs on a full copy
-gathered on every rank. The loss lives on the last stage and is
-all-reduced so every rank logs the same number.
+mesh: DDP's bucket rebuild breaks under a pipeline schedule). Evaluation and sampling run the stages
+where they lie (lmforge.parallel.inference): no rank gathers the model. The loss lives on
+the last stage and is all-reduced so every rank logs the same number.
 
 Bubble fraction (idle share of each rank per step): (p - 1) / (m + p - 1) for GPipe and 1F1B,
 (p - 1) / (v m + p - 1) for interleaved 1F1B with v chunks per rank (m micro-batches, p ranks).
@@ -35,11 +35,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import Config
-from lmforge.model.layers import rope_rows, token_positions
+from lmforge.model.layers import KVCache, rope_rows, token_positions
 from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.formulas import pipeline_bubble
 from lmforge.parallel.fsdp import apply_fsdp
+from lmforge.parallel.inference import ShardedInference
 from lmforge.parallel.layout import Batch, ShardedLayout
 from lmforge.parallel.mesh import DistInfo
 from lmforge.parallel.tensor_parallel import loss_parallel_context, to_local_value
@@ -80,17 +81,22 @@ class StageChunk(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layer_ids})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
-        self._rope = (model.rope_cos, model.rope_sin) if model.cfg.pos_emb == "rope" else None
+        self._model = [model]  # (not a submodule) its RoPE tables, read at each forward: made after materialising
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
+        """A stage's forward; `kv_caches` (sampling, lmforge.parallel.inference): one per layer of the
+        whole model, this stage's blocks use theirs."""
+        model = self._model[0]
+        caches = [kv_caches[int(name)] for name in self.blocks] if kv_caches else [None] * len(self.blocks)
         if self.tok_emb is not None:
             h = self.tok_emb(x)
             if self.pos_emb is not None:
-                h = h + self.pos_emb(token_positions(0, x.shape[1], x.device))
+                start = caches[0].length if caches[0] is not None else 0
+                h = h + self.pos_emb(token_positions(start, x.shape[1], x.device))
             x = self.emb_dropout(h)
-        rope = rope_rows(self._rope)
-        for block in self.blocks.values():
-            x = block(x, rope)
+        rope = rope_rows((model.rope_cos, model.rope_sin)) if model.cfg.pos_emb == "rope" else None
+        for block, cache in zip(self.blocks.values(), caches):
+            x = block(x, rope, cache)
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))
         return x
@@ -103,14 +109,13 @@ class Pipelined(ShardedLayout):
     """This rank's stages and their schedule; `forward_backward` runs one optimizer step."""
 
     name = "pp"
-    gathers_for_eval = True
 
     def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str, stage_ids: list[int]):
         from torch.distributed import pipelining
 
         super().__init__(model, cfg, dist_info, precision)
         p = cfg.parallel
-        self.v = len(stage_ids)
+        self.v, self.stage_ids = len(stage_ids), stage_ids
         n_stages = p.pp * self.v
         self.microbatches = cfg.grad_accum_steps
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
@@ -157,6 +162,10 @@ class Pipelined(ShardedLayout):
                 total.zero_()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)  # over dp x cp (partial sums) and pp (only the last stage)
         return total
+
+    def inference_model(self) -> ShardedInference:
+        """Evaluation and sampling through the stages where they lie (lmforge.parallel.inference)."""
+        return ShardedInference(self)
 
     def describe(self) -> Iterator[str]:
         p = self.cfg.parallel

@@ -24,7 +24,7 @@ layer's own all-reduce (or reduce-scatter) completes together with x W^T. No ext
 Applied by `lmforge.parallel.parallelize` before activation checkpointing / compile (the plan
 names the modules) and before FSDP. `TensorParallel` is the layout: FSDP2 on the data-parallel
 sub-mesh when dp > 1 (2-D FSDP x TP; over dp_shard x cp with context parallelism), loss_parallel
-cross-entropy, evaluation on a gathered copy.
+cross-entropy, evaluation and sampling on the sharded model (lmforge.parallel.inference).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch import nn
 from lmforge.config import Config
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.fsdp import apply_fsdp, fsdp_description
+from lmforge.parallel.inference import ShardedInference
 from lmforge.parallel.layout import ShardedLayout
 from lmforge.parallel.mesh import DistInfo
 
@@ -159,7 +160,6 @@ class TensorParallel(ShardedLayout):
     """Tensor (+ sequence) parallel over the "tp" mesh dim, FSDP2 over the data-parallel ranks."""
 
     name = "tp"
-    gathers_for_eval = True
 
     def __init__(self, model: Transformer, cfg: Config, dist_info: DistInfo, precision: str):
         super().__init__(model, cfg, dist_info, precision)
@@ -172,6 +172,10 @@ class TensorParallel(ShardedLayout):
 
     def local_value(self, t: torch.Tensor) -> torch.Tensor:
         return to_local_value(t)
+
+    def inference_model(self) -> ShardedInference:
+        """Evaluation and sampling on the sharded model (lmforge.parallel.inference)."""
+        return ShardedInference(self)
 
     def describe(self) -> Iterator[str]:
         p = self.cfg.parallel

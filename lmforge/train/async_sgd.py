@@ -29,6 +29,7 @@ import time
 import torch
 
 from lmforge.model.loss import count_targets
+from lmforge.model.materialise import materialise
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.param_server import (ServerLink, WorkerLink, flat_grads, flat_params, load_flat_params,
                                            set_flat_grads)
@@ -42,6 +43,7 @@ class AsyncSGDTrainer(Trainer):
     def build_layout(self, model, precision: str) -> Layout:
         """Every rank holds the whole model: the server steps it, a worker computes gradients on its
         pulled copy; the one-process layout, with no collective in the step."""
+        materialise(model, self.device, self.weight_source)
         return Layout(model, self.cfg, self.dist, precision)
 
     def end_together(self) -> None:

@@ -1,5 +1,6 @@
 """What a run is built from, before any parallelism: the data (corpus, tokenizer, shards, loaders)
-and the model (built on the meta device, pre-trained weights, LoRA adapters, FP8 linears)."""
+and the model (built on the meta device, with the source of its weights: initialisation or pre-trained;
+LoRA adapters, FP8 linears)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from lmforge.data.loader import PackedLoader, open_tokens
 from lmforge.data.prepare import PreparedData, load_prepared, prepare_default
 from lmforge.data.shards import TokenShards
 from lmforge.folders import CONFIG, PREPARE_RECORD, RUN_FILES, check_target
-from lmforge.model.transformer import Transformer, build_model
+from lmforge.model.init import init_source
+from lmforge.model.materialise import Source
+from lmforge.model.transformer import Transformer
 
 log = logging.getLogger("lmforge.train")
 
@@ -169,16 +172,20 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
     return Loaders(train_shards, val_shards, loader, val_instruct)
 
 
-def build_training_model(cfg: Config, device: torch.device) -> Transformer:
-    """The model before parallelism: built on the meta device and initialised on `device`, then
-    pre-trained weights (finetune.init_from), LoRA adapters and FP8 linears, in that order (each
-    changes modules that activation checkpointing, compile and FSDP later wrap)."""
+def build_training_model(cfg: Config, device: torch.device) -> tuple[Transformer, Source]:
+    """The model before parallelism, on the meta device (no memory whatever its size), with LoRA
+    adapters and FP8 linears in place (each changes modules that activation checkpointing, compile
+    and FSDP later wrap), and the source of its weights: the initialisation by name
+    (lmforge.model.init) or, with finetune.init_from, the pre-trained weights read slice by slice
+    (adapters initialised). `lmforge.parallel.parallelize` materialises each rank's part from it."""
     t, ft = cfg.train, cfg.finetune
-    model = build_model(cfg.model, device, seed=t.seed)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    source = init_source(cfg.model, t.seed)
     if ft.init_from:
-        from lmforge.train.finetune import load_pretrained
+        from lmforge.train.finetune import pretrained_source
 
-        load_pretrained(model, ft.init_from)
+        source = pretrained_source(cfg.model, ft.init_from, fallback=source)
     if ft.lora_rank:
         from lmforge.model.lora import apply_lora
 
@@ -189,4 +196,4 @@ def build_training_model(cfg: Config, device: torch.device) -> Transformer:
         from lmforge.train.fp8 import apply_fp8
 
         log.info("fp8: %d block linears converted to torchao Float8Linear", apply_fp8(model, device))
-    return model
+    return model, source

@@ -19,6 +19,7 @@ objects (lmforge.ckpt.checkpointer). Asynchronous SGD is its own loop on top of 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from lmforge.ckpt.checkpointer import check_compatible, load_states, manager_for_run, resolve_resume, save_states
-from lmforge.ckpt.export import save_state
+from lmforge.ckpt.export import save_streaming
 from lmforge.ckpt.manager import read_meta
 from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config, to_toml
@@ -119,7 +120,7 @@ class Trainer:
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
 
         # model, parallel layout, optimizer, precision
-        model = build_training_model(cfg, self.device)
+        model, self.weight_source = build_training_model(cfg, self.device)  # (on the meta device)
         self.n_params = model.num_params()
         trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, trainable)
@@ -192,8 +193,9 @@ class Trainer:
         return value
 
     def build_layout(self, model, precision: str) -> Layout:
-        """The parallel layout the loop drives (lmforge.parallel.parallelize)."""
-        return parallelize(model, self.cfg, self.dist, precision)
+        """The parallel layout the loop drives, with this rank's part of the model materialised
+        (lmforge.parallel.parallelize)."""
+        return parallelize(model, self.cfg, self.dist, precision, self.weight_source)
 
     def prepare_data(self):
         """The dataset, prepared (or read from its cache) by one rank first, then read by the others:
@@ -439,7 +441,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate_loss(self.layout.eval_model(self.state.step), self.val_batches(), self.precision.autocast,
+        return evaluate_loss(self.layout.inference_model(), self.val_batches(), self.precision.autocast,
                              self.device)
 
     def val_batches(self):
@@ -539,7 +541,7 @@ class Trainer:
                  initial["loss"], baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
         sample = ""
         if t.sample_tokens:  # every rank runs it (sharded forwards are collective); same seed -> same text
-            sample = generate_text(self.layout.eval_model(st.step), self.data.tokenizer, t.sample_prompt,
+            sample = generate_text(self.layout.inference_model(), self.data.tokenizer, t.sample_prompt,
                                    t.sample_tokens, temperature=0.8, top_k=50, seed=t.seed)
             if is_rank0():
                 atomic_write(self.out_dir / SAMPLE, t.sample_prompt + sample + "\n")
@@ -571,18 +573,28 @@ class Trainer:
         return result
 
     def save_final_weights(self, path: Path) -> None:
-        """safetensors weights, written by rank 0 (LoRA adapters folded in unless finetune.merge_lora =
-        false); sharded layouts gather them first (a collective: every rank calls this)."""
-        ft = self.cfg.finetune
-        state = self.layout.full_state_dict()
-        if ft.lora_rank and ft.merge_lora:
-            from lmforge.model.lora import merged_state_dict
+        """safetensors weights, streamed by rank 0 one tensor at a time as the layout gathers them (LoRA
+        adapters folded in unless finetune.merge_lora = false; a tied head stored once, as the
+        embedding). A collective: every rank calls this."""
+        from lmforge.model.lora import is_adapter, merged_weight
 
-            state = merged_state_dict(state, ft.lora_rank, ft.lora_alpha)
-        if is_rank0():
-            if self.cfg.model.tie_embeddings:
-                state.pop("lm_head.weight", None)  # tied: stored once, as tok_emb.weight
-            save_state(state, path)
+        ft = self.cfg.finetune
+        merge = bool(ft.lora_rank and ft.merge_lora)
+        specs = [s for s in self.layout.weight_specs() if not (merge and is_adapter(s[0]))]
+        rank0 = is_rank0()
+        adapters: dict[str, torch.Tensor] = {}
+        with save_streaming(path, specs) if rank0 else contextlib.nullcontext() as write:
+            for name, tensor in self.layout.full_weights():
+                if not rank0:
+                    continue
+                if merge and is_adapter(name):
+                    adapters[name] = tensor
+                    continue
+                module = name.removesuffix(".weight")
+                if merge and f"{module}.lora_a" in adapters:
+                    tensor = merged_weight(tensor, adapters.pop(f"{module}.lora_a"), adapters.pop(f"{module}.lora_b"),
+                                           ft.lora_rank, ft.lora_alpha)
+                write(name, tensor)
 
     def operability_summary(self, history: list[dict]) -> dict:
         """Extra `summary.json` keys: throughput/MFU, time shares, health counts, hardware."""
