@@ -72,7 +72,7 @@ def probe(spec: dict) -> None:
             with sharding.sharded(t):
                 return token_nll_sum(model(xs), ys)
 
-        saved = saved_activation_bytes(loss, exclude=params)  # (the masks, built here, are saved once)
+        saved = saved_activation_bytes(loss, exclude=params)
         model.zero_grad()
         if sharding is None:
             nll = loss()
@@ -92,7 +92,6 @@ def probe(spec: dict) -> None:
         if sharding is not None:
             out[cp]["comm"] = sharding.comm
             out[cp]["comm_backward"] = {k: sharding.comm[k] - before[k] for k in before}
-            out[cp]["mask_bytes"] = sum(m.numel() * m.element_size() for ms in sharding._masks.values() for m in ms)
             out[cp]["positions"] = sharding.positions.tolist()
     (Path(spec["out"]) / f"probe_rank{rank}.json").write_text(json.dumps(out))
 

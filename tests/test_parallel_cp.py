@@ -13,20 +13,29 @@ reduction order differs):
 * CP=2 x TP=2 with sequence parallelism (each CP rank's 16 tokens split again over the TP ranks).
 
 Each launch also trains 6 steps of plain SGD without clipping (tests/test_parallel_dp.py's `SGD`,
-which steps by the gradient itself, so its scale shows): CP=2, CP=2 x TP=2 without sequence
-parallelism, and CP=2 x PP=2 (1F1B, untied embeddings, against an untied one-process run).
+which steps by the gradient itself, so its scale shows): CP=2, CP=2 with GQA (one KV head, against a
+GQA one-process run), CP=2 x TP=2 without sequence parallelism, and CP=2 x PP=2 (1F1B, untied
+embeddings, against an untied one-process run). On the CPU every run attends on the mask-free path
+(lmforge.parallel.context_parallel: flash attention for CPU over each chunk's prefix and diagonal
+block, merged by log-sum-exp), with document-boundary masking on.
 
 The CP=2 run's step-10 checkpoint resumes in one process, the CP=2 x FSDP2 run's at CP=4 (DDP):
 steps 11-20 again equal to the one-process run. A 4-rank probe measures the hook itself at cp = 1,
 2 and 4 on a GQA model with one KV head (fewer KV heads than cp): loss and gradients equal to one
-process, per-rank saved activations = (A - KV) / cp + KV + the rank's masks (A: one process's,
-KV: the whole sequence's K/V), and bytes through the collectives = the closed form
+process, per-rank saved activations = (A - KV) / cp + KV (A: one process's, KV: the whole
+sequence's K/V; no mask), and bytes through the collectives = the closed form
 (lmforge.parallel.formulas). Last, a tiny model trains on 8192-token sequences under CP=4.
+
+Without a launch: the CP attention of every rank, simulated in one process (the collectives replaced
+by their result), equals dense causal attention in output and in the gradients of q, k and v (fp64,
+fp32; GQA), and no tensor of a query-by-key shape is created in its forward and backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import subprocess
 import sys
 import time
@@ -36,7 +45,7 @@ import pytest
 import torch
 
 from lmforge.config import ConfigError, ModelConfig, load_config
-from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes, cp_mask_elements
+from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes
 from tests.conftest import make_corpus
 from tests.test_parallel_dp import SGD, TINY, free_port
 
@@ -53,8 +62,10 @@ LAYOUTS = {  # name: (processes, overrides); all of a world size run in one laun
                       "train.micro_batch_size": 8}),
 }
 UNTIED = {"model.tie_embeddings": "false"}  # (pipeline stages hold the embedding and the head apart)
+GQA = {"model.n_kv_heads": 1}  # 4 query heads share one KV head
 SGD_LAYOUTS = {  # name: (processes, overrides, reference): 6 steps of plain SGD without clipping (`SGD`)
     "cp2-sgd": (2, {"parallel.cp": 2}, "single-sgd"),
+    "cp2-gqa-sgd": (2, {"parallel.cp": 2, **GQA}, "single-sgd-gqa"),
     "tp2xcp2-sgd": (4, {"parallel.tp": 2, "parallel.cp": 2}, "single-sgd"),  # TP without SP under CP
     "cp2xpp2-sgd": (4, {"parallel.cp": 2, "parallel.pp": 2, **UNTIED}, "single-sgd-untied"),
 }
@@ -132,7 +143,8 @@ def runs(corpus, tmp_path_factory) -> Path:
     try:
         run_trainings({"out": str(root), "runs": [{"name": "single", "overrides": base},
                                                   {"name": "single-sgd", "overrides": {**base, **SGD}},
-                                                  {"name": "single-sgd-untied", "overrides": {**base, **SGD, **UNTIED}}]})
+                                                  {"name": "single-sgd-untied", "overrides": {**base, **SGD, **UNTIED}},
+                                                  {"name": "single-sgd-gqa", "overrides": {**base, **SGD, **GQA}}]})
         t1 = time.time()
         finish(two)
         t2 = time.time()
@@ -166,7 +178,7 @@ def test_context_parallel_layout_matches_one_process(runs, layout):
 def test_context_parallel_scales_the_gradient_like_one_process(runs, layout):
     """Plain SGD without clipping steps by the gradient itself: a gradient normalised over the wrong
     token count (or summed over the CP ranks one time too many) changes the loss curve. CP alone,
-    under TP without sequence parallelism, and under pipeline parallelism."""
+    with GQA (one KV head), under TP without sequence parallelism, and under pipeline parallelism."""
     ref, got = records(runs / SGD_LAYOUTS[layout][2]), records(runs / layout)
     assert sorted(got) == list(range(1, 7)) and got.keys() == ref.keys()
     loss, norm = worst(got, ref)
@@ -206,20 +218,19 @@ def test_context_parallel_attention_equals_one_process_with_fewer_kv_heads_than_
 @pytest.mark.slow
 def test_context_parallel_saved_activations_scale_as_one_over_cp_plus_kv(probe):
     """Per-rank bytes autograd saves (parameters excluded): the rank's 1/cp of one process's, with the
-    K/V of the whole sequence (which one process also saves) in place of its 1/cp share, plus the
-    rank's two attention masks (built once, shared by the layers). Equal on every rank (balanced)."""
+    K/V of the whole sequence (which one process also saves) in place of its 1/cp share; no mask
+    (the attention builds none). Equal on every rank (balanced)."""
     m, b, t = PROBE["model"], PROBE["batch"], PROBE["seq_len"]
     kv = m["n_layers"] * cp_kv_bytes(b, t, m["n_kv_heads"], m["dim"] // m["n_heads"], 4)
     one = probe[0]["1"]["saved_bytes"]
     for cp in (2, 4):
         saved = {p[str(cp)]["saved_bytes"] for p in probe}
         assert len(saved) == 1, saved  # every rank holds the same: the chunks balance memory too
-        want = cp_activation_bytes(one, kv, cp) + 4 * cp_mask_elements(t, cp)
+        want = cp_activation_bytes(one, kv, cp)
         got = saved.pop()
-        print(f"\ncp={cp}: saved {got:,} B per rank, formula (A - KV)/cp + KV + masks = {want:,.0f} B "
+        print(f"\ncp={cp}: saved {got:,} B per rank, formula (A - KV)/cp + KV = {want:,.0f} B "
               f"(A = {one:,} B one process, KV = {kv:,} B)")
         assert abs(got - want) / want < 0.01, (cp, got, want)
-        assert probe[0][str(cp)]["mask_bytes"] == 4 * cp_mask_elements(t, cp)
 
 
 @pytest.mark.slow
@@ -252,9 +263,8 @@ def test_8192_token_sequences_train_under_cp4(runs):
     assert comm["all_gather_bytes"] == 3 * 2 * cp_kv_bytes(1, 8192, 2, 16, 4)
 
 
-def test_chunks_positions_and_masks():
-    """Rank i holds chunks i and 2cp-1-i; its masks let position p see keys <= p (no process group
-    is needed for the slicing and the masks)."""
+def test_chunks_and_positions():
+    """Rank i holds chunks i and 2cp-1-i, and its positions are theirs (no process group is needed)."""
     from lmforge.parallel.context_parallel import SequenceSharding
 
     seq = torch.arange(16).view(1, 16)
@@ -264,11 +274,115 @@ def test_chunks_positions_and_masks():
         held.append(s.local(seq)[0].tolist())
         with s.sharded(16):
             assert s.positions.tolist() == held[-1]
-        for chunk, mask in zip(s.chunks_of[rank], s.masks(2, torch.float32)):
-            queries = torch.arange(chunk * 2, chunk * 2 + 2)[:, None]
-            assert torch.equal(mask == 0, torch.arange(mask.shape[1])[None] <= queries)
     assert held == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
     assert sorted(sum(held, [])) == list(range(16))
+
+
+def simulated_cp_attention(monkeypatch, q, k, v, cp: int, record=None):
+    """Every CP rank's `SequenceSharding.attention` over whole-sequence q (b, heads, T, d) and k, v
+    (b, kv heads, T, d), in this process: the all-gather is replaced by the ranks' K/V it would
+    return, the reduce-scatter by the sum over the ranks of what they send. Forward and backward
+    (the gradient of the outputs' sum weighted by `q`-shaped noise) run inside `record` (a
+    context manager) if given. Returns the output and the gradients of q, k and v, in sequence order."""
+    import lmforge.parallel.context_parallel as context_parallel
+    from lmforge.parallel.context_parallel import SequenceSharding
+
+    shards = [SequenceSharding(None, r, cp, torch.device("cpu")) for r in range(cp)]
+    gathered = torch.cat([torch.stack((s.local(k, 2), s.local(v, 2))) for s in shards]).detach()
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(context_parallel, "_all_gather", lambda out, local, group=None: out.copy_(gathered))
+    monkeypatch.setattr(context_parallel, "_reduce_scatter",
+                        lambda out, send, op=None, group=None: (sent.append(send.detach().clone()), out.zero_()))
+    weight = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
+    outs, dqs = [], []
+    for s in shards:
+        q_r, k_r, v_r = (s.local(t, 2).detach().requires_grad_() for t in (q, k, v))
+        with record or contextlib.nullcontext():
+            out = s.attention(q_r, k_r, v_r, 0.0)
+            out.backward(s.local(weight, 2))
+        outs.append(out.detach())
+        dqs.append(q_r.grad)
+    # reduce-scatter: rank r receives the sum over all ranks of their gradient for its chunks
+    dkv = torch.stack(sent).sum(0).unflatten(0, (cp, 2))  # (rank, k/v, b, kv heads, 2c, d)
+
+    def whole(parts: list[torch.Tensor]) -> torch.Tensor:  # the ranks' chunks back in sequence order
+        chunks = [None] * (2 * cp)
+        for (lo, hi), part in zip((s.chunks_of[s.rank] for s in shards), parts):
+            chunks[lo], chunks[hi] = part.chunk(2, dim=-2)
+        return torch.cat(chunks, dim=-2)
+
+    return whole(outs), whole(dqs), whole(list(dkv[:, 0])), whole(list(dkv[:, 1]))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_cp_attention_equals_dense_causal_attention(monkeypatch, cp, kv_heads, dtype, tol):
+    """The mask-free path (CPU: flash attention for CPU over each chunk's prefix and its diagonal
+    block, merged by log-sum-exp, with its own backward) against one process's causal SDPA: output
+    and gradients of q, k and v, for every rank (the simulated collectives put the ranks' parts back
+    together), with as many KV heads as query heads and with one (GQA)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 64, 8, dtype=dtype, generator=gen)
+    k, v = (torch.randn(2, kv_heads, 64, 8, dtype=dtype, generator=gen) for _ in range(2))
+    got = simulated_cp_attention(monkeypatch, q, k, v, cp)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != 4)
+    ref.backward(torch.randn(q.shape, dtype=dtype, generator=torch.Generator().manual_seed(2)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref, q.grad, k.grad, v.grad)):
+        assert ((a - b).abs().max() / b.abs().max()).item() < tol, (name, cp, kv_heads, dtype)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cp_attention_creates_no_query_by_key_tensor(monkeypatch, cp, dtype):
+    """Causal-only CP builds no mask and no score matrix: every tensor an op returns in the forward
+    and backward of every rank's attention (TorchDispatchMode sees each one) has at most one
+    dimension as long as a chunk (c = T / 2cp), so nothing of shape [c, keys], let alone [T, T],
+    exists. (Before, each rank built two additive masks of c x (j + 1) c.) GQA, one KV head."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    t = 512
+    c = t // (2 * cp)
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor):
+                    shapes.append((str(func), tuple(o.shape)))
+            return out
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, t, 8, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 1, t, 8, generator=gen).to(dtype) for _ in range(2))
+    simulated_cp_attention(monkeypatch, q, k, v, cp, record=Record())
+    assert any("flash_attention_for_cpu_backward" in f for f, _ in shapes), shapes  # (it saw the kernels)
+    long = [(f, s) for f, s in shapes if sum(d >= c for d in s) >= 2 or math.prod(s) >= t * t]
+    assert not long, long[:5]
+
+
+def test_lower_right_bias_holds_no_storage_and_aligns_bottom_right():
+    """The CUDA path's bias: torch's lower-right causal bias without the unused (2, q, kv) float
+    tensor its factory allocates; SDPA reads its lengths (on the CPU it materialises the mask: the
+    semantics are checked here, the kernels on CUDA). With dropout on the CPU the chunk takes that
+    path: same result as SDPA with the dense boolean mask under the same seed."""
+    from lmforge.parallel.context_parallel import _lower_right, chunk_attention
+
+    bias = _lower_right(8, 24)
+    assert torch.Tensor.numel(bias) == 0 and (bias.seq_len_q, bias.seq_len_kv) == (8, 24)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 8, 16, generator=gen), torch.randn(2, 1, 24, 16, generator=gen), torch.randn(2, 1, 24, 16, generator=gen)
+    dense = torch.ones(8, 24, dtype=torch.bool).tril(16)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    assert torch.allclose(got, want, atol=1e-6)
+    torch.manual_seed(5)
+    dropped = chunk_attention(q, k, v, 0.5)
+    torch.manual_seed(5)
+    assert torch.equal(dropped, torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense, dropout_p=0.5, enable_gqa=True))
 
 
 def test_document_masking_leaves_the_cp_ranks_unequal_target_counts(corpus):

@@ -17,16 +17,17 @@ import pytest
 import torch
 
 from lmforge.config import ModelConfig, load_config
-from lmforge.parallel.formulas import (cp_activation_bytes, cp_comm_bytes, cp_kv_bytes, cp_mask_elements,
-                                       recomputed_layers)
+from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes, recomputed_layers
 from lmforge.plan import Layout, estimate_memory, estimate_step, parse_cluster, search_layouts
 from lmforge.plan.cli_plan import plan_main
 from lmforge.plan.flops import cp_comm
 from tests.test_parallel_cp import PROBE
 
 # Saved bytes per rank that the 4-process torchrun probe measured (benchmarks/RESULTS.md, "Context
-# parallelism": GQA model, 2 layers, 4 heads, 1 KV head, batch 2 x 128 tokens, fp32).
-PROBE_MEASURED = {2: 1_737_220, 4: 900_356}
+# parallelism": GQA model, 2 layers, 4 heads, 1 KV head, batch 2 x 128 tokens, fp32). Without the
+# two cached additive masks the attention kept before (4 B x c^2 (2cp + 1): 20,480 B at cp 2,
+# 9,216 B at cp 4), which the mask-free attention no longer builds.
+PROBE_MEASURED = {2: 1_716_740, 4: 891_140}
 
 # A Llama-3-8B-like model (32 layers, d 4096, GQA 32/8, SwiGLU 14336, 128k vocabulary) from the
 # mistral-7b preset, at 128k tokens.
@@ -77,19 +78,16 @@ def _probe(monkeypatch, cp: int, rank: int, precision: str = "fp32", ac: str = "
 def test_cp_activation_estimate_equals_the_probes_saved_bytes(monkeypatch, cp):
     """fp32 (the probe's precision): the saved bytes of a CP rank, first and last rank (equal: the
     chunks balance memory too), = the figure the 2- and 4-process torchrun probe recorded in
-    benchmarks/RESULTS.md = the planner's activations + the rank's attention masks, byte for byte
-    (tolerance 0). Under bf16 autocast as well, with autocast's 16-bit weight copies (saved by the
-    matmuls) on top."""
+    benchmarks/RESULTS.md = the planner's activations, byte for byte (tolerance 0): the attention
+    keeps no mask and no score matrix, and the planner counts no mask buffer. Under bf16 autocast as
+    well, with autocast's 16-bit weight copies (saved by the matmuls) on top."""
     cfg, b, t = ModelConfig(**PROBE["model"]), PROBE["batch"], PROBE["seq_len"]
     fp32 = estimate_memory(cfg, Layout(micro_batch=b, cp=cp, precision="fp32"), "adamw", t)
-    masks = fp32.detail["cp_attention_masks"]
-    assert masks == 4 * cp_mask_elements(t, cp)
+    assert not any("mask" in key for key in fp32.detail), fp32.detail
     for rank in (0, cp - 1):
-        assert _probe(monkeypatch, cp, rank)[0] == PROBE_MEASURED[cp] == fp32.activations + masks
+        assert _probe(monkeypatch, cp, rank)[0] == PROBE_MEASURED[cp] == fp32.activations
     bf16 = estimate_memory(cfg, Layout(micro_batch=b, cp=cp, precision="bf16"), "adamw", t)
-    assert bf16.detail["cp_attention_masks"] == 2 * cp_mask_elements(t, cp)
-    assert _probe(monkeypatch, cp, 0, "bf16")[0] == (
-        bf16.activations + bf16.detail["cp_attention_masks"] + bf16.detail["autocast_weight_copies"])
+    assert _probe(monkeypatch, cp, 0, "bf16")[0] == bf16.activations + bf16.detail["autocast_weight_copies"]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -97,9 +95,8 @@ def test_cp_activation_estimate_equals_the_probes_saved_bytes(monkeypatch, cp):
 def test_cp_estimate_under_activation_checkpointing(monkeypatch, cp, ac):
     """With recompute, in the same probe: the K/V all-gathers and reduce-scatters of a forward and
     backward = the planner's CP traffic for one micro-batch (`cp_comm`: one more all-gather per
-    recomputed block, selective included), and the saved bytes = the planner's activations (+ the
-    masks where a block attends outside recompute; under full recompute they are only the rank's
-    cached buffer, which the planner counts as `cp_attention_masks`), byte for byte. Selective
+    recomputed block, selective included), and the saved bytes = the planner's activations, byte for
+    byte. Selective
     recompute keeps its saved outputs in the checkpoint's own cache, out of reach of the saved-tensor
     hooks: its bytes are not measured here."""
     cfg, b, t = ModelConfig(**PROBE["model"]), PROBE["batch"], PROBE["seq_len"]
@@ -111,7 +108,7 @@ def test_cp_estimate_under_activation_checkpointing(monkeypatch, cp, ac):
     assert comm["all_gather_calls"] == cfg.n_layers + recomputed_layers(ac, cfg.n_layers, 2)
     if ac != "selective":
         mem = estimate_memory(cfg, layout, "adamw", t)
-        assert saved == mem.activations + (0 if ac == "full" else mem.detail["cp_attention_masks"])
+        assert saved == mem.activations
 
 
 def test_cp_blocks_follow_the_formula_in_every_convention():
@@ -145,7 +142,7 @@ def test_cp_traffic_and_balanced_attention_in_the_time_model():
     assert {k: got[k] for k in want} == want and kv * cfg.n_layers == 2 * 2**30
     step = estimate_step(cfg, lay, cluster, s)
     assert step.comm_s["cp"] > 0 and "cp" not in estimate_step(cfg, Layout(dp=16, zero=3, tp=8), cluster, s).comm_s
-    # every rank computes the same c^2 (2cp + 1) (query, key) scores (formulas.cp_mask_elements): at
+    # every rank computes the same c^2 (2cp + 1) (query, key) scores (formulas.cp_score_elements): at
     # equal GPUs and tokens the compute time is the same with or without CP
     flat = estimate_step(cfg, Layout(dp=16, zero=3, tp=8, micro_batch=1, grad_accum=2, ac="full"), cluster, s,
                          use_shape_efficiency=False)

@@ -27,6 +27,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._efficient_attention_forward.default,  # (context parallel's lower-right chunks on CUDA)
 }
 
 

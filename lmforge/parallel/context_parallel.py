@@ -14,19 +14,49 @@ Attention (`SequenceSharding.attention`, called by the model's attention through
   function: its backward reduce-scatters the gradient, so each rank receives the sum over all
   ranks' queries of the gradient with respect to its own keys and values).
 * The rank's low chunk j = i attends to the first (j + 1) c keys, its high chunk j = 2cp-1-i to
-  the first (2cp - i) c keys, each with an additive mask (0 / -inf) that lets query position
-  p see key positions <= p ("causal, aligned bottom-right": `tril(diagonal=j c)`). The two masks
-  are built once per sequence length and dtype and shared by every layer and micro-batch (autograd
-  saves the same tensor each time). Keys past a chunk's end are never touched, so the work is
-  balanced, not just masked.
-* GQA: the all-gather moves the KV heads as they are (kv_heads / tp per rank); SDPA expands them to
-  the query heads locally (enable_gqa). Gathering along the sequence puts every KV head of the whole
+  the first (2cp - i) c keys: query position p sees key positions <= p ("causal, aligned
+  bottom-right"; `chunk_attention`). Keys past a chunk's end are never touched, so the work is
+  balanced, not just masked. No mask tensor is built or cached (before, each rank cached two
+  additive (c, (j + 1) c) masks, which kept SDPA off the flash kernels). Per chunk, by device:
+
+  - CUDA (any dropout): chunk 0 (square) is SDPA with `is_causal=True`, whichever kernel SDPA picks
+    (flash, memory-efficient, cuDNN or math, as for attention without CP). Chunks j >= 1 pass
+    torch's lower-right causal bias (`torch.nn.attention.bias.causal_lower_right`) as `attn_mask`,
+    which SDPA hands to `CausalBias`: the flash kernel (fp16 / bf16, sm80+, head_dim <= 256; GQA
+    native, K/V not expanded) runs it with its own bottom-right causal masking, else the
+    memory-efficient kernel with its lower-right mask type (it takes no GQA: K/V are expanded to
+    the query heads first, `repeat_interleave`, which the kernel also saves for backward: heads /
+    kv heads times the chunk's K/V prefix per layer, e.g. fp32 runs with GQA); never cuDNN; only
+    where neither kernel applies does `CausalBias` materialise a boolean (c, (j + 1) c) mask for the
+    math kernel, per call. The bias is built without storage (`_lower_right`: torch's factory
+    allocates an unused (2, c, (j + 1) c) float tensor on the host, 16 GiB of address space for a
+    128k-token high chunk at cp = 4).
+  - CPU, dropout 0 (pre-training): `_PrefixAndDiagonal` (an autograd function) runs torch's flash
+    attention for CPU (`_scaled_dot_product_flash_attention_for_cpu`) twice per chunk, over the j c
+    keys before the chunk without any mask and over the chunk's own c keys with `is_causal` (square:
+    top-left = bottom-right alignment), and merges the two by their log-sum-exp; its backward runs
+    the kernel's backward on each part with the merged output and log-sum-exp, which yields each
+    part's exact gradient (as ring attention does). GQA native (no expansion). Saved for backward:
+    q, the gathered K/V (views), the chunk's output and its fp32 log-sum-exp, as SDPA saves without
+    CP; no [c, keys] tensor exists at any point (tests/test_parallel_cp.py records every tensor).
+  - CPU with dropout > 0: CPU flash attention has no dropout, so SDPA takes the math kernel with the
+    lower-right bias, which materialises a boolean (c, (j + 1) c) mask per call (the math kernel
+    saves the (b, heads, c, (j + 1) c) probabilities anyway).
+
+  Documents: `data.mask_doc_boundaries` only ignores the targets whose input is end-of-document;
+  attention spans the packed documents of a sequence with or without CP, so no path builds a
+  document mask either.
+* GQA: the all-gather moves the KV heads as they are (kv_heads / tp per rank), and the kernels take
+  them so (flash on CUDA and on the CPU: GQA native; only CUDA's memory-efficient fallback gets them
+  expanded, above). Gathering along the sequence puts every KV head of the whole
   sequence on every CP rank, replicated across the cp ranks, so cp needs no relation to the number
   of KV heads (a head-scattering design such as Ulysses needs kv_heads >= cp, or replicates heads).
 
 Memory per rank and layer: 1/cp of the tokens' activations, plus the K/V of the whole sequence
 (`lmforge.parallel.formulas.cp_kv_bytes`: 2 b T kv_heads head_dim x dtype bytes), which replaces
-the rank's own 1/cp share: (A - KV) / cp + KV (`formulas.cp_activation_bytes`).
+the rank's own 1/cp share: (A - KV) / cp + KV (`formulas.cp_activation_bytes`). No mask and no
+score matrix (the attention saves its output and log-sum-exp, as flash attention does without CP),
+except in the fallbacks above (math kernel; expanded K/V for the memory-efficient kernel).
 
 Traffic per step and rank: one all-gather and one reduce-scatter of `cp_kv_bytes` per layer and
 micro-batch (one more all-gather where activation checkpointing recomputes a layer); counted in
@@ -45,6 +75,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from lmforge.model.layers import sequence_sharded
 from lmforge.parallel.formulas import cp_comm_bytes, cp_kv_bytes, recomputed_layers
@@ -80,6 +112,69 @@ class _GatherSequence(torch.autograd.Function):
         return out, None
 
 
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Chunk j's queries q (b, heads, c, d) over the keys and values k, v (b, kv heads, (j + 1) c, d)
+    of chunks 0 .. j: query p of the chunk sees keys 0 .. j c + p (causal, aligned bottom-right).
+    No mask is built on CUDA nor, without dropout, on the CPU (module docstring: the kernels)."""
+    c, keys = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if keys == c:  # chunk 0: plain causal attention
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
+    if q.device.type == "cpu" and dropout_p == 0.0:
+        return _PrefixAndDiagonal.apply(q, k, v)
+    if gqa and q.device.type == "cuda" and not can_use_flash_attention(SDPAParams(q, k, v, None, dropout_p, False, True)):
+        # CausalBias's other kernel (memory-efficient) takes no GQA: expand K/V to the query heads
+        group = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right(c, keys), dropout_p=dropout_p,
+                                          enable_gqa=gqa)
+
+
+def _lower_right(q_len: int, kv_len: int) -> CausalBias:
+    """`torch.nn.attention.bias.causal_lower_right(q_len, kv_len)` without its storage: the factory
+    constructs the tensor subclass through torch.Tensor's legacy constructor, which allocates an
+    uninitialised float32 (2, q_len, kv_len) tensor on the host that nothing reads (SDPA's
+    `CausalBias` dispatch reads only the variant and the two lengths)."""
+    bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0))
+    CausalBias.__init__(bias, CausalVariant.LOWER_RIGHT, q_len, kv_len)
+    return bias
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _PrefixAndDiagonal(torch.autograd.Function):
+    """CPU, no dropout: q (b, heads, c, d) of chunk j over k, v (b, kv heads, (j + 1) c, d), j >= 1, as
+    two calls of torch's flash attention for CPU: the j c keys before the chunk (all visible: no
+    mask) and the chunk's own c keys (square: `is_causal`'s top-left alignment is the bottom-right
+    one), merged by their log-sum-exp. SDPA cannot do it in one call without a dense mask (its CPU
+    `is_causal` aligns top-left), nor return the log-sum-exp that merging needs, hence the aten ops
+    and a hand-written backward: the kernel's backward of each part, given the merged output and
+    log-sum-exp, is that part's exact share of the gradient (the softmax is over all the keys)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        split = k.shape[2] - q.shape[2]
+        out_p, lse_p = _flash_cpu(q, k[:, :, :split], v[:, :, :split], 0.0, False)
+        out_d, lse_d = _flash_cpu(q, k[:, :, split:], v[:, :, split:], 0.0, True)
+        lse = torch.logaddexp(lse_p, lse_d)  # (b, heads, c), fp32 (fp64 for fp64 inputs)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = (out_p.to(acc) * (lse_p - lse).exp().unsqueeze(-1)
+               + out_d.to(acc) * (lse_d - lse).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        split = k.shape[2] - q.shape[2]
+        dq_p, dk_p, dv_p = _flash_cpu_backward(grad, q, k[:, :, :split], v[:, :, :split], out, lse, 0.0, False)
+        dq_d, dk_d, dv_d = _flash_cpu_backward(grad, q, k[:, :, split:], v[:, :, split:], out, lse, 0.0, True)
+        return dq_p + dq_d, torch.cat((dk_p, dk_d), dim=2), torch.cat((dv_p, dv_d), dim=2)
+
+
 class SequenceSharding:
     """One CP rank's view of the sequence (the model's `SequenceShard` while a step runs)."""
 
@@ -92,7 +187,6 @@ class SequenceSharding:
                      "reduce_scatter_calls": 0}
         self.positions = torch.empty(0, dtype=torch.int64, device=device)
         self._seq_len = 0
-        self._masks: dict[tuple, list[torch.Tensor]] = {}
 
     # ---- the step's sequences -----------------------------------------------------------------
 
@@ -120,23 +214,11 @@ class SequenceSharding:
         kv = _GatherSequence.apply(torch.stack((k, v)), self)  # (2, b, kv heads, T, d)
         c = q.shape[2] // 2
         outs = []
-        for half, (chunk, mask) in enumerate(zip(self.chunks_of[self.rank], self.masks(c, q.dtype))):
+        for half, chunk in enumerate(self.chunks_of[self.rank]):
             keys = (chunk + 1) * c  # this chunk's queries see the keys of chunks 0 .. chunk
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, half * c:(half + 1) * c], kv[0, :, :, :keys], kv[1, :, :, :keys], attn_mask=mask,
-                dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1]))
+            outs.append(chunk_attention(q[:, :, half * c:(half + 1) * c], kv[0, :, :, :keys], kv[1, :, :, :keys],
+                                        dropout_p))
         return torch.cat(outs, dim=2)
-
-    def masks(self, c: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Additive causal masks (c, (j + 1) c) of the rank's chunks j, aligned bottom-right; cached."""
-        key = (c, dtype)
-        if key not in self._masks:
-            self._masks[key] = []
-            for chunk in self.chunks_of[self.rank]:
-                visible = torch.ones(c, (chunk + 1) * c, dtype=torch.bool, device=self.device).tril(chunk * c)
-                mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
-                self._masks[key].append(mask.masked_fill_(~visible, float("-inf")))
-        return self._masks[key]
 
     # ---- accounting -----------------------------------------------------------------------------
 

@@ -25,18 +25,17 @@ def cp_activation_bytes(single_rank_bytes: float, kv_bytes: float, cp: int) -> f
     """Saved activations of one layer on one CP rank: the rank's 1/cp of the tokens, with the K/V of
     the whole sequence in place of its own share: (A - KV) / cp + KV, where A is the layer's
     activations for the whole sequence on one rank and KV = `cp_kv_bytes` (part of A: attention
-    saves K and V in one process too). The attention masks of the rank's two chunks, c^2 (2 cp + 1)
-    elements with c = seq_len / (2 cp), are built once and shared by every layer (`cp_mask_elements`)."""
+    saves K and V in one process too). The attention keeps no mask and no score matrix (its output
+    and log-sum-exp, as without CP: lmforge.parallel.context_parallel)."""
     return (single_rank_bytes - kv_bytes) / cp + kv_bytes
 
 
-def cp_mask_elements(seq_len: int, cp: int) -> int:
-    """Elements of a CP rank's two additive attention masks (chunk j's c queries against the (j + 1) c
-    keys before and at it, for j = i and 2cp-1-i): c^2 (2 cp + 1), c = seq_len / (2 cp); one copy per
-    rank (dtype of the attention), shared by all layers and micro-batches. They are also the
-    (query, key) scores the rank computes per head and sequence, the same on every rank: the causal
-    work is balanced (contiguous slices of seq_len / cp tokens would give the last rank 2 cp / (cp + 1)
-    times the mean)."""
+def cp_score_elements(seq_len: int, cp: int) -> int:
+    """(query, key) scores a CP rank computes per head and sequence: chunk j's c queries against the
+    (j + 1) c keys before and at it, for j = i and 2cp-1-i: c^2 (2 cp + 1), c = seq_len / (2 cp), the
+    same on every rank: the causal work is balanced (contiguous slices of seq_len / cp tokens would
+    give the last rank 2 cp / (cp + 1) times the mean). The kernels compute them block by block and
+    keep none (lmforge.parallel.context_parallel); the literature's unfused score term counts them."""
     c = seq_len // (2 * cp)
     return c * c * (2 * cp + 1)
 

@@ -41,7 +41,7 @@ Conventions:
     their gradients, one more all-gather per recomputed layer; a ring moves (cp-1)/cp of it per
     rank, over the tp x cp span. Exposed (the collectives sit between the layer's matmuls).
     The compute needs no CP term: every rank computes the same c^2 (2cp + 1) (query, key) scores
-    per head (`cp_mask_elements`; two chunks per rank balance the causal work), so the step's
+    per head (`cp_score_elements`; two chunks per rank balance the causal work), so the step's
     FLOPs divide evenly over all GPUs as without CP.
   - TP: per layer per micro-batch, two all-reduces of s*b*h 16-bit activations in forward and two
     in backward (one more pair with full recompute); with SP the same bytes as all-gathers +

@@ -111,9 +111,10 @@ whole sequence in every layer, saving them for backward. Per layer it keeps (A -
 their K/V, `cp_kv_bytes`: 2 b s (kv heads / t) head_dim x 2 bytes, 4 in fp32); full recompute
 A / cp. Outside the blocks everything is per rank (s / cp tokens); in lmforge the rank's token
 ids and targets are separate tensors (its chunks) and each stage indexes its rows of the RoPE
-tables; the rank's two additive causal masks, c^2 (2cp + 1) elements in the attention dtype
-(`cp_mask_elements`), are built once and shared by all layers and micro-batches (a buffer,
-`cp_attention_masks`). Byte-exact against what autograd saves on a CP rank (the probe of
+tables. The attention builds no mask and keeps no score matrix (flash attention on CUDA, flash
+attention for CPU over each chunk's prefix and diagonal block: output and log-sum-exp, as without
+CP; CUDA's fallbacks, K/V expanded to the query heads for fp32 GQA or the math kernel, are not
+counted). Byte-exact against what autograd saves on a CP rank (the probe of
 tests/test_parallel_cp.py, reproduced in tests/test_plan_cp.py). The CP ranks hold the same
 parameters and average gradients with the data-parallel ones, so ZeRO / FSDP shard over dp x cp
 (Megatron's distributed optimizer shards over its dp x cp group too).
@@ -139,7 +140,7 @@ from lmforge.config import ModelConfig
 from lmforge.config.base import divisors
 from lmforge.optim.registry import REGISTRY
 from lmforge.optim.state_memory import OPTIMIZER_NAMES, optimizer_state_bytes_per_param
-from lmforge.parallel.formulas import cp_activation_bytes, cp_kv_bytes, cp_mask_elements, recomputed_layers
+from lmforge.parallel.formulas import cp_activation_bytes, cp_kv_bytes, cp_score_elements, recomputed_layers
 
 AC_MODES = ("none", "full", "every_k", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -675,7 +676,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
     every term of A is linear in the sequence length once attention is fused). Full recompute keeps
     only the block input of the rank's tokens, A / cp. The literature conventions count the same
     all-gather design (Llama 3's, Megatron's `--cp-comm-type allgather`) with their 16-bit K/V; their
-    unfused [s, s] score term becomes the rank's c^2 (2cp + 1) scores per head (`cp_mask_elements`)."""
+    unfused [s, s] score term becomes the rank's c^2 (2cp + 1) scores per head (`cp_score_elements`)."""
     ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
     if check_convention(convention) == "lmforge":
         whole = _lmforge_activation_per_layer(cfg, layout, seq_len, ac)
@@ -690,7 +691,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
         return whole + scores
     if ac == "full":
         return whole / layout.cp
-    return cp_activation_bytes(whole, kv, layout.cp) + scores * cp_mask_elements(seq_len, layout.cp) / seq_len**2
+    return cp_activation_bytes(whole, kv, layout.cp) + scores * cp_score_elements(seq_len, layout.cp) / seq_len**2
 
 
 def _extras(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, stage: int) -> dict[str, float]:
@@ -824,8 +825,6 @@ def _lmforge_buffers(cfg: ModelConfig, layout: Layout, states: _StageStates, seq
         out["fsdp_unsharded_gradients"] = (half + reduce_input) * states.layer_params + half * states.head_params
     if cfg.pos_emb == "rope":
         out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
-    if layout.cp > 1:  # the rank's two additive causal masks, built once and shared by every layer
-        out["cp_attention_masks"] = attention_dtype_bytes(layout) * cp_mask_elements(seq_len, layout.cp)
     return out
 
 
