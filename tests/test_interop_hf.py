@@ -258,3 +258,32 @@ def test_export_and_import_never_overwrite_what_they_should_not(tmp_path, capsys
     assert err.startswith(f"error: --out = {str(back)!r} already holds config.toml") and "or pass --force" in err
     assert "overwrite" not in err, err
     assert import_main(["--hf", str(hf), "--out", str(back), "--force"]) == 0
+
+
+def test_export_of_an_unfinished_run_reads_its_newest_checkpoint(small_data, tmp_path):
+    """A run that has checkpoints but no model.safetensors (stopped before its end) exports from its
+    newest valid checkpoint, read tensor by tensor: the same file as from the finished run's weights."""
+    from safetensors.torch import load_file
+
+    from lmforge.config import load_config
+    from lmforge.train.trainer import Trainer
+
+    cfg = load_config("tiny", {"model.vocab_size": 320, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4,
+                               "model.max_seq_len": 32, "data.seq_len": 32, "data.tokenizer_vocab_size": 320,
+                               "train.global_batch_size": 4, "train.steps": 3, "train.eval_every": 0, "train.eval_sequences": 4,
+                               "train.sample_tokens": 0, "train.precision": "fp32", "train.plot": False,
+                               "train.tensorboard": False, "checkpoint.async_save": False})
+    run = tmp_path / "run"
+    Trainer(cfg, out_dir=run, data=small_data).fit()
+    export_hf(run, tmp_path / "from_weights")
+    (run / "model.safetensors").unlink()
+    export_hf(run, tmp_path / "from_checkpoint")
+    want, got = load_file(str(tmp_path / "from_weights" / "model.safetensors")), \
+        load_file(str(tmp_path / "from_checkpoint" / "model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    for ckpt in (run / "checkpoints").iterdir():
+        import shutil
+
+        shutil.rmtree(ckpt)
+    with pytest.raises(ValueError, match="has no model.safetensors"):
+        export_hf(run, tmp_path / "nothing")

@@ -29,6 +29,7 @@ over the dp_cp group and the loss is scaled by dp x cp against the gradient aver
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -176,7 +177,8 @@ class Layout:
             t = mine.get(name)
             if t is not None:
                 t = t.detach()
-                t = t.full_tensor() if isinstance(t, DTensor) else t
+                with _quiet("torch.distributed.tensor._redistribute"):  # (FSDP2 over TP: "2 sequential all_gathers")
+                    t = t.full_tensor() if isinstance(t, DTensor) else t
             if pp and rank0_row and owner[name] != 0:  # a later stage's weight: its peer in rank 0's row sends it
                 if self.dist.pp_rank == owner[name]:
                     dist.send(t.contiguous(), dst=0, group=group)
@@ -209,6 +211,18 @@ class ShardedLayout(Layout):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_sharded_(self.params(), max_norm, self.dist)
 
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """Silence a logger's warnings for a while (torch's notes on its own collective choices)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _natural(name: str) -> tuple:
