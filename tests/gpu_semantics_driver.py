@@ -8,6 +8,11 @@
         Runs `trainer_for(cfg).fit()` with every torch.distributed send / recv / collective recorded
         (operation, whether it used the host gloo group, named source, tag, calling function).
         Writes OUT/calls_rank<r>.json.
+    gpu_semantics_driver.py precision CORPUS OUT [key=value ...]
+        Rank 0 is told its CPU has bf16 units, the others that theirs have not; sets up a real Trainer
+        (train.precision = auto) and trains one step. Writes OUT/precision_rank<r>.json: the precision
+        the rank trains in, what its own hardware would choose, its MFU peak, the step's loss and how
+        many parameters the step copies to 16 bits itself (none under FSDP2).
 """
 
 from __future__ import annotations
@@ -145,11 +150,29 @@ def record_calls(corpus: str, out: str, pairs: list[str]) -> list[dict]:
     return calls
 
 
+def decide_precision(corpus: str, out: str, pairs: list[str]) -> dict:
+    """Rank 0 is told its CPU has AVX512-BF16, the others that theirs has not (the
+    `lmforge.train.precision.cpu_flags` seam); sets up a real Trainer and trains one step."""
+    from lmforge.train import precision
+    from lmforge.train.trainer import Trainer
+
+    flags = {"avx2", "avx512f", "avx512_bf16"} if int(os.environ.get("RANK", "0")) == 0 else {"avx2"}
+    precision.cpu_flags = lambda: flags
+    trainer = Trainer(config(corpus, out, pairs))
+    trainer.setup()
+    loss, _ = trainer.train_step(trainer.next_micro_batches())
+    result = {"precision": trainer.precision.name, "told": precision.detect_hardware_precision(trainer.device).name,
+              "peak": trainer.peak.flops, "loss": float(loss),
+              "copied": len(list(precision.copied_parameters([trainer.layout.module])))}
+    trainer.ckpt.close()
+    return result
+
+
 def main() -> None:
     mode, corpus, out, *pairs = sys.argv[1:]
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
-    run = {"copies": count_weight_copies, "rules": record_calls}[mode]
+    run = {"copies": count_weight_copies, "rules": record_calls, "precision": decide_precision}[mode]
     result = run(corpus, out, pairs)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"{mode}_rank{rank}.json").write_text(json.dumps(result))

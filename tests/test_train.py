@@ -236,13 +236,12 @@ def test_validation_loss_does_not_depend_on_the_micro_batch(small_data, tmp_path
     assert abs(la["loss"] - lb["loss"]) < 1e-6 * la["loss"]  # fp32 kernels differ by batch shape: ~5e-9 seen
 
 
-@pytest.mark.parametrize("bf16_speed, slow", [(0.01, True), (3.0, False)])
-def test_an_emulated_bf16_is_kept_but_flagged(monkeypatch, bf16_speed, slow):
+@pytest.mark.parametrize("flags, slow", [({"avx2"}, True), ({"avx2", "avx512_bf16"}, False)])
+def test_an_emulated_bf16_is_kept_but_flagged(monkeypatch, flags, slow):
     """train.precision = bf16 on a CPU without bf16 units runs ~90x slower: say so (a warning)."""
     from lmforge.train import precision as precision_module
 
-    monkeypatch.setattr(precision_module, "measure_matmul_flops",
-                        lambda device, dtype: 1e11 * (bf16_speed if dtype == torch.bfloat16 else 1.0))
+    monkeypatch.setattr(precision_module, "cpu_flags", lambda: flags)
     got = precision_module.resolve_precision("bf16", torch.device("cpu"))
     assert got.name == "bf16" and got.slow is slow
     assert ("emulates bf16" in got.reason and "100x slower" in got.reason) if slow else got.reason == "as configured"

@@ -1,9 +1,25 @@
-"""Mixed precision: autocast for the forward pass, fp32 master weights, GradScaler for fp16.
+"""Mixed precision: which precision a run trains in, and one 16-bit copy of the weights per step.
 
 Parameters and optimizer state always stay in fp32 (the "master weights"); autocast runs the
 matmuls in bf16/fp16. bf16 has fp32's exponent range and needs no loss scaling; fp16 does, so
 its gradients go through `torch.amp.GradScaler` (dynamic loss scale, skipped steps on inf/nan),
 and the trainer unscales them before clipping.
+
+Deciding the precision (`resolve_precision`), once per run: rank 0 decides and the trainer
+broadcasts its decision, so every rank computes in the same dtype (collectives of different
+dtypes fail, e.g. gloo's "Received data size doesn't match expected size").
+
+- An explicit fp32 / bf16 / fp16 is used as configured. bf16 on a CPU without native bf16 matmul
+  units is kept but flagged `slow` (oneDNN emulates it there, 10-100x slower than fp32).
+- `auto` is decided from the hardware, never from a timing: CUDA gives bf16 where the GPU has bf16
+  tensor cores (compute capability >= 8.0), else fp16 (V100, T4). A CPU gives bf16 only where it
+  has native bf16 matmul units (`cpu_bf16_units`: AMX-BF16 or AVX512-BF16 in /proc/cpuinfo's
+  flags; oneDNN runs bf16 2-6x faster than fp32 there), else fp32.
+- A checkpoint records the precision its run trained in (meta "precision"). Under `auto` a resumed
+  run keeps it, whatever this machine's hardware would choose; an explicit train.precision wins,
+  with a warning that the precision changed.
+- What `auto` resolves to is checked against the layout afterwards
+  (`lmforge.config.rules.check_resolved_precision`: no fp16 with TP / PP).
 
 One 16-bit copy of the weights per step, explicitly (`Precision.step(*modules)`): at the start of a
 step the fp32 weight and bias of every linear layer the layout runs are cast to the compute dtype
@@ -42,12 +58,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from lmforge.model.lora import LoRALinear
-from lmforge.train.profiler import measure_matmul_flops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -124,34 +140,72 @@ class Resolved:
     name: str  # fp32 | bf16 | fp16
     reason: str
     slow: bool = False  # the configured precision is emulated here: warn
+    changed: bool = False  # an explicit setting overrides the precision of the checkpoint being resumed: warn
 
 
-def resolve_precision(name: str, device: torch.device) -> Resolved:
-    """Turn 'auto' into a concrete precision for `device`, and say why.
+CPU_BF16_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}  # /proc/cpuinfo flag -> name
 
-    CUDA: bf16 where the GPU supports it, else fp16. CPU: bf16 only if this CPU really runs
-    bf16 matmuls faster than fp32 (AMX / AVX512-BF16 CPUs do, by 2-6x; on AVX2-only CPUs
-    oneDNN emulates bf16 and it is 10-100x *slower*), decided by timing a matmul in each dtype
-    (the same cached measurement the MFU peak uses, so it is taken once per run). An explicit bf16
-    on such a CPU is kept, flagged `slow`.
-    """
-    if device.type == "cpu" and name in ("auto", "bf16"):
-        fp32 = measure_matmul_flops(device, torch.float32)  # FLOP/s
-        bf16 = measure_matmul_flops(device, torch.bfloat16)
-        if name == "bf16":
-            if bf16 < 0.5 * fp32:  # no native bf16 units: oneDNN emulates it
-                return Resolved(name, f"as configured, but this CPU emulates bf16: its matmuls run {fp32 / bf16:.0f}x "
-                                      f"slower than fp32 here; --train.precision auto (or fp32) trains much faster on "
-                                      f"this machine", slow=True)
-            return Resolved(name, "as configured")
-        if bf16 > 1.2 * fp32:
-            return Resolved("bf16", f"bf16 matmul {bf16 / fp32:.1f}x faster than fp32 on this CPU")
-        return Resolved("fp32", f"bf16 matmul {fp32 / bf16:.1f}x slower than fp32 on this CPU (no native bf16 units)")
-    if name != "auto":
-        return Resolved(name, "as configured")
-    if torch.cuda.is_bf16_supported():
-        return Resolved("bf16", "GPU supports bf16")
-    return Resolved("fp16", "GPU lacks bf16")
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags (the first "flags" line of /proc/cpuinfo); empty where there is none
+    (not Linux): its bf16 units are then unknown, and `auto` stays fp32."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16_units(flags: set[str]) -> list[str]:
+    """The native bf16 matmul units among a CPU's flags ([] = oneDNN emulates bf16 there)."""
+    return [unit for flag, unit in CPU_BF16_UNITS.items() if flag in flags]
+
+
+def hardware_precision(device_type: str, cuda_bf16: bool = False, flags: set[str] = frozenset()) -> Resolved:
+    """What `auto` means on this hardware (module docstring): `cuda_bf16` whether the GPU has bf16
+    tensor cores, `flags` the CPU's /proc/cpuinfo flags."""
+    if device_type == "cuda":
+        return Resolved("bf16", "GPU has bf16 tensor cores") if cuda_bf16 else \
+            Resolved("fp16", "GPU lacks bf16 tensor cores (compute capability < 8.0)")
+    units = cpu_bf16_units(flags) if device_type == "cpu" else []
+    if units:
+        return Resolved("bf16", f"CPU has native bf16 matmul units ({', '.join(units)})")
+    return Resolved("fp32", f"{device_type.upper()} has no native bf16 matmul units (AMX-BF16, AVX512-BF16): "
+                            f"bf16 would be emulated, 10-100x slower than fp32")
+
+
+def detect_hardware_precision(device: torch.device) -> Resolved:
+    """`hardware_precision` of this process's device."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return hardware_precision("cuda", cuda_bf16=torch.cuda.is_bf16_supported(including_emulation=False))
+    return hardware_precision(device.type, flags=cpu_flags() if device.type == "cpu" else set())
+
+
+def resolve_precision(name: str, device: torch.device, saved: str | None = None) -> Resolved:
+    """Turn train.precision into a concrete precision for `device`, and say why (module docstring).
+    `saved`: the precision recorded in the checkpoint being resumed (None: a fresh run, or a
+    checkpoint that did not record it). Called on rank 0; the trainer broadcasts the answer."""
+    hardware = detect_hardware_precision(device)
+    if name == "auto" and saved is None:
+        return hardware
+    if name == "auto":
+        chosen = saved
+        note = "" if saved == hardware.name else f"; this hardware alone would choose {hardware.name}"
+        reason = f"the resumed checkpoint trained in {saved} (train.precision = auto keeps it{note})"
+    else:
+        chosen, reason = name, "as configured"
+    slow = device.type == "cpu" and chosen == "bf16" and hardware.name != "bf16"
+    if slow:
+        reason += (", but this CPU emulates bf16 (no AMX-BF16 or AVX512-BF16 units): its matmuls run 10-100x "
+                   "slower than fp32; --train.precision fp32 trains much faster on this machine")
+    changed = name != "auto" and saved is not None and saved != name
+    if changed:
+        reason += f"; it overrides the {saved} the resumed checkpoint trained in"
+    return Resolved(chosen, reason, slow=slow, changed=changed)
 
 
 def make_precision(name: str, device: torch.device) -> Precision:
