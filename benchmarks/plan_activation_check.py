@@ -3,19 +3,19 @@
 On a CUDA machine: for the tiny and gpt2-124m presets and each activation-checkpointing mode,
 build the model and an AdamW optimizer on the GPU, run one step (so gradients and optimizer state
 exist), free the gradients, then run a step the way the trainer does (forward and backward inside
-ONE autocast context, so autocast casts each weight once per step) and measure
+the step's `Precision.step`, which casts each weight to 16 bits once per step, and autocast) and measure
 
   fwd   = torch.cuda.memory_allocated() after the forward pass (loss computed) - before it
   peak  = torch.cuda.max_memory_allocated() during forward + backward - before the forward
 
 and compare with the estimate (`estimate_memory(..., weights="lmforge")`):
 
-  est_fwd  = activations + autocast 16-bit weight copies (+ RoPE tables for blocks kept)
+  est_fwd  = activations + the step's 16-bit weight copies (+ RoPE tables for blocks kept)
   est_peak = est_fwd + gradients (fp32, allocated during backward)
 
 printing both and the ratio measured / estimated. On a machine without CUDA it says so and exits
 (status 0); `--cpu-saved` instead compares, on CPU, with the bytes autograd saves plus the 16-bit
-copies autocast's cache holds (`step_bytes`, what the tests assert exactly).
+copies the step holds (`step_bytes`, what the tests assert exactly).
 
     python benchmarks/plan_activation_check.py [--batch 8] [--seq 1024] [--json out.json] [--cpu-saved]
 """
@@ -23,6 +23,7 @@ copies autocast's cache holds (`step_bytes`, what the tests assert exactly).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import weakref
@@ -35,6 +36,7 @@ from lmforge.model.transformer import build_model
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.plan.memory import Layout, estimate_memory
 from lmforge.parallel.activation_ckpt import apply_activation_checkpointing, saved_activation_bytes
+from lmforge.train.precision import make_precision
 
 CASES = [("tiny", None), ("gpt2-124m", None)]
 MODES = ("none", "full", "every_k", "selective")
@@ -49,18 +51,19 @@ def _estimate(cfg, b: int, s: int, ac: str):
 
 
 def step_bytes(model, batches, dtype=torch.bfloat16) -> tuple[int, int, int, int]:
-    """The trainer's step on CPU: the forwards of `batches` inside ONE autocast context, each
-    micro-batch's graph kept (as a pipeline schedule keeps those in flight), then one backward in
-    the same context. Returns (bytes of the unique storages autograd saves or autocast's cache
-    holds, bytes of the 16-bit parameter copies alive after the forwards, after the backward, and
-    after the context exits). The parameters themselves are not counted."""
+    """The trainer's step on CPU: the forwards of `batches` inside the step's `Precision.step` (one
+    16-bit copy of each weight for the step) and autocast, each micro-batch's graph kept (as a
+    pipeline schedule keeps those in flight), then one backward in the same context. Returns (bytes
+    of the unique storages autograd saves or the step's copies hold, bytes of the 16-bit parameter
+    copies alive after the forwards, after the backward, and after the step exits). The parameters
+    themselves are not counted."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
     casts: list[weakref.ref] = []
 
-    class CastSpy(TorchDispatchMode):  # records the 16-bit copies autocast makes of parameters
+    class CastSpy(TorchDispatchMode):  # records the 16-bit copies made of parameters
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in params:
@@ -76,12 +79,16 @@ def step_bytes(model, batches, dtype=torch.bfloat16) -> tuple[int, int, int, int
     def alive() -> dict[int, int]:
         return {c().untyped_storage().data_ptr(): c().untyped_storage().nbytes() for c in casts if c() is not None}
 
-    with torch.autocast("cpu", dtype=dtype):
-        with CastSpy(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            losses = [F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()) for x in batches]
-        copies = alive()
-        sum(losses).backward()
-        after_backward = sum(alive().values())
+    precision = make_precision({torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], torch.device("cpu"))
+    with contextlib.ExitStack() as step:
+        with CastSpy():
+            step.enter_context(precision.step(model))  # (the copies are made here: the spy sees them)
+        with precision.autocast():
+            with CastSpy(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                losses = [F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()) for x in batches]
+            copies = alive()
+            sum(losses).backward()
+            after_backward = sum(alive().values())
     return sum((saved | copies).values()), sum(copies.values()), after_backward, sum(alive().values())
 
 
@@ -108,7 +115,8 @@ def run_cuda(batch: int, seq: int) -> list[dict]:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            with torch.autocast("cuda", dtype=torch.bfloat16):  # one context per step, as the trainer
+            bf16 = make_precision("bf16", dev)
+            with bf16.step(model), bf16.autocast():  # as the trainer's step
                 loss = loss_fn()
                 torch.cuda.synchronize()
                 fwd = torch.cuda.memory_allocated() - base

@@ -8,6 +8,11 @@
         Runs `trainer_for(cfg).fit()` with every torch.distributed send / recv / collective recorded
         (operation, whether it used the host gloo group, named source, tag, calling function).
         Writes OUT/calls_rank<r>.json.
+    gpu_semantics_driver.py precision CORPUS OUT [key=value ...]
+        Rank 0 is told its CPU has bf16 units, the others that theirs have not; sets up a real Trainer
+        (train.precision = auto) and trains one step. Writes OUT/precision_rank<r>.json: the precision
+        the rank trains in, what its own hardware would choose, its MFU peak, the step's loss and how
+        many parameters the step copies to 16 bits itself (none under FSDP2).
 """
 
 from __future__ import annotations
@@ -59,6 +64,57 @@ def count_weight_copies(corpus: str, out: str, pairs: list[str]) -> dict:
     return result
 
 
+def count_weight_casts(corpus: str, out: str, pairs: list[str]) -> dict:
+    """Over one optimizer step's forward/backward of a real Trainer (one process), how often each
+    matmul weight is cast from fp32 to 16 bits (aten._to_copy, counted by a TorchDispatchMode), with
+    every backward run on a second thread, as CUDA runs it on the autograd engine's device thread
+    (activation-checkpoint recomputes then run on that thread too)."""
+    import threading
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmforge.train.precision import Precision
+    from lmforge.train.trainer import Trainer
+
+    trainer = Trainer(config(corpus, out, pairs))
+    trainer.setup()
+    weights = {p.untyped_storage().data_ptr(): name for name, p in trainer.model.named_parameters()
+               if p.dim() == 2 and "emb" not in name}
+    casts = dict.fromkeys(weights.values(), 0)
+
+    class CountCasts(TorchDispatchMode):  # (a dispatch mode is per thread: one on each)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            src = args[0] if args else None
+            if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") in (torch.bfloat16, torch.float16)
+                    and src.dtype == torch.float32 and src.untyped_storage().data_ptr() in weights):
+                casts[weights[src.untyped_storage().data_ptr()]] += 1
+            return func(*args, **kwargs)
+
+    def backward_on_a_thread(self, loss: torch.Tensor) -> None:
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                with CountCasts():
+                    self.scaler.scale(loss).backward()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+                errors.append(e)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    Precision.backward = backward_on_a_thread
+    batches = trainer.next_micro_batches()
+    with CountCasts():
+        trainer.forward_backward(batches)
+    trainer.ckpt.close()
+    return {"casts": casts, "micro_batches": len(batches)}
+
+
 def record_calls(corpus: str, out: str, pairs: list[str]) -> list[dict]:
     import lmforge.train.trainer as trainer_module
     from lmforge.train import trainer_for
@@ -94,11 +150,30 @@ def record_calls(corpus: str, out: str, pairs: list[str]) -> list[dict]:
     return calls
 
 
+def decide_precision(corpus: str, out: str, pairs: list[str]) -> dict:
+    """Rank 0 is told its CPU has AVX512-BF16, the others that theirs has not (the
+    `lmforge.train.precision.cpu_flags` seam); sets up a real Trainer and trains one step."""
+    from lmforge.train import precision
+    from lmforge.train.trainer import Trainer
+
+    flags = {"avx2", "avx512f", "avx512_bf16"} if int(os.environ.get("RANK", "0")) == 0 else {"avx2"}
+    precision.cpu_flags = lambda: flags
+    trainer = Trainer(config(corpus, out, pairs))
+    trainer.setup()
+    loss, _ = trainer.train_step(trainer.next_micro_batches())
+    result = {"precision": trainer.precision.name, "told": precision.detect_hardware_precision(trainer.device).name,
+              "peak": trainer.peak.flops, "loss": float(loss),
+              "copied": len(list(precision.copied_parameters([trainer.layout.module])))}
+    trainer.ckpt.close()
+    return result
+
+
 def main() -> None:
     mode, corpus, out, *pairs = sys.argv[1:]
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
-    result = count_weight_copies(corpus, out, pairs) if mode == "copies" else record_calls(corpus, out, pairs)
+    run = {"copies": count_weight_copies, "rules": record_calls, "precision": decide_precision}[mode]
+    result = run(corpus, out, pairs)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"{mode}_rank{rank}.json").write_text(json.dumps(result))
 

@@ -7,7 +7,9 @@
   parameter server's messages go over the host gloo group, the group they use on a GPU.
 * One 16-bit copy of the weights per step: under bf16 autocast the tensors saved for backward hold
   one cast of each weight however many micro-batches the step has (accumulation in one process, DDP,
-  TP, and a 1F1B pipeline with 4 micro-batches in flight).
+  TP, and a 1F1B pipeline with 4 micro-batches in flight), and each weight is cast exactly once per
+  step when backward runs on another thread with activation checkpointing (CUDA's autograd device
+  thread; lmforge.train.precision).
 """
 
 from __future__ import annotations
@@ -98,9 +100,25 @@ def test_one_bf16_weight_copy_per_step_under_accumulation(corpus, tmp_path, monk
 
     from lmforge.train.precision import Precision
 
-    monkeypatch.setattr(Precision, "step", lambda self: contextlib.nullcontext())  # a cast per forward
+    monkeypatch.setattr(Precision, "step", lambda self, *modules: contextlib.nullcontext())  # a cast per forward
     old = count_weight_copies(str(corpus), str(tmp_path / "old"), pairs)
     assert old["copies"] == 4 * got["copies"], (old, got)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_one_16_bit_cast_per_weight_per_step_with_backward_on_another_thread(corpus, tmp_path, monkeypatch, ac):  # noqa: F811
+    """CUDA runs backward on the autograd engine's device thread, where an activation-checkpoint
+    recompute enters and leaves autocast. With autocast's weight-cast cache (the old mechanism) that
+    emptied the step's cache: each of the 4 micro-batches cast every weight again (and recomputed
+    blocks more). With the step's managed 16-bit copies each weight is cast exactly once per step."""
+    from lmforge.train.precision import Precision
+    from tests.gpu_semantics_driver import count_weight_casts
+
+    monkeypatch.setattr(Precision, "backward", Precision.backward)  # (the driver replaces it: restored after)
+    pairs = [f"{k}={v}" for k, v in {**TINY, **BF16, "checkpoint.resume": "none",
+                                      "train.activation_checkpoint": ac}.items()]
+    got = count_weight_casts(str(corpus), str(tmp_path), pairs)
+    assert got["micro_batches"] == 4 and got["casts"] and set(got["casts"].values()) == {1}, got
 
 
 @pytest.mark.slow

@@ -186,9 +186,8 @@ def check_features(cfg: "Config") -> None:
     if t.loss_chunk != "auto" and t.loss_chunk and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"train.loss_chunk = {t.loss_chunk} is not supported with parallel.tp = {p.tp} / "
                           f"parallel.pp = {p.pp} yet; set train.loss_chunk = 0 (or 'auto').")
-    if (p.tp > 1 or p.pp > 1) and t.precision == "fp16":
-        raise ConfigError("train.precision = 'fp16' (GradScaler) is not supported with parallel.tp / parallel.pp "
-                          "> 1; use 'bf16' or 'fp32'.")
+    if t.precision != "auto":  # (what auto resolves to is checked once it is known: check_resolved_precision)
+        check_resolved_precision(cfg, t.precision)
     if t.fp8:
         if p.tp > 1:
             raise ConfigError("train.fp8 = true with parallel.tp > 1 needs torchao's float8 tensor-parallel "
@@ -200,6 +199,20 @@ def check_features(cfg: "Config") -> None:
         raise ConfigError("parallel.async_sgd = true does not write periodic checkpoints (the parameter "
                           "server's state is not checkpointed yet; checkpoint.every_minutes is ignored); set "
                           "checkpoint.every_steps = 0.")
+
+
+def check_resolved_precision(cfg: "Config", precision: str, why: str = "") -> None:
+    """The layout's rules on the precision the run really trains in: train.precision resolved
+    (`precision`; `why` says how `auto` came to it: the hardware, or the checkpoint being resumed).
+    A config rule cannot know what `auto` resolves to, so the trainer calls this once it does;
+    `check_features` calls it on an explicit value, for an early error."""
+    t, p = cfg.train, cfg.parallel
+    if (p.tp > 1 or p.pp > 1) and precision == "fp16":
+        what = "train.precision = 'fp16'" if t.precision == precision else \
+            f"train.precision = {t.precision!r} resolved to 'fp16'" + (f" ({why})" if why else "")
+        raise ConfigError(f"{what}, but fp16 (GradScaler) is not supported with parallel.tp = {p.tp} / parallel.pp "
+                          f"= {p.pp}: the loss scale and its skipped steps are not agreed across tensor-parallel "
+                          f"ranks and pipeline stages. Set train.precision = 'fp32' (or 'bf16' on hardware with bf16).")
 
 
 AUTO_LOSS_CHUNK = 4096  # tokens per chunk of train.loss_chunk = "auto"

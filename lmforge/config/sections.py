@@ -160,7 +160,7 @@ class TrainConfig:
     steps: int = _f(600, "Optimizer steps to run.")
     global_batch_size: int = _f(32, "Sequences per optimizer step across all data-parallel ranks.")
     micro_batch_size: int = _f(16, "Sequences per forward/backward on one rank; the rest is gradient accumulation.")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Compute precision: bf16 autocast (fp32 master weights), fp16 autocast with GradScaler, fp32, or auto (bf16 where the hardware runs it fast, else fp32 on CPU / fp16 on old GPUs).")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Compute precision: bf16 autocast (fp32 master weights), fp16 autocast with GradScaler, fp32, or auto: decided once, by rank 0 for every rank, from the hardware (bf16 on GPUs with bf16 tensor cores and on CPUs with AMX-BF16 / AVX512-BF16 units, else fp16 on older GPUs and fp32 on CPUs); a resumed auto run keeps the precision its checkpoint records.")
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
     compile: bool = _f(False, "Compile each transformer block with torch.compile.")

@@ -63,13 +63,13 @@ class Layout:
 
     def forward_backward(self, micro_batches: list[Batch], precision) -> torch.Tensor:
         """Gradients of the step's micro-batches, accumulated; returns the global step's mean token
-        loss (equal on every rank). `precision.step()` spans the micro-batches so autocast casts each
-        weight to 16 bits once per step, not once per micro-batch."""
+        loss (equal on every rank). `precision.step(module)` spans the micro-batches: the module's
+        weights are cast to 16 bits once per step, not once per micro-batch (lmforge.train.precision)."""
         micro_batches, sharded = self.local_sequences(micro_batches)
         n_targets = self.global_targets(micro_batches)
         loss_sum = torch.zeros((), device=self.dist.device)
         last = len(micro_batches) - 1
-        with precision.step(), sharded:
+        with precision.step(self.module), sharded:
             for i, (x, y) in enumerate(micro_batches):
                 with self.micro_batch_context(i == last):
                     nll = self.nll_sum(x, y, precision)

@@ -61,7 +61,8 @@ Outside the blocks: the embedding's dropout mask sbh, the final norm's and the h
 4sbh, and fp32 logits 4sbV/t (sbh terms / t with SP).
 
 ``"lmforge"`` (what lmforge allocates; the trainer runs each optimizer step's forward and backward
-passes over all its micro-batches inside one `torch.autocast` context, and FSDP2 runs with
+passes over all its micro-batches inside one `Precision.step` (lmforge.train.precision), which
+holds one 16-bit copy of each weight for the step, and FSDP2 runs with
 `MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)`)
     Parameters are fp32 and are the master weights (4 B/param, no separate copy), gradients are
     fp32 (4), optimizer state is whatever `lmforge.optim` keeps per tensor (AdamW: m, v fp32 plus
@@ -71,18 +72,17 @@ passes over all its micro-batches inside one `torch.autocast` context, and FSDP2
     optimizer state are all sharded, each tensor chunked along dim 0 into N pieces of
     ceil(dim0/N) rows (the worst rank holds ceil(dim0/N) x (other dims) elements). Buffers:
     - layouts whose parameters are not FSDP-sharded (single device, DDP, ZeRO-1, TP or PP without
-      FSDP): autocast caches one 16-bit cast of every Linear weight and bias of the stage (fp32
-      leaves; a tied embedding too, through the head)
-      until the step's autocast context exits, so the copies are counted once per step, not per
-      micro-batch in flight, and activation recompute does not free them (the recompute in
-      backward runs inside the same context and reuses them);
+      FSDP): the step holds one 16-bit cast of every Linear weight and bias of the stage (a tied
+      embedding too, through the head; `autocast_weight_copies`) from its start to its end, so
+      the copies are counted once per step, not per micro-batch in flight, and activation
+      recompute does not free them (the recompute in backward reuses them);
     - DDP and ZeRO-1: DDP runs with `gradient_as_bucket_view=True`, so the gradients are views
       into its fp32 all-reduce buckets (no copy; torch's default False kept a second fp32 copy,
       4 B/param). Under gradient accumulation the trainer's `zero_grad(set_to_none=True)` lets
       the no_sync micro-batches build fresh gradients beside the buckets until the step's last
       backward copies them in, so a step with grad_accum > 1 still peaks at that copy
       (`ddp_gradient_buckets`);
-    - FSDP2 (ZeRO-2/3): parameters are all-gathered directly in 16-bit, so autocast casts nothing.
+    - FSDP2 (ZeRO-2/3): parameters are all-gathered directly in 16-bit, so nothing is cast.
       ZeRO-3 holds the gathered 16-bit weights of the current and the prefetched block, ZeRO-2
       the whole stage's; both hold the root module's gathered weights (embedding, final norm,
       head: the root spans the whole forward and backward), the head's 16-bit unsharded gradient
@@ -320,7 +320,7 @@ class ParamSpec:
     layer: int = -1
     tp_dim: int | None = None
     is_embedding: bool = False
-    matmul: bool = False          # an input of a Linear (weight or bias): autocast casts it to 16-bit
+    matmul: bool = False          # an input of a Linear (weight or bias): the step casts it to 16-bit
 
     @property
     def numel(self) -> int:
@@ -809,7 +809,7 @@ def _lmforge_buffers(cfg: ModelConfig, layout: Layout, states: _StageStates, seq
     mixed = layout.precision != "fp32"
     out: dict[str, float] = {}
     if not layout.fsdp:
-        if mixed:  # autocast's cache: one 16-bit copy per matmul weight for the whole step
+        if mixed:  # the step's 16-bit copy of each matmul weight (lmforge.train.precision)
             out["autocast_weight_copies"] = states.matmul_16bit
         if layout.shard_ranks > 1 and layout.grad_accum > 1:
             # DDP (ZeRO-1 too) runs with gradient_as_bucket_view=True: after a synchronising

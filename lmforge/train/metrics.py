@@ -14,7 +14,7 @@ logging window are written together). Fields:
 | `lr`            | -           | learning rate used by the step (first parameter group)                 |
 | `tokens`        | tokens      | tokens consumed so far, including this step                            |
 | `tokens_per_s`  | tokens/s    | global throughput (all ranks) over the step's logging window, eval excluded |
-| `mfu`           | fraction    | tokens_per_s x flops_per_token / (peak FLOP/s per device x world size)  |
+| `mfu`           | fraction    | tokens_per_s x flops_per_token / (peak FLOP/s per device x world), <= 1 |
 | `step_time_s`   | s           | mean wall time per step over the logging window                         |
 | `data_s`        | s           | host time this step spent fetching its batches                         |
 | `data_share`    | fraction    | share of the window's wall time spent fetching batches                  |
@@ -325,8 +325,9 @@ class ThroughputWindow:
     """Throughput over the steps since the last log line: tokens/s and MFU of the training time
     (validation excluded), step time, the loader's share, checkpoint blocking and peak memory."""
 
-    def __init__(self, flops_per_token: float, peak_flops: float, world_size: int, device, timers: Timers):
-        self.flops_per_token, self.peak_flops, self.world_size = flops_per_token, peak_flops, world_size
+    def __init__(self, flops_per_token: float, peak, world_size: int, device, timers: Timers):
+        self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.peak = peak  # lmforge.train.profiler.Peak: MFU = its `utilisation` of the window's FLOP/s
         self.device, self.timers = device, timers
         self.start = self.window_start = time.perf_counter()
         self.tokens = self.steps = 0
@@ -345,7 +346,7 @@ class ThroughputWindow:
         now = time.perf_counter()
         busy = max(now - self.window_start - self.eval_s, 1e-9)
         tok_s = self.tokens / busy
-        stats = {"tokens_per_s": tok_s, "mfu": tok_s * self.flops_per_token / (self.peak_flops * self.world_size),
+        stats = {"tokens_per_s": tok_s, "mfu": self.peak.utilisation(tok_s * self.flops_per_token, self.world_size),
                  "step_time_s": busy / max(self.steps, 1), "data_share": self.data_s / busy,
                  "ckpt_s": self.timers.take("checkpoint"), "mem_gb": memory_gb(self.device),
                  "elapsed_s": now - self.start}

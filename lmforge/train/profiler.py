@@ -6,9 +6,19 @@ MFU = tokens/s x flops_per_token / peak, with flops_per_token = 6N + 12*L*d*s (P
 - CUDA: the hardware catalogue (`lmforge.plan.hardware`), dense tensor-core peak of the detected
   GPU (`torch.cuda.get_device_name`) at the run's precision. A GPU the catalogue does not know is
   measured instead (see below), and the log says so.
-- CPU: no spec sheet gives a usable number, so it is measured once per process: the best of a few
-  timed 1024^3 matmuls in the run's compute dtype (bf16 under bf16 autocast, else fp32) on the
-  threads torch uses. MFU on CPU is therefore "fraction of what a big matmul achieves here".
+- CPU: no spec sheet gives a usable number, so it is measured, once per run, on rank 0 (the trainer
+  broadcasts rank 0's `Peak`, so every rank divides by the same number): the best of a few timed
+  1024^3 matmuls in the run's compute dtype (bf16 under bf16 autocast, else fp32) on the threads
+  torch uses. MFU on CPU is therefore "fraction of what a big matmul achieves here".
+
+MFU never exceeds 100% (`Peak.utilisation`). A measured peak is a lower bound of the machine's
+peak: a probe timed while the machine is busy reads low (a run once printed `mfu 173.6%` against
+one). Where a logging window computes faster than the peak, the peak is raised to the rate the run
+reached, for that window (MFU 100%) and every later one, and its source (in the log and in
+summary.json's `peak_source`) says so. That is the honest choice over clamping each window at 100%:
+clamping would keep dividing the other windows by a peak the run has shown to be too low, and so
+overstate them. Nothing here decides the run's precision (lmforge.train.precision decides that
+from the hardware, not from a timing).
 """
 
 from __future__ import annotations
@@ -39,6 +49,21 @@ class Peak:
     source: str  # where the number comes from, for the log line
     device_name: str
     measured: bool
+    raised_from: float | None = None  # the first peak, once a run computed faster than it
+
+    def utilisation(self, flops_per_s: float, devices: int = 1) -> float:
+        """MFU of a run computing `flops_per_s` on `devices` devices, never above 1: a rate per device
+        above the peak raises the peak to it (module docstring)."""
+        achieved = flops_per_s / devices
+        if achieved > self.flops:
+            if self.raised_from is None:
+                log.info("mfu: the run computes %s per device, faster than the %s peak (%s): the peak is raised to "
+                         "the rate reached, so MFU reads 100%% there and is measured against it from now on",
+                         format_flops(achieved), format_flops(self.flops), self.source)
+                self.raised_from = self.flops
+                self.source += f"; raised from {format_flops(self.flops)} to the rate the run reached"
+            self.flops = achieved
+        return min(1.0, flops_per_s / (self.flops * devices))  # (min: rounding of the division above)
 
 
 def catalogue_name(gpu_name: str) -> str | None:

@@ -1,10 +1,11 @@
 """The training loop, readable top to bottom.
 
     Trainer(cfg).fit()
-      setup:   process group + device -> data (corpus, tokenizer, shards, loaders) -> model (meta ->
-               device -> init; pre-trained weights, LoRA, FP8) -> parallelize (the layout: pipeline
-               split, TP, activation checkpointing, compile, FSDP/DDP) -> optimizer + LR schedule ->
-               metrics, guard, checkpoints -> resume from the newest valid checkpoint
+      setup:   process group + device -> data (corpus, tokenizer, shards, loaders) -> the checkpoint
+               to resume (chosen first: it records the run's precision) -> model (meta -> device ->
+               init; pre-trained weights, LoRA, FP8) -> precision (rank 0 decides) -> parallelize
+               (the layout: pipeline split, TP, activation checkpointing, compile, FSDP/DDP) ->
+               optimizer + LR schedule -> metrics, guard -> resume from that checkpoint
       loop:    for each step: the step's micro-batches -> layout.forward_backward (loss normalised by
                the global step's token count) -> unscale -> clip -> guard -> optimizer step ->
                schedule step; log every `log_every`, validate every `eval_every`, checkpoint
@@ -35,6 +36,7 @@ from lmforge.ckpt.export import save_streaming
 from lmforge.ckpt.manager import read_meta
 from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config, to_toml
+from lmforge.config.rules import check_resolved_precision
 from lmforge.data.loader import PackedLoader
 from lmforge.data.prepare import unigram_entropy
 from lmforge.eval.generate import generate_text
@@ -52,7 +54,7 @@ from lmforge.train.components import (build_loaders, build_training_model, cache
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
-from lmforge.train.precision import make_precision, resolve_precision
+from lmforge.train.precision import Resolved, make_precision, resolve_precision
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
@@ -119,6 +121,10 @@ class Trainer:
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
 
+        # the checkpoint to resume (rank 0's choice), before the precision: it records the run's precision
+        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event)
+        self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
+
         # model, parallel layout, optimizer, precision
         model, self.weight_source = build_training_model(cfg, self.device)  # (on the meta device)
         self.n_params = model.num_params()
@@ -126,13 +132,11 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, trainable)
         self.flops_rule = "6N + 12*L*d*s" if len(trainable) == len(list(model.parameters())) else \
             "forward + input gradients of all weights, weight gradients of the trainable ones only"
-        precision = resolve_precision(t.precision, self.device)
+        precision = self.decide_precision()
         self.layout = self.build_layout(model, precision.name)
         self.model = self.layout.model
         self.optimizer = self.layout.prepare_optimizer(build_optimizer(cfg.optim, self.model))
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, cfg.optim.lr, t.steps)
-        log.log(logging.WARNING if precision.slow else logging.INFO, "precision: %s (%s)", precision.name,
-                precision.reason)
         self.precision = make_precision(precision.name, self.device)
         s = cfg.schedule
         self.rampup = None
@@ -145,7 +149,7 @@ class Trainer:
         self.health = HealthMonitor(t.spike_threshold, t.health_window, t.grad_growth_factor)
         self.timers = Timers()  # `with self.timers("checkpoint"):` around blocking saves -> ckpt_s
         self.profiler = StepProfiler(t.profile_steps, self.out_dir / PROFILE, self.device)
-        self.peak = device_peak(self.device, self.precision.name)  # MFU denominator
+        self.peak = self.rank0_decides(device_peak(self.device, self.precision.name) if is_rank0() else None)
 
         # fault tolerance: training state, spike guard, checkpoints, resume (every rank, same decisions)
         self.state = TrainState()
@@ -153,13 +157,11 @@ class Trainer:
         self.guard = SpikeGuard(g.sigma, g.window, g.min_history, g.rollback_after) if g.enabled else None
         self._skipped_batches: list[int] = []  # batch indices of the current run of skipped steps
         self._rollback_requested = False
-        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event)
         self.states = {"train": self.state, "model": ModelOptimizerState(self.model, self.optimizer),
                        "loader": self.loader, "scheduler": SchedulerPosition(self.scheduler),
                        "scaler": ScalerState(self.precision.scaler), "rng": RNGState(self.dist.rank)}
         if self.guard is not None:
             self.states["guard"] = self.guard
-        self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
         if self.resumed_from is not None:
             self.load_checkpoint(self.resumed_from)
         self.finished = self.rank0_decides(self.resumed_from is not None and self.state.step >= t.steps
@@ -191,6 +193,19 @@ class Trainer:
             torch.distributed.broadcast_object_list(box, src=0, group=self.dist.host_group)
             value = box[0]
         return value
+
+    def decide_precision(self) -> Resolved:
+        """train.precision resolved once, on rank 0, for every rank (lmforge.train.precision): from the
+        hardware, or under `auto` kept from the checkpoint being resumed; then checked against the layout."""
+        resolved = None
+        if is_rank0():
+            saved = read_meta(self.resumed_from).get("precision") if self.resumed_from is not None else None
+            resolved = resolve_precision(self.cfg.train.precision, self.device, saved)
+        resolved = self.rank0_decides(resolved)
+        check_resolved_precision(self.cfg, resolved.name, resolved.reason)
+        log.log(logging.WARNING if resolved.slow or resolved.changed else logging.INFO, "precision: %s (%s)",
+                resolved.name, resolved.reason)
+        return resolved
 
     def build_layout(self, model, precision: str) -> Layout:
         """The parallel layout the loop drives, with this rank's part of the model materialised
@@ -259,7 +274,7 @@ class Trainer:
         initial = self.validate(progress)
         history: list[dict] = []
         pending: list[tuple] = []  # steps since the last log line: read (host sync) only when logging
-        window = ThroughputWindow(self.flops_per_token, self.peak.flops, cfg.parallel.world_size, self.device,
+        window = ThroughputWindow(self.flops_per_token, self.peak, cfg.parallel.world_size, self.device,
                                   self.timers)
         start_step, last_save_time = st.step, time.time()
 
@@ -414,7 +429,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Checkpoint `self.states` at the current step (every rank calls this)."""
         meta = {"loss": self.state.last_loss, "tokens_seen": self.state.tokens_seen, "config": self.cfg.to_dict(),
-                "layout": self.layout.name, "optimizer": self.cfg.optim.name}
+                "layout": self.layout.name, "optimizer": self.cfg.optim.name, "precision": self.precision.name}
         with self.timers("checkpoint"):
             save_states(self.ckpt, self.state.step, self.states, meta)
 
