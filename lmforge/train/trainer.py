@@ -323,7 +323,7 @@ class Trainer:
         else:
             scaler.step(opt)  # skips the update if fp16 gradients overflowed
             scaler.update()
-        opt.zero_grad(set_to_none=True)
+        self.layout.zero_grad(opt)  # (DDP: in place, into its buckets)
         self.scheduler.step()
         return grad_norm
 
