@@ -225,6 +225,9 @@ def _reason(c: Candidate, cluster: Cluster) -> str:
     dp_where = "inside a node" if L.tp * L.cp * L.dp <= cluster.gpus_per_node else "across nodes"
     over = f" over dp x cp = {L.shard_ranks} ranks" if L.cp > 1 else ""
     parts.append(f"DP={L.dp} {dp_where} ({zero}{over})")
+    if L.fsdp_reduce_every_micro_batch:
+        parts.append(f"gradients reduce-scattered after each of the {L.grad_accum} micro-batches (sharded between "
+                     f"them: parallel.fsdp_reduce_every_micro_batch = true)")
     if L.pp > 1:
         where = "across nodes" if L.world_size > cluster.gpus_per_node else "inside a node"
         parts.append(f"PP={L.pp} outermost, {where} ({L.pp_schedule}, bubble {st.bubble_fraction:.0%})")
