@@ -5,6 +5,7 @@ one atomic write, one checksum, one token-shard manifest.
       config.toml      CONFIG            prepare.json     PREPARE_RECORD       manifest.json  MANIFEST
       tokenizer.json   TOKENIZER         tokenizer.json   TOKENIZER            shard_00000.bin
       model.safetensors WEIGHTS          mixture.json     MIXTURE              ...
+                                                                             unigram_counts.bin UNIGRAM_COUNTS
       metrics.jsonl    METRICS           train/<source>/  (shard folders)
       summary.json     SUMMARY           val/             (a shard folder)
       sample.txt       SAMPLE
@@ -51,6 +52,7 @@ RUN_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what `lmforge import` writes: a run 
 PREPARE_RECORD = "prepare.json"
 MIXTURE = "mixture.json"
 MANIFEST = "manifest.json"
+UNIGRAM_COUNTS = "unigram_counts.bin"  # a shard folder's token counts: vocab_size little-endian int64
 DATASET_RECORD = "dataset.json"  # a cached dataset of `prepare_texts` (its presence: complete)
 SHARD_FORMAT = "lmforge-token-shards"
 SHARD_FORMAT_VERSION = 1
@@ -242,13 +244,24 @@ def shard_record(index: int, data: bytes, tokens: int, max_id: int) -> dict[str,
             "max_id": int(max_id)}
 
 
+def unigram_record(data: bytes, entropy: float) -> dict[str, Any]:
+    """A manifest's `unigram` entry: the file of the folder's token counts (UNIGRAM_COUNTS, `data`
+    its bytes), their sha256, and the entropy (nats) of the token distribution they give."""
+    return {"file": UNIGRAM_COUNTS, "sha256": sha256_bytes(data), "entropy": float(entropy)}
+
+
 def build_manifest(dtype: str, vocab_size: int, shard_tokens: int, shards: list[dict[str, Any]],
-                   meta: dict[str, Any]) -> dict[str, Any]:
+                   meta: dict[str, Any], unigram: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `manifest.json` of a token-shard folder (the one place its fields are defined).
     `max_id` is the largest token id in any shard (-1 for none), checked against the model's
-    vocabulary before training."""
+    vocabulary before training. `unigram` (`unigram_record`; folders prepared before it existed
+    have none): the token counts and their entropy, written once by `lmforge prepare` so that
+    training reads the unigram baseline instead of the corpus."""
     max_ids = [int(s["max_id"]) for s in shards if "max_id" in s]
-    return {"format": SHARD_FORMAT, "version": SHARD_FORMAT_VERSION, "dtype": dtype, "byte_order": "little",
-            "vocab_size": int(vocab_size), "total_tokens": int(sum(int(s["tokens"]) for s in shards)),
-            "shard_tokens": int(shard_tokens), "max_id": max(max_ids, default=-1), "shards": shards,
-            "meta": meta}
+    manifest = {"format": SHARD_FORMAT, "version": SHARD_FORMAT_VERSION, "dtype": dtype, "byte_order": "little",
+                "vocab_size": int(vocab_size), "total_tokens": int(sum(int(s["tokens"]) for s in shards)),
+                "shard_tokens": int(shard_tokens), "max_id": max(max_ids, default=-1), "shards": shards,
+                "meta": meta}
+    if unigram is not None:
+        manifest["unigram"] = unigram
+    return manifest

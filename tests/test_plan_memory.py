@@ -425,17 +425,39 @@ def test_lmforge_fsdp_layouts_cast_nothing_and_hold_gathered_16_bit_weights():
     assert "autocast_weight_copies" not in single.detail
 
 
+def test_lmforge_fsdp_accumulation_holds_the_unsharded_fp32_gradients():
+    """FSDP2 reduces the gradients at the step's last micro-batch only (issue 31): with grad_accum > 1
+    every rank holds its stage's unsharded fp32 gradients between micro-batches (4 B/param), unless
+    reduce_every=1 (parallel.fsdp_reduce_every_micro_batch). A pipeline's schedule also keeps the
+    stage's gathered 16-bit weights between micro-batches, so ZeRO-3 holds them all there."""
+    cfg = load_config("llama2-70b").model
+    one = estimate_memory(cfg, Layout(dp=8, zero=3, ac="full"), "adamw", 4096)
+    acc = estimate_memory(cfg, Layout(dp=8, zero=3, ac="full", grad_accum=4), "adamw", 4096)
+    every = estimate_memory(cfg, Layout.parse("dp=8,zero=3,ac=full,ga=4,reduce_every=1"), "adamw", 4096)
+    assert "fsdp_accumulated_gradients" not in one.detail and "fsdp_accumulated_gradients" not in every.detail
+    assert acc.detail["fsdp_accumulated_gradients"] == 4 * acc.params_per_rank
+    assert acc.buffers - every.buffers == 4 * acc.params_per_rank
+    assert every.layout.short().endswith("reduce_every=1")
+    with pytest.raises(ValueError, match="reduce_every"):
+        Layout.parse("dp=4,zero=3,pp=2,ga=4,reduce_every=1")
+    piped = estimate_memory(cfg, Layout(dp=4, zero=3, pp=2, ac="full", grad_accum=4), "adamw", 4096)
+    assert piped.detail["fsdp_gathered_weights"] == 2 * piped.params_per_rank
+    assert piped.detail["fsdp_accumulated_gradients"] == 4 * piped.params_per_rank
+
+
 def test_lmforge_ddp_gradients_are_views_into_the_buckets(tmp_path):
     """lmforge's DDP runs with gradient_as_bucket_view=True (issue 16 §2 follow-up): after a
     synchronising backward every gradient is a view into DDP's fp32 all-reduce buckets, so the
     gradients exist once: the bucket bytes DDP reports (one process, gloo) = the gradient bytes of
-    the estimate, and no separate bucket copy is counted (before: 4 B/param more). Under gradient
-    accumulation the trainer's zero_grad(set_to_none=True) lets the no_sync micro-batches build
-    fresh gradients beside the buckets until the last backward copies them in: the estimate for
-    grad_accum > 1 keeps that second copy (ddp_gradient_buckets), as measured here."""
+    the estimate, and no separate bucket copy is counted. The layout zeroes the gradients in place
+    between steps (`DataParallel.zero_grad`, what the trainer calls; issue 31), so the no_sync
+    micro-batches of an accumulating step accumulate into the buckets too: the estimate for
+    grad_accum > 1 counts no second copy either. (Before, zero_grad(set_to_none=True) let those
+    micro-batches build fresh gradients beside the buckets, and the planner counted that copy as
+    ddp_gradient_buckets.)"""
     import torch.distributed as dist
 
-    from lmforge.parallel.data_parallel import apply_ddp
+    from lmforge.parallel.data_parallel import DataParallel
     from lmforge.parallel.mesh import DistInfo
 
     if dist.is_initialized():
@@ -449,31 +471,32 @@ def test_lmforge_ddp_gradients_are_views_into_the_buckets(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        ddp = apply_ddp(model, cfg, DistInfo(backend="gloo"))
+        layout = DataParallel(model, cfg, DistInfo(backend="gloo"), "fp32")
+        ddp = layout.module
         assert ddp.gradient_as_bucket_view
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         buckets = sum(int(n) for n in str(ddp._get_ddp_logging_data()["bucket_sizes"]).split(","))
-        ddp(x).float().sum().backward()  # one synchronising backward: the gradients become bucket views
-        in_buckets, held = grad_storages(), [p.grad for p in params]  # (held: no address reused below)
-        model.zero_grad(set_to_none=True)  # as the trainer does after each step
-        with ddp.no_sync():  # the first micro-batch of an accumulating step
+        for _ in range(2):  # synchronising steps (DDP rebuilds its buckets in the second step's forward)
+            ddp(x).float().sum().backward()
+            in_buckets = grad_storages()
+            layout.zero_grad(optimizer)  # as the trainer does after each step
+        with layout.micro_batch_context(last=False):  # the first micro-batch of an accumulating step
             ddp(x).float().sum().backward()
         accumulating = grad_storages()
-        ddp(x).float().sum().backward()  # the last micro-batch: copied into the buckets, views again
+        with layout.micro_batch_context(last=True):  # the last micro-batch: all-reduced in the buckets
+            ddp(x).float().sum().backward()
         after = grad_storages()
     finally:
         dist.destroy_process_group()
-    # the gradients' storages are the buckets (DDP rebuilds its buckets once, in the second step's
-    # forward, in the order the gradients became ready: the same bytes at another address)
-    assert sum(in_buckets.values()) == sum(after.values()) == buckets
-    assert not set(accumulating) & (set(in_buckets) | set(after))  # fresh tensors beside the buckets meanwhile
+    # the gradients' storages are the buckets, through the no_sync micro-batch too
+    assert sum(in_buckets.values()) == buckets
+    assert accumulating == after == in_buckets
     grad_bytes = sum(4 * p.numel() for p in params)
-    assert sum(accumulating.values()) == grad_bytes
+    assert buckets == grad_bytes
     for zero in (0, 1):
-        one = estimate_memory(cfg.model, Layout(dp=2, zero=zero), "adamw", 32, weights="lmforge")
-        assert one.gradients == buckets == grad_bytes and "ddp_gradient_buckets" not in one.detail
-        acc = estimate_memory(cfg.model, Layout(dp=2, zero=zero, grad_accum=2), "adamw", 32, weights="lmforge")
-        assert acc.gradients + acc.detail["ddp_gradient_buckets"] == grad_bytes + buckets
-    assert "ddp_gradient_buckets" not in estimate_memory(cfg.model, Layout(dp=2, zero=3, grad_accum=2), "adamw", 32).detail
+        for ga in (1, 2):
+            mem = estimate_memory(cfg.model, Layout(dp=2, zero=zero, grad_accum=ga), "adamw", 32, weights="lmforge")
+            assert mem.gradients == buckets and "ddp_gradient_buckets" not in mem.detail
 
 
 def test_issue16_before_and_after_on_the_published_layouts():

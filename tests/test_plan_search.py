@@ -17,7 +17,12 @@ def test_70b_on_64_nodes_of_8_h100():
     cands = search_layouts(cfg, cluster, global_batch=1024, seq_len=4096, top=20)
     assert cands and all(c.fits for c in cands)
     rates = [c.step.tokens_per_s for c in cands]
-    assert rates == sorted(rates, reverse=True)
+    # the layouts within SIMPLER_MARGIN of the fastest lead, simplest first, then the rest by throughput
+    # (since FSDP2 reduces once per step, issue 31, pipelined ZeRO-2 layouts are ~1% faster than the
+    # simpler leader: the ranking is no longer by throughput alone at the top)
+    near = sum(r >= (1 - SIMPLER_MARGIN) * max(rates) for r in rates)
+    assert min(rates[:near]) >= (1 - SIMPLER_MARGIN) * max(rates) and rates[near:] == sorted(rates[near:], reverse=True)
+    assert [complexity(c.layout) for c in cands[:near]] == sorted(complexity(c.layout) for c in cands[:near])
     for c in cands:
         L = c.layout
         assert L.world_size == 512 and L.tp <= 8  # TP stays inside a node

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from lmforge.ckpt.manager import CheckpointManager
+from lmforge.ckpt.manager import WAIT_GROUP_TIMEOUT, CheckpointManager
 from lmforge.ckpt.safe_io import safe_read_metadata
 from lmforge.ckpt.state import Stateful, join_state, split_state
 from lmforge.config import Config, ConfigError
@@ -47,16 +47,19 @@ _HARMLESS_MODEL_KEYS = ("dropout", "init_std")
 def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callable[[dict], None]) -> CheckpointManager:
     """The run's checkpoint manager (every rank): folder, rotation, validation, S3 backup, and a gloo
     group of its own for the collectives of its background thread (they must never interleave with
-    the training collectives).
+    the training collectives), plus a second one on which the other ranks wait for rank 0's (or the
+    node leaders') checkpoint-sized work with a timeout sized to it, never parallel.timeout_s
+    (lmforge.ckpt.manager's docstring).
 
     When the ranks do not share the checkpoint folder (node-local disks, found by a probe file), a
     checkpoint can only be resumed through the S3 backup, so checkpoint.s3_bucket is then required
     (a ConfigError names the two keys otherwise); each node's local rank 0 then backs its files up."""
     c = cfg.checkpoint
     root = Path(os.path.expandvars(c.dir)).expanduser() if c.dir else Path(out_dir) / CHECKPOINTS
-    pg = None
+    pg = wait_pg = None
     if dist.is_available() and dist.is_initialized():
         pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+        wait_pg = dist.new_group(backend="gloo", timeout=WAIT_GROUP_TIMEOUT)
     node_local = not folder_is_shared(root, info)
     if node_local and not c.s3_bucket:
         raise ConfigError(
@@ -84,7 +87,8 @@ def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callab
                  "them up to s3://%s; a resume restores from there", root, c.s3_bucket)
     return CheckpointManager(root, rank=info.rank, world_size=info.world_size, async_save=c.async_save,
                              validate=c.validate, keep_last=c.keep_last, keep_every=c.keep_every, backup=backup,
-                             process_group=pg, on_event=on_event, local_rank=info.local_rank, node_local=node_local)
+                             process_group=pg, wait_group=wait_pg, timeout_s=cfg.parallel.timeout_s,
+                             on_event=on_event, local_rank=info.local_rank, node_local=node_local)
 
 
 def save_states(manager: CheckpointManager, step: int, states: Mapping[str, Stateful], meta: dict[str, Any]) -> None:

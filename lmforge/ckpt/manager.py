@@ -17,6 +17,17 @@ Save (every rank calls it; collectives inside):
 A crash at any point leaves either the complete new checkpoint or only a `.tmp` folder; older
 checkpoints are deleted only after a newer one passed validation. A failed write (disk full, ...)
 is logged, its `.tmp` removed, and training goes on.
+
+Waiting for the leader (ARCHITECTURE.md, "Collectives"). Work that grows with the checkpoint runs
+on rank 0 (or each node's leader) alone: validating a new checkpoint (re-hash + test load), finding
+the newest valid one at start-up or a rollback (re-hash), a restore or fetch from S3, a node's S3
+upload. The other ranks then wait for it, but never in a collective with the training timeout
+(parallel.timeout_s), which a checkpoint of hundreds of GB would outlast: they wait in a barrier on
+the manager's *wait group* (gloo, created with a 7-day timeout) and give up after a timeout sized
+to the work, `leader_wait_s`: the bytes the leader reads at a conservative LEADER_BYTES_PER_S, plus
+parallel.timeout_s. Every other collective of the manager (its own gloo group) and of training
+keeps the training timeout. The leader's outcome (its error, if any) is shared after the wait, so
+every rank counts a failed validation alike and the manager's collectives stay in step.
 """
 
 from __future__ import annotations
@@ -52,6 +63,23 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
 TRAINER_STATE = "trainer_state.json"
 FORMAT = 1
+LEADER_BYTES_PER_S = 25e6  # a leader reads checkpoint files at least this fast (a slow network file system)
+WAIT_GROUP_TIMEOUT = datetime.timedelta(days=7)  # the wait group's own limit (each wait sets a shorter one)
+
+
+def leader_wait_s(nbytes: float, timeout_s: float) -> float:
+    """How long the other ranks wait for the leader's work on `nbytes` of checkpoint files (count a
+    file once per read: validation hashes and test-loads, 2x): `nbytes` at LEADER_BYTES_PER_S, plus
+    the training timeout as the margin for everything else."""
+    return nbytes / LEADER_BYTES_PER_S + timeout_s
+
+
+def listed_bytes(folder: Path) -> int:
+    """The bytes a checkpoint's meta.json lists (0 if it has none readable)."""
+    try:
+        return sum(int(rec.get("bytes", 0)) for rec in read_meta(folder)["files"].values())
+    except (ValueError, TypeError, AttributeError):
+        return 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -141,8 +169,9 @@ class CheckpointManager:
 
     def __init__(self, root: Path, *, rank: int = 0, world_size: int = 1, async_save: bool = True,
                  validate: bool = True, keep_last: int = 2, keep_every: int = 0,
-                 backup: "Any | None" = None, process_group: Any = None,
-                 on_event: Callable[[dict], None] | None = None, local_rank: int = 0, node_local: bool = False):
+                 backup: "Any | None" = None, process_group: Any = None, wait_group: Any = None,
+                 timeout_s: float = 600.0, on_event: Callable[[dict], None] | None = None, local_rank: int = 0,
+                 node_local: bool = False):
         self.root = Path(root)
         self.rank, self.world_size = rank, world_size
         self.node_local = node_local
@@ -153,6 +182,8 @@ class CheckpointManager:
         self.keep_last, self.keep_every = keep_last, keep_every
         self.backup = backup
         self.pg = process_group
+        self.wait_pg = wait_group  # gloo, long timeout: the waits for the leader (module docstring)
+        self.timeout_s = timeout_s  # parallel.timeout_s: the margin of those waits
         self.on_event = on_event or (lambda e: None)
         self._pending: threading.Thread | None = None
         self._staging: dict[str, torch.Tensor] = {}  # host copies of the last save, reused by the next
@@ -180,6 +211,56 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.pg)
+
+    def _wait_for_leader(self, nbytes: float, what: str) -> None:
+        """Every rank: wait until the leader(s) finished `what`, work reading `nbytes` of checkpoint
+        files, in a barrier on the wait group with a timeout sized to it (`leader_wait_s`), not the
+        training timeout. (Without a wait group: a barrier on the manager's group.)"""
+        if not self.distributed:
+            return
+        if self.wait_pg is None:
+            self._barrier()
+            return
+        limit = leader_wait_s(nbytes, self.timeout_s)
+        work = dist.barrier(group=self.wait_pg, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=limit))
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"rank {self.rank} waited {limit:.0f} s for the checkpoint leader to {what} ({nbytes / 1e9:.2f} GB "
+                f"read at >= {LEADER_BYTES_PER_S / 1e6:.0f} MB/s + parallel.timeout_s {self.timeout_s:g} s) and gave "
+                f"up ({e}); is its file system that slow, or is it stuck?") from e
+
+    def _problems(self, problem: str | None) -> list[str]:
+        """Every rank's problem (None = none), on every rank (a quick collective after a wait)."""
+        if not self.distributed:
+            return [problem] if problem else []
+        problems: list[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.pg)
+        return [p for p in problems if p]
+
+    def _leader_result(self, nbytes: Callable[[], float], work: Callable[[], Any], what: str) -> Any:
+        """Rank 0 runs `work` (reading about `nbytes()` bytes of checkpoint files, which it tells the
+        others first) while they wait for it (`_wait_for_leader`); its result, or its error, on every
+        rank (ValueError stays ValueError)."""
+        plan: list[Any] = [nbytes() if self.rank == 0 else None]
+        if self.distributed:
+            dist.broadcast_object_list(plan, src=0, group=self.pg)
+        result: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                result[0] = (None, work())
+            except ValueError as e:  # (raised on every rank below)
+                result[0] = (ValueError, str(e))
+            except Exception as e:  # noqa: BLE001
+                result[0] = (RuntimeError, f"{type(e).__name__}: {e}")
+        self._wait_for_leader(plan[0], what)
+        if self.distributed:
+            dist.broadcast_object_list(result, src=0, group=self.pg)
+        error, value = result[0]
+        if error is not None:
+            raise error(value)
+        return value
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is finished, validated and rotated."""
@@ -287,10 +368,11 @@ class CheckpointManager:
         if self.rank == 0:
             atomic_write_json(tmp / TRAINER_STATE, req.trainer_state, sort_keys=True)
         own = self._own_files(tmp)
-        parts = [own]
-        if self.distributed:  # the metadata combines every rank's checksums
-            parts = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(own, parts, dst=0, group=self.pg)
+        parts: list[Any] = [own]
+        if self.distributed:  # the metadata combines every rank's checksums (every rank: the size too)
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, own, group=self.pg)
+        nbytes = sum(rec["bytes"] for part in parts for rec in part.values())
         shared: list[Any] = [None]
         if self.rank == 0:
             files = {name: rec for part in parts for name, rec in sorted(part.items())}
@@ -303,23 +385,17 @@ class CheckpointManager:
             dist.broadcast_object_list(shared, src=0, group=self.pg)
         meta, trainer_state, dcp_index = shared[0] if shared[0] is not None else (None, None, None)
         final = self.root / step_name(req.step)
+        problem = None
         if self.leader:
-            if self.node_local and self.rank != 0:
-                atomic_write_json(tmp / TRAINER_STATE, trainer_state, sort_keys=True)
-                atomic_write(tmp / ".metadata", dcp_index)
-            atomic_write_json(tmp / META, meta, sort_keys=True)
-            fsync_dir(tmp)
-            if final.exists():  # left by a run that rolled back or crashed after resuming earlier
-                aside = final.with_name(final.name + ".replaced")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(final, aside)
-                shutil.rmtree(aside, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(self.root)
-            if self.validate:  # (node-local: the files on this node; a test load needs them all)
-                verify_checkpoint(final, test_load=not self.node_local, present_only=self.node_local)
-            self.rotate()
-        self._barrier()
+            try:
+                self._publish_folder(tmp, final, meta, trainer_state, dcp_index)
+            except Exception as e:  # noqa: BLE001 - every rank raises it below, after the wait
+                problem = f"{type(e).__name__}: {e}"
+        # the others wait while the leader validates (re-hash + test load: the checkpoint read twice)
+        self._wait_for_leader(2 * nbytes if self.validate else 0, f"publish and validate {final.name}")
+        problems = self._problems(problem)
+        if problems:
+            raise RuntimeError(f"checkpoint leader: {problems[0]}")
         written_s = time.time() - started
         if self.rank == 0:
             size = sum(rec["bytes"] for rec in meta["files"].values())
@@ -331,13 +407,38 @@ class CheckpointManager:
             self.on_event({"step": req.step, "event": "checkpoint", "path": str(final), "bytes": size,
                            "blocking_s": staged_s, "total_s": self.last_save["total_s"]})
         if self.node_local:  # every node backs up its own files; rank 0 the meta.json that completes them
+            problem = None
             if self.leader:
-                self.backup.upload_files(final, [n for n in meta["files"] if (final / n).is_file()])
-            self._barrier()
+                try:
+                    self.backup.upload_files(final, [n for n in meta["files"] if (final / n).is_file()])
+                except Exception as e:  # noqa: BLE001 - every rank raises it below, after the wait
+                    problem = f"S3 upload of {final.name}: {type(e).__name__}: {e}"
+            self._wait_for_leader(nbytes, f"upload its node's files of {final.name} to S3")
+            problems = self._problems(problem)
+            if problems:
+                raise RuntimeError(problems[0])
             if self.rank == 0:
                 self.backup.upload_files(final, [META], keep=[p.name for _, p in list_checkpoints(self.root)])
         elif self.backup is not None:
             self.backup.upload(final, keep=[p.name for _, p in list_checkpoints(self.root)])
+
+    def _publish_folder(self, tmp: Path, final: Path, meta: dict, trainer_state: Any, dcp_index: Any) -> None:
+        """The leader's part of a save: metadata, atomic rename, validation, rotation."""
+        if self.node_local and self.rank != 0:
+            atomic_write_json(tmp / TRAINER_STATE, trainer_state, sort_keys=True)
+            atomic_write(tmp / ".metadata", dcp_index)
+        atomic_write_json(tmp / META, meta, sort_keys=True)
+        fsync_dir(tmp)
+        if final.exists():  # left by a run that rolled back or crashed after resuming earlier
+            aside = final.with_name(final.name + ".replaced")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        if self.validate:  # (node-local: the files on this node; a test load needs them all)
+            verify_checkpoint(final, test_load=not self.node_local, present_only=self.node_local)
+        self.rotate()
 
     def rotate(self) -> None:
         """Delete checkpoints beyond keep-last-N (valid ones counted) except keep-every-M steps."""
@@ -357,32 +458,39 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------------------------------
     def latest_valid(self) -> Path | None:
-        """Newest checkpoint that passes `verify_checkpoint` (rank 0's answer, on every rank).
-        Node-local disks: the newest complete one in the S3 backup, fetched into every node's folder."""
+        """Newest checkpoint that passes `verify_checkpoint` (rank 0's answer, on every rank; the others
+        wait with a timeout sized to what it re-hashes, or downloads from the S3 backup when no local
+        one is valid). Node-local disks: the newest complete one in the S3 backup, fetched into every
+        node's folder."""
         if self.node_local:
             return self._latest_from_backup()
-        choice: list[Any] = [None]
-        if self.rank == 0:
-            for step, path in list_checkpoints(self.root):
-                try:
-                    verify_checkpoint(path)
-                    choice[0] = str(path)
-                    break
-                except ValueError as e:
-                    log.warning("checkpoint: skipping %s: %s", path, e)
-                    self.on_event({"step": step, "event": "checkpoint_invalid", "path": str(path), "error": str(e),
-                                   "message": f"skipping invalid checkpoint {path}: {e}"})
-            if choice[0] is None and self.backup is not None:
-                restored = self.backup.restore_latest(self.root)
-                choice[0] = str(restored) if restored else None
-        if self.distributed:
-            dist.broadcast_object_list(choice, src=0, group=self.pg)
-        return Path(choice[0]) if choice[0] else None
+        found = self._leader_result(lambda: sum(listed_bytes(p) for _, p in list_checkpoints(self.root)),
+                                    self._first_valid, f"verify the checkpoints in {self.root}")
+        if found is None:  # (every rank: rank 0's answer) the backup, downloaded and verified: read twice
+            found = self._leader_result(lambda: 2 * self.backup.remote_bytes() if self.backup is not None else 0,
+                                        self._restore, "restore the newest valid checkpoint from the S3 backup")
+        return Path(found) if found else None
+
+    def _first_valid(self) -> str | None:
+        for step, path in list_checkpoints(self.root):
+            try:
+                verify_checkpoint(path)
+                return str(path)
+            except ValueError as e:
+                log.warning("checkpoint: skipping %s: %s", path, e)
+                self.on_event({"step": step, "event": "checkpoint_invalid", "path": str(path), "error": str(e),
+                               "message": f"skipping invalid checkpoint {path}: {e}"})
+        return None
+
+    def _restore(self) -> str | None:
+        restored = self.backup.restore_latest(self.root) if self.backup is not None else None
+        return str(restored) if restored else None
 
     def _latest_from_backup(self) -> Path | None:
-        name: list[Any] = [None]
+        name: list[Any] = [None, 0]
         if self.rank == 0:
             name[0] = self.backup.latest_complete()
+            name[1] = self.backup.remote_bytes(name[0]) if name[0] is not None else 0
         dist.broadcast_object_list(name, src=0, group=self.pg)
         problem: list[Any] = [None]
         if name[0] is not None and self.leader:
@@ -390,9 +498,9 @@ class CheckpointManager:
                 self.backup.fetch(name[0], self.root)  # (what this node wrote is kept when its checksum holds)
             except Exception as e:  # noqa: BLE001 - every rank stops with the same error below
                 problem[0] = f"{type(e).__name__}: {e}"
-        problems: list[Any] = [None] * self.world_size
-        dist.all_gather_object(problems, problem[0], group=self.pg)
-        bad = [p for p in problems if p]
+        # (the leaders download and verify it: read twice)
+        self._wait_for_leader(2 * name[1], f"fetch {name[0]} from the S3 backup")
+        bad = self._problems(problem[0])
         if bad:
             raise ValueError(f"checkpoint {name[0]} could not be restored from the S3 backup onto every node: {bad[0]}")
         if name[0] is None:
@@ -403,17 +511,12 @@ class CheckpointManager:
         return self.root / name[0]
 
     def verify(self, path: Path) -> None:
-        """`verify_checkpoint(path)` hashed once, on rank 0; every rank raises its ValueError."""
-        error: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                verify_checkpoint(path)
-            except ValueError as e:
-                error[0] = str(e)
-        if self.distributed:
-            dist.broadcast_object_list(error, src=0, group=self.pg)
-        if error[0] is not None:
-            raise ValueError(error[0])
+        """`verify_checkpoint(path)` hashed once, on rank 0, while the others wait with a timeout sized
+        to the checkpoint; every rank raises its ValueError."""
+        def check() -> None:
+            verify_checkpoint(path)
+
+        self._leader_result(lambda: listed_bytes(path), check, f"verify {path}")
 
     def load(self, folder: Path, tensors: dict[str, torch.Tensor]) -> dict:
         """Read the tensors this run asks for (in its own layout) from `folder`, in place; returns

@@ -182,6 +182,15 @@ class S3Backup:
                     names.add(name)
         return sorted(names, reverse=True)
 
+    def remote_bytes(self, name: str | None = None) -> int:
+        """Bytes stored under remote checkpoint `name`, or under every checkpoint of the run: what a
+        restore may download (the other ranks' wait for it is sized by this)."""
+        prefix = self.prefix + (f"{name}/" if name else "")
+        total = 0
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            total += sum(int(o.get("Size", 0)) for o in page.get("Contents", []))
+        return total
+
     def _prune(self, keep: list[str]) -> None:
         for name in self.remote_checkpoints():
             if name not in keep:

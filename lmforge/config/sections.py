@@ -212,6 +212,7 @@ class ParallelConfig:
     zero_stage: int = _f(0, "ZeRO stage over the dp_shard ranks. 0 = from the layout (dp_shard > 1: FSDP2 fully_shard, resharding per parallel.reshard_after_forward); 1 = optimizer state sharded only (DDP + torch ZeroRedundancyOptimizer; needs dp_replicate = 1); 2 = fully_shard with reshard_after_forward = false (params kept gathered between forward and backward); 3 = fully_shard with reshard_after_forward = true (params, grads and optimizer state all sharded). Stage 1 needs dp_shard > 1; stages 2/3 with dp_shard = 1 (under torchrun) apply FSDP2 at shard degree 1, for its mixed precision: parameters gathered once in 16 bits per block, gradients reduced in fp32.")
     reshard_after_forward: bool = _f(True, "FSDP2: free the gathered parameters after each block's forward and gather again in backward (true = ZeRO-3 memory; false = ZeRO-2-like, less communication). Overridden by zero_stage 2/3.")
     cpu_offload: bool = _f(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy). Needs a CUDA GPU.")
+    fsdp_reduce_every_micro_batch: bool = _f(False, "FSDP2 with gradient accumulation (more than one micro-batch per step; lmforge.parallel.fsdp): reduce-scatter the gradients after every micro-batch's backward, so they stay sharded between micro-batches (no extra memory) at grad_accum times the reduce-scatter traffic. false (default): no gradient communication until the step's last micro-batch, which holds each rank's unsharded fp32 gradients (4 B per parameter of its stage and TP share, what DDP holds) between micro-batches; `lmforge plan` counts them (fsdp_accumulated_gradients). Set true where that memory does not fit. HSDP all-reduces across replicas once per step either way. Not with pp > 1: torch's pipeline schedule always reduces once per step.")
     sequence_parallel: bool = _f(False, "Tensor parallel only (tp > 1): also shard the activations along the sequence between the TP matmuls (norms run on 1/tp of the tokens; all-gather before / reduce-scatter after each column/row-parallel pair). Needs data.seq_len divisible by tp and RoPE positions.")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = _f("1f1b", "Pipeline schedule (pp > 1): gpipe (all forwards, then all backwards), 1f1b (one forward one backward: at most pp micro-batches of activations held), interleaved (interleaved 1F1B over parallel.pp_virtual_stages model chunks per rank: smaller bubble). The pipeline's micro-batches are the step's micro-batches: global_batch_size / (micro_batch_size x dp), which must be >= pp.")
     pp_virtual_stages: int = _f(1, "Model chunks per pipeline rank for pp_schedule = 'interleaved' (>= 2; rank r holds stages r, r + pp, ...). pp x pp_virtual_stages must divide model.n_layers. 1 for gpipe / 1f1b.")
@@ -254,6 +255,11 @@ class ParallelConfig:
                 f"{self.dp_shard} uses FSDP; set ddp_comm_hook = 'none' or use dp_replicate instead of dp_shard.")
         if self.cpu_offload and not self.fsdp:
             raise ConfigError("parallel.cpu_offload = true needs FSDP (parallel.dp_shard >= 2, zero_stage 0, 2 or 3).")
+        if self.fsdp_reduce_every_micro_batch and self.pp > 1:
+            raise ConfigError(
+                "parallel.fsdp_reduce_every_micro_batch = true with parallel.pp > 1: torch.distributed.pipelining's "
+                "schedule turns FSDP2's gradient sync off for every micro-batch and reduces once after the last; "
+                "set fsdp_reduce_every_micro_batch = false (or pp = 1).")
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel = true needs parallel.tp >= 2 (it shards activations "
                               "over the tensor-parallel ranks); set parallel.tp or sequence_parallel = false.")

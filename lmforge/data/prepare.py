@@ -24,14 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from lmforge.data.corpus import DEFAULT_CORPUS, fetch_default_corpus, read_text_files
-from lmforge.data.shards import TokenShards, dtype_for_vocab, write_token_shards
+from lmforge.data.shards import TokenShards, count_entropy, dtype_for_vocab, write_token_shards
 from lmforge.folders import (DATASET_RECORD, PREPARE_RECORD, SHARD_FORMAT_VERSION, TOKENIZER, atomic_dir,
                              sha256_file)
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("lmforge.data")
 
-PREPARE_VERSION = 1  # bump when the split/cleaning logic changes: invalidates caches
+PREPARE_VERSION = 2  # bump when the split/cleaning logic changes: invalidates caches (2: token counts recorded)
 
 
 @dataclass
@@ -148,7 +148,7 @@ def _build(files: list[Path], out: Path, tokenizer: str, vocab_size: int,
     log.info("data: wrote %d train + %d val tokens", train["total_tokens"], val["total_tokens"])
     return {"documents": len(docs), "characters": n_chars, "vocab_size": tok.vocab_size,
             "tokenizer_sha256": tok.sha256, "train_tokens": train["total_tokens"],
-            "val_tokens": val["total_tokens"]}
+            "val_tokens": val["total_tokens"], "unigram_entropy": train["unigram"]["entropy"]}
 
 
 def _open_cached(final: Path) -> PreparedData | None:
@@ -213,17 +213,56 @@ def load_prepared(out_dir: Path) -> PreparedData:
 
 
 def unigram_entropy(shards) -> float:
-    """Entropy (nats) of the token unigram distribution: the loss of a model that only
-    learned token frequencies, i.e. the "learned nothing useful" validation baseline."""
-    parts = getattr(shards, "shards", None) or [shards]  # a TokenMixture: all its sources
-    counts = np.zeros(shards.vocab_size, dtype=np.int64)
-    for chunk in (c for p in parts for c in p.iter_chunks()):
-        counts += np.bincount(chunk, minlength=shards.vocab_size)
-    total = counts.sum()
-    assert total == len(shards) > 0
-    p = counts[counts > 0] / total
-    return float(-(p * np.log(p)).sum())
+    """Entropy (nats) of the token unigram distribution training draws from: the loss of a model
+    that only learned token frequencies, i.e. the "learned nothing useful" validation baseline.
+
+    `shards`: a TokenShards, or a TokenMixture, whose distribution is the weighted mixture of its
+    sources' unigram distributions, p = sum_s w_s c_s / n_s (source s supplies a share w_s of the
+    sampled sequences, each drawn uniformly from its n_s tokens with counts c_s; not the pooled
+    counts, which would weigh each source by its size instead of its weight). The value
+    `lmforge prepare` recorded (`recorded_unigram_entropy`: no data read), else counted from the
+    shards here (folders prepared before it was recorded)."""
+    recorded = recorded_unigram_entropy(shards)
+    if recorded is not None:
+        return recorded
+    return mixture_entropy(unigram_counts(shards), mixture_weights(shards))
 
 
-__all__ = ["PreparedData", "prepare_default", "prepare_texts", "unigram_entropy",
-           "load_prepared"]
+def recorded_unigram_entropy(shards) -> float | None:
+    """`unigram_entropy` from what `lmforge prepare` wrote beside the shards (the manifest's
+    entropy; a mixture's from its sources' recorded counts), or None when a source lacks it."""
+    sources = getattr(shards, "shards", None) or [shards]
+    if len(sources) == 1:
+        return sources[0].recorded_entropy
+    if any(s.recorded_entropy is None for s in sources):
+        return None
+    return mixture_entropy(np.stack([s.recorded_counts() for s in sources]), mixture_weights(shards))
+
+
+def unigram_counts(shards, part: int = 0, parts: int = 1) -> np.ndarray:
+    """Token counts (sources x vocab, int64) of part `part` of `parts` equal token ranges of every
+    source: the counting of `unigram_entropy` shared out (the parts' counts add up to the whole)."""
+    sources = getattr(shards, "shards", None) or [shards]
+    counts = np.zeros((len(sources), shards.vocab_size), dtype=np.int64)
+    for row, src in zip(counts, sources):
+        n = len(src)
+        for chunk in src.iter_chunks(start=n * part // parts, stop=n * (part + 1) // parts):
+            row += np.bincount(chunk, minlength=shards.vocab_size)
+    return counts
+
+
+def mixture_weights(shards) -> list[float]:
+    """The sampling weight of each source of `shards` ([1.0] for a plain shard folder)."""
+    return list(getattr(shards, "weights", None) or [1.0])
+
+
+def mixture_entropy(counts: np.ndarray, weights: Sequence[float]) -> float:
+    """Entropy (nats) of sum_s w_s counts[s] / counts[s].sum() (see `unigram_entropy`)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    totals = counts.sum(axis=1, keepdims=True)
+    assert (totals > 0).all(), "a source without tokens"
+    return count_entropy((np.asarray(weights, dtype=np.float64)[:, None] * counts / totals).sum(axis=0))
+
+
+__all__ = ["PreparedData", "prepare_default", "prepare_texts", "unigram_entropy", "recorded_unigram_entropy",
+           "unigram_counts", "mixture_entropy", "mixture_weights", "load_prepared"]

@@ -2,9 +2,14 @@
 
 Layout of a shard directory::
 
-    manifest.json      format, version, dtype, vocab_size, total_tokens, shards[], meta
+    manifest.json      format, version, dtype, vocab_size, total_tokens, shards[], meta, unigram
     shard_00000.bin    shard_tokens tokens, raw uint16 (vocab <= 65536) or uint32, little-endian
     shard_00001.bin    ... the last shard may be shorter
+    unigram_counts.bin how often each token id occurs, vocab_size little-endian int64
+
+The token counts are written with the shards (their entropy, the unigram baseline of a training
+run, goes into the manifest's ``unigram`` entry), so that nothing reads the corpus for them later.
+Folders written before had neither; :attr:`TokenShards.recorded_entropy` is then None.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from lmforge.folders import (MANIFEST, SHARD_FORMAT, SHARD_FORMAT_VERSION, atomic_dir, build_manifest,
-                             sha256_file, shard_record)
+from lmforge.folders import (MANIFEST, SHARD_FORMAT, SHARD_FORMAT_VERSION, UNIGRAM_COUNTS, atomic_dir,
+                             build_manifest, sha256_bytes, sha256_file, shard_record, unigram_record)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -25,6 +30,20 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size} must be >= 1")
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def count_entropy(counts: np.ndarray) -> float:
+    """Entropy (nats) of the distribution counts / their sum (ids never seen contribute nothing)."""
+    counts = np.asarray(counts)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def unigram_file(counts: np.ndarray) -> tuple[bytes, dict[str, Any]]:
+    """A shard folder's token counts as the bytes of its UNIGRAM_COUNTS file and the manifest's
+    ``unigram`` entry (file, sha256, entropy)."""
+    data = np.asarray(counts, dtype="<i8").tobytes()
+    return data, unigram_record(data, count_entropy(counts))
 
 
 def write_token_shards(token_arrays: Iterable[np.ndarray], out_dir: Path, shard_tokens: int,
@@ -44,18 +63,22 @@ def write_token_shards(token_arrays: Iterable[np.ndarray], out_dir: Path, shard_
         meta_json = json.loads(json.dumps(meta))
     except (TypeError, ValueError) as e:
         raise ValueError(f"meta must be JSON-serializable: {e}") from e
+    counts = np.zeros(vocab_size, dtype=np.int64)
     with atomic_dir(out_dir) as tmp:
-        shards = _write_shards(token_arrays, tmp, shard_tokens, vocab_size, dtype)
-        manifest = build_manifest(dtype.name, vocab_size, shard_tokens, shards, meta_json)
-        if manifest["total_tokens"] == 0:
+        shards = _write_shards(token_arrays, tmp, shard_tokens, vocab_size, dtype, counts)
+        if not shards:
             raise ValueError(f"no tokens to write to {out_dir}: the input is empty")
+        data, unigram = unigram_file(counts)
+        (tmp / UNIGRAM_COUNTS).write_bytes(data)
+        manifest = build_manifest(dtype.name, vocab_size, shard_tokens, shards, meta_json, unigram)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
 def _write_shards(token_arrays: Iterable[np.ndarray], tmp: Path, shard_tokens: int,
-                  vocab_size: int, dtype: np.dtype) -> list[dict[str, Any]]:
-    """Stream arrays through a one-shard buffer; return the per-shard records."""
+                  vocab_size: int, dtype: np.dtype, counts: np.ndarray) -> list[dict[str, Any]]:
+    """Stream arrays through a one-shard buffer; return the per-shard records. Each token id's
+    occurrences are added to `counts`."""
     shards: list[dict[str, Any]] = []
     buf = np.empty(shard_tokens, dtype=dtype)
     fill = 0
@@ -63,6 +86,7 @@ def _write_shards(token_arrays: Iterable[np.ndarray], tmp: Path, shard_tokens: i
     def flush() -> None:
         nonlocal fill
         data = buf[:fill].tobytes()
+        counts[:] += np.bincount(buf[:fill], minlength=vocab_size)
         rec = shard_record(len(shards), data, fill, int(buf[:fill].max()))
         (tmp / rec["file"]).write_bytes(data)
         shards.append(rec)
@@ -169,6 +193,28 @@ class TokenShards:
     def vocab_size(self) -> int:
         return int(self.manifest["vocab_size"])
 
+    @property
+    def recorded_entropy(self) -> float | None:
+        """The unigram entropy (nats) `lmforge prepare` recorded in the manifest, or None for a
+        folder written before it did (see :func:`lmforge.data.prepare.unigram_entropy`)."""
+        rec = self.manifest.get("unigram")
+        value = rec.get("entropy") if isinstance(rec, dict) else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def recorded_counts(self) -> np.ndarray | None:
+        """How often each token id occurs (int64, vocab_size long), as recorded beside the shards,
+        checked against the manifest's sha256; None for a folder written before it was recorded."""
+        if self.recorded_entropy is None:
+            return None
+        path = self.dir / UNIGRAM_COUNTS
+        if not path.is_file():
+            raise ValueError(f"{path}, listed in {self.dir / MANIFEST}, is missing; re-run prepare")
+        data = path.read_bytes()
+        if len(data) != 8 * self.vocab_size or sha256_bytes(data) != self.manifest["unigram"].get("sha256"):
+            raise ValueError(f"{path} is corrupted (its size or sha256 differs from {self.dir / MANIFEST}); "
+                             f"delete {self.dir} and re-run prepare")
+        return np.frombuffer(data, dtype="<i8")
+
     def __len__(self) -> int:
         return self._len
 
@@ -211,11 +257,15 @@ class TokenShards:
             out[row] = self.read(starts[row], length)
         return out
 
-    def iter_chunks(self, chunk_tokens: int = 1 << 22) -> Iterator[np.ndarray]:
-        """The whole stream in order, as views of at most ``chunk_tokens`` (native dtype)."""
-        for mm in self._maps:
-            for lo in range(0, len(mm), chunk_tokens):
-                yield mm[lo:lo + chunk_tokens]
+    def iter_chunks(self, chunk_tokens: int = 1 << 22, start: int = 0,
+                    stop: int | None = None) -> Iterator[np.ndarray]:
+        """Tokens ``[start, stop)`` of the stream (default: all) in order, as views of at most
+        ``chunk_tokens`` (native dtype)."""
+        stop = self._len if stop is None else stop
+        for k, mm in enumerate(self._maps):
+            lo, hi = max(start - int(self._starts[k]), 0), min(stop - int(self._starts[k]), len(mm))
+            for a in range(lo, hi, chunk_tokens):
+                yield mm[a:min(a + chunk_tokens, hi)]
 
     def __repr__(self) -> str:
         return (f"TokenShards({str(self.dir)!r}, tokens={self._len}, "

@@ -33,8 +33,10 @@ tokenize      per   unit: ``[BOS] ids EOS`` per kept document, split train/val.
               unit
 assemble      per   output shard: shard k of a stream (train/<source>, val) is tokens
               shard ``[k S, (k+1) S)`` of the stream's units in order; its bytes, sha256 and
-                    max id.
-merge         one   manifests (lmforge.folders.build_manifest), mixture.json, prepare.json.
+                    max id; the token counts of the task's shards (work folder).
+merge         one   manifests (lmforge.folders.build_manifest) with each stream's token counts
+                    and their entropy (the unigram baseline training reports, read instead of
+                    the corpus), mixture.json, prepare.json.
 ============  ====  =========================================================================
 
 Why the bytes equal a single-process run: every decision is a function of the documents and
@@ -72,12 +74,12 @@ import numpy as np
 
 from lmforge.data.clean import Cleaner, CleanStats, lsh_bands, minhash
 from lmforge.data.prepare_config import PrepareConfig
-from lmforge.data.shards import dtype_for_vocab
+from lmforge.data.shards import dtype_for_vocab, unigram_file
 from lmforge.data.sources import (BadUtf8, format_of, iter_datasets_documents, iter_documents,
                                   parquet_file, source_files)
 from lmforge.data.store import SectionedFile, Store, is_url, pack_sections, unpack_sections
 from lmforge.data.tokenizer import Tokenizer, load_gpt2_tokenizer, load_tokenizer, train_bpe
-from lmforge.folders import (MANIFEST, MIXTURE, PREPARE_RECORD, SHARD_FORMAT_VERSION, TOKENIZER,
+from lmforge.folders import (MANIFEST, MIXTURE, PREPARE_RECORD, SHARD_FORMAT_VERSION, TOKENIZER, UNIGRAM_COUNTS,
                              build_manifest, sha256_bytes, shard_file_name, shard_record)
 
 log = logging.getLogger("lmforge.data")
@@ -708,11 +710,18 @@ def shard_tasks(job: Job) -> list[tuple[int, int, int]]:
 
 def assemble_shards(job: Job, task: tuple[int, int, int]) -> dict:
     si, k0, n = task
-    recs = [assemble_shard(job, si, k) for k in range(k0, k0 + n)]
+    counts = np.zeros(job.cache["vocab"], dtype=np.int64)
+    recs = [assemble_shard(job, si, k, counts) for k in range(k0, k0 + n)]
+    job.work.write(_counts_file(task_key("assemble", task)), counts.astype("<i8").tobytes())
     return {"records": recs, "tokens": sum(r["tokens"] for r in recs)}
 
 
-def assemble_shard(job: Job, si: int, k: int) -> dict:
+def _counts_file(key: str) -> str:
+    """The work-folder file of one assemble task's token counts (vocab little-endian int64)."""
+    return f"unigram/{key}.bin"
+
+
+def assemble_shard(job: Job, si: int, k: int, counts: np.ndarray) -> dict:
     st = job.cache["streams"][si]
     dtype = dtype_for_vocab(job.cache["vocab"])
     S = job.cfg.shard_tokens
@@ -730,6 +739,7 @@ def assemble_shard(job: Job, si: int, k: int) -> dict:
             lo += take
         j += 1
     tokens = np.concatenate(parts)
+    counts += np.bincount(tokens, minlength=len(counts))
     data = tokens.tobytes()
     rec = shard_record(k, data, tokens.size, int(tokens.max()))
     job.out.write(f"{st['dir']}/{rec['file']}", data)
@@ -750,18 +760,24 @@ def merge(job: Job, timing: dict) -> dict:
     splits: dict[str, Any] = {"train": {}, "val": None}
     keep_files = {TOKENIZER, f"train/{MIXTURE}"}
     for i, st in enumerate(streams(job)):
-        recs = [r for key in sorted(asm) if key.startswith(f"{i:03d}-")
-                for r in asm[key]["records"]]
+        keys = [key for key in sorted(asm) if key.startswith(f"{i:03d}-")]
+        recs = [r for key in keys for r in asm[key]["records"]]
         if [r["file"] for r in recs] != [shard_file_name(k) for k in range(st["shards"])]:
             raise ValueError(f"{st['dir']}: the assemble stage's records do not cover its "
                              f"{st['shards']} shards; re-run the assemble stage")
+        counts = np.zeros(tok.vocab_size, dtype=np.int64)
+        for key in keys:  # (one vocabulary-sized vector per assemble task, added one at a time)
+            counts += np.frombuffer(job.work.read(_counts_file(key)), dtype="<i8")
+        data, unigram = unigram_file(counts)
+        job.out.write(f"{st['dir']}/{UNIGRAM_COUNTS}", data)
         m = build_manifest(dtype.name, tok.vocab_size, cfg.shard_tokens, recs,
                            {**meta, "split": st["split"], "source": st["source"],
-                            "documents": st["documents"]})
+                            "documents": st["documents"]}, unigram)
         job.out.write_json(f"{st['dir']}/{MANIFEST}", m)
-        keep_files |= {f"{st['dir']}/{MANIFEST}"} | {f"{st['dir']}/{r['file']}" for r in recs}
+        keep_files |= ({f"{st['dir']}/{MANIFEST}", f"{st['dir']}/{UNIGRAM_COUNTS}"}
+                       | {f"{st['dir']}/{r['file']}" for r in recs})
         summary = {"dir": st["dir"], "tokens": m["total_tokens"], "documents": st["documents"],
-                   "shards": len(recs)}
+                   "shards": len(recs), "unigram_entropy": unigram["entropy"]}
         if st["split"] == "train":
             splits["train"][st["source"]] = {**summary, "weight": weights[st["source"]] / total_w}
         else:

@@ -2,7 +2,10 @@
 
 * ``dp_replicate = N`` (or ``dp_shard = N, zero_stage = 1``): torch's DistributedDataParallel,
   bucketed all-reduce overlapped with backward, ``no_sync`` on all but the last micro-batch of a
-  step; optional gradient compression hooks (bf16 / fp16 / PowerSGD).
+  step (one all-reduce of the buckets per step, whatever the accumulation); optional gradient
+  compression hooks (bf16 / fp16 / PowerSGD). The gradients are views into the fp32 buckets
+  (``gradient_as_bucket_view``) and are zeroed in place between steps (`DataParallel.zero_grad`),
+  so the no_sync micro-batches accumulate into the buckets: one fp32 gradient copy.
 * ``zero_stage = 1``: the optimizer becomes a ``ZeroRedundancyOptimizer``: each rank keeps the
   state of ~1/N of the parameters and broadcasts its updated share.
 
@@ -40,6 +43,14 @@ class DataParallel(Layout):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return zero1(optimizer) if self.zero1 else optimizer
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Zero the gradients in place (ZeroRedundancyOptimizer too: its param_groups hold every
+        parameter). They are views into DDP's fp32 all-reduce buckets (gradient_as_bucket_view), and
+        the next step's no_sync micro-batches accumulate into them: one fp32 gradient copy.
+        set_to_none would let those micro-batches build fresh gradients beside the buckets, a second
+        fp32 copy until the step's last backward copies them in."""
+        optimizer.zero_grad(set_to_none=False)
 
     def describe(self) -> Iterator[str]:
         hook = self.cfg.parallel.ddp_comm_hook

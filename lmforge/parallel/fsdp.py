@@ -6,10 +6,26 @@ groups). ``reshard_after_forward`` true = ZeRO-3 (parameters gathered again in b
 ZeRO-2-like. Mixed precision is FSDP2's ``MixedPrecisionPolicy``: parameters are all-gathered
 directly in bf16/fp16 (one 16-bit copy of a block at a time, no autocast casts) and gradients
 reduced in fp32 into the fp32 master shards.
+
+Gradient accumulation (`micro_batch_sync`, around each micro-batch of a step): by default FSDP2
+reduces no gradient until the step's last micro-batch (`set_requires_gradient_sync(False)` on the
+others), so a step reduce-scatters the fp32 gradients once (and HSDP all-reduces them across
+replicas once) whatever the accumulation, instead of once per micro-batch. The memory trade: between
+micro-batches each rank holds the *unsharded* fp32 gradients of its parameters (4 B per parameter
+of its stage and TP share, as DDP does; FSDP2 accumulates them in `reduce_dtype`), where the
+per-micro-batch reduction kept only the 1/N shards. `parallel.fsdp_reduce_every_micro_batch = true`
+restores the per-micro-batch reduce-scatter where memory demands it (HSDP then still all-reduces
+across replicas only on the last micro-batch: `set_requires_all_reduce`). Pipelined layouts need
+neither: torch.distributed.pipelining's schedule turns FSDP2's gradient sync off for every
+micro-batch's backward itself and reduces once after the last (PipelineStage's
+`backward_maybe_with_nosync` / `perform_reduce_grad`), keeping the stage's gathered parameters too
+(`set_reshard_after_backward(False)`). `lmforge plan` counts the held gradients
+(`fsdp_accumulated_gradients`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -30,6 +46,9 @@ class FullyShard(ShardedLayout):
         super().__init__(model, cfg, dist_info, precision)
         apply_fsdp(model, cfg, dist_info, precision)
 
+    def micro_batch_context(self, last: bool) -> contextlib.AbstractContextManager:
+        return micro_batch_sync(self.model, self.cfg, last)
+
     def describe(self) -> Iterator[str]:
         yield fsdp_description(self.cfg)
 
@@ -39,7 +58,29 @@ def fsdp_description(cfg: Config) -> str:
     shards = f"{p.dp_shard * p.cp} shards" + (f" (dp_shard {p.dp_shard} x cp {p.cp})" if p.cp > 1 else "")
     hsdp = f"HSDP ({p.dp_replicate} replicas x {shards})" if p.dp_replicate > 1 else shards
     stage = "ZeRO-3" if reshard_after_forward(cfg) else "ZeRO-2"
-    return f"FSDP2 fully_shard: {hsdp}, {stage}" + (", CPU offload" if p.cpu_offload else "")
+    sync = ("gradients reduced after every micro-batch" if p.fsdp_reduce_every_micro_batch
+            else "gradients reduced once per step (unsharded fp32 gradients held between micro-batches)")
+    if cfg.grad_accum_steps == 1 or p.pp > 1:
+        sync = ""  # (one micro-batch: nothing to choose; pipelines: torch's schedule reduces once per step)
+    return f"FSDP2 fully_shard: {hsdp}, {stage}" + (", CPU offload" if p.cpu_offload else "") + (
+        f", {sync}" if sync else "")
+
+
+@contextlib.contextmanager
+def micro_batch_sync(module: nn.Module, cfg: Config, last: bool) -> Iterator[None]:
+    """Around one micro-batch's forward + backward of a step on `module` (FSDP2's root; any other
+    module: nothing to do): gradients are reduced only in the step's last backward, or with
+    parallel.fsdp_reduce_every_micro_batch reduce-scattered in every backward (HSDP's all-reduce
+    across replicas still only in the last). See the module docstring for the memory trade."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        if cfg.parallel.fsdp_reduce_every_micro_batch:
+            module.set_requires_gradient_sync(True)
+            module.set_requires_all_reduce(last)  # (HSDP; a no-op without a replicate dim)
+        else:
+            module.set_requires_gradient_sync(last)  # (HSDP: reduce-scatter and all-reduce together)
+    yield
 
 
 def reshard_after_forward(cfg: Config) -> bool:

@@ -120,6 +120,11 @@ class Layout:
     def params(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the step's gradients after the optimizer step (set to None: their memory is free
+        until the next backward; DataParallel zeroes them in place instead)."""
+        optimizer.zero_grad(set_to_none=True)
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Adapt the optimizer to the layout: torch's foreach kernels refuse groups that mix DTensor
         and plain parameters (TP without sequence parallelism keeps norm weights plain), so each

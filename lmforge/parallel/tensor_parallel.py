@@ -37,7 +37,7 @@ from torch import nn
 
 from lmforge.config import Config
 from lmforge.model.transformer import Transformer
-from lmforge.parallel.fsdp import apply_fsdp, fsdp_description
+from lmforge.parallel.fsdp import apply_fsdp, fsdp_description, micro_batch_sync
 from lmforge.parallel.inference import ShardedInference
 from lmforge.parallel.layout import ShardedLayout
 from lmforge.parallel.mesh import DistInfo
@@ -167,8 +167,12 @@ class TensorParallel(ShardedLayout):
             apply_fsdp(model, cfg, dist_info, precision)
             self.name = "fsdp+tp"
 
-    def micro_batch_context(self, last: bool) -> contextlib.AbstractContextManager:
-        return loss_parallel_context(self.cfg.parallel.tp)  # the logits are sharded over the vocabulary
+    @contextlib.contextmanager
+    def micro_batch_context(self, last: bool) -> Iterator[None]:
+        # FSDP2's gradient sync on the last micro-batch only (when dp > 1); the logits are sharded
+        # over the vocabulary
+        with micro_batch_sync(self.model, self.cfg, last), loss_parallel_context(self.cfg.parallel.tp):
+            yield
 
     def local_value(self, t: torch.Tensor) -> torch.Tensor:
         return to_local_value(t)

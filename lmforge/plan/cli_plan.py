@@ -143,7 +143,7 @@ def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_
     par, tr = cfg.parallel, cfg.train
     base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": tr.micro_batch_size,
             "ac": tr.activation_checkpoint, "ac_every": tr.ac_every, "precision": precision,
-            "zero": 3 if par.dp_shard > 1 else 0}
+            "zero": 3 if par.dp_shard > 1 else 0, "fsdp_reduce_every_micro_batch": par.fsdp_reduce_every_micro_batch}
     given = Layout.parse(layout_text or "", **base).validate(cfg.model, seq_len)  # values, then vs. the model
     explicit = {item.split("=", 1)[0].strip().lower() for item in (layout_text or "").split(",") if "=" in item}
     model_ranks = given.cp * given.tp * given.pp  # the GPUs that one data-parallel replica spans

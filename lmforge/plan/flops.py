@@ -51,8 +51,9 @@ Conventions:
   - DP (over dp x cp ranks), bytes by the memory convention (what each framework sends): "lmforge" all-reduces fp32
     gradients once per step (DDP buckets of 25 MB; ZeRO-1's ZeroRedundancyOptimizer then
     broadcasts the updated fp32 parameters, one call per tensor); FSDP2 all-gathers 16-bit
-    weights and reduce-scatters fp32 gradients per block and micro-batch (ZeRO-3: two
-    all-gathers, forward and backward; ZeRO-2: one). "megatron" reduces fp32 main gradients and
+    weights per block and micro-batch (ZeRO-3: two all-gathers, forward and backward; ZeRO-2:
+    one) and reduce-scatters the fp32 gradients once per step, in the last micro-batch's backward
+    (per micro-batch with `fsdp_reduce_every_micro_batch`). "megatron" reduces fp32 main gradients and
     gathers bf16 weights (distributed optimizer: reduce-scatter + all-gather once per step);
     "zero-paper" sends 16-bit gradients and weights. ZeRO-2 reduce-scatters per micro-batch and
     gathers once per step; ZeRO-3 gathers twice and reduce-scatters per micro-batch (fp32 runs:
@@ -176,7 +177,10 @@ def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m:
         calls = 2 * math.ceil(grad_b * params / DDP_BUCKET_BYTES)  # reduce-scatter + all-gather
         return calls, ring * (grad_b + weight_b) * params, 0.0, 0.0
     gathers = 2 if layout.zero == 3 else 1
-    if convention == "lmforge" or layout.zero == 3:  # FSDP2: gather every micro-batch
+    if convention == "lmforge" and not layout.fsdp_reduce_every_micro_batch:
+        # FSDP2: gather every micro-batch, reduce-scatter once per step (lmforge.parallel.fsdp)
+        return layers, ring * grad_b * params, m * layers * gathers, m * ring * gathers * weight_b * params
+    if convention == "lmforge" or layout.zero == 3:  # gather and reduce-scatter every micro-batch
         per_mb_calls = m * layers * (gathers + 1)
         return 0.0, 0.0, per_mb_calls, m * ring * (gathers * weight_b + grad_b) * params
     # literature ZeRO-2: reduce-scatter per micro-batch, one all-gather per step

@@ -78,16 +78,21 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
       recompute does not free them (the recompute in backward reuses them);
     - DDP and ZeRO-1: DDP runs with `gradient_as_bucket_view=True`, so the gradients are views
       into its fp32 all-reduce buckets (no copy; torch's default False kept a second fp32 copy,
-      4 B/param). Under gradient accumulation the trainer's `zero_grad(set_to_none=True)` lets
-      the no_sync micro-batches build fresh gradients beside the buckets until the step's last
-      backward copies them in, so a step with grad_accum > 1 still peaks at that copy
-      (`ddp_gradient_buckets`);
+      4 B/param), and the trainer zeroes them in place between steps (`DataParallel.zero_grad`),
+      so the no_sync micro-batches of an accumulating step accumulate into the buckets too: no
+      second copy whatever the accumulation;
     - FSDP2 (ZeRO-2/3): parameters are all-gathered directly in 16-bit, so nothing is cast.
       ZeRO-3 holds the gathered 16-bit weights of the current and the prefetched block, ZeRO-2
       the whole stage's; both hold the root module's gathered weights (embedding, final norm,
       head: the root spans the whole forward and backward), the head's 16-bit unsharded gradient
       (computed first in backward, reduce-scattered with the root's at the end), and one block's
-      unsharded 16-bit gradients with their fp32 reduce-scatter input;
+      unsharded 16-bit gradients with their fp32 reduce-scatter input. With grad_accum > 1 the
+      gradients are reduced at the step's last micro-batch only (lmforge.parallel.fsdp), so every
+      rank holds the unsharded fp32 gradients of its stage between micro-batches, 4 B/param
+      (`fsdp_accumulated_gradients`), unless `fsdp_reduce_every_micro_batch` (the layout key
+      reduce_every=1; not with pp > 1) reduce-scatters after every micro-batch. Under a pipeline
+      torch's schedule also keeps each stage's gathered 16-bit weights from one micro-batch's
+      backward to the next forward, so ZeRO-3 holds the whole stage's there, as ZeRO-2 does;
     - fp32 runs: no 16-bit copies (FSDP2 gathers fp32 weights instead).
     Activations are counted tensor by tensor from what autograd saves under bf16 autocast with
     `scaled_dot_product_attention` (no s^2 term, no dropout): per layer
@@ -195,6 +200,7 @@ class Layout:
     ac_every: int = 2
     cpu_offload: bool = False
     precision: str = "bf16"       # bf16 | fp16 | fp32 | fp8
+    fsdp_reduce_every_micro_batch: bool = False  # FSDP2: reduce-scatter after every micro-batch (not pp > 1)
 
     @property
     def world_size(self) -> int:
@@ -235,6 +241,9 @@ class Layout:
                              f"tensor-parallel ranks), got tp = {self.tp}; set tp= or drop sp=1")
         if self.virtual_stages > 1 and self.pp_schedule != "interleaved":
             raise ValueError(f"layout virtual_stages = {self.virtual_stages} needs pp_schedule = interleaved")
+        if self.fsdp_reduce_every_micro_batch and self.pp > 1:
+            raise ValueError("layout reduce_every = 1 needs pp = 1: torch's pipeline schedule reduces FSDP2's "
+                             "gradients once per step; drop reduce_every=1")
         if model_cfg is not None:
             if model_cfg.n_heads % self.tp or model_cfg.kv_heads % self.tp:
                 raise ValueError(f"layout tp = {self.tp} must divide n_heads = {model_cfg.n_heads} "
@@ -269,6 +278,8 @@ class Layout:
                 s += f",v={self.virtual_stages}"
         if self.cpu_offload:
             s += ",offload=1"
+        if self.fsdp_reduce_every_micro_batch:
+            s += ",reduce_every=1"
         return s
 
     _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
@@ -276,12 +287,13 @@ class Layout:
              "virtual_stages": "virtual_stages", "mb": "micro_batch", "micro_batch": "micro_batch",
              "ga": "grad_accum", "grad_accum": "grad_accum", "m": "grad_accum", "ac": "ac",
              "ac_every": "ac_every", "offload": "cpu_offload", "cpu_offload": "cpu_offload",
-             "precision": "precision", "dtype": "precision"}
+             "precision": "precision", "dtype": "precision", "reduce_every": "fsdp_reduce_every_micro_batch",
+             "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch"}
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
         """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
-        ac_every offload precision); unknown keys or bad values raise ValueError naming them."""
+        ac_every offload precision reduce_every); unknown keys or bad values raise ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
             if "=" not in item:
@@ -290,7 +302,7 @@ class Layout:
             field_name = cls._KEYS.get(key.lower())
             if field_name is None:
                 raise ValueError(f"unknown layout key {key!r}; valid: {', '.join(sorted(set(cls._KEYS)))}")
-            if field_name in ("sp", "cpu_offload"):
+            if field_name in ("sp", "cpu_offload", "fsdp_reduce_every_micro_batch"):
                 if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
                     raise ValueError(f"layout {key} = {value!r} must be 0/1/true/false")
                 kw[field_name] = value.lower() in ("1", "true", "yes")
@@ -809,20 +821,22 @@ def _lmforge_buffers(cfg: ModelConfig, layout: Layout, states: _StageStates, seq
     mixed = layout.precision != "fp32"
     out: dict[str, float] = {}
     if not layout.fsdp:
+        # (DDP and ZeRO-1: the gradients are the fp32 all-reduce buckets, through accumulation too)
         if mixed:  # the step's 16-bit copy of each matmul weight (lmforge.train.precision)
             out["autocast_weight_copies"] = states.matmul_16bit
-        if layout.shard_ranks > 1 and layout.grad_accum > 1:
-            # DDP (ZeRO-1 too) runs with gradient_as_bucket_view=True: after a synchronising
-            # backward the gradients ARE the fp32 all-reduce buckets. The trainer zeroes gradients
-            # with set_to_none=True, so the no_sync micro-batches of an accumulating step build
-            # fresh gradients beside the buckets until the last backward copies them in.
-            out["ddp_gradient_buckets"] = 4 * states.params
     else:
         half = 2 if mixed else 4  # FSDP2 gathers in param_dtype (16-bit), fp32 runs in fp32
-        held = states.params if layout.zero == 2 else 2 * states.layer_params + states.root_params
+        accumulating = layout.grad_accum > 1
+        # ZeRO-2, and any pipeline stage (torch's schedule keeps the gathered weights between micro-batches)
+        whole_stage = layout.zero == 2 or (layout.pp > 1 and accumulating)
+        held = states.params if whole_stage else 2 * states.layer_params + states.root_params
         out["fsdp_gathered_weights"] = half * held
         reduce_input = 4 if mixed else 0  # the fp32 reduce-scatter input (reduce_dtype = fp32)
         out["fsdp_unsharded_gradients"] = (half + reduce_input) * states.layer_params + half * states.head_params
+        if accumulating and not layout.fsdp_reduce_every_micro_batch:
+            # reduced at the step's last micro-batch only: every parameter's unsharded gradient,
+            # accumulated in fp32 (reduce_dtype), is held from the first micro-batch's backward on
+            out["fsdp_accumulated_gradients"] = 4 * states.params
     if cfg.pos_emb == "rope":
         out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
     return out

@@ -28,6 +28,7 @@ stage, recompute) costs engineering and risk. Simplicity is judged in that order
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,9 +106,11 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                       zero_stages: tuple[int, ...] = (0, 1, 2, 3), ac_modes: tuple[str, ...] = ("none", "selective", "full"),
                       precision: str = "bf16", max_micro_batch: int = 16, allow_offload: bool = False,
                       interleaved: bool = True, seq_len: int | None = None,
-                      cp_min_tokens: int = CP_MIN_TOKENS_PER_RANK) -> list[Layout]:
+                      cp_min_tokens: int = CP_MIN_TOKENS_PER_RANK, reduce_every: bool = False) -> list[Layout]:
     """Every layout that uses all GPUs and divides the global batch (in sequences) exactly; with
-    `seq_len`, context-parallel degrees too (`cp_degrees`)."""
+    `seq_len`, context-parallel degrees too (`cp_degrees`); with `reduce_every`, FSDP layouts that
+    accumulate (grad_accum > 1, no pipeline) also with fsdp_reduce_every_micro_batch (sharded
+    gradients between micro-batches, at grad_accum x the reduce-scatter traffic)."""
     world = cluster.world_size
     out: list[Layout] = []
     for tp, cp in ((tp, cp) for tp in _pow2_upto(cluster.gpus_per_node) for cp in cp_degrees(seq_len, world, cp_min_tokens)):
@@ -138,10 +141,13 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                             for sched, v in schedules:
                                 # SP splits a CP rank's seq_len / cp tokens over the TP ranks
                                 sp_ok = tp > 1 and (seq_len is None or (seq_len // cp) % tp == 0)
-                                for sp in ((True, False) if sp_ok else (False,)):
+                                every = reduce_every and zero >= 2 and ga > 1 and pp == 1
+                                for sp, re in itertools.product((True, False) if sp_ok else (False,),
+                                                                (False, True) if every else (False,)):
                                     out.append(Layout(dp=dp, zero=zero, cp=cp, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
                                                       virtual_stages=v, micro_batch=mb, grad_accum=ga, ac=ac,
-                                                      cpu_offload=offload, precision=precision))
+                                                      cpu_offload=offload, precision=precision,
+                                                      fsdp_reduce_every_micro_batch=re))
     return out
 
 
@@ -153,7 +159,8 @@ def lmforge_config_for(config: Config, layout: Layout, seq_len: int) -> Config:
         config.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_replicate=1 if sharded else dp,
         dp_shard=dp if sharded else 1,
         zero_stage=zero if sharded else 0, sequence_parallel=layout.sp, pp_schedule=layout.pp_schedule,
-        pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload)
+        pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload,
+        fsdp_reduce_every_micro_batch=layout.fsdp_reduce_every_micro_batch)
     precision = "bf16" if layout.precision == "fp8" else layout.precision
     train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch, precision=precision,
                                 global_batch_size=layout.sequences_per_step, activation_checkpoint=layout.ac,
@@ -189,7 +196,7 @@ def complexity(layout: Layout) -> tuple:
     newest mechanism (a K/V all-gather in every layer, chunked sequences, tested on CPU only), ranks
     after pipelining and before TP, a smaller degree first."""
     return (layout.cpu_offload, layout.pp > 1, layout.virtual_stages > 1, layout.cp, layout.tp > 1, layout.sp,
-            layout.zero, _AC_RANK[layout.ac])
+            layout.zero, layout.fsdp_reduce_every_micro_batch, _AC_RANK[layout.ac])
 
 
 def _rank(cands: list[Candidate], margin: float) -> list[Candidate]:
@@ -218,6 +225,9 @@ def _reason(c: Candidate, cluster: Cluster) -> str:
     dp_where = "inside a node" if L.tp * L.cp * L.dp <= cluster.gpus_per_node else "across nodes"
     over = f" over dp x cp = {L.shard_ranks} ranks" if L.cp > 1 else ""
     parts.append(f"DP={L.dp} {dp_where} ({zero}{over})")
+    if L.fsdp_reduce_every_micro_batch:
+        parts.append(f"gradients reduce-scattered after each of the {L.grad_accum} micro-batches (sharded between "
+                     f"them: parallel.fsdp_reduce_every_micro_batch = true)")
     if L.pp > 1:
         where = "across nodes" if L.world_size > cluster.gpus_per_node else "inside a node"
         parts.append(f"PP={L.pp} outermost, {where} ({L.pp_schedule}, bubble {st.bubble_fraction:.0%})")
@@ -254,6 +264,8 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
         raise ValueError(f"usable fraction {usable_fraction} must be in (0, 1]")
     if not 0 <= margin < 1:
         raise ValueError(f"margin = {margin} must be in [0, 1)")
+    # (reduce_every changes lmforge's FSDP memory and traffic only: the literature conventions count neither)
+    enum_kw.setdefault("reduce_every", weights == "lmforge")
     layouts = enumerate_layouts(model_cfg, cluster, global_batch, precision=precision, seq_len=seq_len, **enum_kw)
     if not layouts:
         raise ValueError(f"no layout of {cluster.world_size} GPUs divides the global batch of {global_batch} "
@@ -271,7 +283,7 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
     for lay in layouts:
         if config is not None and weights == "lmforge":
             key = (lay.dp > 1, lay.zero, lay.cp, lay.tp, lay.pp, lay.sp, lay.pp_schedule, lay.virtual_stages,
-                   lay.micro_batch, lay.grad_accum, lay.cpu_offload, lay.ac)
+                   lay.micro_batch, lay.grad_accum, lay.cpu_offload, lay.ac, lay.fsdp_reduce_every_micro_batch)
             if key not in verdicts:
                 verdicts[key] = lmforge_refusal(config, lay, seq_len)
             if verdicts[key] is not None:

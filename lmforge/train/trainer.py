@@ -38,7 +38,7 @@ from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config, to_toml
 from lmforge.config.rules import check_resolved_precision
 from lmforge.data.loader import PackedLoader
-from lmforge.data.prepare import unigram_entropy
+from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
 from lmforge.folders import (CONFIG, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS, atomic_path,
@@ -340,7 +340,7 @@ class Trainer:
         else:
             scaler.step(opt)  # skips the update if fp16 gradients overflowed
             scaler.update()
-        opt.zero_grad(set_to_none=True)
+        self.layout.zero_grad(opt)  # (DDP: in place, into its buckets)
         self.scheduler.step()
         return grad_norm
 
@@ -479,11 +479,27 @@ class Trainer:
         progress.write(line) if progress is not None else log.info("%s", line)
         return val
 
+    def corpus_entropy(self) -> float:
+        """The training corpus' unigram entropy (lmforge.data.prepare.unigram_entropy): the value
+        `lmforge prepare` recorded (no data read), else, for a folder prepared before it did, counted
+        once over the ranks: each counts 1/world of every source, the counts are summed on the host
+        group. No rank reads the corpus while the others wait (ARCHITECTURE.md, "Collectives")."""
+        recorded = recorded_unigram_entropy(self.train_shards)
+        if recorded is not None:
+            return recorded
+        log.info("data: %s records no unigram entropy (prepared by an older lmforge): counting its %s tokens, "
+                 "1/%d on each rank; re-run `lmforge prepare` to record it", self.data.train_dir,
+                 f"{len(self.train_shards):,}", self.dist.world_size)
+        counts = torch.from_numpy(unigram_counts(self.train_shards, self.dist.rank, self.dist.world_size))
+        if self.dist.distributed:
+            torch.distributed.all_reduce(counts, group=self.dist.host_group)
+        return mixture_entropy(counts.numpy(), mixture_weights(self.train_shards))
+
     def log_run_header(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         counts = count_params(cfg.model)
         ft = cfg.finetune  # (the corpus' unigram entropy is the baseline of pre-training only)
-        self.entropy = math.nan if ft.data else unigram_entropy(self.train_shards)
+        self.entropy = math.nan if ft.data else self.corpus_entropy()
         rule = self.flops_rule
         log.info("model: %s parameters (%s non-embedding), %.1f MFLOPs/token (%s)",
                  f"{self.n_params:,}", f"{counts['non_embedding']:,}", self.flops_per_token / 1e6, rule)
