@@ -22,7 +22,10 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
       leaves >= pp micro-batches per step (a multiple of pp for interleaved 1F1B).
     * schedule.warmup_steps: at most a tenth of train.steps when the preset's warmup would not end
       within the run.
-    An explicit choice that cannot work stays an error (`check_cross_section`).
+    * parallel.fsdp_reduce_every_micro_batch: a preset's true (the large models' presets: their
+      unsharded gradients would not fit between micro-batches) is false under pp > 1, where torch's
+      pipeline schedule reduces once per step whatever FSDP2 is told.
+    An explicit choice that cannot work stays an error (`check_cross_section`, the sections' checks).
     """
     t, s, p = cfg.train, cfg.schedule, cfg.parallel
     notes = []
@@ -44,6 +47,10 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
         new = t.steps // 10
         notes.append(f"schedule.warmup_steps {s.warmup_steps} -> {new}: a tenth of the run's {t.steps} steps")
         s.warmup_steps = new
+    if "parallel.fsdp_reduce_every_micro_batch" not in explicit and p.fsdp_reduce_every_micro_batch and p.pp > 1:
+        notes.append("parallel.fsdp_reduce_every_micro_batch true -> false: with pp > 1 the pipeline schedule "
+                     "reduces the gradients once per step")
+        p.fsdp_reduce_every_micro_batch = False
     return notes
 
 

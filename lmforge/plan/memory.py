@@ -540,6 +540,7 @@ class MemoryBreakdown:
     cpu_bytes: float = 0.0
     fused_attention: bool = True
     detail: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # lmforge: peak per GPU outside the step (`phase_peaks`)
 
     @property
     def model_states(self) -> float:
@@ -559,7 +560,7 @@ class MemoryBreakdown:
                                                                    "total": self.total, "cpu": self.cpu_bytes},
             "bytes_per_param": {c: getattr(self, c) / self.params_total for c in COMPONENTS[:4]}
             | {"model_states": self.model_states / self.params_total},
-            "detail": dict(self.detail),
+            "detail": dict(self.detail), "phases": dict(self.phases),
         }
 
     def table(self) -> str:
@@ -842,6 +843,36 @@ def _lmforge_buffers(cfg: ModelConfig, layout: Layout, states: _StageStates, seq
     return out
 
 
+def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp: dict[str, float],
+                buffers: dict[str, float]) -> dict[str, float]:
+    """Bytes per GPU outside the training step (lmforge convention), where no rank holds the whole
+    model (lmforge.model.materialise, lmforge.parallel.inference, Layout.full_weights):
+
+    - ``startup``: the rank's own fp32 weights once materialised (DDP and ZeRO-1 also allocate their
+      fp32 gradient buckets as they wrap the model); the initial values are drawn on the host, one
+      parameter's rows at a time (``startup_host``: twice the largest parameter, an upper bound);
+    - ``validation``: what persists between steps (weights, optimizer state; gradients only where
+      they are DDP's buckets: elsewhere the step frees them), the FSDP2 blocks gathered at a time
+      (weights gathered in the run's precision), and a forward without autograd: one layer's
+      temporaries (at most what the layer saves for backward) and the logits of one micro-batch in
+      16 bits plus their fp32 copy for the cross-entropy (split over the vocabulary under TP);
+    - ``final_save``: what persists, plus one whole parameter gathered on every rank of its shard
+      group (the largest, fp32; rank 0's copy of it goes to host memory, then to the file)."""
+    specs = stage_specs(cfg, layout.pp, stage)
+    largest = 4 * max(math.prod(spec.shape) for spec in specs)
+    keeps_grads = not layout.fsdp and layout.shard_ranks > 1  # DDP / ZeRO-1: gradients are the buckets
+    persistent = comp["weights"] + comp["master_weights"] + comp["optimizer_states"] + \
+        (comp["gradients"] if keeps_grads else 0.0) + buffers.get("rope_tables", 0.0)
+    half = 4 if layout.precision == "fp32" else 2
+    logits = (half + 4) * layout.micro_batch * (seq_len // layout.cp) * cfg.vocab_size / layout.tp \
+        if stage == layout.pp - 1 else 0.0
+    layer = _lmforge_activation_per_layer(cfg, layout, seq_len // layout.cp, "none")
+    working = buffers.get("fsdp_gathered_weights", 0.0) + layer + logits
+    return {"startup": comp["weights"] + (comp["gradients"] if keeps_grads else 0.0), "startup_host": 2 * largest,
+            "validation": persistent + working, "validation_working_set": working,
+            "final_save": persistent + largest, "final_save_working_set": largest}
+
+
 def _checkpointed_layers(layout: Layout, layers: int) -> int:
     """Layers that keep only their input (selective recompute keeps more: its own per-layer formula)."""
     return 0 if layout.ac == "selective" else recomputed_layers(layout.ac, layers, layout.ac_every)
@@ -891,6 +922,8 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
         buffers = _literature_buffers(layout, states, convention)
     detail.update(buffers)
     comp["buffers"] = sum(buffers.values())
+    if convention == "lmforge":
+        detail.update({f"phase_{k}": v for k, v in phase_peaks(cfg, layout, seq_len, stage, comp, buffers).items()})
     return comp, cpu, states.params, detail
 
 
@@ -920,6 +953,8 @@ def estimate_memory(model_cfg: ModelConfig, layout: Layout, optimizer: str = "ad
         if best is None or total > best[0]:
             best = (total, stage, comp, cpu, params_here, detail)
     _, stage, comp, cpu, params_here, detail = best
+    phases = {k.removeprefix("phase_"): detail.pop(k) for k in list(detail) if k.startswith("phase_")}
     return MemoryBreakdown(model=model_name, layout=layout, optimizer=opt, seq_len=seq_len, convention=weights,
                            params_total=n_total, params_per_rank=params_here, stage=stage, cpu_bytes=cpu,
-                           fused_attention=fused_attention or weights == "lmforge", detail=detail, **comp)
+                           fused_attention=fused_attention or weights == "lmforge", detail=detail, phases=phases,
+                           **comp)

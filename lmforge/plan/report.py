@@ -67,6 +67,13 @@ def memory_table(mems: list[MemoryBreakdown], device_bytes: float | None = None,
     lines = [f"Memory per GPU: {m0.model}, {m0.params_total / 1e9:.3f}B params ({m0.params_per_rank / 1e9:.3f}B on the worst "
              f"rank before ZeRO), {m0.optimizer}, {m0.layout.precision}, seq {m0.seq_len}, worst pipeline stage {m0.stage}"]
     lines += _grid(rows, "<" + ">>" * len(mems))
+    phased = [m for m in mems if m.phases]
+    if phased:
+        m = phased[0]
+        lines.append(f"  outside the step ({m.convention}): start-up "
+                     f"{human_bytes(m.phases['startup'])} (+ {human_bytes(m.phases['startup_host'])} of host memory "
+                     f"while drawing the initial values), validation {human_bytes(m.phases['validation'])}, final "
+                     f"save {human_bytes(m.phases['final_save'])}")
     if device_bytes:
         budget = usable_fraction * device_bytes
         for m in mems:
