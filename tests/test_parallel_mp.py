@@ -6,8 +6,8 @@ on different ranks). Every layout sees the same seed, data and global batch (8 s
 tokens per step, micro-batches of 2) as the one-process reference, which runs once per module; the
 per-step training losses and gradient norms (before clipping) of 20 steps must agree to 1e-5
 relative (fp32; only the reduction order differs), and so must the validation losses (computed on
-the gathered model). `data.mask_doc_boundaries = true` makes micro-batches hold unequal token
-counts, so the global-token-count normalisation is exercised. These runs use AdamW clipped at 1.0,
+the sharded model itself, lmforge.parallel.inference). `data.mask_doc_boundaries = true` makes
+micro-batches hold unequal token counts, so the global-token-count normalisation is exercised. These runs use AdamW clipped at 1.0,
 whose loss curve sees the overall scale of the gradient only weakly; the gradient norm sees it
 directly, and the launches of `WITH_SGD` also train 6 steps of plain SGD without clipping
 (tests/test_parallel_dp.py's `SGD`), whose steps are the gradient itself.
@@ -73,7 +73,7 @@ def test_model_parallel_layout_matches_one_process(corpus, reference, tmp_path, 
     if layout in WITH_SGD:
         assert_runs_match(sgd, reference / "sgd", f"{layout}, SGD without clipping, vs one process", tol=TOL)
     ref_val = val_losses(reference / "adamw")
-    val = val_losses(out)  # evaluation on the gathered (unsharded) model, initial and final
+    val = val_losses(out)  # evaluation on the sharded model (no rank gathers it), initial and final
     assert len(val) == len(ref_val) and all(abs(a - b) / b < TOL for a, b in zip(val, ref_val)), (val, ref_val)
     if extra.get("parallel.pp"):
         assert "bubble fraction" in proc.stdout + proc.stderr
@@ -81,7 +81,7 @@ def test_model_parallel_layout_matches_one_process(corpus, reference, tmp_path, 
         assert (out / name).is_file(), name
     from lmforge.ckpt.export import load_run
 
-    _, model = load_run(out)  # the gathered weights load into one unsharded model
+    _, model = load_run(out)  # the streamed weights load into one unsharded model
     assert len(model.blocks) == 4
 
 

@@ -10,7 +10,7 @@ embedding; the last stage holds the final norm, the output head and the loss.
     loss = layout.forward_backward(micro_batches, precision)     # the whole step through the schedule
 
 Names stay those of the full model (``blocks`` is a ModuleDict keyed by layer index), so a stage's
-state dict is a slice of the full one and checkpoints / gathered weights line up.
+state dict is a slice of the full one and checkpoints / streamed weights line up.
 
 The micro-batches of the schedule are the step's micro-batches (concatenated along the batch dim
 and re-split by the schedule, so micro-batch i holds exactly the sequences of the trainer's
