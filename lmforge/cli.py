@@ -89,9 +89,12 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     except ConfigError as exc:
         return report_on_one_rank(f"config error: {exc}")
     from lmforge.train import trainer_for
+    from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted
 
     try:
         result = trainer_for(cfg).fit()
+    except Preempted:  # (rank 0 logged the one line: step, checkpoint, exit code)
+        return PREEMPTED_EXIT_CODE
     except Exception as exc:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # name the rank (e.g. a collective timeout)
             where = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
@@ -254,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop's handlers (imports, set-up of other commands)
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
 from lmforge.train.precision import Resolved, make_precision, resolve_precision
+from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
@@ -89,6 +90,8 @@ class Trainer:
         self._data = data  # an already prepared dataset (tests, benchmarks), else prepared in setup
         self.metrics = None  # opened once the run really starts (events before that wait in _early)
         self._early: list[dict] = []
+        self.preemption = Preemption()  # SIGTERM / SIGINT / SIGUSR1 -> a checkpoint (handlers: during fit)
+        self._saved_step = -1  # the step of the last checkpoint this run saved
 
     # ------------------------------------------------------------------------------------------
     # setup
@@ -102,6 +105,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(cfg)  # validates the layout against the launch first
+        self.preemption.attach(self.dist.host_group, self.dist.distributed)
         self.device = self.dist.device
         for note in cfg.adjustments:  # (what load_config fitted to the layout)
             log.info("config: %s", note)
@@ -234,7 +238,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
+        """Set up, train, finish. A signal (lmforge.train.preempt) ends the loop early with a
+        checkpoint and raises `Preempted`."""
         try:
+            self.preemption.install()
             if not is_rank0():
                 log.setLevel(logging.WARNING)  # only rank 0 prints progress and info lines
             self.setup()
@@ -246,6 +253,7 @@ class Trainer:
                 self.ckpt.close()  # never leave a save half-written behind an exception
             if getattr(self, "dist", None) is not None and self.dist.distributed:
                 destroy_distributed()
+            self.preemption.uninstall()
 
     def end_together(self) -> None:
         """Every rank waits here for the others before any tears its process groups down. A rank
@@ -309,6 +317,8 @@ class Trainer:
                 st.last_loss = float(loss)
                 self.save_checkpoint()
                 last_save_time = time.time()
+            if self.preemption.requested():  # (every rank, every step: one tiny all-reduce)
+                self.stop_for_preemption(pending, window, history, progress)
 
         progress.close()
         self.profiler.close()
@@ -432,6 +442,32 @@ class Trainer:
                 "layout": self.layout.name, "optimizer": self.cfg.optim.name, "precision": self.precision.name}
         with self.timers("checkpoint"):
             save_states(self.ckpt, self.state.step, self.states, meta)
+        self._saved_step = self.state.step
+
+    def stop_for_preemption(self, pending: list[tuple], window: ThroughputWindow, history: list[dict],
+                            progress: Progress) -> None:
+        """A signal came (lmforge.train.preempt): log the steps not logged yet, checkpoint this step
+        synchronously on every rank (unless the loop just did), log a `preempted` event, leave
+        together and raise `Preempted` (the command line exits with its code)."""
+        st, t = self.state, self.cfg.train
+        if pending:
+            self.log_window(pending, window.take(), history, progress)
+        progress.close()
+        self.profiler.close()
+        if self._saved_step != st.step:
+            self.save_checkpoint()
+        self.ckpt.wait()  # written, validated and rotated before we report it
+        saved = self.ckpt.last_save.get("step") == st.step
+        where = self.ckpt.last_save.get("path") if saved else None
+        name = self.preemption.signal_name
+        message = (f"preempted ({name}) at step {st.step} of {t.steps}: " + (
+            f"checkpoint saved in {where}; run the same command again to resume" if saved or not is_rank0() else
+            "the checkpoint of this step failed (see above); a rerun resumes from the last good one")
+            + f" (exit code {PREEMPTED_EXIT_CODE})")
+        self.log_event({"event": "preempted", "signal": name, "checkpoint": where, "message": message})
+        self.ckpt.close()
+        self.end_together()
+        raise Preempted(message, st.step, name, where)
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore `self.states` from `path` (every rank; the checkpoint may come from any layout)."""
