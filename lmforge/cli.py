@@ -30,24 +30,33 @@ TRAIN_ARGS_ENV = "LMFORGE_TRAIN_ARGS"  # overrides appended to every `lmforge tr
 
 
 def _setup_logging() -> None:
+    """Log lines to stdout. Under torchrun rank 0 alone prints the run's lines (distributed, config,
+    data, model, progress, final, ...); another rank prints only its warnings and errors, which are
+    about itself, prefixed with its rank."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        for handler in logging.getLogger().handlers:
+            handler.setLevel(logging.WARNING)
+            handler.setFormatter(logging.Formatter(f"rank {rank}: %(message)s"))
 
 
 def report_on_one_rank(message: str, code: int = 2) -> int:
     """Report an error that every rank of a torchrun job hits alike (a config error: every rank
-    parses the same command line) once per node instead of once per rank, and keep torchrun's
-    failure summary to one entry: local rank 0 prints `message` and returns `code` once its sibling
-    workers have ended; under torchrun the others end first, silently and with status 0, so the
+    parses the same command line) once instead of once per rank, and keep torchrun's
+    failure summary to one entry: rank 0 prints `message`, local rank 0 (on every node) returns
+    `code` once its sibling workers have ended; under torchrun the others end first, silently and with status 0, so the
     agent lists local rank 0 alone (no SIGTERM entries for the ranks it would otherwise kill).
     torchrun still exits non-zero: local rank 0 failed on every node. Without torchrun's agent
-    (TORCHELASTIC_RUN_ID unset) every rank returns `code`; only local rank 0 prints."""
+    (TORCHELASTIC_RUN_ID unset) every rank returns `code`; only rank 0 prints."""
     local_rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
     under_agent = "TORCHELASTIC_RUN_ID" in os.environ
     if local_rank != "0":
         return 0 if under_agent else code
     if under_agent:
         _wait_for_sibling_workers()
-    print(message, file=sys.stderr, flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
     return code
 
 
@@ -95,12 +104,13 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         result = trainer_for(cfg).fit()
     except Preempted:  # (rank 0 logged the one line: step, checkpoint, exit code)
         return PREEMPTED_EXIT_CODE
+    except ConfigError as exc:  # every rank checks the same config against the same launch: say it once
+        return report_on_one_rank(f"config error: {exc}")
     except Exception as exc:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # name the rank (e.g. a collective timeout)
             where = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
             if isinstance(exc, ValueError):  # a user error (it may be one rank's): one line, no traceback
-                print(f"{where}: {'config error' if isinstance(exc, ConfigError) else 'error'}: {exc}",
-                      file=sys.stderr, flush=True)
+                print(f"{where}: error: {exc}", file=sys.stderr, flush=True)
                 return 2
             print(f"{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise

@@ -207,7 +207,8 @@ class Trainer:
             resolved = resolve_precision(self.cfg.train.precision, self.device, saved)
         resolved = self.rank0_decides(resolved)
         check_resolved_precision(self.cfg, resolved.name, resolved.reason)
-        log.log(logging.WARNING if resolved.slow or resolved.changed else logging.INFO, "precision: %s (%s)",
+        log.log(logging.WARNING if (resolved.slow or resolved.changed) and is_rank0() else logging.INFO,
+                "precision: %s (%s)",
                 resolved.name, resolved.reason)
         return resolved
 
@@ -242,8 +243,6 @@ class Trainer:
         checkpoint and raises `Preempted`."""
         try:
             self.preemption.install()
-            if not is_rank0():
-                log.setLevel(logging.WARNING)  # only rank 0 prints progress and info lines
             self.setup()
             result = self.report_finished() if self.finished else self.train()
             self.end_together()
