@@ -13,7 +13,8 @@ one atomic write, one checksum, one token-shard manifest.
       report/          REPORT            dataset.json (DATASET_RECORD), tokenizer.json, train/, val/
       tb/              TENSORBOARD
       profile/         PROFILE         transformers model folder: config.json (HF_CONFIG), model.safetensors,
-                                         tokenizer.json, ...
+      run.json         RUN_RECORD        tokenizer.json, ...
+      failed.json      FAILED_RECORD
 
 The kinds share file names (model.safetensors, tokenizer.json), so writing one kind into another
 destroys it: `folder_kind` tells them apart by the one file that marks each. A folder written
@@ -46,6 +47,8 @@ CHECKPOINTS = "checkpoints"
 REPORT = "report"
 TENSORBOARD = "tb"
 PROFILE = "profile"
+RUN_RECORD = "run.json"  # the run's identity: {"run_id": uuid4 hex, "created": ...}; its S3 backup is keyed by it
+FAILED_RECORD = "failed.json"  # why the last attempt stopped without protecting its work (a full disk, ...)
 RUN_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what `lmforge import` writes: a run that loads
 
 # ---- prepared dataset / token shards -------------------------------------------------------
@@ -99,6 +102,38 @@ def check_target(folder: str | Path, own_kind: str, writes: tuple[str, ...], key
     if existing and not overwrite:
         raise ValueError(f"{key} = {str(folder)!r} already holds {', '.join(existing)}; choose an empty or new "
                          f"{key}, or pass --force to replace them.")
+
+
+# ---- run identity ----------------------------------------------------------------------------
+
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def new_run_id() -> str:
+    """A fresh run id (uuid4, 32 hex digits)."""
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def read_run_id(folder: str | Path) -> str | None:
+    """The run id recorded in run folder `folder` (RUN_RECORD), or None when it has none: a new
+    folder, one written before run ids existed, or a damaged record (the run then gets a new id,
+    and a backup under the old one is another run's until adopted: checkpoint.s3_adopt)."""
+    try:
+        rec = json.loads((Path(folder) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    rid = rec.get("run_id") if isinstance(rec, dict) else None
+    return rid if isinstance(rid, str) and RUN_ID.match(rid) else None
+
+
+def write_run_record(folder: str | Path, run_id: str) -> None:
+    """Record `run_id` in run folder `folder` (atomically)."""
+    import datetime
+
+    atomic_write_json(Path(folder) / RUN_RECORD, {
+        "run_id": run_id, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
 
 
 # ---- checksums --------------------------------------------------------------------------------

@@ -487,28 +487,32 @@ class CheckpointManager:
         return str(restored) if restored else None
 
     def _latest_from_backup(self) -> Path | None:
-        name: list[Any] = [None, 0]
+        """Node-local disks: the newest complete checkpoint of the S3 backup that every node's leader
+        fetches and verifies; one with a missing or corrupt object on any node is skipped for the next
+        older one (as the local store skips an invalid checkpoint)."""
+        plan: list[Any] = [None]
         if self.rank == 0:
-            name[0] = self.backup.latest_complete()
-            name[1] = self.backup.remote_bytes(name[0]) if name[0] is not None else 0
-        dist.broadcast_object_list(name, src=0, group=self.pg)
-        problem: list[Any] = [None]
-        if name[0] is not None and self.leader:
-            try:
-                self.backup.fetch(name[0], self.root)  # (what this node wrote is kept when its checksum holds)
-            except Exception as e:  # noqa: BLE001 - every rank stops with the same error below
-                problem[0] = f"{type(e).__name__}: {e}"
-        # (the leaders download and verify it: read twice)
-        self._wait_for_leader(2 * name[1], f"fetch {name[0]} from the S3 backup")
-        bad = self._problems(problem[0])
-        if bad:
-            raise ValueError(f"checkpoint {name[0]} could not be restored from the S3 backup onto every node: {bad[0]}")
-        if name[0] is None:
-            if self.rank == 0 and list_checkpoints(self.root):
-                log.warning("checkpoint: node-local checkpoints exist but none is complete in the S3 backup; starting "
-                            "fresh (a node-local checkpoint cannot be resumed across nodes)")
-            return None
-        return self.root / name[0]
+            plan[0] = [(n, self.backup.remote_bytes(n)) for n in self.backup.complete_checkpoints()]
+        dist.broadcast_object_list(plan, src=0, group=self.pg)
+        for name, nbytes in plan[0]:
+            problem = None
+            if self.leader:
+                try:
+                    self.backup.fetch(name, self.root)  # (what this node wrote is kept when its checksum holds)
+                except Exception as e:  # noqa: BLE001 - every rank skips it alike below
+                    problem = f"{type(e).__name__}: {e}"
+            self._wait_for_leader(2 * nbytes, f"fetch {name} from the S3 backup")  # (downloaded and verified)
+            bad = self._problems(problem)
+            if not bad:
+                return self.root / name
+            if self.rank == 0:
+                log.warning("checkpoint: %s from the S3 backup is unusable, trying an older one: %s", name, bad[0])
+                self.on_event({"event": "backup_invalid", "error": bad[0],
+                               "message": f"remote checkpoint {name} unusable: {bad[0]}"})
+        if self.rank == 0 and list_checkpoints(self.root):
+            log.warning("checkpoint: node-local checkpoints exist but none is complete and valid in the S3 backup; "
+                        "starting fresh (a node-local checkpoint cannot be resumed across nodes)")
+        return None
 
     def verify(self, path: Path) -> None:
         """`verify_checkpoint(path)` hashed once, on rank 0, while the others wait with a timeout sized

@@ -302,7 +302,8 @@ class CheckpointConfig:
     resume: str = _f("auto", "'auto' = continue from the newest valid checkpoint in the folder (or the S3 backup) if there is one; 'none' = start fresh; or a path to a checkpoint folder to start from.")
     save_final: bool = _f(True, "At the end of training, save a final checkpoint and the weights as <out_dir>/model.safetensors.")
     s3_bucket: str = _f("", "Secondary backup: S3 bucket ('' = no backup). Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, or any boto3 source).")
-    s3_prefix: str = _f("lmforge", "Key prefix inside the bucket; checkpoints go to <prefix>/<run name>/step_NNNNNNNN/.")
+    s3_prefix: str = _f("lmforge", "Key prefix inside the bucket; checkpoints go to <prefix>/<run name>/<run id>/step_NNNNNNNN/ (run name: the last part of train.out_dir; run id: created with the run folder, in its run.json). A run never restores, overwrites or deletes another run's objects: it stops when its run name there holds another run's backup, naming both.")
+    s3_adopt: bool = _f(False, "Continue the backup of another run found under <prefix>/<run name>/ (e.g. this run folder was lost or moved and is restored from S3): this run takes that run's id, restores from and rotates its checkpoints. Without it such a run stops with an error naming both runs.")
     s3_endpoint: str = _f("", "S3-compatible endpoint URL (MinIO, Ceph, R2, ...); '' = AWS or $AWS_ENDPOINT_URL.")
 
     def check(self) -> None:

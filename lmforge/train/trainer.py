@@ -42,7 +42,7 @@ from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unig
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
 from lmforge.folders import (CONFIG, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS, atomic_path,
-                             atomic_write)
+                             atomic_write, new_run_id, read_run_id, write_run_record)
 from lmforge.model.transformer import count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.optim.schedules import BatchRampup, build_scheduler
@@ -126,7 +126,10 @@ class Trainer:
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
 
         # the checkpoint to resume (rank 0's choice), before the precision: it records the run's precision
-        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event)
+        # (the run's identity keys its S3 backup: the folder's, or a new one, recorded with the folder)
+        self.run_id = self.rank0_decides((read_run_id(self.out_dir) or new_run_id()) if is_rank0() else None)
+        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event, run_id=self.run_id)
+        self.run_id = self.ckpt.run_id  # (another run's, adopted: checkpoint.s3_adopt)
         self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
 
         # model, parallel layout, optimizer, precision
@@ -181,6 +184,8 @@ class Trainer:
         if rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(self.out_dir / CONFIG, to_toml(cfg))
+            if read_run_id(self.out_dir) != self.run_id:
+                write_run_record(self.out_dir, self.run_id)
             with atomic_path(self.out_dir / TOKENIZER) as tmp:
                 shutil.copyfile(self.data.tokenizer_path, tmp)
         self.metrics = MetricsWriter(self.out_dir / METRICS, make_sinks(
