@@ -369,7 +369,7 @@ class GuardConfig:
 class FinetuneConfig:
     """Fine-tuning: pre-trained weights, instruction data (loss on responses), LoRA."""
 
-    init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama / GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
+    init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
     data: str = _f("", "Instruction data: jsonl of {\"prompt\": ..., \"response\": ...} lines; the loss covers response tokens (and end-of-text) only. '' = train on data.corpus as in pre-training.")
     val_data: str = _f("", "Held-out instruction jsonl for validation ('' = finetune.val_fraction of finetune.data's rows).")
     val_fraction: float = _f(0.05, "When finetune.val_data is empty: the share of finetune.data's rows held out for validation (a fixed pseudo-random choice, never trained on); 0 = validate on data.corpus's validation split instead.")
