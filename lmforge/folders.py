@@ -62,6 +62,7 @@ SHARD_FORMAT_VERSION = 1
 
 # ---- Hugging Face transformers model folder ------------------------------------------------
 HF_CONFIG = "config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # its special tokens (eos/bos/pad), also kept beside an imported run's tokenizer.json
 
 # kind -> (marker file, description)
 KINDS = {

@@ -39,10 +39,23 @@ class ModelConfig:
     tie_embeddings: bool = _f(True, "Share the token embedding with the output projection (GPT-2: true; Llama: false).")
     dropout: float = _f(0.0, "Dropout probability on attention and residual branches (0 for pre-training).")
     init_std: float = _f(0.02, "Std of the normal init of weights; residual output projections get init_std/sqrt(2*n_layers).")
+    qkv_bias: bool | None = _f(None, "Biases on the q, k and v projections only (Qwen2 / Qwen2.5: true with bias = false). None = model.bias. Under tensor parallelism they are split with their weights (column-parallel).")
+    qk_norm: bool = _f(False, "QK-norm (Qwen3): an RMSNorm over head_dim (one weight of head_dim values, eps = model.norm_eps) applied to every query and key head before RoPE. Needs model.norm = 'rmsnorm'. Under tensor parallelism the weights are replicated and the heads sharded.")
+    rope_scaling: Literal["none", "llama3", "linear"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), or 'none'.")
+    rope_factor: float = _f(8.0, "rope_scaling 'llama3' / 'linear': the scaling factor (Llama 3.1: 8, Llama 3.2: 32). Must be >= 1.")
+    rope_low_freq_factor: float = _f(1.0, "rope_scaling 'llama3' only: low-frequency factor (Llama 3.x: 1).")
+    rope_high_freq_factor: float = _f(4.0, "rope_scaling 'llama3' only: high-frequency factor (Llama 3.x: 4). Must be > rope_low_freq_factor.")
+    rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' only: the context length the model was pre-trained at before scaling (Llama 3.x: 8192).")
+    sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean mask, which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def attn_qkv_bias(self) -> bool:
+        """Whether the q/k/v projections have biases (model.qkv_bias, or model.bias when unset)."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def kv_heads(self) -> int:
@@ -74,6 +87,26 @@ class ModelConfig:
             raise ConfigError(f"model.ffn_hidden = {self.ffn_hidden} must be >= 1 (or unset for the default).")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1).")
+        self.check_attention_options()
+
+    def check_attention_options(self) -> None:
+        """Rules of the RoPE-scaling, QK-norm and sliding-window keys."""
+        if self.rope_scaling != "none":
+            if self.pos_emb != "rope":
+                raise ConfigError(f"model.rope_scaling = {self.rope_scaling!r} needs model.pos_emb = 'rope'; set "
+                                  f"model.rope_scaling = 'none' for learned positions.")
+            if self.rope_factor < 1.0:
+                raise ConfigError(f"model.rope_factor = {self.rope_factor} must be >= 1.")
+        if self.rope_scaling == "llama3":
+            at_least(1, "model", rope_original_max_seq_len=self.rope_original_max_seq_len)
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(f"model.rope_low_freq_factor = {self.rope_low_freq_factor} and "
+                                  f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must satisfy "
+                                  f"0 < low < high (Llama 3.x: 1 and 4).")
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ConfigError("model.qk_norm = true needs model.norm = 'rmsnorm' (QK-norm is an RMSNorm per head).")
+        if self.sliding_window < 0:
+            raise ConfigError(f"model.sliding_window = {self.sliding_window} must be >= 0 (0 = no window).")
 
 
 @dataclass
@@ -337,7 +370,7 @@ class GuardConfig:
 class FinetuneConfig:
     """Fine-tuning: pre-trained weights, instruction data (loss on responses), LoRA."""
 
-    init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama / GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
+    init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
     data: str = _f("", "Instruction data: jsonl of {\"prompt\": ..., \"response\": ...} lines; the loss covers response tokens (and end-of-text) only. '' = train on data.corpus as in pre-training.")
     val_data: str = _f("", "Held-out instruction jsonl for validation ('' = finetune.val_fraction of finetune.data's rows).")
     val_fraction: float = _f(0.05, "When finetune.val_data is empty: the share of finetune.data's rows held out for validation (a fixed pseudo-random choice, never trained on); 0 = validate on data.corpus's validation split instead.")

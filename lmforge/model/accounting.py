@@ -16,8 +16,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     d, v, h = cfg.dim, cfg.vocab_size, cfg.head_dim
     b = 1 if cfg.bias else 0
     norm = d * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
-    attn = d * h * (cfg.n_heads + 2 * cfg.kv_heads) + b * h * (cfg.n_heads + 2 * cfg.kv_heads)
-    attn += cfg.n_heads * h * d + b * d
+    qkv_b = 1 if cfg.attn_qkv_bias else 0
+    attn = d * h * (cfg.n_heads + 2 * cfg.kv_heads) + qkv_b * h * (cfg.n_heads + 2 * cfg.kv_heads)
+    attn += cfg.n_heads * h * d + b * d + (2 * h if cfg.qk_norm else 0)
     f = cfg.ffn_dim
     mlp = (3 * d * f + b * (2 * f + d)) if cfg.activation == "swiglu" else (2 * d * f + b * (f + d))
     block = attn + mlp + 2 * norm
@@ -89,12 +90,12 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
     def cost(n: int, x_grad: bool, w_trains: bool) -> float:
         return 2.0 * n + (2.0 * n if x_grad else 0.0) + (2.0 * n if w_trains else 0.0)
 
-    def linear(prefix: str, n_in: int, n_out: int, x_grad: bool, weight: str = "") -> bool:
+    def linear(prefix: str, n_in: int, n_out: int, x_grad: bool, weight: str = "", bias: bool | None = None) -> bool:
         """Count one (possibly LoRA-adapted) linear layer; True if its output needs a gradient."""
         w_trains = trains(weight or prefix + ".weight")
         total["matmul"] += cost(n_in * n_out, x_grad, w_trains)
         out_grad = x_grad or w_trains
-        if cfg.bias and not weight:
+        if (cfg.bias if bias is None else bias) and not weight:
             b_trains = trains(prefix + ".bias")
             total["elementwise"] += cost(n_out, x_grad, b_trains)
             out_grad = out_grad or b_trains
@@ -114,8 +115,13 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
     for i in range(L):
         b = f"blocks.{i}."
         h = norm(b + "attn_norm", grad)
-        qkv = [linear(b + "attn.wq", d, q_width, h), linear(b + "attn.wk", d, kv_width, h),
-               linear(b + "attn.wv", d, kv_width, h)]
+        qb = cfg.attn_qkv_bias
+        qkv = [linear(b + "attn.wq", d, q_width, h, bias=qb), linear(b + "attn.wk", d, kv_width, h, bias=qb),
+               linear(b + "attn.wv", d, kv_width, h, bias=qb)]
+        if cfg.qk_norm:  # (head_dim weights each, counted like the other norms)
+            qkv += [trains(b + "attn.q_norm.weight"), trains(b + "attn.k_norm.weight")]
+            total["elementwise"] += sum(cost(cfg.head_dim, any(qkv[:3]), trains(b + f"attn.{n}.weight"))
+                                        for n in ("q_norm", "k_norm"))
         a_grad = any(qkv)
         total["attention"] += 4.0 * d * seq_len + (8.0 * d * seq_len if a_grad else 0.0)
         grad = linear(b + "attn.wo", q_width, d, a_grad) or grad

@@ -36,7 +36,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
         if cfg.pos_emb == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg=cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -50,7 +50,7 @@ class Transformer(nn.Module):
         """(Re)compute the non-persistent buffers (RoPE tables) on their device, e.g. after `to_empty`."""
         if self.cfg.pos_emb == "rope":
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                                   device=self.rope_cos.device)
+                                   device=self.rope_cos.device, cfg=self.cfg)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
