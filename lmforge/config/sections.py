@@ -19,6 +19,59 @@ from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY, names_with
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers (`model.moe.*`; lmforge.model.moe): token-choice top-k
+    routing over routed experts, optional shared experts, dropless by default. Off while num_experts = 0."""
+
+    num_experts: int = _f(0, "Routed experts per MoE layer (0 = a dense model: every block has the plain MLP). Mixtral 8, Qwen3-30B-A3B 128, DeepSeek-V3 256.")
+    top_k: int = _f(2, "Experts each token is sent to (Mixtral 2, Qwen3-MoE 8, DeepSeek-V3 8). Must be <= num_experts.")
+    expert_hidden: int | None = _f(None, "Hidden size of each expert's SwiGLU (None = model.ffn_hidden's resolved size). Qwen3-30B-A3B 768, DeepSeek-V3 2048.")
+    shared_experts: int = _f(0, "Shared experts every token passes through besides its routed ones (DeepSeek-V3 1), run as one SwiGLU of shared_experts x expert_hidden.")
+    every: int = _f(1, "Every k-th block (counted after the first `first_dense`) is an MoE block, the others dense: 1 = all of them (Mixtral, Qwen3-MoE), 2 = alternate blocks.")
+    first_dense: int = _f(0, "The first k blocks keep the dense MLP (DeepSeek-V3: 3, with model.ffn_hidden their size).")
+    router: Literal["softmax", "sigmoid"] = _f("softmax", "Router scores: softmax over the experts, top-k taken from it (Mixtral, Qwen3-MoE), or per-expert sigmoid scores with a selection bias (DeepSeek-V3; the bias moves only with bias_update_rate).")
+    renormalize: bool = _f(True, "Divide the top-k weights of a token by their sum (Mixtral, Qwen3 norm_topk_prob, DeepSeek-V3); false = the raw softmax / sigmoid scores.")
+    route_scale: float = _f(1.0, "Multiply the routed experts' weights by this (DeepSeek-V3 routed_scaling_factor 2.5).")
+    aux_loss_coef: float = _f(0.01, "Coefficient of the load-balancing loss E * sum_i f_i P_i (Switch / Mixtral; f_i: share of the token-expert assignments to expert i, P_i: mean router probability), with f and P over the micro-batch's tokens of all data-parallel ranks (global-batch balancing, as Qwen3). 0 = off (DeepSeek-V3 uses the bias update instead).")
+    z_loss_coef: float = _f(0.0, "Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE; 1e-3 there). 0 = off.")
+    bias_update_rate: float = _f(0.0, "Auxiliary-loss-free balancing (DeepSeek-V3): after every optimizer step each expert's selection bias moves by this rate towards balance (+rate if the expert got fewer than the mean assignments in the step, -rate if more). The bias only changes which experts are chosen, not their weights. 0 = off (DeepSeek-V3: 1e-3).")
+    capacity_factor: float = _f(0.0, "0 = dropless (every assignment is computed). > 0: each expert takes at most ceil(capacity_factor x tokens x top_k / num_experts) assignments of a micro-batch on a rank, in token order; the overflow is dropped (the token keeps only its residual and other experts) and counted in the metrics.")
+    grouped_mm: Literal["auto", "on", "off"] = _f("auto", "Expert matmuls: 'auto' = one torch._grouped_mm per projection over the expert-sorted tokens where this torch and the shapes allow it (strides of 16 bytes), else one padded batched matmul; 'on' = require _grouped_mm; 'off' = the padded batched matmul. Neither loops over experts in Python.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has the MoE feed-forward."""
+        return self.enabled and layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
+
+    def check(self, activation: str = "swiglu", n_layers: int | None = None) -> None:
+        at_least(0, "model.moe", num_experts=self.num_experts, shared_experts=self.shared_experts,
+                 first_dense=self.first_dense, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
+                 bias_update_rate=self.bias_update_rate, capacity_factor=self.capacity_factor)
+        at_least(1, "model.moe", top_k=self.top_k, every=self.every)
+        if not self.enabled:
+            return
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model.moe.top_k = {self.top_k} exceeds model.moe.num_experts = {self.num_experts}; "
+                              f"choose top_k <= num_experts.")
+        if self.expert_hidden is not None and self.expert_hidden < 1:
+            raise ConfigError(f"model.moe.expert_hidden = {self.expert_hidden} must be >= 1 (or unset for model.ffn_hidden).")
+        if activation != "swiglu":
+            raise ConfigError(f"model.moe needs SwiGLU experts (Mixtral, Qwen3-MoE, DeepSeek-V3); model.activation = "
+                              f"{activation!r}: set model.activation = 'swiglu' or model.moe.num_experts = 0.")
+        if self.capacity_factor and self.capacity_factor * self.top_k < 1e-9:
+            raise ConfigError("model.moe.capacity_factor must be 0 (dropless) or > 0.")
+        if n_layers is not None and self.first_dense >= n_layers:
+            raise ConfigError(f"model.moe.first_dense = {self.first_dense} leaves no MoE block of model.n_layers = "
+                              f"{n_layers}; lower first_dense or set model.moe.num_experts = 0.")
+        if self.router == "softmax" and self.top_k == 1 and self.renormalize:
+            raise ConfigError("model.moe.router = 'softmax' with top_k = 1 and renormalize = true gives every token "
+                              "weight 1 and the router no gradient; set model.moe.renormalize = false (Switch).")
+
+
+@dataclass
 class ModelConfig:
     """Architecture of the decoder-only transformer (GPT-2 and Llama families)."""
 
@@ -47,6 +100,7 @@ class ModelConfig:
     rope_high_freq_factor: float = _f(4.0, "rope_scaling 'llama3' only: high-frequency factor (Llama 3.x: 4). Must be > rope_low_freq_factor.")
     rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' only: the context length the model was pre-trained at before scaling (Llama 3.x: 8192).")
     sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean mask, which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +142,7 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1).")
         self.check_attention_options()
+        self.moe.check(self.activation, self.n_layers)
 
     def check_attention_options(self) -> None:
         """Rules of the RoPE-scaling, QK-norm and sliding-window keys."""
