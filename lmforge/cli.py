@@ -1,14 +1,14 @@
 """`lmforge` command line: one entry point, one sub-command per job.
 
     lmforge train    [--config PRESET|FILE] [--section.key value ...]
-    lmforge generate --ckpt RUN_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    lmforge generate --run RUN_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
     lmforge config   [--config PRESET|FILE] [--section.key value ...] [--docs]
     lmforge presets
     lmforge prepare  --config PREPARE.toml         (lmforge/data/cli_prepare.py)
     lmforge plan     --model PRESET --gpus 8xH100  (lmforge/plan/cli_plan.py)
-    lmforge report   RUN_DIR [RUN_DIR ...]         (lmforge/report/cli.py)
+    lmforge report   --run RUN_DIR [...]           (lmforge/report/cli.py)
     lmforge sweep    --base tiny --grid optim.lr=1e-3,3e-4  (lmforge/sweep/cli.py)
-    lmforge eval     --ckpt RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
+    lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
     lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/interop/cli.py)
     lmforge import   --hf HF_DIR --out RUN_DIR     (lmforge/interop/cli.py)
 """
@@ -22,8 +22,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from lmforge import __version__
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
-from lmforge.folders import TOKENIZER
+from lmforge.folders import TOKENIZER, check_run_folder, check_writable
 
 
 TRAIN_ARGS_ENV = "LMFORGE_TRAIN_ARGS"  # overrides appended to every `lmforge train` command line
@@ -92,11 +93,16 @@ def _wait_for_sibling_workers(timeout_s: float = 5.0) -> None:
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    rest = rest + shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
+    extra = shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
     try:  # validate before the heavy imports; under torchrun every rank reads the same config
-        cfg = load_config(args.config, parse_cli_overrides(rest))
-    except ConfigError as exc:
+        typed = parse_cli_overrides(rest)
+        cfg = load_config(args.config, {**typed, **parse_cli_overrides(extra)})
+        check_writable(cfg.train.out_dir.format(preset=cfg.preset), "train.out_dir")
+    except ValueError as exc:  # (ConfigError included)
         return report_on_one_rank(f"config error: {exc}")
+    # what the user typed names the auto run folder (not LMFORGE_TRAIN_ARGS, a test's shortening)
+    cfg.named_by = tuple(typed.items())
+    cfg.command = train_command(args.config, rest)
     from lmforge.train import trainer_for
     from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted
 
@@ -125,19 +131,28 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def train_command(config: str, rest: list[str]) -> str:
+    """The `lmforge train` command line as typed (under torchrun: its launcher, one node)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    head = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', world)} -m lmforge train" if world > 1 \
+        else "lmforge train"
+    return " ".join([head] + ([f"--config {shlex.quote(config)}"] if config != "tiny" else []) + [shlex.quote(a) for a in rest])
+
+
 def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"unexpected arguments {rest}.")
+    check_run_folder(args.run)  # before torch is imported: a wrong path answers at once
+    tok_path = Path(args.run) / TOKENIZER
+    if not tok_path.is_file():
+        raise ValueError(f"{str(tok_path)!r} is missing: generate needs the run's tokenizer (a run imported from "
+                         f"a transformers folder without a tokenizer has none); copy the tokenizer.json the "
+                         f"model was trained with into {str(args.run)!r}.")
     from lmforge.ckpt.export import load_run
     from lmforge.data.tokenizer import Tokenizer
     from lmforge.eval.generate import stream_text
 
-    cfg, model = load_run(args.ckpt)
-    tok_path = Path(args.ckpt) / TOKENIZER
-    if not tok_path.is_file():
-        raise ValueError(f"{str(tok_path)!r} is missing: generate needs the run's tokenizer (a run imported from "
-                         f"a transformers folder without a tokenizer has none); copy the tokenizer.json the "
-                         f"model was trained with into {str(args.ckpt)!r}.")
+    cfg, model = load_run(args.run)
     tokenizer = Tokenizer.load(tok_path)
     print(args.prompt, end="", flush=True)
     for piece in stream_text(model, tokenizer, args.prompt, args.max_tokens, stop=[args.stop] if args.stop else None,
@@ -206,6 +221,7 @@ config overrides (lmforge train, config and sweep):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmforge", description="Train and use decoder-only language models.",
                                      epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model (default: the tiny preset on the embedded corpus)",
                        description="Train a model: a preset or TOML file, plus any config key set on the command "
@@ -214,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "`lmforge presets` lists the presets)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("generate", help="sample text from a trained run folder")
-    p.add_argument("--ckpt", "--run", dest="ckpt", required=True, help="run folder written by `lmforge train`")
+    p.add_argument("--run", "--ckpt", dest="run", metavar="RUN_DIR", required=True,
+                   help="run folder written by `lmforge train` (--ckpt: its old name)")
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)

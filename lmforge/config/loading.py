@@ -202,6 +202,7 @@ def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = 
     if validate:
         from lmforge.config.rules import adapt_defaults
 
+        cfg.check_sections()  # what was set, before adapt_defaults derives anything from it
         cfg.adjustments = adapt_defaults(cfg, explicit)
         cfg.validate()
     return cfg

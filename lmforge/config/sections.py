@@ -467,6 +467,10 @@ class Config:
 
     # what load_config adapted to the layout (log lines; not a config key)
     adjustments: ClassVar[tuple[str, ...]] = ()
+    # the overrides typed on `lmforge train`'s command line, (dotted key, value) in order: they name
+    # the auto run folder (lmforge.train.components.run_folder); not a config key
+    named_by: ClassVar[tuple[tuple[str, Any], ...]] = ()
+    command: ClassVar[str] = ""  # that command line, as typed (the finished-run message repeats it)
 
     # ---- derived quantities -----------------------------------------------------------------
 
@@ -487,12 +491,17 @@ class Config:
         process group forms: each section's own rules, then those that span sections. Returns self."""
         from lmforge.config.rules import check_cross_section
 
+        self.check_sections()
+        check_cross_section(self)
+        return self
+
+    def check_sections(self) -> None:
+        """Each section's own rules (the loader runs them once before it derives any default from
+        the values, so an error names the key the user set, not one derived from it)."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.check()
-        check_cross_section(self)
-        return self
 
     def resolved_device(self) -> str:
         if self.train.device != "auto":

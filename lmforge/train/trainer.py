@@ -115,6 +115,17 @@ class Trainer:
             self.out_dir = chosen.with_name(self.rank0_decides(chosen.name))
         check_out_dir(self.out_dir)
 
+        # the checkpoint to resume (rank 0's choice), checked against this config before any data work
+        # or hardware probing (a refused resume answers at once); before the precision: it records
+        # the run's precision
+        # (the run's identity keys its S3 backup: the folder's, or a new one, recorded with the folder)
+        self.run_id = self.rank0_decides((read_run_id(self.out_dir) or new_run_id()) if is_rank0() else None)
+        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event, run_id=self.run_id)
+        self.run_id = self.ckpt.run_id  # (another run's, adopted: checkpoint.s3_adopt)
+        self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
+        if self.resumed_from is not None:
+            check_compatible(read_meta(self.resumed_from), cfg, self.resumed_from)
+
         # data
         self.data = self._data or self.prepare_data()
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -124,13 +135,6 @@ class Trainer:
         loaders = build_loaders(cfg, self.data, self.dist.dp_rank, self.dist.dp_size)
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
-
-        # the checkpoint to resume (rank 0's choice), before the precision: it records the run's precision
-        # (the run's identity keys its S3 backup: the folder's, or a new one, recorded with the folder)
-        self.run_id = self.rank0_decides((read_run_id(self.out_dir) or new_run_id()) if is_rank0() else None)
-        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event, run_id=self.run_id)
-        self.run_id = self.ckpt.run_id  # (another run's, adopted: checkpoint.s3_adopt)
-        self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
 
         # model, parallel layout, optimizer, precision
         model, self.weight_source = build_training_model(cfg, self.device)  # (on the meta device)
@@ -271,10 +275,11 @@ class Trainer:
     def report_finished(self) -> TrainResult:
         """The run in the folder is complete: report its summary, change nothing."""
         summary = self.rank0_decides(json.loads((self.out_dir / SUMMARY).read_text()) if is_rank0() else None)
-        log.info("the run in %s is already complete (%d of %d steps, validation loss %.4f); nothing to do. Start "
-                 "over with --checkpoint.resume none or another --train.out_dir, or train longer with a larger "
-                 "--train.steps and --train.out_dir %s", self.out_dir, self.state.step, self.cfg.train.steps,
-                 summary.get("val_loss", math.nan), self.out_dir)
+        command = self.cfg.command or "lmforge train ..."
+        log.info("nothing trained: %s holds this run, already complete (%d of %d steps, validation loss %.4f). "
+                 "Train it further: %s --train.out_dir %s --train.steps %d; start it over: %s --checkpoint.resume none",
+                 self.out_dir, self.state.step, self.cfg.train.steps, summary.get("val_loss", math.nan), command,
+                 self.out_dir, 2 * self.cfg.train.steps, command)
         fields = {f for f in TrainResult.__dataclass_fields__ if f != "history"}
         return TrainResult(**{k: v for k, v in summary.items() if k in fields})
 
