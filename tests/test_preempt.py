@@ -150,3 +150,19 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(corpus, tmp_path):  
     assert finish(proc, out, timeout=30) == 128 + signal.SIGTERM, output(out)[-3000:]
     assert "stopping now, without a checkpoint" in output(out)
     assert not list_checkpoints(out / "checkpoints")
+
+
+def test_sigterm_to_an_async_sgd_job_stops_server_and_workers(corpus, tmp_path):  # noqa: F811
+    """Asynchronous SGD (parameter server + 2 workers): the server stops every worker after the update
+    in progress and all exit promptly, with the preempted event (async SGD keeps no checkpoint)."""
+    out = tmp_path / "run"
+    proc = launch(corpus, out, nproc=3, **{"parallel.dp_replicate": 3, "parallel.async_sgd": "true",
+                                           "train.global_batch_size": 6, "train.steps": 5000})
+    wait_for(lambda: steps_logged(out) >= 3, proc, "3 logged updates")
+    proc.send_signal(signal.SIGTERM)
+    finish(proc, out, timeout=60)
+    text = output(out)
+    stopped = events(out, "preempted")
+    assert len(stopped) == 1 and 3 <= stopped[0]["step"] < 5000, text[-3000:]
+    assert text.count("preempted (SIGTERM) at update") == 1 and "SIGKILL" not in text, text[-3000:]
+    assert "Traceback" not in text.split("death signal")[0], text[-3000:]

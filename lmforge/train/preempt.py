@@ -32,8 +32,6 @@ import threading
 import time
 from types import FrameType
 
-import torch
-
 PREEMPTED_EXIT_CODE = 75  # (sysexits.h EX_TEMPFAIL) the run stopped with a checkpoint; run it again to resume
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 DUPLICATE_WINDOW_S = 1.0
@@ -107,6 +105,8 @@ class Preemption:
         seen = self.signum is not None
         if not self.distributed:
             return seen
+        import torch  # (here: `lmforge sweep` reads PREEMPTED_EXIT_CODE without loading torch)
+
         flag = torch.tensor([int(seen)], dtype=torch.int32)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
