@@ -88,10 +88,15 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         cfg = load_config(args.config, parse_cli_overrides(rest))
     except ConfigError as exc:
         return report_on_one_rank(f"config error: {exc}")
+    from lmforge.ckpt.manager import EXIT_CHECKPOINT_FAILED, CheckpointFailure
     from lmforge.train import trainer_for
 
     try:
         result = trainer_for(cfg).fit()
+    except CheckpointFailure as exc:  # (every rank alike) one line, the exit status says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"checkpoint error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CHECKPOINT_FAILED
     except Exception as exc:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # name the rank (e.g. a collective timeout)
             where = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
