@@ -59,7 +59,8 @@ def test_a_write_that_runs_out_of_space_names_enospc_free_and_needed(small_disks
         m = CheckpointManager({str(disk)!r}, async_save=False, validate=False, on_event=events.append)
         tensors = {{f"t{{i}}": torch.zeros(8) for i in range(3000)}}  # 96 KB of tensors, ~1 MB of files
         m.save(1, tensors, {{"s": 1}}, {{}})
-        print(json.dumps({{"events": events, "failures": m.failures, "left": sorted(p.name for p in m.root.iterdir())}}))
+        left = sorted(p.name for p in m.root.iterdir())
+        print(json.dumps({{"events": events, "failures": m.failures, "left": left}}))
     """)
     proc = subprocess.run(on_small_disk(disk, "256k", [sys.executable, "-c", script]), capture_output=True,
                           text=True, timeout=120)

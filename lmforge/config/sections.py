@@ -86,8 +86,12 @@ class DataConfig:
     tokenizer_vocab_size: int = _f(4096, "Vocabulary size when training a BPE tokenizer (tokenizer = 'bpe'). Must be <= model.vocab_size.")
     seq_len: int = _f(256, "Tokens per training sequence (context length). Must be <= model.max_seq_len.")
     val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
-    verify_checksums: bool = _f(False, "At start-up, re-hash every token shard against its manifest (sha256) before training; off by default (the shard sizes and the largest token id are always checked).")
+    verify_checksums: Literal["first_open", "always", "never"] | bool = _f("first_open", "Re-hash token shards against their manifest (sha256, largest id): 'first_open' = each shard the first time this process reads from it (once per shard per process, so a resumed run checks again; a shard never read is never hashed); 'always' = every shard at start-up; 'never' = no hashing. true / false (the old form) mean 'always' / 'never'. Shard sizes are always checked, and every batch's ids are range-checked against the vocabulary (the error names the shard file and offset).")
     cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.verify_checksums, bool):  # the old boolean form: true = "always", false = "never"
+            self.verify_checksums = "always" if self.verify_checksums else "never"
 
     def check(self) -> None:
         at_least(1, "data", seq_len=self.seq_len, tokenizer_vocab_size=self.tokenizer_vocab_size)
