@@ -287,3 +287,128 @@ def test_export_of_an_unfinished_run_reads_its_newest_checkpoint(small_data, tmp
         shutil.rmtree(ckpt)
     with pytest.raises(ValueError, match="has no model.safetensors"):
         export_hf(run, tmp_path / "nothing")
+
+
+# ---- the Llama 3.x / Qwen2.5 / Qwen3 / Mistral families (issue 37) --------------------------------
+
+FAMILY_TOL = 1e-5  # fp32 logits, max |difference|
+SMALL = dict(vocab_size=100, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+FAMILIES = {  # name: (transformers class, config keys, lmforge ModelConfig values the import must give)
+    "qwen2_tied": ("Qwen2", dict(tie_word_embeddings=True, rope_theta=1e6),
+                   dict(bias=False, qkv_bias=True, tie_embeddings=True, rope_theta=1e6)),
+    "qwen2_window": ("Qwen2", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=7,
+                                   max_window_layers=0), dict(qkv_bias=True, sliding_window=7)),
+    "qwen3_untied": ("Qwen3", dict(tie_word_embeddings=False, head_dim=8), dict(qk_norm=True, bias=False)),
+    "qwen3_tied": ("Qwen3", dict(tie_word_embeddings=True, head_dim=8), dict(qk_norm=True, tie_embeddings=True)),
+    "mistral_window": ("Mistral", dict(sliding_window=6, tie_word_embeddings=False), dict(sliding_window=6)),
+    "llama3_rope": ("Llama", dict(rope_theta=5e5, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True),
+                    dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=16)),
+    "llama_linear_rope": ("Llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+                          dict(rope_scaling="linear", rope_factor=4.0)),
+}
+
+
+def _hf_family_model(tmp_path, name: str):
+    import transformers
+
+    cls, keys, _ = FAMILIES[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, f"{cls}Config")(**SMALL, **keys)
+    return _randomise_and_save(getattr(transformers, f"{cls}ForCausalLM")(cfg), tmp_path)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_imports_with_transformers_logits_and_exports_bit_equal(name, tmp_path):
+    """A transformers-made model of each family (random norm weights and biases) imports with fp32
+    logits within 1e-5 of transformers' (over 40 tokens: past every sliding window), and exports
+    back to the same class with bit-equal weights."""
+    from safetensors.torch import load_file
+
+    hf = _hf_family_model(tmp_path, name)
+    cfg, model = import_hf(tmp_path / "hf")
+    for key, value in FAMILIES[name][2].items():
+        assert getattr(cfg, key) == value, (key, getattr(cfg, key))
+    tokens = _tokens(100, 40)
+    with torch.no_grad():
+        diff = (model(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff < FAMILY_TOL, diff
+    export_hf(model, tmp_path / "back")
+    theirs = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    ours = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.equal(ours[key], theirs[key]), key
+    import json
+
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["architectures"] == [f"{FAMILIES[name][0]}ForCausalLM"]
+    assert (_hf_logits(tmp_path / "back", tokens) - hf(tokens).logits).abs().max().item() < FAMILY_TOL
+
+
+def test_sliding_window_changes_attention_and_a_wide_window_is_full_attention():
+    """A window shorter than the sequence changes the logits from the window on (and only there);
+    one at least the sequence length gives exactly the full causal model."""
+    kw = dict(BASE, n_kv_heads=2)
+    full = _random_model(kw)
+    tokens = _tokens(128, 20)
+    with torch.no_grad():
+        want = full(tokens)
+        for window, same in ((20, True), (64, True), (5, False)):
+            windowed = Transformer_like(full, dict(kw, sliding_window=window))
+            got = windowed(tokens)
+            assert torch.equal(got[:, :5], want[:, :5])  # the first `window` tokens see the same keys
+            assert torch.equal(got, want) == same, window
+
+
+def Transformer_like(model, kw: dict):  # noqa: N802
+    """A model of config `kw` holding `model`'s weights."""
+    other = build_model(ModelConfig(**kw), seed=0)
+    other.load_state_dict(model.state_dict())
+    return other.eval()
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+     "sliding window on some layers only"),
+    ({"head_dim": 16}, "head_dim = 16"),
+])
+def test_family_settings_lmforge_cannot_represent_are_named(tmp_path, edit, message):
+    import json
+
+    _hf_family_model(tmp_path, "qwen2_tied")
+    path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.pop("rope_parameters", None) if "rope_scaling" in edit else None
+    cfg.update(edit)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        import_hf(tmp_path / "hf")
+
+
+def test_family_options_neither_side_can_represent_are_rejected_on_export(tmp_path):
+    for kw, message in ((dict(qk_norm=True, qkv_bias=True), "qk_norm = true with biases"),
+                        (dict(bias=True, qkv_bias=False), "biases on o and the MLP but not on q/k/v"),
+                        (dict(bias=True, sliding_window=8), "MistralForCausalLM has no biases")):
+        with pytest.raises(ValueError, match=message):
+            export_hf(build_model(ModelConfig(**dict(BASE, **kw)), seed=0), tmp_path / "x")
+
+
+def test_import_keeps_the_folders_tokenizer_and_its_bos_eos_ids(tmp_path):
+    """The run's tokenizer.json and its tokenizer_config.json: BOS/EOS are the folder's own tokens
+    (names lmforge would not guess), also when the run's tokenizer is loaded again later."""
+    from transformers import AutoTokenizer
+
+    from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+    from tests.qwen_standin import BOS, EOS, make_qwen_standin
+
+    hf_dir = make_qwen_standin(tmp_path / "hf")
+    hf_tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    run = import_hf_run(hf_dir, tmp_path / "run")
+    for tok in (Tokenizer.load(run / "tokenizer.json"), load_tokenizer(run), load_tokenizer(hf_dir)):
+        assert (tok.bos_id, tok.eos_id) == (hf_tok.bos_token_id, hf_tok.eos_token_id)
+        assert tok.backend.id_to_token(tok.eos_id) == EOS and tok.backend.id_to_token(tok.bos_id) == BOS
+        assert tok.encode("the river runs") == hf_tok("the river runs", add_special_tokens=False)["input_ids"]

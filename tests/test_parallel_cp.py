@@ -278,7 +278,7 @@ def test_chunks_and_positions():
     assert sorted(sum(held, [])) == list(range(16))
 
 
-def simulated_cp_attention(monkeypatch, q, k, v, cp: int, record=None):
+def simulated_cp_attention(monkeypatch, q, k, v, cp: int, record=None, window: int = 0):
     """Every CP rank's `SequenceSharding.attention` over whole-sequence q (b, heads, T, d) and k, v
     (b, kv heads, T, d), in this process: the all-gather is replaced by the ranks' K/V it would
     return, the reduce-scatter by the sum over the ranks of what they send. Forward and backward
@@ -298,7 +298,7 @@ def simulated_cp_attention(monkeypatch, q, k, v, cp: int, record=None):
     for s in shards:
         q_r, k_r, v_r = (s.local(t, 2).detach().requires_grad_() for t in (q, k, v))
         with record or contextlib.nullcontext():
-            out = s.attention(q_r, k_r, v_r, 0.0)
+            out = s.attention(q_r, k_r, v_r, 0.0, window)
             out.backward(s.local(weight, 2))
         outs.append(out.detach())
         dqs.append(q_r.grad)
@@ -331,6 +331,28 @@ def test_cp_attention_equals_dense_causal_attention(monkeypatch, cp, kv_heads, d
     ref.backward(torch.randn(q.shape, dtype=dtype, generator=torch.Generator().manual_seed(2)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref, q.grad, k.grad, v.grad)):
         assert ((a - b).abs().max() / b.abs().max()).item() < tol, (name, cp, kv_heads, dtype)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("window", [5, 8, 20, 64])
+def test_cp_sliding_window_attention_equals_dense_windowed_attention(monkeypatch, cp, window):
+    """model.sliding_window under CP (windows inside a chunk, of a chunk, across chunks, and the
+    whole sequence) against one process's attention with the same window (lmforge.model.layers'
+    mask): output and gradients of q, k and v, GQA, fp64."""
+    from lmforge.model.layers import window_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 64, 8, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(2, 2, 64, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+    got = simulated_cp_attention(monkeypatch, q, k, v, cp, window=window)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = window_mask(0, 64, 64, window, q.device)
+    assert (mask is None) == (window == 64)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                           enable_gqa=True)
+    ref.backward(torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(2)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref, q.grad, k.grad, v.grad)):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-10, (name, cp, window)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -201,3 +201,38 @@ def test_valid_model_parallel_configs_and_degenerate_cases(monkeypatch):
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)
     assert [stage_layers(8, 4, s) for s in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+# the attention options of the Llama 3.x / Qwen2.5 / Qwen3 / Mistral families (issue 37), each alone
+ATTENTION_OPTIONS = {
+    "qkv_bias": {"model.qkv_bias": "true"},  # Qwen2.5: biases on q/k/v only, column-split with their weights
+    "qk_norm": {"model.qk_norm": "true"},  # Qwen3: replicated head_dim weights on the rank's heads
+    "sliding_window": {"model.sliding_window": 8},  # Mistral: 8 < data.seq_len 32, the masked path
+    "rope_llama3": {"model.rope_scaling": "llama3", "model.rope_factor": 4, "model.rope_original_max_seq_len": 16},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", list(ATTENTION_OPTIONS))
+def test_attention_options_under_tensor_and_sequence_parallel_match_one_process(corpus, tmp_path, option):  # noqa: F811
+    """Each family option under TP=2 + SP (GQA, 2 kv heads: one per rank) against one process: same
+    per-step losses and gradient norms (the gradient of a replicated QK-norm weight is summed over the
+    ranks' heads; a bias split like its weight)."""
+    one_process_vs_tp2_sp(corpus, tmp_path, option, **{"model.n_layers": 2, "model.n_kv_heads": 2,
+                                                        **ATTENTION_OPTIONS[option]})
+
+
+@pytest.mark.slow
+def test_family_options_together_under_fsdp_tp_and_pipeline_match_one_process(corpus, tmp_path):  # noqa: F811
+    """All four options at once under FSDP2 x TP (2 x 2, SP) and under TP x PP (2 x 2) against one
+    process: the new weights compose with FSDP2's sharding and the pipeline split."""
+    every = {k: v for option in ATTENTION_OPTIONS.values() for k, v in option.items()}
+    shared = {**MP, "model.n_kv_heads": 2, **every}
+    ref = tmp_path / "single"
+    proc = train_runs(corpus, {ref: {}}, **shared)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for layout in ("fsdp2xtp2", "tp2xpp2"):
+        nproc, extra = LAYOUTS[layout]
+        proc = train_runs(corpus, {tmp_path / layout: {}}, nproc=nproc, timeout=300, **shared, **extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert_runs_match(tmp_path / layout, ref, f"family options, {layout} vs one process", tol=TOL)

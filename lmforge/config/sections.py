@@ -19,6 +19,59 @@ from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY, names_with
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers (`model.moe.*`; lmforge.model.moe): token-choice top-k
+    routing over routed experts, optional shared experts, dropless by default. Off while num_experts = 0."""
+
+    num_experts: int = _f(0, "Routed experts per MoE layer (0 = a dense model: every block has the plain MLP). Mixtral 8, Qwen3-30B-A3B 128, DeepSeek-V3 256.")
+    top_k: int = _f(2, "Experts each token is sent to (Mixtral 2, Qwen3-MoE 8, DeepSeek-V3 8). Must be <= num_experts.")
+    expert_hidden: int | None = _f(None, "Hidden size of each expert's SwiGLU (None = model.ffn_hidden's resolved size). Qwen3-30B-A3B 768, DeepSeek-V3 2048.")
+    shared_experts: int = _f(0, "Shared experts every token passes through besides its routed ones (DeepSeek-V3 1), run as one SwiGLU of shared_experts x expert_hidden.")
+    every: int = _f(1, "Every k-th block (counted after the first `first_dense`) is an MoE block, the others dense: 1 = all of them (Mixtral, Qwen3-MoE), 2 = alternate blocks.")
+    first_dense: int = _f(0, "The first k blocks keep the dense MLP (DeepSeek-V3: 3, with model.ffn_hidden their size).")
+    router: Literal["softmax", "sigmoid"] = _f("softmax", "Router scores: softmax over the experts, top-k taken from it (Mixtral, Qwen3-MoE), or per-expert sigmoid scores with a selection bias (DeepSeek-V3; the bias moves only with bias_update_rate).")
+    renormalize: bool = _f(True, "Divide the top-k weights of a token by their sum (Mixtral, Qwen3 norm_topk_prob, DeepSeek-V3); false = the raw softmax / sigmoid scores.")
+    route_scale: float = _f(1.0, "Multiply the routed experts' weights by this (DeepSeek-V3 routed_scaling_factor 2.5).")
+    aux_loss_coef: float = _f(0.01, "Coefficient of the load-balancing loss E * sum_i f_i P_i (Switch / Mixtral; f_i: share of the token-expert assignments to expert i, P_i: mean router probability), with f and P over the micro-batch's tokens of all data-parallel ranks (global-batch balancing, as Qwen3). 0 = off (DeepSeek-V3 uses the bias update instead).")
+    z_loss_coef: float = _f(0.0, "Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE; 1e-3 there). 0 = off.")
+    bias_update_rate: float = _f(0.0, "Auxiliary-loss-free balancing (DeepSeek-V3): after every optimizer step each expert's selection bias moves by this rate towards balance (+rate if the expert got fewer than the mean assignments in the step, -rate if more). The bias only changes which experts are chosen, not their weights. 0 = off (DeepSeek-V3: 1e-3).")
+    capacity_factor: float = _f(0.0, "0 = dropless (every assignment is computed). > 0: each expert takes at most ceil(capacity_factor x tokens x top_k / num_experts) assignments of a micro-batch on a rank, in token order; the overflow is dropped (the token keeps only its residual and other experts) and counted in the metrics.")
+    grouped_mm: Literal["auto", "on", "off"] = _f("auto", "Expert matmuls: 'auto' = one torch._grouped_mm per projection over the expert-sorted tokens where this torch and the shapes allow it (strides of 16 bytes), else one padded batched matmul; 'on' = require _grouped_mm; 'off' = the padded batched matmul. Neither loops over experts in Python.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has the MoE feed-forward."""
+        return self.enabled and layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
+
+    def check(self, activation: str = "swiglu", n_layers: int | None = None) -> None:
+        at_least(0, "model.moe", num_experts=self.num_experts, shared_experts=self.shared_experts,
+                 first_dense=self.first_dense, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
+                 bias_update_rate=self.bias_update_rate, capacity_factor=self.capacity_factor)
+        at_least(1, "model.moe", top_k=self.top_k, every=self.every)
+        if not self.enabled:
+            return
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model.moe.top_k = {self.top_k} exceeds model.moe.num_experts = {self.num_experts}; "
+                              f"choose top_k <= num_experts.")
+        if self.expert_hidden is not None and self.expert_hidden < 1:
+            raise ConfigError(f"model.moe.expert_hidden = {self.expert_hidden} must be >= 1 (or unset for model.ffn_hidden).")
+        if activation != "swiglu":
+            raise ConfigError(f"model.moe needs SwiGLU experts (Mixtral, Qwen3-MoE, DeepSeek-V3); model.activation = "
+                              f"{activation!r}: set model.activation = 'swiglu' or model.moe.num_experts = 0.")
+        if self.capacity_factor and self.capacity_factor * self.top_k < 1e-9:
+            raise ConfigError("model.moe.capacity_factor must be 0 (dropless) or > 0.")
+        if n_layers is not None and self.first_dense >= n_layers:
+            raise ConfigError(f"model.moe.first_dense = {self.first_dense} leaves no MoE block of model.n_layers = "
+                              f"{n_layers}; lower first_dense or set model.moe.num_experts = 0.")
+        if self.router == "softmax" and self.top_k == 1 and self.renormalize:
+            raise ConfigError("model.moe.router = 'softmax' with top_k = 1 and renormalize = true gives every token "
+                              "weight 1 and the router no gradient; set model.moe.renormalize = false (Switch).")
+
+
+@dataclass
 class ModelConfig:
     """Architecture of the decoder-only transformer (GPT-2 and Llama families)."""
 
@@ -39,10 +92,24 @@ class ModelConfig:
     tie_embeddings: bool = _f(True, "Share the token embedding with the output projection (GPT-2: true; Llama: false).")
     dropout: float = _f(0.0, "Dropout probability on attention and residual branches (0 for pre-training).")
     init_std: float = _f(0.02, "Std of the normal init of weights; residual output projections get init_std/sqrt(2*n_layers).")
+    qkv_bias: bool | None = _f(None, "Biases on the q, k and v projections only (Qwen2 / Qwen2.5: true with bias = false). None = model.bias. Under tensor parallelism they are split with their weights (column-parallel).")
+    qk_norm: bool = _f(False, "QK-norm (Qwen3): an RMSNorm over head_dim (one weight of head_dim values, eps = model.norm_eps) applied to every query and key head before RoPE. Needs model.norm = 'rmsnorm'. Under tensor parallelism the weights are replicated and the heads sharded.")
+    rope_scaling: Literal["none", "llama3", "linear"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), or 'none'.")
+    rope_factor: float = _f(8.0, "rope_scaling 'llama3' / 'linear': the scaling factor (Llama 3.1: 8, Llama 3.2: 32). Must be >= 1.")
+    rope_low_freq_factor: float = _f(1.0, "rope_scaling 'llama3' only: low-frequency factor (Llama 3.x: 1).")
+    rope_high_freq_factor: float = _f(4.0, "rope_scaling 'llama3' only: high-frequency factor (Llama 3.x: 4). Must be > rope_low_freq_factor.")
+    rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' only: the context length the model was pre-trained at before scaling (Llama 3.x: 8192).")
+    sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean mask, which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def attn_qkv_bias(self) -> bool:
+        """Whether the q/k/v projections have biases (model.qkv_bias, or model.bias when unset)."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def kv_heads(self) -> int:
@@ -74,6 +141,27 @@ class ModelConfig:
             raise ConfigError(f"model.ffn_hidden = {self.ffn_hidden} must be >= 1 (or unset for the default).")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1).")
+        self.check_attention_options()
+        self.moe.check(self.activation, self.n_layers)
+
+    def check_attention_options(self) -> None:
+        """Rules of the RoPE-scaling, QK-norm and sliding-window keys."""
+        if self.rope_scaling != "none":
+            if self.pos_emb != "rope":
+                raise ConfigError(f"model.rope_scaling = {self.rope_scaling!r} needs model.pos_emb = 'rope'; set "
+                                  f"model.rope_scaling = 'none' for learned positions.")
+            if self.rope_factor < 1.0:
+                raise ConfigError(f"model.rope_factor = {self.rope_factor} must be >= 1.")
+        if self.rope_scaling == "llama3":
+            at_least(1, "model", rope_original_max_seq_len=self.rope_original_max_seq_len)
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ConfigError(f"model.rope_low_freq_factor = {self.rope_low_freq_factor} and "
+                                  f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must satisfy "
+                                  f"0 < low < high (Llama 3.x: 1 and 4).")
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ConfigError("model.qk_norm = true needs model.norm = 'rmsnorm' (QK-norm is an RMSNorm per head).")
+        if self.sliding_window < 0:
+            raise ConfigError(f"model.sliding_window = {self.sliding_window} must be >= 0 (0 = no window).")
 
 
 @dataclass
@@ -168,7 +256,7 @@ class TrainConfig:
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
     compile: bool = _f(False, "Compile each transformer block with torch.compile.")
-    loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks where measured faster, else 0: on a CPU, in fp32, with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (rule: lmforge.config.rules.resolve_loss_chunk; not yet measured on GPUs, so off there: try 4096 by hand). Not with parallel.tp > 1 or parallel.pp > 1.")
+    loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks wherever the fused loss is not slower than the plain logits (measured on CPUs in fp32 and bf16, benchmarks/fused_head.py; on GPUs the GPU suite's head-loss row checks the choice), with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (with TP the loss is torch's vocab-parallel loss_parallel), else 0 (rule: lmforge.config.rules.resolve_loss_chunk). Not with parallel.tp > 1 or parallel.pp > 1.")
     fp8: bool = _f(False, "Train the transformer blocks' nn.Linear layers with FP8 matmuls (torchao.float8 dynamic scaling; the output projection stays in the run's precision). Needs the `torchao` package and a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: L4, H100, H200, B200).")
     seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
@@ -342,7 +430,7 @@ class GuardConfig:
 class FinetuneConfig:
     """Fine-tuning: pre-trained weights, instruction data (loss on responses), LoRA."""
 
-    init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama / GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
+    init_from: str = _f("", "Start from these weights: an lmforge run folder, a Hugging Face transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2) or a model.safetensors file ('' = random init). The model.* keys must describe the same architecture.")
     data: str = _f("", "Instruction data: jsonl of {\"prompt\": ..., \"response\": ...} lines; the loss covers response tokens (and end-of-text) only. '' = train on data.corpus as in pre-training.")
     val_data: str = _f("", "Held-out instruction jsonl for validation ('' = finetune.val_fraction of finetune.data's rows).")
     val_fraction: float = _f(0.05, "When finetune.val_data is empty: the share of finetune.data's rows held out for validation (a fixed pseudo-random choice, never trained on); 0 = validate on data.corpus's validation split instead.")
@@ -384,6 +472,10 @@ class Config:
 
     # what load_config adapted to the layout (log lines; not a config key)
     adjustments: ClassVar[tuple[str, ...]] = ()
+    # the overrides typed on `lmforge train`'s command line, (dotted key, value) in order: they name
+    # the auto run folder (lmforge.train.components.run_folder); not a config key
+    named_by: ClassVar[tuple[tuple[str, Any], ...]] = ()
+    command: ClassVar[str] = ""  # that command line, as typed (the finished-run message repeats it)
 
     # ---- derived quantities -----------------------------------------------------------------
 
@@ -404,12 +496,17 @@ class Config:
         process group forms: each section's own rules, then those that span sections. Returns self."""
         from lmforge.config.rules import check_cross_section
 
+        self.check_sections()
+        check_cross_section(self)
+        return self
+
+    def check_sections(self) -> None:
+        """Each section's own rules (the loader runs them once before it derives any default from
+        the values, so an error names the key the user set, not one derived from it)."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.check()
-        check_cross_section(self)
-        return self
 
     def resolved_device(self) -> str:
         if self.train.device != "auto":

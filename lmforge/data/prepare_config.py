@@ -96,7 +96,10 @@ class PrepareConfig:
     # --- tokenizer ---------------------------------------------------------------------
     tokenizer: str = _f("bpe", doc="'bpe' = train a byte-level BPE on a sample of the cleaned "
                                    "corpus; 'gpt2' = the GPT-2 vocabulary; or a path to a HF "
-                                   "tokenizer.json.")
+                                   "tokenizer.json, or to a folder holding one (a Hugging Face "
+                                   "model folder or an imported run: the model's own tokenizer, "
+                                   "with the EOS its tokenizer_config.json names when eos_token "
+                                   "is not in its vocabulary).")
     vocab_size: int = _f(8192, doc="Vocabulary size of a trained BPE (bytes + merges + special "
                                    "tokens). Ignored for 'gpt2' / a file.")
     eos_token: str = _f("<|endoftext|>", doc="End-of-document token, appended after every "

@@ -535,10 +535,11 @@ def build_tokenizer(job: Job) -> Tokenizer:
             raise ValueError(f"prepare.bos_token = {bos!r} is not in the GPT-2 vocabulary; "
                              f"set bos_token = \"\"")
         return tok
-    tok = load_tokenizer(cfg.tokenizer)  # a tokenizer.json, or a folder of tokenizer files
-    eos = tok.backend.token_to_id(cfg.eos_token)
-    return Tokenizer(tok.backend, source=str(cfg.tokenizer),
-                     eos_token=cfg.eos_token if eos is not None else None, bos_token=bos)
+    # a tokenizer.json, or a folder of tokenizer files (a Hugging Face model folder or an imported run:
+    # its tokenizer_config.json names the model's own EOS, used when prepare.eos_token is not in the vocabulary)
+    tok = load_tokenizer(cfg.tokenizer)
+    eos = cfg.eos_token if tok.backend.token_to_id(cfg.eos_token) is not None else tok.backend.id_to_token(tok.eos_id)
+    return Tokenizer(tok.backend, source=str(cfg.tokenizer), eos_token=eos, bos_token=bos)
 
 
 def tokenizer_stage(job: Job) -> dict:

@@ -7,13 +7,14 @@ document) are encoded as ordinary text, never as the special id, so data cannot 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from lmforge.folders import TOKENIZER, atomic_write
+from lmforge.folders import TOKENIZER, TOKENIZER_CONFIG, atomic_write
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
@@ -120,12 +121,33 @@ class Tokenizer:
             tk = tokenizers.Tokenizer.from_str(path.read_text(encoding="utf-8"))
         except Exception as e:  # the Rust side raises a plain Exception
             raise ValueError(f"{path}: not a valid HF tokenizer.json ({e})") from e
-        return cls(tk, source=str(path), eos_token=eos_token, bos_token=bos_token,
-                   pad_token=pad_token)
+        beside = special_tokens_beside(path)
+        return cls(tk, source=str(path), eos_token=eos_token or beside.get("eos_token"),
+                   bos_token=bos_token or beside.get("bos_token"), pad_token=pad_token or beside.get("pad_token"))
 
     def __repr__(self) -> str:
         return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
                 f"eos_id={self.eos_id})")
+
+
+def special_tokens_beside(path: Path) -> dict[str, str]:
+    """The eos/bos/pad token names of the `tokenizer_config.json` next to a tokenizer.json (as
+    transformers' AutoTokenizer reads them; a Hugging Face model folder or an imported run), so the
+    ids are the model's own rather than the first usual name found in the vocabulary."""
+    config = Path(path).with_name(TOKENIZER_CONFIG)
+    if not config.is_file():
+        return {}
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{config}: invalid JSON ({e}); fix or remove it.") from None
+    out = {}
+    for key in ("eos_token", "bos_token", "pad_token"):
+        value = data.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int,

@@ -1,5 +1,6 @@
 """Hugging Face `transformers` interop: export an lmforge model as a transformers folder, and
-import a transformers Llama / GPT-2 folder as an lmforge model. Local files only, no hub.
+import a transformers Llama / Qwen2 / Qwen3 / Mistral / GPT-2 folder as an lmforge model. Local
+files only, no hub.
 
 Layouts (lmforge name -> transformers name):
 
@@ -10,12 +11,22 @@ Layouts (lmforge name -> transformers name):
   `rotate_half`, so q/k weights are copied as they are, with no permutation. (Meta's original
   checkpoints use interleaved pairs; they would need the permutation that HF's own conversion
   script applies, which is not needed here.)
+* The same layout with the families' options (`DECODERS`, chosen by `hf_family`): `Qwen2ForCausalLM`
+  (model.qkv_bias: biases on q/k/v only), `Qwen3ForCausalLM` (model.qk_norm: `self_attn.q_norm` /
+  `k_norm`, no biases), `MistralForCausalLM` (model.sliding_window; Qwen2/3 take a window on every
+  layer as use_sliding_window with max_window_layers 0), and RoPE scaling (`llama3`, `linear`) in
+  any of them (`rope_scaling` / transformers 5's `rope_parameters`).
 * GPT-2 (`GPT2LMHeadModel`): LayerNorm + GELU(tanh) + learned positions. GPT-2's `Conv1D`
   stores weights as (in, out), the transpose of `nn.Linear`, and fuses q/k/v into `c_attn`;
   an lmforge GPT-2 without biases exports zero biases (the same function).
 
-Anything else (e.g. RoPE with LayerNorm, GQA in GPT-2, exact-erf GELU, scaled RoPE) is
-rejected with a ValueError that says which setting neither class can represent.
+Anything else (e.g. RoPE with LayerNorm, GQA in GPT-2, exact-erf GELU, YaRN RoPE, QK-norm with
+biases, a sliding window on some layers only) is rejected with a ValueError that names the
+setting neither side can represent.
+
+`lmforge import` keeps the folder's tokenizer.json and, beside it in the run, a tokenizer_config.json
+naming its eos/bos/pad tokens (lmforge.data.tokenizer reads one next to any tokenizer.json), so the
+model's own ids survive into `lmforge prepare`, training and export.
 """
 
 from __future__ import annotations
@@ -29,8 +40,8 @@ from pathlib import Path
 import torch
 
 from lmforge.config import Config, ModelConfig, to_toml
-from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, WEIGHTS, atomic_path, atomic_write,
-                             check_target)
+from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, atomic_path,
+                             atomic_write, check_target)
 from lmforge.ckpt.export import WeightReader, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
 from lmforge.model.materialise import materialise
@@ -45,8 +56,14 @@ _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 # --------------------------------------------------------------------------------------------
 
 
+# the decoder families with Llama's layout (RMSNorm, SwiGLU, RoPE; same weight names): transformers class
+DECODERS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM"}
+
+
 def hf_family(cfg: ModelConfig) -> str:
-    """'llama' or 'gpt2': the transformers class that represents `cfg` exactly, or ValueError."""
+    """'llama', 'qwen2', 'qwen3', 'mistral' or 'gpt2': the transformers class that represents `cfg`
+    exactly, or ValueError naming the setting none can."""
     llama = (cfg.norm, cfg.activation, cfg.pos_emb) == ("rmsnorm", "swiglu", "rope")
     gpt2 = (cfg.norm, cfg.activation, cfg.pos_emb) == ("layernorm", "gelu", "learned")
     if gpt2 and cfg.kv_heads != cfg.n_heads:
@@ -55,13 +72,37 @@ def hf_family(cfg: ModelConfig) -> str:
             f"GPT2LMHeadModel; export a GPT-2 style model with n_kv_heads unset, or use a Llama-style "
             f"model (rmsnorm, swiglu, rope).")
     if llama:
-        return "llama"
+        return _decoder_family(cfg)
     if gpt2:
+        for key, value, plain in (("qkv_bias", cfg.attn_qkv_bias, cfg.bias), ("sliding_window", cfg.sliding_window, 0)):
+            if value != plain:
+                raise ValueError(f"model.{key} = {value} cannot be represented by GPT2LMHeadModel; unset it.")
         return "gpt2"
     raise ValueError(
         f"model (norm={cfg.norm!r}, activation={cfg.activation!r}, pos_emb={cfg.pos_emb!r}) matches neither "
         f"LlamaForCausalLM (rmsnorm, swiglu, rope) nor GPT2LMHeadModel (layernorm, gelu, learned); "
         f"change model.norm / model.activation / model.pos_emb to one of these combinations to export.")
+
+
+def _decoder_family(cfg: ModelConfig) -> str:
+    """Which of `DECODERS` has `cfg`'s biases, QK-norm and sliding window (RoPE scaling: all of them)."""
+    qkv, other = cfg.attn_qkv_bias, cfg.bias
+    if cfg.qk_norm:
+        if qkv or other:
+            raise ValueError(f"model.qk_norm = true with biases (model.bias = {other}, model.qkv_bias = {qkv}) cannot "
+                             f"be represented: Qwen3ForCausalLM has QK-norm and no MLP biases; set both to false.")
+        return "qwen3"
+    if qkv and not other:
+        return "qwen2"  # biases on q/k/v only
+    if qkv != other:
+        raise ValueError(f"model.bias = {other} with model.qkv_bias = {qkv} (biases on o and the MLP but not on q/k/v) "
+                         f"cannot be represented by LlamaForCausalLM / Qwen2ForCausalLM; unset model.qkv_bias.")
+    if cfg.sliding_window:
+        if other:
+            raise ValueError(f"model.sliding_window = {cfg.sliding_window} with model.bias = true cannot be "
+                             f"represented: MistralForCausalLM has no biases (Qwen2ForCausalLM: q/k/v only).")
+        return "mistral"
+    return "llama"
 
 
 def require_transformers(command: str) -> None:
@@ -75,53 +116,57 @@ def require_transformers(command: str) -> None:
 
 def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = None,
               pad_id: int | None = None):
-    """The transformers config object (LlamaConfig or GPT2Config) equivalent to `cfg`."""
-    from transformers import GPT2Config, LlamaConfig
+    """The transformers config object (Llama, Qwen2, Qwen3, Mistral or GPT-2) equivalent to `cfg`."""
+    import transformers
 
     special = {"eos_token_id": eos_id, "bos_token_id": bos_id, "pad_token_id": pad_id}
-    if hf_family(cfg) == "llama":
-        return LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-            rope_theta=cfg.rope_theta, hidden_act="silu", attention_bias=cfg.bias, mlp_bias=cfg.bias,
-            attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings,
-            architectures=["LlamaForCausalLM"], **special)
-    return GPT2Config(
-        vocab_size=cfg.vocab_size, n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads,
-        n_inner=cfg.ffn_dim, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
-        activation_function="gelu_pytorch_tanh", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, architectures=["GPT2LMHeadModel"],
-        **special)
+    family = hf_family(cfg)
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads,
+            n_inner=cfg.ffn_dim, n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm_eps,
+            activation_function="gelu_pytorch_tanh", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings, architectures=["GPT2LMHeadModel"],
+            **special)
+    arch = DECODERS[family]
+    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    return config_class(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+        hidden_act="silu", attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings,
+        architectures=[arch], **_hf_rope(cfg), **_hf_attention(cfg, family), **special)
+
+
+def _hf_rope(cfg: ModelConfig) -> dict:
+    """rope_theta and rope_scaling keys (transformers 4.x names; 5.x folds them into rope_parameters)."""
+    out: dict = {"rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_factor}
+    elif cfg.rope_scaling == "llama3":
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
+                               "low_freq_factor": cfg.rope_low_freq_factor,
+                               "high_freq_factor": cfg.rope_high_freq_factor,
+                               "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    return out
+
+
+def _hf_attention(cfg: ModelConfig, family: str) -> dict:
+    """The family's bias and sliding-window keys (a window applies to every layer)."""
+    if family == "llama":
+        return {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+    if family == "mistral":
+        return {"sliding_window": cfg.sliding_window}
+    window = {"use_sliding_window": bool(cfg.sliding_window), "sliding_window": cfg.sliding_window or None,
+              "max_window_layers": 0}
+    return {**window, "attention_bias": False} if family == "qwen3" else window
 
 
 def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
     """ModelConfig equivalent to a transformers config.json dict (Llama or GPT-2), or ValueError."""
     kind = hf.get("model_type")
-    if kind == "llama":
-        dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or dim // heads
-        if head_dim * heads != dim:
-            raise ValueError(f"{source}: head_dim = {head_dim} x num_attention_heads = {heads} != hidden_size = "
-                             f"{dim}; lmforge needs head_dim = hidden_size / num_attention_heads.")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act = {hf['hidden_act']!r}; lmforge's SwiGLU uses 'silu'.")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{source}: rope type {rope_type!r} (scaled RoPE) is not supported by lmforge; "
-                             f"only the default (unscaled) RoPE is.")
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
-            raise ValueError(f"{source}: attention_bias and mlp_bias differ; lmforge has one model.bias for all "
-                             f"linear layers.")
-        return ModelConfig(
-            vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
-            max_seq_len=hf.get("max_position_embeddings", 2048), pos_emb="rope", rope_theta=float(theta),
-            norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
-            bias=bool(hf.get("attention_bias", False)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            dropout=0.0)
+    if kind in DECODERS:
+        return _decoder_config(hf, source, kind)
     if kind == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         if act not in _TANH_GELUS:
@@ -136,7 +181,76 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
             ffn_hidden=hf.get("n_inner") or 4 * dim, max_seq_len=hf["n_positions"], pos_emb="learned",
             norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), activation="gelu", bias=True,
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
-    raise ValueError(f"{source}: model_type = {kind!r} is not supported; lmforge imports 'llama' and 'gpt2'.")
+    raise ValueError(f"{source}: model_type = {kind!r} is not supported; lmforge imports "
+                     f"{', '.join(repr(k) for k in [*DECODERS, 'gpt2'])}.")
+
+
+def _decoder_config(hf: dict, source: str, kind: str) -> ModelConfig:
+    """ModelConfig of a Llama / Qwen2 / Qwen3 / Mistral config.json dict, or ValueError."""
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or dim // heads
+    if head_dim * heads != dim:
+        raise ValueError(f"{source}: head_dim = {head_dim} x num_attention_heads = {heads} != hidden_size = "
+                         f"{dim}; lmforge needs head_dim = hidden_size / num_attention_heads.")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act = {hf['hidden_act']!r}; lmforge's SwiGLU uses 'silu'.")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048), pos_emb="rope", norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0, qk_norm=kind == "qwen3",
+        sliding_window=_window_from_hf(hf, source, kind), **_rope_from_hf(hf, source), **_biases_from_hf(hf, source, kind))
+
+
+def _rope_from_hf(hf: dict, source: str) -> dict:
+    """ModelConfig RoPE keys of rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type == "default":
+        return out
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported by lmforge; it has the default, "
+                         f"'linear' and 'llama3' RoPE (model.rope_scaling).")
+    if float(rope.get("attention_factor") or 1.0) != 1.0:
+        raise ValueError(f"{source}: rope attention_factor = {rope['attention_factor']} is not supported (lmforge "
+                         f"does not scale the RoPE tables).")
+    out.update(rope_scaling=rope_type, rope_factor=float(rope["factor"]))
+    if rope_type == "llama3":
+        out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                   rope_high_freq_factor=float(rope["high_freq_factor"]),
+                   rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
+    return out
+
+
+def _biases_from_hf(hf: dict, source: str, kind: str) -> dict:
+    """model.bias / model.qkv_bias of the family: Qwen2 on q/k/v only; Mistral none; Llama and Qwen3
+    by attention_bias (and mlp_bias), where lmforge's model.bias covers every linear layer."""
+    if kind == "qwen2":
+        return {"bias": False, "qkv_bias": True}
+    attention, mlp = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if kind == "qwen3" and attention:
+        raise ValueError(f"{source}: attention_bias = true (biases on q/k/v/o, none in the MLP) is not supported "
+                         f"for Qwen3: lmforge's model.bias also covers the MLP.")
+    if attention != mlp:
+        raise ValueError(f"{source}: attention_bias and mlp_bias differ; lmforge has one model.bias for all "
+                         f"linear layers (and model.qkv_bias for q/k/v alone).")
+    return {"bias": attention}
+
+
+def _window_from_hf(hf: dict, source: str, kind: str) -> int:
+    """model.sliding_window: Mistral's sliding_window; Qwen's when use_sliding_window applies to every layer."""
+    if kind == "mistral":
+        return int(hf.get("sliding_window") or 0)
+    if kind == "llama" or not hf.get("use_sliding_window"):
+        return 0
+    n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 0)
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if set(types) != {"sliding_attention"}:
+        raise ValueError(f"{source}: a sliding window on some layers only (layer_types / max_window_layers = {first}) "
+                         f"is not supported; lmforge's model.sliding_window applies to every layer.")
+    return int(hf["sliding_window"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,8 +258,9 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _llama_names(cfg: ModelConfig) -> dict[str, str]:
-    """lmforge parameter name -> transformers Llama name (same tensors, no transposition)."""
+def _decoder_names(cfg: ModelConfig) -> dict[str, str]:
+    """lmforge parameter name -> transformers Llama / Qwen2 / Qwen3 / Mistral name (same tensors, no
+    transposition)."""
     names = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
@@ -153,10 +268,12 @@ def _llama_names(cfg: ModelConfig) -> dict[str, str]:
              "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
              "attn.wo": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
              "mlp.down": "mlp.down_proj"}
+    if cfg.qk_norm:
+        parts.update({"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"})
     for i in range(cfg.n_layers):
         for ours, theirs in parts.items():
-            kinds = ("weight", "bias") if cfg.bias and "norm" not in ours else ("weight",)
-            for kind in kinds:
+            biased = cfg.attn_qkv_bias if ours in ("attn.wq", "attn.wk", "attn.wv") else cfg.bias and "norm" not in ours
+            for kind in ("weight", "bias") if biased else ("weight",):
                 names[f"blocks.{i}.{ours}.{kind}"] = f"model.layers.{i}.{theirs}.{kind}"
     return names
 
@@ -166,8 +283,8 @@ def _hf_tensors(cfg: ModelConfig, get: Callable[[str], torch.Tensor],
     """transformers name -> a function making that tensor from lmforge's (`get(name)`; `has(name)`:
     whether the model has it). Nothing is read until a function is called, so an export holds one
     output tensor at a time (called on meta tensors: the shapes and dtypes, for free)."""
-    if hf_family(cfg) == "llama":
-        return {theirs: functools.partial(get, ours) for ours, theirs in _llama_names(cfg).items()}
+    if hf_family(cfg) != "gpt2":
+        return {theirs: functools.partial(get, ours) for ours, theirs in _decoder_names(cfg).items()}
 
     def bias(name: str, shape_of: str) -> torch.Tensor:
         # lmforge without biases: zero biases give GPT-2 the same function
@@ -217,8 +334,8 @@ def hf_weight_refs(cfg: ModelConfig, hf_dir: str | Path) -> dict[str, TensorRef]
         raise ValueError(f"{hf_dir}: weight {key!r} is missing; the weights do not match config.json (layers, "
                          f"biases or tied embeddings).")
 
-    if hf_family(cfg) == "llama":
-        return {ours: ref(theirs) for ours, theirs in _llama_names(cfg).items()}
+    if hf_family(cfg) != "gpt2":
+        return {ours: ref(theirs) for ours, theirs in _decoder_names(cfg).items()}
     out = {"tok_emb.weight": ref("wte.weight"), "pos_emb.weight": ref("wpe.weight"),
            "norm.weight": ref("ln_f.weight"), "norm.bias": ref("ln_f.bias")}
     if not cfg.tie_embeddings:
@@ -350,7 +467,7 @@ def _read_hf_config(hf_dir: Path) -> dict:
 
 
 def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
-    """A local transformers Llama or GPT-2 folder -> (ModelConfig, lmforge Transformer in eval mode),
+    """A local transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2) -> (ModelConfig, lmforge Transformer in eval mode),
     built on the meta device and filled one weight at a time."""
     hf_dir = Path(hf_dir)
     cfg = model_config_from_hf(_read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
@@ -369,19 +486,22 @@ def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[M
 
 
 def import_hf_tokenizer(hf_dir: Path):
-    """The lmforge Tokenizer of a transformers folder (tokenizer.json, or GPT-2 vocab/merges
-    files), or None when the folder has none."""
+    """The lmforge Tokenizer of a transformers folder (tokenizer.json, with the eos/bos/pad tokens of
+    its tokenizer_config.json, or GPT-2 vocab/merges files), or None when the folder has none."""
     from lmforge.data.tokenizer import find_gpt2_files, load_gpt2_files, Tokenizer
 
     if (hf_dir / TOKENIZER).is_file():
-        eos = None
-        tc = hf_dir / "tokenizer_config.json"
-        if tc.is_file():
-            eos = json.loads(tc.read_text()).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-        return Tokenizer.load(hf_dir / TOKENIZER, eos_token=eos)
+        return Tokenizer.load(hf_dir / TOKENIZER)  # (reads the tokenizer_config.json beside it)
     files = find_gpt2_files(hf_dir)
     return load_gpt2_files(*files) if files else None
+
+
+def special_tokens_config(tokenizer) -> str:
+    """tokenizer_config.json text naming `tokenizer`'s eos/bos/pad tokens, kept beside an imported
+    run's tokenizer.json so every later load (prepare, train, export) has the model's own ids."""
+    name = tokenizer.backend.id_to_token
+    ids = {"eos_token": tokenizer.eos_id, "bos_token": tokenizer.bos_id, "pad_token": tokenizer.pad_id}
+    return json.dumps({key: name(i) for key, i in ids.items() if i is not None}, indent=2) + "\n"
 
 
 def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -389,7 +509,7 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     has a tokenizer) from a transformers folder, usable by `lmforge generate/eval` and fine-tuning.
     Existing files are replaced only with `overwrite`; a transformers folder is never written into."""
     hf_dir, out = Path(hf_dir), Path(out_dir)
-    check_target(out, "run", RUN_FILES, "--out", overwrite)
+    check_target(out, "run", RUN_FILES + (TOKENIZER_CONFIG,), "--out", overwrite)
     cfg = model_config_from_hf(_read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
     refs = hf_weight_refs(cfg, hf_dir)
     with torch.device("meta"):
@@ -403,6 +523,7 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
                            tokenizer=str((out / TOKENIZER).resolve()) if tokenizer else "none")
     if tokenizer is not None:
         tokenizer.save(out / TOKENIZER)  # atomic: Tokenizer.save writes through folders.atomic_write
+        atomic_write(out / TOKENIZER_CONFIG, special_tokens_config(tokenizer))
     # Only what the import knows: the model and its data settings. The training keys stay
     # defaults rather than choices, so a fine-tuning run from this file adapts them to its layout
     # as it would a preset's (a file's own keys are never adapted).

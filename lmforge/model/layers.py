@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -20,12 +21,52 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim // 2) for rotary position embeddings."""
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None,
+                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim // 2) for rotary position embeddings, with
+    `cfg`'s RoPE scaling (model.rope_scaling) when given."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if cfg is not None:
+        inv_freq = scaled_inv_freq(inv_freq, cfg)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """RoPE frequencies under model.rope_scaling, as Hugging Face's `rope_type` 'linear' and 'llama3'
+    compute them: 'linear' divides every frequency by the factor (positions / factor); 'llama3'
+    divides the low frequencies (wavelength > original context / low_freq_factor), keeps the high
+    ones (wavelength < original context / high_freq_factor) and interpolates smoothly in between."""
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high, old = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                              cfg.rope_original_max_seq_len)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def window_mask(q_start: int, q_len: int, k_len: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean (q_len, k_len) mask of causal attention for queries at positions q_start .. q_start +
+    q_len - 1 over keys 0 .. k_len - 1, limited to a sliding window of `window` keys (the query's own
+    and the window - 1 before it; 0 = unlimited). None where plain causal attention (SDPA's
+    `is_causal`, top-left aligned) or no mask is the same thing, the window covering every key: no
+    cache offset (is_causal), or one new token after cached ones (no mask)."""
+    if window == 0 or window >= k_len:
+        if q_start == 0 and q_len == k_len:
+            return None  # is_causal
+        if q_len == 1:
+            return None  # one new token sees every cached key
+    q = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1)
+    k = torch.arange(k_len, device=device).unsqueeze(0)
+    mask = k <= q
+    return mask & (k > q - window) if window else mask
 
 
 class SequenceShard(Protocol):
@@ -35,7 +76,8 @@ class SequenceShard(Protocol):
 
     positions: torch.Tensor  # (local seq,) int64: positions of this rank's tokens in the sequence
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor: ...
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                  window: int = 0) -> torch.Tensor: ...
 
 
 _shard: SequenceShard | None = None  # set while a context-parallel training step runs
@@ -78,26 +120,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with grouped-query support, through scaled_dot_product_attention."""
+    """Causal multi-head attention with grouped-query support, through scaled_dot_product_attention;
+    optional q/k/v biases (model.qkv_bias), QK-norm (model.qk_norm) and a sliding window
+    (model.sliding_window)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         # Separate q/k/v projections (not one fused qkv) so tensor parallelism can shard each
         # column-wise and GQA shapes stay obvious.
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.bias)
+        qkv_bias = cfg.attn_qkv_bias
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        # QK-norm (Qwen3): one RMSNorm over head_dim shared by every head, applied before RoPE on
+        # (batch, seq, heads, head_dim), so tensor parallelism can treat the heads as a sharded dim
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.window = cfg.sliding_window
         self.dropout = cfg.dropout
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of x (batch, seq, dim), each (batch, heads, seq, head_dim), QK-normed if configured."""
+        bsz, seq, _ = x.shape
+        # -1 rather than self.n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 kv_cache: "KVCache | None" = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        # -1 rather than self.n_heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
         start = kv_cache.length if kv_cache is not None else 0
         if rope is not None:
             cos, sin = rope[0][start:start + seq], rope[1][start:start + seq]
@@ -105,15 +163,14 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         # New tokens after cached ones (a chunk of seq > 1 appended to a cache of `start`): query i
-        # sees keys 0 .. start + i, an explicit offset mask; one new token sees everything cached.
-        mask = None
-        if start > 0 and seq > 1:
-            mask = torch.ones(seq, start + seq, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        # sees keys 0 .. start + i, an explicit offset mask; one new token sees everything cached,
+        # both within the sliding window if there is one (window_mask: None = plain causal).
+        mask = window_mask(start, seq, start + seq, self.window, x.device)
         dropout_p = self.dropout if self.training else 0.0
         if _shard is not None:  # context parallelism: this rank's queries over the whole sequence's keys/values
-            out = _shard.attention(q, k, v, dropout_p)
+            out = _shard.attention(q, k, v, dropout_p, self.window)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0 and seq > 1,
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0 and seq > 1,
                                                  dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 

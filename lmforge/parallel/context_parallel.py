@@ -43,6 +43,10 @@ Attention (`SequenceSharding.attention`, called by the model's attention through
     lower-right bias, which materialises a boolean (c, (j + 1) c) mask per call (the math kernel
     saves the (b, heads, c, (j + 1) c) probabilities anyway).
 
+  Sliding window (model.sliding_window shorter than a chunk's key prefix): `window_chunk_attention`,
+  SDPA over the keys inside some query's window with a boolean mask (memory-efficient or math
+  kernel), exact; a window covering the prefix takes the causal paths above.
+
   Documents: `data.mask_doc_boundaries` only ignores the targets whose input is end-of-document;
   attention spans the packed documents of a sequence with or without CP, so no path builds a
   document mask either.
@@ -130,6 +134,23 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                                           enable_gqa=gqa)
 
 
+def window_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int,
+                           dropout_p: float) -> torch.Tensor:
+    """Sliding-window attention of chunk queries q (b, heads, c, d) at positions first .. first + c - 1
+    over the keys k, v (b, kv heads, first + c, d) of positions 0 .. first + c - 1: query p sees keys
+    p - window + 1 .. p (model.sliding_window, exact). Only the keys some query sees take part (from
+    first - window + 1 on), through SDPA with a boolean (c, keys) mask: the memory-efficient or math
+    kernel (not flash, which takes no mask), as attention without CP with a window shorter than the
+    sequence."""
+    c, keys = q.shape[2], k.shape[2]
+    lo = max(0, first - window + 1)
+    q_pos = torch.arange(first, first + c, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(lo, keys, device=q.device).unsqueeze(0)
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return F.scaled_dot_product_attention(q, k[:, :, lo:], v[:, :, lo:], attn_mask=mask, dropout_p=dropout_p,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
 def _lower_right(q_len: int, kv_len: int) -> CausalBias:
     """`torch.nn.attention.bias.causal_lower_right(q_len, kv_len)` without its storage: the factory
     constructs the tensor subclass through torch.Tensor's legacy constructor, which allocates an
@@ -209,15 +230,20 @@ class SequenceSharding:
 
     # ---- attention ------------------------------------------------------------------------------
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        """q (b, heads, 2c, d) of this rank's chunks; k, v (b, kv heads, 2c, d) -> (b, heads, 2c, d)."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                  window: int = 0) -> torch.Tensor:
+        """q (b, heads, 2c, d) of this rank's chunks; k, v (b, kv heads, 2c, d) -> (b, heads, 2c, d);
+        `window` > 0: sliding-window attention (model.sliding_window)."""
         kv = _GatherSequence.apply(torch.stack((k, v)), self)  # (2, b, kv heads, T, d)
         c = q.shape[2] // 2
         outs = []
         for half, chunk in enumerate(self.chunks_of[self.rank]):
             keys = (chunk + 1) * c  # this chunk's queries see the keys of chunks 0 .. chunk
-            outs.append(chunk_attention(q[:, :, half * c:(half + 1) * c], kv[0, :, :, :keys], kv[1, :, :, :keys],
-                                        dropout_p))
+            q_chunk, k_prefix, v_prefix = q[:, :, half * c:(half + 1) * c], kv[0, :, :, :keys], kv[1, :, :, :keys]
+            if 0 < window < keys:  # the window leaves some of these keys out of some queries' view
+                outs.append(window_chunk_attention(q_chunk, k_prefix, v_prefix, chunk * c, window, dropout_p))
+            else:
+                outs.append(chunk_attention(q_chunk, k_prefix, v_prefix, dropout_p))
         return torch.cat(outs, dim=2)
 
     # ---- accounting -----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Per transformer block (on the "tp" sub-mesh of the DeviceMesh):
 
 * attention: q/k/v column-parallel (each rank holds n_heads/tp query heads and kv_heads/tp kv
-  heads: attention is local, the reshape uses -1 heads), output projection ``wo`` row-parallel;
+  heads: attention is local, the reshape uses -1 heads; q/k/v biases split with their weights),
+  output projection ``wo`` row-parallel; QK-norm weights (model.qk_norm) replicated, applied to
+  the rank's heads as a DTensor sharded along the heads (`_qk_norm_plan`);
 * MLP: gate/up (SwiGLU) or fc (GELU) column-parallel, down/proj row-parallel;
 * token embedding vocab-parallel (RowwiseParallel on the embedding: each rank holds vocab/tp rows);
 * output head column-parallel with DTensor logits sharded over the vocabulary, consumed by
@@ -65,6 +67,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
         plan[f"{pre}.attn.wk"] = ColwiseParallel()
         plan[f"{pre}.attn.wv"] = ColwiseParallel()
         plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
+        if getattr(block.attn, "q_norm", None) is not None:
+            plan.update(_qk_norm_plan(pre))
         up = ("gate", "up") if hasattr(block.mlp, "gate") else ("fc",)
         down = "down" if hasattr(block.mlp, "down") else "proj"
         for n in up:
@@ -79,6 +83,15 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
             plan[f"{pre}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                     use_local_output=True)
     return plan
+
+
+def _qk_norm_plan(pre: str) -> dict:
+    """QK-norm weights (head_dim values, shared by the heads) replicated; each rank normalises its own
+    heads, seen as a DTensor sharded along the heads dim (2 of batch, seq, heads, head_dim), so the
+    weight's gradient is summed over the TP ranks' heads (as torchtitan's Qwen3 plan does)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return {f"{pre}.attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("q_norm", "k_norm")}
 
 
 def _lora_aware_styles() -> tuple[type, type]:

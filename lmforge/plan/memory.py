@@ -378,9 +378,9 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             specs.append(ParamSpec(f"{prefix}.bias", (d,), where, layer))
         return specs
 
-    def linear(prefix: str, n_in: int, n_out: int, tp_dim: int, layer: int) -> list[ParamSpec]:
+    def linear(prefix: str, n_in: int, n_out: int, tp_dim: int, layer: int, bias: bool | None = None) -> list[ParamSpec]:
         specs = [ParamSpec(f"{prefix}.weight", (n_out, n_in), "block", layer, tp_dim, matmul=True)]
-        if cfg.bias:
+        if cfg.bias if bias is None else bias:
             specs.append(ParamSpec(f"{prefix}.bias", (n_out,), "block", layer, 0 if tp_dim == 0 else None,
                                    matmul=True))
         return specs
@@ -388,10 +388,12 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     for i in range(cfg.n_layers):
         p = f"blocks.{i}"
         out += norm(f"{p}.attn_norm", "block", i)
-        out += linear(f"{p}.attn.wq", d, cfg.n_heads * hd, 0, i)
-        out += linear(f"{p}.attn.wk", d, cfg.kv_heads * hd, 0, i)
-        out += linear(f"{p}.attn.wv", d, cfg.kv_heads * hd, 0, i)
+        out += linear(f"{p}.attn.wq", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias)
+        out += linear(f"{p}.attn.wk", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias)
+        out += linear(f"{p}.attn.wv", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias)
         out += linear(f"{p}.attn.wo", cfg.n_heads * hd, d, 1, i)
+        if cfg.qk_norm:  # (head_dim each, replicated under TP)
+            out += [ParamSpec(f"{p}.attn.{n}.weight", (hd,), "block", i) for n in ("q_norm", "k_norm")]
         out += norm(f"{p}.mlp_norm", "block", i)
         if cfg.activation == "swiglu":
             out += linear(f"{p}.mlp.gate", d, f, 0, i)

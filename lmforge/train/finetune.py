@@ -30,12 +30,12 @@ def architecture_differences(want: ModelConfig, have: ModelConfig) -> list[str]:
     max_seq_len may differ for RoPE models (no weights depend on it), not for learned positions."""
     diffs = []
     for f in fields(ModelConfig):
-        if f.name in _IRRELEVANT or (f.name == "max_seq_len" and want.pos_emb == have.pos_emb == "rope"):
+        if f.name in _IRRELEVANT or f.name == "qkv_bias" or (f.name == "max_seq_len" and want.pos_emb == have.pos_emb == "rope"):
             continue
         a, b = getattr(want, f.name), getattr(have, f.name)
         if a != b:
             diffs.append(f"model.{f.name}: {a!r} vs {b!r}")
-    for name in ("kv_heads", "ffn_dim"):  # derived: compare the resolved values
+    for name in ("kv_heads", "ffn_dim", "attn_qkv_bias"):  # derived: compare the resolved values
         a, b = getattr(want, name), getattr(have, name)
         if a != b:
             diffs.append(f"model.{name}: {a!r} vs {b!r}")

@@ -56,6 +56,7 @@ from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
 from lmforge.train.precision import Resolved, make_precision, resolve_precision
+from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
@@ -90,6 +91,8 @@ class Trainer:
         self._data = data  # an already prepared dataset (tests, benchmarks), else prepared in setup
         self.metrics = None  # opened once the run really starts (events before that wait in _early)
         self._early: list[dict] = []
+        self.preemption = Preemption()  # SIGTERM / SIGINT / SIGUSR1 -> a checkpoint (handlers: during fit)
+        self._saved_step = -1  # the step of the last checkpoint this run saved
 
     # ------------------------------------------------------------------------------------------
     # setup
@@ -103,6 +106,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(cfg)  # validates the layout against the launch first
+        self.preemption.attach(self.dist.host_group, self.dist.distributed)
         self.device = self.dist.device
         for note in cfg.adjustments:  # (what load_config fitted to the layout)
             log.info("config: %s", note)
@@ -111,6 +115,17 @@ class Trainer:
             chosen = run_folder(cfg)
             self.out_dir = chosen.with_name(self.rank0_decides(chosen.name))
         check_out_dir(self.out_dir)
+
+        # the checkpoint to resume (rank 0's choice), checked against this config before any data work
+        # or hardware probing (a refused resume answers at once); before the precision: it records
+        # the run's precision
+        # (the run's identity keys its S3 backup: the folder's, or a new one, recorded with the folder)
+        self.run_id = self.rank0_decides((read_run_id(self.out_dir) or new_run_id()) if is_rank0() else None)
+        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event, run_id=self.run_id)
+        self.run_id = self.ckpt.run_id  # (another run's, adopted: checkpoint.s3_adopt)
+        self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
+        if self.resumed_from is not None:
+            check_compatible(read_meta(self.resumed_from), cfg, self.resumed_from)
 
         # data
         self.data = self._data or self.prepare_data()
@@ -121,13 +136,6 @@ class Trainer:
         loaders = build_loaders(cfg, self.data, self.dist.dp_rank, self.dist.dp_size)
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
-
-        # the checkpoint to resume (rank 0's choice), before the precision: it records the run's precision
-        # (the run's identity keys its S3 backup: the folder's, or a new one, recorded with the folder)
-        self.run_id = self.rank0_decides((read_run_id(self.out_dir) or new_run_id()) if is_rank0() else None)
-        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event, run_id=self.run_id)
-        self.run_id = self.ckpt.run_id  # (another run's, adopted: checkpoint.s3_adopt)
-        self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
 
         # model, parallel layout, optimizer, precision
         model, self.weight_source = build_training_model(cfg, self.device)  # (on the meta device)
@@ -197,6 +205,10 @@ class Trainer:
                 f"without protecting its work: {failed.get('error')}")})
         self.ckpt.prepare()
 
+    def finish_decides(self, value):
+        """Rank 0's value on every rank that runs `finish` (a synchronous run: all of them)."""
+        return self.rank0_decides(value)
+
     def rank0_decides(self, value):
         """Rank 0's value on every rank (decisions that read rank 0's disk)."""
         if self.dist.distributed:
@@ -214,7 +226,8 @@ class Trainer:
             resolved = resolve_precision(self.cfg.train.precision, self.device, saved)
         resolved = self.rank0_decides(resolved)
         check_resolved_precision(self.cfg, resolved.name, resolved.reason)
-        log.log(logging.WARNING if resolved.slow or resolved.changed else logging.INFO, "precision: %s (%s)",
+        log.log(logging.WARNING if (resolved.slow or resolved.changed) and is_rank0() else logging.INFO,
+                "precision: %s (%s)",
                 resolved.name, resolved.reason)
         return resolved
 
@@ -245,9 +258,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
+        """Set up, train, finish. A signal (lmforge.train.preempt) ends the loop early with a
+        checkpoint and raises `Preempted`."""
         try:
-            if not is_rank0():
-                log.setLevel(logging.WARNING)  # only rank 0 prints progress and info lines
+            self.preemption.install()
             self.setup()
             result = self.report_finished() if self.finished else self.train()
             self.end_together()
@@ -261,6 +275,7 @@ class Trainer:
                 self.ckpt.close()  # never leave a save half-written behind an exception
             if getattr(self, "dist", None) is not None and self.dist.distributed:
                 destroy_distributed()
+            self.preemption.uninstall()
 
     def end_together(self) -> None:
         """Every rank waits here for the others before any tears its process groups down. A rank
@@ -274,10 +289,11 @@ class Trainer:
     def report_finished(self) -> TrainResult:
         """The run in the folder is complete: report its summary, change nothing."""
         summary = self.rank0_decides(json.loads((self.out_dir / SUMMARY).read_text()) if is_rank0() else None)
-        log.info("the run in %s is already complete (%d of %d steps, validation loss %.4f); nothing to do. Start "
-                 "over with --checkpoint.resume none or another --train.out_dir, or train longer with a larger "
-                 "--train.steps and --train.out_dir %s", self.out_dir, self.state.step, self.cfg.train.steps,
-                 summary.get("val_loss", math.nan), self.out_dir)
+        command = self.cfg.command or "lmforge train ..."
+        log.info("nothing trained: %s holds this run, already complete (%d of %d steps, validation loss %.4f). "
+                 "Train it further: %s --train.out_dir %s --train.steps %d; start it over: %s --checkpoint.resume none",
+                 self.out_dir, self.state.step, self.cfg.train.steps, summary.get("val_loss", math.nan), command,
+                 self.out_dir, 2 * self.cfg.train.steps, command)
         fields = {f for f in TrainResult.__dataclass_fields__ if f != "history"}
         return TrainResult(**{k: v for k, v in summary.items() if k in fields})
 
@@ -324,6 +340,8 @@ class Trainer:
                 st.last_loss = float(loss)
                 self.save_checkpoint()
                 last_save_time = time.time()
+            if self.preemption.requested():  # (every rank, every step: one tiny all-reduce)
+                self.stop_for_preemption(pending, window, history, progress)
 
         progress.close()
         self.profiler.close()
@@ -447,6 +465,32 @@ class Trainer:
                 "layout": self.layout.name, "optimizer": self.cfg.optim.name, "precision": self.precision.name}
         with self.timers("checkpoint"):
             save_states(self.ckpt, self.state.step, self.states, meta)
+        self._saved_step = self.state.step
+
+    def stop_for_preemption(self, pending: list[tuple], window: ThroughputWindow, history: list[dict],
+                            progress: Progress) -> None:
+        """A signal came (lmforge.train.preempt): log the steps not logged yet, checkpoint this step
+        synchronously on every rank (unless the loop just did), log a `preempted` event, leave
+        together and raise `Preempted` (the command line exits with its code)."""
+        st, t = self.state, self.cfg.train
+        if pending:
+            self.log_window(pending, window.take(), history, progress)
+        progress.close()
+        self.profiler.close()
+        if self._saved_step != st.step:
+            self.save_checkpoint()
+        self.ckpt.wait()  # written, validated and rotated before we report it
+        saved = self.ckpt.last_save.get("step") == st.step
+        where = self.ckpt.last_save.get("path") if saved else None
+        name = self.preemption.signal_name
+        message = (f"preempted ({name}) at step {st.step} of {t.steps}: " + (
+            f"checkpoint saved in {where}; run the same command again to resume" if saved or not is_rank0() else
+            "the checkpoint of this step failed (see above); a rerun resumes from the last good one")
+            + f" (exit code {PREEMPTED_EXIT_CODE})")
+        self.log_event({"event": "preempted", "signal": name, "checkpoint": where, "message": message})
+        self.ckpt.close()
+        self.end_together()
+        raise Preempted(message, st.step, name, where)
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore `self.states` from `path` (every rank; the checkpoint may come from any layout)."""
@@ -672,7 +716,7 @@ class Trainer:
         except OSError as e:
             error = error or e
         why = describe_write_error(error, path.parent, needed, free) if error is not None else None
-        return why if self.cfg.parallel.async_sgd else self.rank0_decides(why)  # (async SGD: the server alone)
+        return self.finish_decides(why)
 
     def operability_summary(self, history: list[dict]) -> dict:
         """Extra `summary.json` keys: throughput/MFU, time shares, health counts, hardware."""
