@@ -103,6 +103,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     # what the user typed names the auto run folder (not LMFORGE_TRAIN_ARGS, a test's shortening)
     cfg.named_by = tuple(typed.items())
     cfg.command = train_command(args.config, rest)
+    from lmforge.ckpt.manager import EXIT_CHECKPOINT_FAILED, CheckpointFailure
     from lmforge.train import trainer_for
     from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted
 
@@ -110,6 +111,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         result = trainer_for(cfg).fit()
     except Preempted:  # (rank 0 logged the one line: step, checkpoint, exit code)
         return PREEMPTED_EXIT_CODE
+    except CheckpointFailure as exc:  # (every rank alike) one line, the exit status says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"checkpoint error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CHECKPOINT_FAILED
     except ConfigError as exc:  # every rank checks the same config against the same launch: say it once
         return report_on_one_rank(f"config error: {exc}")
     except Exception as exc:

@@ -137,6 +137,29 @@ def write_run_record(folder: str | Path, run_id: str) -> None:
         "run_id": run_id, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
 
 
+def record_failure(folder: str | Path, step: int, error: str) -> bool:
+    """Record in run folder `folder` (FAILED_RECORD) why the run stopped without protecting its work
+    at `step` (best effort: on a full disk even this may not fit; False then)."""
+    import datetime
+
+    try:
+        atomic_write_json(Path(folder) / FAILED_RECORD, {
+            "step": int(step), "error": error,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        return True
+    except OSError:
+        return False
+
+
+def read_failure(folder: str | Path) -> dict | None:
+    """The record `record_failure` left in run folder `folder`, or None."""
+    try:
+        rec = json.loads((Path(folder) / FAILED_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def check_writable(folder: str | Path, key: str) -> None:
     """Refuse, before any work, a folder (named by `key` in the message) that cannot be made or
     written: a path through a file, or a folder (or the nearest existing parent of a new one)

@@ -99,7 +99,8 @@ def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callab
     manager = CheckpointManager(root, rank=info.rank, world_size=info.world_size, async_save=c.async_save,
                                 validate=c.validate, keep_last=c.keep_last, keep_every=c.keep_every, backup=backup,
                                 process_group=pg, wait_group=wait_pg, timeout_s=cfg.parallel.timeout_s,
-                                on_event=on_event, local_rank=info.local_rank, node_local=node_local)
+                                on_event=on_event, local_rank=info.local_rank, node_local=node_local,
+                                max_failed_saves=c.max_failed_saves)
     manager.run_id = run_id
     return manager
 

@@ -174,8 +174,12 @@ class DataConfig:
     tokenizer_vocab_size: int = _f(4096, "Vocabulary size when training a BPE tokenizer (tokenizer = 'bpe'). Must be <= model.vocab_size.")
     seq_len: int = _f(256, "Tokens per training sequence (context length). Must be <= model.max_seq_len.")
     val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
-    verify_checksums: bool = _f(False, "At start-up, re-hash every token shard against its manifest (sha256) before training; off by default (the shard sizes and the largest token id are always checked).")
+    verify_checksums: Literal["first_open", "always", "never"] | bool = _f("first_open", "Re-hash token shards against their manifest (sha256, largest id): 'first_open' = each shard the first time this process reads from it (once per shard per process, so a resumed run checks again; a shard never read is never hashed); 'always' = every shard at start-up; 'never' = no hashing. true / false (the old form) mean 'always' / 'never'. Shard sizes are always checked, and every batch's ids are range-checked against the vocabulary (the error names the shard file and offset).")
     cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.verify_checksums, bool):  # the old boolean form: true = "always", false = "never"
+            self.verify_checksums = "always" if self.verify_checksums else "never"
 
     def check(self) -> None:
         at_least(1, "data", seq_len=self.seq_len, tokenizer_vocab_size=self.tokenizer_vocab_size)
@@ -389,6 +393,7 @@ class CheckpointConfig:
     validate: bool = _f(True, "After writing, re-read every file's checksum and test-load the checkpoint before older ones are rotated away.")
     resume: str = _f("auto", "'auto' = continue from the newest valid checkpoint in the folder (or the S3 backup) if there is one; 'none' = start fresh; or a path to a checkpoint folder to start from.")
     save_final: bool = _f(True, "At the end of training, save a final checkpoint and the weights as <out_dir>/model.safetensors.")
+    max_failed_saves: int = _f(3, "Stop the run after this many checkpoints in a row failed (a full disk, ...) instead of training on unprotected; `lmforge train` then exits with status 74, as it does when the final checkpoint or final weights could not be written (failed.json in the run folder says why; a rerun reports it and resumes). 0 = never stop.")
     s3_bucket: str = _f("", "Secondary backup: S3 bucket ('' = no backup). Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, or any boto3 source).")
     s3_prefix: str = _f("lmforge", "Key prefix inside the bucket; checkpoints go to <prefix>/<run name>/<run id>/step_NNNNNNNN/ (run name: the last part of train.out_dir; run id: created with the run folder, in its run.json). A run never restores, overwrites or deletes another run's objects: it stops when its run name there holds another run's backup, naming both.")
     s3_adopt: bool = _f(False, "Continue the backup of another run found under <prefix>/<run name>/ (e.g. this run folder was lost or moved and is restored from S3): this run takes that run's id, restores from and rotates its checkpoints. Without it such a run stops with an error naming both runs.")
@@ -397,7 +402,7 @@ class CheckpointConfig:
     def check(self) -> None:
         at_least(1, "checkpoint", keep_last=self.keep_last)
         at_least(0, "checkpoint", every_steps=self.every_steps, every_minutes=self.every_minutes,
-                  keep_every=self.keep_every)
+                  keep_every=self.keep_every, max_failed_saves=self.max_failed_saves)
         if self.resume not in ("auto", "none") and not self.resume.strip():
             raise ConfigError("checkpoint.resume = '' : use 'auto', 'none' or a checkpoint folder path.")
 

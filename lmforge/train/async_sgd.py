@@ -57,6 +57,10 @@ class AsyncSGDTrainer(Trainer):
         to its final evaluation, sample and checkpoint, which may outlast parallel.timeout_s. The
         stop message is the last one either side sends."""
 
+    def finish_decides(self, value):
+        """Only the server (rank 0) runs `finish`: its value as it is."""
+        return value
+
     def train(self) -> TrainResult:
         if self.dist.rank != 0:
             preempted = self.work()

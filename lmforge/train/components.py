@@ -176,7 +176,8 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
             raise ValueError(
                 f"data.corpus: the {split} shards hold token id {shards.max_id} but model.vocab_size = "
                 f"{cfg.model.vocab_size}: they were written with a larger vocabulary or are corrupt; re-run "
-                f"`lmforge prepare` (data.verify_checksums = true re-hashes every shard), or raise model.vocab_size.")
+                f"`lmforge prepare` (data.verify_checksums = 'always' re-hashes every shard at start-up), or raise "
+                f"model.vocab_size.")
     loader = PackedLoader(train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed, rank=dp_rank,
                           world_size=dp_size, mask_doc_boundaries=cfg.data.mask_doc_boundaries,
                           eos_id=data.tokenizer.eos_id)

@@ -33,7 +33,7 @@ import torch
 
 from lmforge.ckpt.checkpointer import check_compatible, load_states, manager_for_run, resolve_resume, save_states
 from lmforge.ckpt.export import save_streaming
-from lmforge.ckpt.manager import read_meta
+from lmforge.ckpt.manager import CheckpointFailure, read_meta
 from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config, to_toml
 from lmforge.config.rules import check_resolved_precision
@@ -41,8 +41,9 @@ from lmforge.data.loader import PackedLoader
 from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
-from lmforge.folders import (CONFIG, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS, atomic_path,
-                             atomic_write, new_run_id, read_run_id, write_run_record)
+from lmforge.folders import (CONFIG, FAILED_RECORD, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS,
+                             atomic_path, atomic_write, new_run_id, read_failure, read_run_id, record_failure,
+                             write_run_record)
 from lmforge.model.transformer import count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.optim.schedules import BatchRampup, build_scheduler
@@ -197,7 +198,16 @@ class Trainer:
         for event in self._early:
             self.log_event(event)
         self._early.clear()
+        failed = read_failure(self.out_dir) if rank0 else None
+        if failed:  # (the record goes once the run completes)
+            self.log_event({"event": "previous_attempt_failed", **failed, "message": (
+                f"the previous attempt in {self.out_dir} stopped at step {failed.get('step')} ({failed.get('time')}) "
+                f"without protecting its work: {failed.get('error')}")})
         self.ckpt.prepare()
+
+    def finish_decides(self, value):
+        """Rank 0's value on every rank that runs `finish` (a synchronous run: all of them)."""
+        return self.rank0_decides(value)
 
     def rank0_decides(self, value):
         """Rank 0's value on every rank (decisions that read rank 0's disk)."""
@@ -256,6 +266,10 @@ class Trainer:
             result = self.report_finished() if self.finished else self.train()
             self.end_together()
             return result
+        except CheckpointFailure as e:  # (every rank alike) the rerun says what happened
+            if is_rank0() and not record_failure(self.out_dir, self.state.step, str(e)):
+                log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
+            raise
         finally:
             if getattr(self, "ckpt", None) is not None:
                 self.ckpt.close()  # never leave a save half-written behind an exception
@@ -597,7 +611,7 @@ class Trainer:
             return
         self.metrics.write({"step": self.state.step, **event})
         self.metrics.flush()
-        if event.get("event") not in ("checkpoint", "backup"):  # (those log their own info line)
+        if event.get("event") not in ("checkpoint", "backup", "checkpoint_failed"):  # (those log their own line)
             log.warning("%s", event.get("message", event.get("event")))
 
     # ------------------------------------------------------------------------------------------
@@ -621,12 +635,19 @@ class Trainer:
                                    t.sample_tokens, temperature=0.8, top_k=50, seed=t.seed)
             if is_rank0():
                 atomic_write(self.out_dir / SAMPLE, t.sample_prompt + sample + "\n")
+        weights_error = None
         if cfg.checkpoint.save_final:
             if checkpoint and (st.step > start_step or self.resumed_from is None):  # (not if resumed at this step)
                 self.save_checkpoint()
             with self.timers("checkpoint"):
-                self.save_final_weights(self.out_dir / WEIGHTS)
+                weights_error = self.save_final_weights(self.out_dir / WEIGHTS)
         self.ckpt.close()  # the last save is written, validated and backed up before we report
+        if self.ckpt.consecutive_failures or weights_error:  # (every rank alike) no summary: a rerun resumes
+            what = [f"the last checkpoint failed ({self.ckpt.last_error})"] if self.ckpt.consecutive_failures else []
+            what += [f"the final weights {self.out_dir / WEIGHTS} could not be written ({weights_error})"] \
+                if weights_error else []
+            raise CheckpointFailure(f"training reached step {st.step}, but {' and '.join(what)}. Fix that and run the "
+                                    f"same command again: it resumes from the newest valid checkpoint.")
 
         result = TrainResult(
             steps=st.step, tokens=st.tokens_seen, train_loss=st.last_loss, val_loss=final["loss"],
@@ -638,6 +659,7 @@ class Trainer:
         summary.update(extra_summary or {})
         if is_rank0():
             atomic_write(self.out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+            (self.out_dir / FAILED_RECORD).unlink(missing_ok=True)  # (a failed attempt, now made good)
         self.metrics.close()
         if t.plot and is_rank0():
             try:
@@ -648,10 +670,13 @@ class Trainer:
                 log.info("plots skipped: `pip install matplotlib` to get %s/*.png", self.out_dir / REPORT)
         return result
 
-    def save_final_weights(self, path: Path) -> None:
+    def save_final_weights(self, path: Path) -> str | None:
         """safetensors weights, streamed by rank 0 one tensor at a time as the layout gathers them (LoRA
         adapters folded in unless finetune.merge_lora = false; a tied head stored once, as the
-        embedding). A collective: every rank calls this."""
+        embedding). A collective: every rank calls this. Returns why the file could not be written
+        (a full disk: the bytes free and needed), on every rank, or None; rank 0 then still drains the
+        layout's gathers so that no rank is left in a collective."""
+        from lmforge.ckpt.manager import describe_write_error, free_bytes
         from lmforge.model.lora import is_adapter, merged_weight
 
         ft = self.cfg.finetune
@@ -659,18 +684,39 @@ class Trainer:
         specs = [s for s in self.layout.weight_specs() if not (merge and is_adapter(s[0]))]
         rank0 = is_rank0()
         adapters: dict[str, torch.Tensor] = {}
-        with save_streaming(path, specs) if rank0 else contextlib.nullcontext() as write:
-            for name, tensor in self.layout.full_weights():
-                if not rank0:
-                    continue
-                if merge and is_adapter(name):
-                    adapters[name] = tensor
-                    continue
-                module = name.removesuffix(".weight")
-                if merge and f"{module}.lora_a" in adapters:
-                    tensor = merged_weight(tensor, adapters.pop(f"{module}.lora_a"), adapters.pop(f"{module}.lora_b"),
-                                           ft.lora_rank, ft.lora_alpha)
+        needed = sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in specs)
+        free = free_bytes(path.parent) if rank0 else None
+        error: BaseException | None = None
+        stack = contextlib.ExitStack()
+        write = None
+        if rank0:
+            try:
+                write = stack.enter_context(save_streaming(path, specs))
+            except OSError as e:
+                error = e
+        for name, tensor in self.layout.full_weights():
+            if write is None or error is not None:
+                continue
+            if merge and is_adapter(name):
+                adapters[name] = tensor
+                continue
+            module = name.removesuffix(".weight")
+            if merge and f"{module}.lora_a" in adapters:
+                tensor = merged_weight(tensor, adapters.pop(f"{module}.lora_a"), adapters.pop(f"{module}.lora_b"),
+                                       ft.lora_rank, ft.lora_alpha)
+            try:
                 write(name, tensor)
+            except OSError as e:
+                error = e
+        try:
+            if error is not None:  # (the writer removes its temp file; `path` stays as it was)
+                stack.__exit__(type(error), error, error.__traceback__)
+            else:
+                stack.close()  # fsync, check, rename
+        except OSError as e:
+            error = error or e
+        why = describe_write_error(error, path.parent, needed, free) if error is not None else None
+        return self.finish_decides(why)
 
     def operability_summary(self, history: list[dict]) -> dict:
         """Extra `summary.json` keys: throughput/MFU, time shares, health counts, hardware."""
