@@ -31,6 +31,38 @@ def test_presets_have_published_parameter_counts(preset, billions, tol):
     assert abs(total / 1e9 - billions) < tol, total
 
 
+FAMILY_PRESETS = {  # published parameter counts (model cards / config.json of the released weights)
+    "llama3.1-8b": 8_030_261_248, "llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360, "mistral-7b": 7_241_732_096,
+}
+
+
+@pytest.mark.parametrize("preset", list(FAMILY_PRESETS))
+def test_family_presets_have_exactly_the_published_parameter_counts(preset):
+    """Counted from the model itself, built on the meta device (no memory), and by the formula."""
+    import torch
+
+    from lmforge.model.transformer import Transformer
+
+    cfg = load_config(preset).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert model.num_params() == count_params(cfg)["total"] == FAMILY_PRESETS[preset]
+
+
+def test_family_presets_carry_their_families_options():
+    llama31, llama32 = load_config("llama3.1-8b").model, load_config("llama3.2-1b").model
+    assert (llama31.rope_scaling, llama31.rope_factor, llama31.rope_theta, llama31.tie_embeddings) == \
+        ("llama3", 8.0, 500000.0, False)
+    assert (llama32.rope_factor, llama32.tie_embeddings) == (32.0, True)
+    for name in ("qwen2.5-0.5b", "qwen2.5-7b"):
+        qwen = load_config(name).model
+        assert qwen.attn_qkv_bias and not qwen.bias and qwen.rope_theta == 1e6
+    qwen3 = load_config("qwen3-8b").model
+    assert qwen3.qk_norm and not qwen3.attn_qkv_bias and qwen3.head_dim == 128
+    assert load_config("mistral-7b").model.sliding_window == 4096
+
+
 def test_recipe_presets_carry_published_hyperparameters():
     gpt3 = load_config("gpt3-175b")
     assert (gpt3.optim.lr, gpt3.optim.beta2, gpt3.optim.weight_decay, gpt3.optim.grad_clip) == (6e-5, 0.95, 0.1, 1.0)

@@ -212,14 +212,24 @@ ATTENTION_OPTIONS = {
 }
 
 
+FAMILY_STEPS = {"train.steps": 10, "schedule.warmup_steps": 2}  # (each launch pays torch's import once)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("option", list(ATTENTION_OPTIONS))
-def test_attention_options_under_tensor_and_sequence_parallel_match_one_process(corpus, tmp_path, option):  # noqa: F811
-    """Each family option under TP=2 + SP (GQA, 2 kv heads: one per rank) against one process: same
-    per-step losses and gradient norms (the gradient of a replicated QK-norm weight is summed over the
-    ranks' heads; a bias split like its weight)."""
-    one_process_vs_tp2_sp(corpus, tmp_path, option, **{"model.n_layers": 2, "model.n_kv_heads": 2,
-                                                        **ATTENTION_OPTIONS[option]})
+def test_attention_options_under_tensor_and_sequence_parallel_match_one_process(corpus, tmp_path):  # noqa: F811
+    """Each family option alone under TP=2 + SP (GQA, 2 kv heads: one per rank) against one process:
+    same per-step losses and gradient norms (the gradient of a replicated QK-norm weight is summed
+    over the ranks' heads; a bias is split like its weight). One launch per side for the four runs."""
+    shared = {"model.n_layers": 2, "model.n_kv_heads": 2, **FAMILY_STEPS}
+    single = {tmp_path / "single" / name: option for name, option in ATTENTION_OPTIONS.items()}
+    tp = {tmp_path / "tp" / name: option for name, option in ATTENTION_OPTIONS.items()}
+    proc = train_runs(corpus, single, **shared)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = train_runs(corpus, tp, nproc=2, timeout=300, **shared,
+                      **{"parallel.tp": 2, "parallel.sequence_parallel": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ATTENTION_OPTIONS:
+        assert_runs_match(tmp_path / "tp" / name, tmp_path / "single" / name, f"{name}: tp2-sp vs one process", tol=TOL)
 
 
 @pytest.mark.slow
@@ -227,7 +237,7 @@ def test_family_options_together_under_fsdp_tp_and_pipeline_match_one_process(co
     """All four options at once under FSDP2 x TP (2 x 2, SP) and under TP x PP (2 x 2) against one
     process: the new weights compose with FSDP2's sharding and the pipeline split."""
     every = {k: v for option in ATTENTION_OPTIONS.values() for k, v in option.items()}
-    shared = {**MP, "model.n_kv_heads": 2, **every}
+    shared = {**MP, "model.n_kv_heads": 2, **every, **FAMILY_STEPS}
     ref = tmp_path / "single"
     proc = train_runs(corpus, {ref: {}}, **shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -177,3 +177,16 @@ def test_default_micro_batch_adapts_to_the_replicas(capsys):
     assert plan_main(["--model", "tiny", "--gpus", "2xCPU", "--layout", "dp=2,mb=2",
                       "--global-batch-tokens", str(6 * 128), "--seq-len", "128"]) == 2
     assert "not divisible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset, params", [
+    ("llama3.1-8b", 8_030_261_248), ("llama3.2-1b", 1_235_814_400), ("qwen2.5-0.5b", 494_032_768),
+    ("qwen2.5-7b", 7_615_616_512), ("qwen3-8b", 8_190_735_360), ("mistral-7b", 7_241_732_096)])
+def test_family_presets_are_planned(preset, params, capsys):
+    """`lmforge plan --model <preset>` plans each open-weight family's preset, counting the published
+    parameters (q/k/v biases and QK-norm weights included), and finds a layout that fits on 8 H100s."""
+    assert plan_main(["--model", preset, "--gpus", "8xH100", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["memory"]["lmforge"]["params_total"] == params
+    assert plan_main(["--model", preset, "--gpus", "8xH100", "--search", "--top", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["search"][0]["fits"]

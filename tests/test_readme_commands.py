@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.qwen_standin import make_qwen_standin, write_my_text
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = "(not run by tests"
 # No micro-batch size: each layout adapts the preset's to the brief global batch, as a user's run does
@@ -81,6 +83,9 @@ def test_every_readme_command_runs(tmp_path):
             made = subprocess.run(["lmforge", "export", "--run", "runs/tiny", "--out", "path/to/llama"], cwd=tmp_path,
                                   env=env, capture_output=True, text=True)
             assert made.returncode == 0, made.stdout + made.stderr
+        if "lmforge import --hf path/to/qwen2.5" in script:  # the walk-through's stand-in and text
+            make_qwen_standin(tmp_path / "path/to/qwen2.5")
+            write_my_text(tmp_path)
         if "lmforge report --run runs/a --run runs/b" in script:  # two runs to compare
             for name in ("a", "b"):
                 subprocess.run(["cp", "-r", "runs/tiny", f"runs/{name}"], cwd=tmp_path, check=True)
@@ -94,6 +99,7 @@ def test_every_readme_command_runs(tmp_path):
     assert (tmp_path / "runs" / "tiny" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "tiny" / "config.json").is_file()
     assert (tmp_path / "runs" / "imported" / "config.toml").is_file()
+    assert (tmp_path / "hf" / "qwen-cpt" / "model.safetensors").is_file()  # the walk-through's export
     assert (tmp_path / "runs" / "tiny" / "report" / "index.html").is_file()
     assert json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())["steps"] == 10
     assert len(set(trained.values())) >= 20, trained  # every layout line trained a run of its own
@@ -163,6 +169,8 @@ def test_every_readme_train_line_is_a_valid_config_as_written(tmp_path, monkeypa
     fixtures(tmp_path)
     (tmp_path / "runs" / "base").mkdir(parents=True)  # the fine-tuning example starts from a run's config
     (tmp_path / "runs" / "base" / CONFIG).write_text(to_toml(load_config("tiny")))
+    (tmp_path / "runs" / "qwen-base").mkdir(parents=True)  # ... and so does the Qwen2.5 walk-through
+    (tmp_path / "runs" / "qwen-base" / CONFIG).write_text(to_toml(load_config("tiny")))
     monkeypatch.chdir(tmp_path)
     for world, args in lines:
         argv = args.split()

@@ -99,7 +99,7 @@ class ModelConfig:
     rope_low_freq_factor: float = _f(1.0, "rope_scaling 'llama3' only: low-frequency factor (Llama 3.x: 1).")
     rope_high_freq_factor: float = _f(4.0, "rope_scaling 'llama3' only: high-frequency factor (Llama 3.x: 4). Must be > rope_low_freq_factor.")
     rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' only: the context length the model was pre-trained at before scaling (Llama 3.x: 8192).")
-    sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean mask, which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
+    sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean (seq x keys) mask built per forward (per chunk under context parallelism), which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
 
     @property

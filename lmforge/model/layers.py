@@ -165,11 +165,11 @@ class Attention(nn.Module):
         # New tokens after cached ones (a chunk of seq > 1 appended to a cache of `start`): query i
         # sees keys 0 .. start + i, an explicit offset mask; one new token sees everything cached,
         # both within the sliding window if there is one (window_mask: None = plain causal).
-        mask = window_mask(start, seq, start + seq, self.window, x.device)
         dropout_p = self.dropout if self.training else 0.0
         if _shard is not None:  # context parallelism: this rank's queries over the whole sequence's keys/values
             out = _shard.attention(q, k, v, dropout_p, self.window)
         else:
+            mask = window_mask(start, seq, start + seq, self.window, x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0 and seq > 1,
                                                  dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
