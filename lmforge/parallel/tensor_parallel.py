@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.moe import is_moe
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.fsdp import apply_fsdp, fsdp_description, micro_batch_sync
 from lmforge.parallel.inference import ShardedInference
@@ -46,7 +47,7 @@ from lmforge.parallel.mesh import DistInfo
 def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict:
     """`parallelize_module` plan for a Transformer or a pipeline stage chunk (keys of present modules)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
 
     ColwiseParallel, RowwiseParallel = _lora_aware_styles()  # noqa: N806 (torch's class names)
     sp = sequence_parallel
@@ -65,11 +66,16 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
         plan[f"{pre}.attn.wk"] = ColwiseParallel()
         plan[f"{pre}.attn.wv"] = ColwiseParallel()
         plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
-        up = ("gate", "up") if hasattr(block.mlp, "gate") else ("fc",)
-        down = "down" if hasattr(block.mlp, "down") else "proj"
-        for n in up:
-            plan[f"{pre}.mlp.{n}"] = ColwiseParallel()
-        plan[f"{pre}.mlp.{down}"] = RowwiseParallel(**row_out)
+        if is_moe(block.mlp):  # TP shards attention only: each TP rank runs the MoE feed-forward whole
+            if sp:
+                plan[f"{pre}.mlp"] = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                                                         use_local_output=True)
+        else:
+            up = ("gate", "up") if hasattr(block.mlp, "gate") else ("fc",)
+            down = "down" if hasattr(block.mlp, "down") else "proj"
+            for n in up:
+                plan[f"{pre}.mlp.{n}"] = ColwiseParallel()
+            plan[f"{pre}.mlp.{down}"] = RowwiseParallel(**row_out)
         if sp:
             plan[f"{pre}.attn_norm"] = SequenceParallel()
             plan[f"{pre}.mlp_norm"] = SequenceParallel()
