@@ -61,6 +61,18 @@ def check_cross_section(cfg: "Config") -> None:
     check_context_parallel(cfg)
     check_pipeline(cfg)
     check_features(cfg)
+    check_expert_parallel(cfg)
+
+
+def check_expert_parallel(cfg: "Config") -> None:
+    """parallel.ep splits model.moe's experts: the model must have them, in a number ep divides."""
+    ep, moe = cfg.parallel.ep, cfg.model.moe
+    if ep > 1 and not moe.enabled:
+        raise ConfigError(f"parallel.ep = {ep} splits Mixture-of-Experts layers, but model.moe.num_experts = 0 (a "
+                          f"dense model); set model.moe.num_experts or parallel.ep = 1.")
+    if ep > 1 and moe.num_experts % ep:
+        raise ConfigError(f"parallel.ep = {ep} must divide model.moe.num_experts = {moe.num_experts}; choose ep "
+                          f"among {[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}.")
 
 
 def check_data_vs_model(cfg: "Config") -> None:

@@ -100,11 +100,12 @@ class ModelConfig:
     rope_high_freq_factor: float = _f(4.0, "rope_scaling 'llama3' only: high-frequency factor (Llama 3.x: 4). Must be > rope_low_freq_factor.")
     rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' only: the context length the model was pre-trained at before scaling (Llama 3.x: 8192).")
     sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean (seq x keys) mask built per forward (per chunk under context parallelism), which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
+    attn_head_dim: int | None = _f(None, "Width of each attention head; None = dim / n_heads. Set where heads x head_dim differs from dim (Qwen3-30B-A3B: 32 heads of 128 on dim 2048).")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def attn_qkv_bias(self) -> bool:
@@ -129,9 +130,11 @@ class ModelConfig:
         """Reject impossible values of this section (ConfigError naming the key and the fix)."""
         at_least(1, "model", vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
                   n_heads=self.n_heads, max_seq_len=self.max_seq_len)
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and self.attn_head_dim is None:
             raise ConfigError(f"model.n_heads = {self.n_heads} does not divide model.dim = {self.dim}; choose "
-                              f"n_heads among {divisors(self.dim)} or change dim.")
+                              f"n_heads among {divisors(self.dim)}, change dim, or set model.attn_head_dim.")
+        if self.attn_head_dim is not None and self.attn_head_dim < 1:
+            raise ConfigError(f"model.attn_head_dim = {self.attn_head_dim} must be >= 1 (or unset for dim / n_heads).")
         if self.head_dim % 2 and self.pos_emb == "rope":
             raise ConfigError(f"RoPE needs an even head dimension, but model.dim / model.n_heads = {self.head_dim}.")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
@@ -298,6 +301,7 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
     pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
     cp: int = _f(1, "Context-parallel degree (long sequences; lmforge.parallel.context_parallel): each sequence is cut into 2 x cp chunks and CP rank i keeps chunks i and 2cp-1-i (even causal work); every layer all-gathers K and V over the cp ranks before attention on the rank's own queries and reduce-scatters their gradients in backward. Activations per rank shrink to ~1/cp, plus the gathered K/V of the whole sequence (2 x seq x kv heads x head_dim per layer). cp must divide data.seq_len / 2 (with sequence_parallel also: tp divides data.seq_len / cp). Any kv-head count works: the all-gather is over the sequence, so every CP rank holds all the (its TP share of the) KV heads of the whole sequence, replicated across the cp ranks; GQA only makes the gathered K/V smaller. The CP ranks hold the same parameters, so their gradients are averaged with the data-parallel ones (FSDP2 shards over dp_shard x cp). Composes with dp_replicate / dp_shard, tp (+ sequence_parallel) and pp.")
+    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. Composes with tp (attention only) and pp; not yet with cp or dp_replicate > 1.")
     timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
@@ -327,7 +331,17 @@ class ParallelConfig:
 
     def check(self) -> None:
         at_least(1, "parallel", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, pp=self.pp,
-                  pp_virtual_stages=self.pp_virtual_stages, powersgd_rank=self.powersgd_rank)
+                  pp_virtual_stages=self.pp_virtual_stages, powersgd_rank=self.powersgd_rank, ep=self.ep)
+        if self.ep > 1:
+            if self.dp_shard % self.ep or self.zero_stage == 1:
+                raise ConfigError(
+                    f"parallel.ep = {self.ep} borrows its ranks from the FSDP2 shard dimension: it must divide "
+                    f"parallel.dp_shard = {self.dp_shard} (zero_stage 0, 2 or 3); set parallel.dp_shard to a multiple "
+                    f"of {self.ep}.")
+            if self.dp_replicate > 1 or self.cp > 1 or self.async_sgd:
+                raise ConfigError(
+                    f"parallel.ep = {self.ep} is not yet combined with dp_replicate > 1 (HSDP), cp > 1 or async_sgd; "
+                    f"put the data-parallel ranks in parallel.dp_shard and set cp = 1.")
         at_least(0, "parallel", max_staleness=self.max_staleness)
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")

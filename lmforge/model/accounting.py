@@ -164,3 +164,18 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
     linear("lm_head", d, cfg.vocab_size, final, weight="tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight")
     total["total"] = total["matmul"] + total["elementwise"] + total["attention"]
     return total
+
+
+def mlp_activation_width(cfg: ModelConfig) -> float:
+    """Per token, the feed-forward hidden width whose activations a layer keeps, averaged over the
+    layers (the planner's activation formulas take one per-layer figure): the dense MLP's ffn_dim,
+    or for an MoE layer top_k x expert_hidden (each token's routed experts) + the shared experts'
+    width + top_k x dim (the token's rows sorted by expert, and their outputs before the weighted
+    sum)."""
+    m = cfg.moe
+    if not m.enabled:
+        return float(cfg.ffn_dim)
+    he = m.expert_hidden or cfg.ffn_dim
+    moe_width = m.top_k * he + m.shared_experts * he + m.top_k * cfg.dim
+    n_moe = sum(m.is_moe_layer(i) for i in range(cfg.n_layers))
+    return (n_moe * moe_width + (cfg.n_layers - n_moe) * cfg.ffn_dim) / cfg.n_layers

@@ -135,13 +135,16 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden: int, mode: str = "auto"):
         super().__init__()
         self.num_experts, self.mode = num_experts, mode
+        self.grad_scale = 1.0  # weight-gradient factor (expert parallelism: lmforge.parallel.expert_parallel)
         self.w_gate = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's experts (a DTensor sharded over expert parallelism: its local slice)."""
-        return tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w_gate, self.w_up, self.w_down))
+        """This rank's experts (a DTensor sharded over expert parallelism: its local slice), their
+        gradients scaled by `grad_scale`."""
+        ws = tuple(w.to_local() if hasattr(w, "to_local") else w for w in (self.w_gate, self.w_up, self.w_down))
+        return ws if self.grad_scale == 1.0 else tuple(_ScaleGrad.apply(w, self.grad_scale) for w in ws)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by (local) expert, `counts` rows per expert -> the experts' outputs, same order."""
@@ -149,6 +152,19 @@ class GroupedExperts(nn.Module):
         assert counts.shape[0] == w_gate.shape[0], (counts.shape, w_gate.shape)
         h = F.silu(grouped_matmul(x, w_gate, counts, self.mode)) * grouped_matmul(x, w_up, counts, self.mode)
         return grouped_matmul(h, w_down, counts, self.mode)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -170,24 +186,42 @@ class AuxLossGrad(torch.autograd.Function):
 @dataclasses.dataclass
 class MoEStats:
     """One MoE layer's numbers over the micro-batches of a step, summed over every rank that splits
-    the data (global): assignments per expert, dropped assignments, tokens, and the aux / z losses
-    summed over micro-batches (divide by `micro_batches` for the step's mean)."""
+    the data (global), kept on the device until read (no host sync per forward): `acc` = per expert
+    the (token, expert) assignments, then tokens, dropped assignments, aux loss and z-loss, each
+    summed over the micro-batches."""
 
-    tokens_per_expert: torch.Tensor
-    dropped: int = 0
-    tokens: int = 0
-    aux_loss: float = 0.0
-    z_loss: float = 0.0
+    acc: torch.Tensor
     micro_batches: int = 0
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.acc[:-4].cpu()
+
+    @property
+    def tokens(self) -> int:
+        return int(self.acc[-4])
+
+    @property
+    def dropped(self) -> int:
+        return int(self.acc[-3])
+
+    @property
+    def aux_loss(self) -> float:
+        """Mean over the step's micro-batches."""
+        return float(self.acc[-2]) / max(self.micro_batches, 1)
+
+    @property
+    def z_loss(self) -> float:
+        return float(self.acc[-1]) / max(self.micro_batches, 1)
 
 
 class MoE(nn.Module):
     """The MoE feed-forward of one block (see the module docstring); input and output (..., dim)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         m = cfg.moe
-        self.cfg, self.num_experts, self.top_k = m, m.num_experts, m.top_k
+        self.cfg, self.num_experts, self.top_k, self.layer = m, m.num_experts, m.top_k, layer  # (block index)
         hidden = expert_hidden(cfg)
         self.router = nn.Linear(cfg.dim, m.num_experts, bias=False)
         self.experts = GroupedExperts(m.num_experts, cfg.dim, hidden, m.grouped_mm)
@@ -239,9 +273,9 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # assignments by expert, token order within one
         counts = torch.bincount(flat, minlength=self.num_experts)
         keep = self.keep_mask(flat[order], counts, tokens)
-        dropped = 0
+        dropped = torch.zeros((), device=x.device)
         if keep is not None:
-            dropped = int((~keep).sum())
+            dropped = (~keep).sum().float()
             order = order[keep]
             counts = torch.bincount(flat[order], minlength=self.num_experts)
         rows = x[order // self.top_k]
@@ -258,7 +292,7 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def balance(self, y: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor,
-                counts: torch.Tensor, dropped: int, tokens: int) -> torch.Tensor:
+                counts: torch.Tensor, dropped: torch.Tensor, tokens: int) -> torch.Tensor:
         """Global statistics of this micro-batch (one all-reduce over the ranks that split the data),
         the aux / z losses' gradients attached to `y`, the step's statistics updated."""
         m, E = self.cfg, self.num_experts
@@ -267,7 +301,7 @@ class MoE(nn.Module):
         lse_sq = torch.logsumexp(logits, -1).pow(2).sum() if m.z_loss_coef else logits.new_zeros(())
         assigned = torch.bincount(chosen.reshape(-1), minlength=E)
         summary = torch.cat([assigned.float(), prob_sum.detach(), lse_sq.detach().view(1),
-                             torch.tensor([float(tokens), float(dropped)], device=logits.device)])
+                             torch.full((1,), float(tokens), device=logits.device), dropped.view(1)])
         recompute = torch._C._current_graph_task_id() != -1  # (activation checkpointing's re-run in backward)
         if self.token_group is not None:
             import torch.distributed as dist
@@ -279,23 +313,18 @@ class MoE(nn.Module):
         aux_local = E * (f * prob_sum).sum() / g_tokens  # this rank's share: the ranks' shares add up
         z_local = lse_sq / g_tokens
         if not recompute:
-            aux_global = float(E * (f * g_prob).sum() / g_tokens)
-            self._record(g_assigned, int(g_dropped), int(g_tokens), aux_global, float(g_lse / g_tokens))
+            aux_global = E * (f * g_prob).sum() / g_tokens
+            self._record(torch.cat([g_assigned, torch.stack([g_tokens, g_dropped, aux_global, g_lse / g_tokens])]))
         loss = m.aux_loss_coef * aux_local + m.z_loss_coef * z_local
         if loss.requires_grad and (m.aux_loss_coef or m.z_loss_coef):
             y = AuxLossGrad.apply(y, loss, self.aux_grad_scale)
         return y
 
-    def _record(self, assigned: torch.Tensor, dropped: int, tokens: int, aux: float, z: float) -> None:
-        s = self.stats
-        if s is None:
-            s = self.stats = MoEStats(torch.zeros(self.num_experts, dtype=torch.float64))
-        s.tokens_per_expert += assigned.detach().double().cpu()
-        s.dropped += dropped
-        s.tokens += tokens
-        s.aux_loss += aux
-        s.z_loss += z
-        s.micro_batches += 1
+    def _record(self, values: torch.Tensor) -> None:
+        if self.stats is None:
+            self.stats = MoEStats(torch.zeros_like(values, dtype=torch.float64))
+        self.stats.acc += values.detach()
+        self.stats.micro_batches += 1
 
     @torch.no_grad()
     def take_stats(self) -> MoEStats | None:
@@ -303,7 +332,7 @@ class MoE(nn.Module):
         (model.moe.bias_update_rate): the same on every rank, from the global counts."""
         s, self.stats = self.stats, None
         if s is not None and self.cfg.bias_update_rate:
-            load = s.tokens_per_expert.to(self.expert_bias.device, torch.float32)
+            load = s.acc[:-4].to(torch.float32)
             self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
         return s
 
@@ -313,11 +342,6 @@ def is_moe(module: nn.Module) -> bool:
 
 
 def moe_layers(model: nn.Module) -> dict[int, MoE]:
-    """The MoE feed-forwards of `model` (or a pipeline stage, wrapped or not) by block index."""
-    import re
-
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, MoE):
-            out[int(re.search(r"blocks\.(\d+)\.", name).group(1))] = m
-    return dict(sorted(out.items()))
+    """The MoE feed-forwards of `model` (a Transformer, a pipeline stage, a block; wrapped or not) by
+    block index."""
+    return dict(sorted((m.layer, m) for m in model.modules() if isinstance(m, MoE)))

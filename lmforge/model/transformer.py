@@ -35,7 +35,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         for i, block in self.blocks.items():  # Mixture-of-Experts feed-forwards (model.moe): lmforge.model.moe
             if cfg.moe.is_moe_layer(int(i)):
-                block.mlp = MoE(cfg)
+                block.mlp = MoE(cfg, int(i))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()

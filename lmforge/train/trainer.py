@@ -321,7 +321,7 @@ class Trainer:
             st.tokens_seen += step_tokens
             self.profiler.step_end(st.step)
             window.add_step(step_tokens, data_s)
-            pending.append((st.step, loss, grad_norm, lr, st.tokens_seen, data_s))
+            pending.append((st.step, loss, grad_norm, lr, st.tokens_seen, data_s, dict(self.layout.moe_stats)))
 
             if st.step % t.log_every == 0 or st.step == t.steps or self._rollback_requested:
                 if self.device.type == "cuda":  # the log line's one sync, before timing the window
@@ -586,9 +586,9 @@ class Trainer:
 
     def log_window(self, pending: list[tuple], stats: dict, history: list[dict], progress: Progress) -> None:
         """Metrics records of the steps since the last log line (one host sync for all of them)."""
-        for step, loss, grad_norm, lr, tokens, data_s in pending:
+        for step, loss, grad_norm, lr, tokens, data_s, moe in pending:
             rec = {"step": step, "loss": float(loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
-                   **stats, "data_s": data_s}
+                   **stats, "data_s": data_s, **self.layout.moe_metrics(moe)}
             history.append(rec)
             self.metrics.write(rec)
             for event in self.health.update(step, rec["loss"], rec["grad_norm"]):
