@@ -36,6 +36,8 @@ LAYOUTS = {  # name: (processes, overrides); 2 micro-batches of 4 sequences over
     "ep2xfsdp2": (4, {"parallel.dp_shard": 4, "parallel.ep": 2, "train.micro_batch_size": 1}),
     "ep2xpp2": (4, {"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.pp": 2, "train.micro_batch_size": 2}),
     "ep2-tp2": (4, {"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.tp": 2, "train.micro_batch_size": 2}),
+    "ep2-tp2-sp": (4, {"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true",
+                       "train.micro_batch_size": 2}),
 }
 
 
