@@ -16,7 +16,10 @@ A second signal exits at once (exit code 128 + the signal's number, as a kill wo
 a checkpoint. Under torchrun one signal can arrive twice: the agent forwards the signal it got to
 its workers, which may have had it already (Ctrl-C in a terminal reaches the whole process group,
 Slurm can signal every process of a step). So under torchrun's agent the same signal within
-DUPLICATE_WINDOW_S of the first counts once. The agent itself waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`
+DUPLICATE_WINDOW_S of the first counts once. torchrun also sends SIGTERM to end the workers of a
+failed job (a worker died, or raised); that is no preemption (the survivors are stuck, or about to be,
+in a collective with the dead one), so a worker whose sibling has already ended exits at once on it,
+as it did before (`sibling_ended`). The agent itself waits `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`
 seconds (default 30) for its workers after forwarding, then kills them: a run whose checkpoint takes
 longer must raise it (the Slurm example does).
 
@@ -30,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 
 PREEMPTED_EXIT_CODE = 75  # (sysexits.h EX_TEMPFAIL) the run stopped with a checkpoint; run it again to resume
@@ -82,6 +86,8 @@ class Preemption:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signum is None:
+            if self._under_agent and signum == signal.SIGTERM and sibling_ended():
+                os._exit(128 + signum)  # torchrun ending a failed job: no step will finish
             self.signum, self._first_at = signum, time.monotonic()
             if _rank() == "0":
                 _say(f"lmforge: {name} received: stopping after this step with a checkpoint "
@@ -115,6 +121,27 @@ class Preemption:
     def signal_name(self) -> str:
         """The signal this rank received, or (a rank stopped for a peer's) `a peer's signal`."""
         return signal.Signals(self.signum).name if self.signum is not None else "a peer's signal"
+
+
+def sibling_ended() -> bool:
+    """Under torchrun: whether fewer than LOCAL_WORLD_SIZE of the agent's worker processes (this
+    one's siblings) are alive (Linux /proc; elsewhere False)."""
+    tasks = Path(f"/proc/{os.getppid()}/task")
+    if not tasks.is_dir():
+        return False
+    alive = 0
+    for children in tasks.glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            alive += state not in ("Z", "X")
+    return alive < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _say(line: str) -> None:

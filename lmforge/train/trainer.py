@@ -488,6 +488,7 @@ class Trainer:
             "the checkpoint of this step failed (see above); a rerun resumes from the last good one")
             + f" (exit code {PREEMPTED_EXIT_CODE})")
         self.log_event({"event": "preempted", "signal": name, "checkpoint": where, "message": message})
+        self.metrics.close()
         self.ckpt.close()
         self.end_together()
         raise Preempted(message, st.step, name, where)
