@@ -114,3 +114,19 @@ def test_a_failed_final_checkpoint_exits_non_zero(small_disks, corpus, tmp_path)
     assert "training reached step 4, but the last checkpoint failed (step 4: disk full (ENOSPC)" in proc.stderr
     assert not (out / SUMMARY).exists()  # not "complete": a rerun trains again and saves
     assert "disk full (ENOSPC)" in json.loads((out / FAILED_RECORD).read_text())["error"]
+
+
+@pytest.mark.slow
+def test_final_weights_that_do_not_fit_exit_non_zero(small_disks, corpus, tmp_path):  # noqa: F811
+    """The run folder on a small disk: config, tokenizer and metrics fit, the 0.5 MB weights file does
+    not (checkpoints go to the big disk). The write fails mid-file with the kernel's ENOSPC."""
+    out = tmp_path / "run"
+    args = {"checkpoint.dir": str(tmp_path / "ckpts"), "checkpoint.every_steps": 0, "checkpoint.every_minutes": 0,
+            "train.steps": 4, "train.sample_tokens": 0}
+    cmd = [sys.executable, "-m", "lmforge", "train"] + overrides(corpus, out, **args)
+    proc = subprocess.run(on_small_disk(out, "320k", cmd), capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_CHECKPOINT_FAILED, text[-3000:]
+    assert f"the final weights {out / 'model.safetensors'} could not be written (disk full (ENOSPC)" in proc.stderr
+    assert "bytes needed" in proc.stderr and "No space left on device" in proc.stderr
+    assert (tmp_path / "ckpts" / "step_00000004").is_dir()  # the final checkpoint itself is fine
