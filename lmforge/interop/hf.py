@@ -401,7 +401,7 @@ def write_hf_weights(cfg: ModelConfig, weights: WeightReader, path: Path) -> Non
 # --------------------------------------------------------------------------------------------
 
 
-HF_FILES = (HF_CONFIG, "generation_config.json", WEIGHTS, TOKENIZER, "tokenizer_config.json")
+HF_FILES = (HF_CONFIG, "generation_config.json", WEIGHTS, TOKENIZER, TOKENIZER_CONFIG)
 
 
 def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, tokenizer=None,
