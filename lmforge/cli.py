@@ -1,14 +1,14 @@
 """`lmforge` command line: one entry point, one sub-command per job.
 
     lmforge train    [--config PRESET|FILE] [--section.key value ...]
-    lmforge generate --ckpt RUN_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    lmforge generate --run RUN_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
     lmforge config   [--config PRESET|FILE] [--section.key value ...] [--docs]
     lmforge presets
     lmforge prepare  --config PREPARE.toml         (lmforge/data/cli_prepare.py)
     lmforge plan     --model PRESET --gpus 8xH100  (lmforge/plan/cli_plan.py)
-    lmforge report   RUN_DIR [RUN_DIR ...]         (lmforge/report/cli.py)
+    lmforge report   --run RUN_DIR [...]           (lmforge/report/cli.py)
     lmforge sweep    --base tiny --grid optim.lr=1e-3,3e-4  (lmforge/sweep/cli.py)
-    lmforge eval     --ckpt RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
+    lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
     lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/interop/cli.py)
     lmforge import   --hf HF_DIR --out RUN_DIR     (lmforge/interop/cli.py)
 """
@@ -22,32 +22,42 @@ import shlex
 import sys
 from pathlib import Path
 
+from lmforge import __version__
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
-from lmforge.folders import TOKENIZER
+from lmforge.folders import TOKENIZER, check_run_folder, check_writable
 
 
 TRAIN_ARGS_ENV = "LMFORGE_TRAIN_ARGS"  # overrides appended to every `lmforge train` command line
 
 
 def _setup_logging() -> None:
+    """Log lines to stdout. Under torchrun rank 0 alone prints the run's lines (distributed, config,
+    data, model, progress, final, ...); another rank prints only its warnings and errors, which are
+    about itself, prefixed with its rank."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        for handler in logging.getLogger().handlers:
+            handler.setLevel(logging.WARNING)
+            handler.setFormatter(logging.Formatter(f"rank {rank}: %(message)s"))
 
 
 def report_on_one_rank(message: str, code: int = 2) -> int:
     """Report an error that every rank of a torchrun job hits alike (a config error: every rank
-    parses the same command line) once per node instead of once per rank, and keep torchrun's
-    failure summary to one entry: local rank 0 prints `message` and returns `code` once its sibling
-    workers have ended; under torchrun the others end first, silently and with status 0, so the
+    parses the same command line) once instead of once per rank, and keep torchrun's
+    failure summary to one entry: rank 0 prints `message`, local rank 0 (on every node) returns
+    `code` once its sibling workers have ended; under torchrun the others end first, silently and with status 0, so the
     agent lists local rank 0 alone (no SIGTERM entries for the ranks it would otherwise kill).
     torchrun still exits non-zero: local rank 0 failed on every node. Without torchrun's agent
-    (TORCHELASTIC_RUN_ID unset) every rank returns `code`; only local rank 0 prints."""
+    (TORCHELASTIC_RUN_ID unset) every rank returns `code`; only rank 0 prints."""
     local_rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
     under_agent = "TORCHELASTIC_RUN_ID" in os.environ
     if local_rank != "0":
         return 0 if under_agent else code
     if under_agent:
         _wait_for_sibling_workers()
-    print(message, file=sys.stderr, flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
     return code
 
 
@@ -83,21 +93,35 @@ def _wait_for_sibling_workers(timeout_s: float = 5.0) -> None:
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    rest = rest + shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
+    extra = shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
     try:  # validate before the heavy imports; under torchrun every rank reads the same config
-        cfg = load_config(args.config, parse_cli_overrides(rest))
-    except ConfigError as exc:
+        typed = parse_cli_overrides(rest)
+        cfg = load_config(args.config, {**typed, **parse_cli_overrides(extra)})
+        check_writable(cfg.train.out_dir.format(preset=cfg.preset), "train.out_dir")
+    except ValueError as exc:  # (ConfigError included)
         return report_on_one_rank(f"config error: {exc}")
+    # what the user typed names the auto run folder (not LMFORGE_TRAIN_ARGS, a test's shortening)
+    cfg.named_by = tuple(typed.items())
+    cfg.command = train_command(args.config, rest)
+    from lmforge.ckpt.manager import EXIT_CHECKPOINT_FAILED, CheckpointFailure
     from lmforge.train import trainer_for
+    from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted
 
     try:
         result = trainer_for(cfg).fit()
+    except Preempted:  # (rank 0 logged the one line: step, checkpoint, exit code)
+        return PREEMPTED_EXIT_CODE
+    except CheckpointFailure as exc:  # (every rank alike) one line, the exit status says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"checkpoint error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CHECKPOINT_FAILED
+    except ConfigError as exc:  # every rank checks the same config against the same launch: say it once
+        return report_on_one_rank(f"config error: {exc}")
     except Exception as exc:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # name the rank (e.g. a collective timeout)
             where = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}"
             if isinstance(exc, ValueError):  # a user error (it may be one rank's): one line, no traceback
-                print(f"{where}: {'config error' if isinstance(exc, ConfigError) else 'error'}: {exc}",
-                      file=sys.stderr, flush=True)
+                print(f"{where}: error: {exc}", file=sys.stderr, flush=True)
                 return 2
             print(f"{where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise
@@ -112,19 +136,28 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def train_command(config: str, rest: list[str]) -> str:
+    """The `lmforge train` command line as typed (under torchrun: its launcher, one node)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    head = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', world)} -m lmforge train" if world > 1 \
+        else "lmforge train"
+    return " ".join([head] + ([f"--config {shlex.quote(config)}"] if config != "tiny" else []) + [shlex.quote(a) for a in rest])
+
+
 def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"unexpected arguments {rest}.")
+    check_run_folder(args.run)  # before torch is imported: a wrong path answers at once
+    tok_path = Path(args.run) / TOKENIZER
+    if not tok_path.is_file():
+        raise ValueError(f"{str(tok_path)!r} is missing: generate needs the run's tokenizer (a run imported from "
+                         f"a transformers folder without a tokenizer has none); copy the tokenizer.json the "
+                         f"model was trained with into {str(args.run)!r}.")
     from lmforge.ckpt.export import load_run
     from lmforge.data.tokenizer import Tokenizer
     from lmforge.eval.generate import stream_text
 
-    cfg, model = load_run(args.ckpt)
-    tok_path = Path(args.ckpt) / TOKENIZER
-    if not tok_path.is_file():
-        raise ValueError(f"{str(tok_path)!r} is missing: generate needs the run's tokenizer (a run imported from "
-                         f"a transformers folder without a tokenizer has none); copy the tokenizer.json the "
-                         f"model was trained with into {str(args.ckpt)!r}.")
+    cfg, model = load_run(args.run)
     tokenizer = Tokenizer.load(tok_path)
     print(args.prompt, end="", flush=True)
     for piece in stream_text(model, tokenizer, args.prompt, args.max_tokens, stop=[args.stop] if args.stop else None,
@@ -193,6 +226,7 @@ config overrides (lmforge train, config and sweep):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmforge", description="Train and use decoder-only language models.",
                                      epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model (default: the tiny preset on the embedded corpus)",
                        description="Train a model: a preset or TOML file, plus any config key set on the command "
@@ -201,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "`lmforge presets` lists the presets)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("generate", help="sample text from a trained run folder")
-    p.add_argument("--ckpt", "--run", dest="ckpt", required=True, help="run folder written by `lmforge train`")
+    p.add_argument("--run", "--ckpt", dest="run", metavar="RUN_DIR", required=True,
+                   help="run folder written by `lmforge train` (--ckpt: its old name)")
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -254,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop's handlers (imports, set-up of other commands)
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ one atomic write, one checksum, one token-shard manifest.
       report/          REPORT            dataset.json (DATASET_RECORD), tokenizer.json, train/, val/
       tb/              TENSORBOARD
       profile/         PROFILE         transformers model folder: config.json (HF_CONFIG), model.safetensors,
-                                         tokenizer.json, ...
+      run.json         RUN_RECORD        tokenizer.json, ...
+      failed.json      FAILED_RECORD
 
 The kinds share file names (model.safetensors, tokenizer.json), so writing one kind into another
 destroys it: `folder_kind` tells them apart by the one file that marks each. A folder written
@@ -46,6 +47,8 @@ CHECKPOINTS = "checkpoints"
 REPORT = "report"
 TENSORBOARD = "tb"
 PROFILE = "profile"
+RUN_RECORD = "run.json"  # the run's identity: {"run_id": uuid4 hex, "created": ...}; its S3 backup is keyed by it
+FAILED_RECORD = "failed.json"  # why the last attempt stopped without protecting its work (a full disk, ...)
 RUN_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what `lmforge import` writes: a run that loads
 
 # ---- prepared dataset / token shards -------------------------------------------------------
@@ -100,6 +103,127 @@ def check_target(folder: str | Path, own_kind: str, writes: tuple[str, ...], key
     if existing and not overwrite:
         raise ValueError(f"{key} = {str(folder)!r} already holds {', '.join(existing)}; choose an empty or new "
                          f"{key}, or pass --force to replace them.")
+
+
+# ---- run identity ----------------------------------------------------------------------------
+
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def new_run_id() -> str:
+    """A fresh run id (uuid4, 32 hex digits)."""
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def read_run_id(folder: str | Path) -> str | None:
+    """The run id recorded in run folder `folder` (RUN_RECORD), or None when it has none: a new
+    folder, one written before run ids existed, or a damaged record (the run then gets a new id,
+    and a backup under the old one is another run's until adopted: checkpoint.s3_adopt)."""
+    try:
+        rec = json.loads((Path(folder) / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    rid = rec.get("run_id") if isinstance(rec, dict) else None
+    return rid if isinstance(rid, str) and RUN_ID.match(rid) else None
+
+
+def write_run_record(folder: str | Path, run_id: str) -> None:
+    """Record `run_id` in run folder `folder` (atomically)."""
+    import datetime
+
+    atomic_write_json(Path(folder) / RUN_RECORD, {
+        "run_id": run_id, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+
+
+def record_failure(folder: str | Path, step: int, error: str) -> bool:
+    """Record in run folder `folder` (FAILED_RECORD) why the run stopped without protecting its work
+    at `step` (best effort: on a full disk even this may not fit; False then)."""
+    import datetime
+
+    try:
+        atomic_write_json(Path(folder) / FAILED_RECORD, {
+            "step": int(step), "error": error,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        return True
+    except OSError:
+        return False
+
+
+def read_failure(folder: str | Path) -> dict | None:
+    """The record `record_failure` left in run folder `folder`, or None."""
+    try:
+        rec = json.loads((Path(folder) / FAILED_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def check_writable(folder: str | Path, key: str) -> None:
+    """Refuse, before any work, a folder (named by `key` in the message) that cannot be made or
+    written: a path through a file, or a folder (or the nearest existing parent of a new one)
+    without write permission. '~' and $VARS are expanded first. ValueError names the path and key."""
+    path = Path(os.path.expandvars(str(folder))).expanduser()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is a file" if probe == path else f"would go inside {str(probe)!r}, which is a file"
+        raise ValueError(f"{key} = {str(folder)!r} {where}; give a folder path.")
+    try:  # (a real write: permission bits say nothing to root, nor about read-only mounts)
+        os.rmdir(tempfile.mkdtemp(dir=probe, prefix=".lmforge-write-check-"))
+    except OSError as exc:
+        where = "" if probe == path else f" (nothing can be created in {str(probe)!r})"
+        raise ValueError(f"{key} = {str(folder)!r} is not writable{where}: {exc.strerror}; give a folder you "
+                         f"can write.") from None
+
+
+def check_run_folder(run_dir: str | Path, has_checkpoint: Callable[[Path], bool] | None = None) -> Path:
+    """`run_dir` as a Path if it is an lmforge run folder (config.toml + model.safetensors), else a
+    ValueError that says what the path is: missing (with close names beside it), a file, another
+    kind of folder (a transformers folder: `lmforge import` it first), a folder of runs (a sweep),
+    or a run that has not finished (given `has_checkpoint`: and has no checkpoint it accepts either).
+    Standard library only: a command checks its folder before it imports torch."""
+    run_dir = Path(run_dir)
+    shown = str(run_dir)
+    if not run_dir.exists():
+        parent = run_dir.parent
+        hint = ""
+        if not parent.exists():
+            hint = f" (nor does {str(parent)!r})"
+        elif parent.is_dir():
+            import difflib
+
+            names = [p.name for p in parent.iterdir() if p.is_dir()]
+            close = difflib.get_close_matches(run_dir.name, names, n=3, cutoff=0.6)
+            if close:
+                hint = " (did you mean " + " or ".join(repr(str(parent / c)) for c in close) + "?)"
+        raise ValueError(f"run folder {shown!r} does not exist{hint}; give the folder `lmforge train` wrote "
+                         f"(its train.out_dir, e.g. runs/tiny).")
+    if run_dir.is_file():
+        fix = (f"give its folder {str(run_dir.parent)!r}" if run_dir.name in (CONFIG, WEIGHTS)
+               else "give the folder `lmforge train` wrote (its train.out_dir)")
+        raise ValueError(f"{shown!r} is a file, not a run folder; {fix}.")
+    kind = folder_kind(run_dir)
+    if kind == "transformers":
+        raise ValueError(f"{shown!r} is {describe_kind(kind)}, not an lmforge run folder; turn it into one with "
+                         f"`lmforge import --hf {shown} --out RUN_DIR`, then use RUN_DIR.")
+    if kind in ("prepared", "shards"):
+        raise ValueError(f"{shown!r} is {describe_kind(kind)}, not an lmforge run folder; give the folder "
+                         f"`lmforge train` wrote (its train.out_dir).")
+    if kind is None:
+        runs = sorted(p.parent.name for p in run_dir.glob(f"*/{CONFIG}"))
+        inside = (f"; it holds run folders ({', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''}): "
+                  f"give one of them, e.g. {str(run_dir / runs[0])!r}" if runs else
+                  "; give the folder `lmforge train` wrote (its train.out_dir)")
+        raise ValueError(f"{shown!r} is not an lmforge run folder: it has no {CONFIG}{inside}.")
+    if not (run_dir / WEIGHTS).is_file() and not (has_checkpoint is not None and has_checkpoint(run_dir)):
+        raise ValueError(f"{shown!r} has no {WEIGHTS}: training writes it when the run finishes (or "
+                         f"`lmforge import` for an imported model); finish the run with the same "
+                         f"`lmforge train` command, which resumes from its newest checkpoint.")
+    return run_dir
+
 
 
 # ---- checksums --------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 from lmforge.ckpt.manager import list_checkpoints
 from lmforge.ckpt.s3 import S3Backup
 from lmforge.config import load_config
+from lmforge.folders import RUN_RECORD, read_run_id
 from lmforge.train.trainer import Trainer
 from tests.test_ckpt import SMALL, events, weights
 
@@ -66,13 +67,16 @@ def test_backup_upload_verify_prune_and_restore(small_data, tmp_path, s3_server,
     ref = weights(straight.model)
 
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=name)["Contents"])
-    remote = sorted({k.split("/")[3] for k in keys})
+    base = f"team/exp/run/{read_run_id(out)}/"  # <prefix>/<run name>/<run id>/
+    assert all(k.startswith(base) for k in keys)
+    remote = sorted({k[len(base):].split("/")[0] for k in keys} - {RUN_RECORD})
     local = sorted(p.name for _, p in list_checkpoints(out / "checkpoints"))
     assert remote == local == ["step_00000008", "step_00000012"]  # pruned like the local folder
-    assert all(k.startswith("team/exp/run/") for k in keys)
-    meta = json.loads(client.get_object(Bucket=name, Key="team/exp/run/step_00000012/meta.json")["Body"].read())
+    owner = json.loads(client.get_object(Bucket=name, Key=base + RUN_RECORD)["Body"].read())
+    assert owner["run_id"] == read_run_id(out) and owner["out_dir"] == str(out)
+    meta = json.loads(client.get_object(Bucket=name, Key=f"{base}step_00000012/meta.json")["Body"].read())
     shard = next(f for f in meta["files"] if f.endswith(".distcp"))
-    head = client.head_object(Bucket=name, Key=f"team/exp/run/step_00000012/{shard}")
+    head = client.head_object(Bucket=name, Key=f"{base}step_00000012/{shard}")
     assert head["Metadata"]["sha256"] == meta["files"][shard]["sha256"]
     done = [e["event"] for e in events(out) if e["event"].startswith("backup")]
     # each checkpoint backed up, or (an upload slower than the rotation: seen under CI load) skipped
@@ -123,7 +127,7 @@ def test_incomplete_remote_checkpoint_is_not_restored(small_data, tmp_path, s3_s
     out = tmp_path / "run"
     Trainer(load_config("tiny", {**SMALL, **s3, "train.steps": 8}), out_dir=out, data=small_data).fit()
     shutil.rmtree(out / "checkpoints")
-    prefix = "lmforge/run/"
+    prefix = f"lmforge/run/{read_run_id(out)}/"
     client.delete_object(Bucket=name, Key=prefix + "step_00000008/meta.json")
     meta = json.loads(client.get_object(Bucket=name, Key=prefix + "step_00000004/meta.json")["Body"].read())
     shard = next(f for f in meta["files"] if f.endswith(".distcp"))

@@ -51,8 +51,13 @@ def test_loglikelihood_rolling_scores_every_token_after_eos(lm):
 
 def test_generate_until_stops_at_until_and_matches_greedy_generation(lm):
     full = generate_text(lm.model, lm.tokenizer, "the cat", 30, temperature=0.0)
-    (cut,) = lm.generate_until([("the cat", {"until": ["park"], "max_gen_toks": 30})])
-    assert cut == full[:full.index("park")]
+    # the stop string comes from the greedy text itself (what a trained model writes depends on the
+    # machine): two characters from its second half, so the cut keeps some text and drops some
+    assert len(full.strip()) >= 4, full
+    at = next(i for i in range(len(full) // 2, len(full)) if not full[i].isspace())
+    stop = full[at:at + 2]
+    (cut,) = lm.generate_until([("the cat", {"until": [stop], "max_gen_toks": 30})])
+    assert cut == full[:full.index(stop)]
     (plain,) = lm.generate_until([SimpleNamespace(args=("the cat", {"max_gen_toks": 30}))])
     assert plain == full
 

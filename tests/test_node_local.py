@@ -6,7 +6,8 @@ cache (LMFORGE_CACHE) and run folder (train.out_dir = $NODE_DIR/run), FSDP over 
 * With one (a local moto server): each node's local rank 0 prepares its own copy of the default
   corpus; every node keeps its own shards and backs them up; the job is SIGKILLed once a complete
   checkpoint is in S3; a new job resumes on both nodes (each fetches the other's shards); with both
-  run folders deleted, a third job restores from S3 alone and trains on.
+  run folders deleted, a third job adopts the backup (checkpoint.s3_adopt), restores from S3 alone and
+  trains on.
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ def test_node_local_disks_checkpoint_through_s3_and_resume(tmp_path, s3_server, 
     step_40 = tmp_path / "n1" / "run" / "checkpoints" / "step_00000040"  # written after the resume: node 1's own
     assert (step_40 / "__1_0.distcp").is_file() and not (step_40 / "__0_0.distcp").is_file()
 
-    # 4. both run folders gone: restored from S3 alone, trains on to 44
+    # 4. both run folders gone (and with them the run id that keys the backup): the backup is adopted on
+    # purpose (checkpoint.s3_adopt), restored from S3 alone, and the run trains on to 44
     for n in (0, 1):
         shutil.rmtree(tmp_path / f"n{n}" / "run")
-    (log0, rc0), (log1, rc1) = both(tmp_path, s3 + ["--train.steps", "44"])
+    (log0, rc0), (log1, rc1) = both(tmp_path, s3 + ["--train.steps", "44", "--checkpoint.s3_adopt", "true"])
     assert rc0 == 0 and rc1 == 0, log0[-3000:] + log1[-3000:]
     assert "resumed from" in log1 and "step_00000040: step 40" in log1
     assert json.loads((tmp_path / "n0" / "run" / "summary.json").read_text())["steps"] == 44

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.config import ConfigError, load_config
-from lmforge.model.loss import linear_cross_entropy_sum
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
 from lmforge.parallel.activation_ckpt import saved_activation_bytes
 from tests.test_train import SMALL, grads, make_trainer
 
@@ -32,6 +34,82 @@ def test_linear_cross_entropy_matches_plain_loss_and_grads(chunk):
     torch.testing.assert_close(gh, gh_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-6)
     assert gh[0, :5].abs().max() == 0
+
+
+def _plain_and_fused(h, w, y, chunk, dtype):
+    """(loss, grad h, grad w) of the plain path (logits, token_nll_sum) and of the fused one, both
+    under the autocast the trainer uses (`dtype` bf16) or none (fp32)."""
+    out = []
+    for fused in (False, True):
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = linear_cross_entropy_sum(hh, ww, y, chunk) if fused else token_nll_sum(hh @ ww.t(), y)
+        (loss * 0.37).backward()
+        out.append((loss.detach(), hh.grad, ww.grad))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_loss_matches_the_plain_path_in_fp32_and_bf16_autocast(dtype):
+    """Loss and the gradients of the head weight and of the hidden states, ignored targets (-100)
+    included, against the plain logits path under the same precision. bf16: both compute the same
+    bf16 logits and upcast them; the gradient matmuls run in bf16 in both paths."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 40, 64, generator=g)
+    w = 0.05 * torch.randn(1000, 64, generator=g)
+    y = torch.randint(0, 1000, (3, 40), generator=g)
+    y[1, 7:30] = -100
+    (loss_p, gh_p, gw_p), (loss_f, gh_f, gw_f) = _plain_and_fused(h, w, y, 32, dtype)
+    assert loss_f.dtype == torch.float32 and gh_f.dtype == h.dtype and gw_f.dtype == w.dtype
+    assert gh_f[1, 7:30].abs().max() == 0 and gh_p[1, 7:30].abs().max() == 0
+    tol = dict(rtol=1e-6, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(loss_f, loss_p, **tol)
+    gtol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-4)
+    torch.testing.assert_close(gh_f, gh_p, **gtol)
+    torch.testing.assert_close(gw_f, gw_p, **gtol)
+    for a, b in ((gh_f, gh_p), (gw_f, gw_p)):  # gradient norms agree (bf16: to bf16 rounding)
+        assert abs(a.norm() / b.norm() - 1) < (1e-6 if dtype == torch.float32 else 5e-3)
+
+
+def test_fused_head_loss_with_every_target_ignored_is_zero():
+    h = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    loss = linear_cross_entropy_sum(h, w, torch.full((8,), -100), 3)
+    loss.backward()
+    assert loss.item() == 0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_loss_never_makes_a_tokens_by_vocab_tensor(dtype):
+    """Forward and backward of the fused loss create no tensor larger than one chunk of logits
+    (chunk x vocab); the plain path creates [tokens, vocab] ones (the check can fail)."""
+    tokens, vocab, chunk = 256, 512, 64
+    h = torch.randn(tokens, 32, requires_grad=True)
+    w = torch.randn(vocab, 32, requires_grad=True)
+    y = torch.randint(0, vocab, (tokens,))
+    sizes = {}
+    for name, f in (("plain", lambda: token_nll_sum(h @ w.t(), y)),
+                    ("fused", lambda: linear_cross_entropy_sum(h, w, y, chunk))):
+        with _LargestTensor() as mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            f().backward()
+        sizes[name] = mode.largest
+    assert sizes["plain"] >= tokens * vocab
+    assert sizes["fused"] <= chunk * vocab, sizes
 
 
 def test_linear_cross_entropy_only_needed_grads():

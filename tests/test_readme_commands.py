@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,7 @@ def test_every_readme_command_runs(tmp_path):
                  "Evaluate, fine-tune, and interoperate with Hugging Face", "Watching runs, reports and sweeps"):
         assert must in headings, headings
     fixtures(tmp_path)
+    trained: dict[str, Path] = {}  # the argument string of each training line run so far -> its run folder
     env = {**os.environ, "LMFORGE_TRAIN_ARGS": BRIEF, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     for heading, script in blocks:
@@ -84,7 +86,7 @@ def test_every_readme_command_runs(tmp_path):
         if "lmforge import --hf path/to/qwen2.5" in script:  # the walk-through's stand-in and text
             make_qwen_standin(tmp_path / "path/to/qwen2.5")
             write_my_text(tmp_path)
-        if "lmforge report runs/a runs/b" in script:  # two runs to compare
+        if "lmforge report --run runs/a --run runs/b" in script:  # two runs to compare
             for name in ("a", "b"):
                 subprocess.run(["cp", "-r", "runs/tiny", f"runs/{name}"], cwd=tmp_path, check=True)
         t0 = time.time()
@@ -92,6 +94,7 @@ def test_every_readme_command_runs(tmp_path):
                               timeout=900)
         print(f"{time.time() - t0:6.1f} s  {heading}")
         assert proc.returncode == 0, f"README section {heading!r}:\n{script}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        check_training_lines(tmp_path, script, proc.stdout, trained)
     # what the commands made: the runs, the export, the report, the sweeps
     assert (tmp_path / "runs" / "tiny" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "tiny" / "config.json").is_file()
@@ -99,6 +102,40 @@ def test_every_readme_command_runs(tmp_path):
     assert (tmp_path / "hf" / "qwen-cpt" / "model.safetensors").is_file()  # the walk-through's export
     assert (tmp_path / "runs" / "tiny" / "report" / "index.html").is_file()
     assert json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())["steps"] == 10
+    assert len(set(trained.values())) >= 20, trained  # every layout line trained a run of its own
+    for folder in re.findall(r"`(runs/sweep-[^`/]+)`", (ROOT / "README.md").read_text()):  # the sweep folders it names
+        if "<" not in folder:
+            assert (tmp_path / folder / "results.json").is_file(), (folder, sorted(os.listdir(tmp_path / "runs")))
+
+
+def check_training_lines(cwd: Path, script: str, stdout: str, trained: dict[str, Path]) -> None:
+    """Each `lmforge train` line of a block trained a run of its own: the N-th `run folder:` line of the
+    block's output is the N-th training line's; that folder is new (no earlier line's), its config
+    has the layout the line asks for, and its summary the steps taken. A line identical to an
+    earlier one continues that line's folder (here: finds it complete and says so)."""
+    from lmforge.config import parse_cli_overrides
+
+    lines = [line.split("lmforge train", 1)[1].split("#")[0].strip() for line in script.splitlines()
+             if "lmforge train" in line and not line.lstrip().startswith("#")]
+    segments = re.split(r"^run folder: (.+)$", stdout, flags=re.M)  # output, folder, output, folder, ...
+    folders, outputs = segments[1::2], segments[0::2]
+    assert len(folders) == len(lines), (lines, stdout[-3000:])
+    for args, folder, output in zip(lines, folders, outputs):
+        folder = Path(folder)
+        if args in trained:
+            assert folder == trained[args] and "nothing trained:" in output, (args, folder, output[-2000:])
+            continue
+        assert "nothing trained" not in output and folder not in trained.values(), (args, folder, output[-2000:])
+        trained[args] = folder
+        argv = args.split()
+        if "--config" in argv:
+            del argv[argv.index("--config"):argv.index("--config") + 2]
+        with open(cwd / folder / "config.toml", "rb") as fh:
+            saved = tomllib.load(fh)
+        for key, value in parse_cli_overrides(argv).items():
+            if key.startswith("parallel."):
+                assert saved["parallel"][key.split(".", 1)[1]] == value, (args, key, saved["parallel"])
+        assert json.loads((cwd / folder / "summary.json").read_text())["steps"] == 10, (args, folder)
 
 
 def readme_train_lines() -> list[tuple[int, str]]:

@@ -57,3 +57,54 @@ def test_a_changed_command_gets_its_own_default_folder(small_data, tmp_path, mon
                     data=small_data)
     again.fit()
     assert again.out_dir == Path("runs/tiny-lr0.001-steps8") and again.finished
+
+
+def test_the_auto_folder_name_carries_every_typed_override_layout_keys_included():
+    from lmforge.train.components import auto_folder_name
+
+    assert auto_folder_name("tiny", ()) == "tiny"
+    assert auto_folder_name("tiny", (("parallel.dp_replicate", 2),)) == "tiny-dp_replicate2"
+    typed = (("parallel.dp_shard", 2), ("parallel.zero_stage", 1), ("optim.lr", 1e-3), ("train.progress", "lines"),
+             ("checkpoint.resume", "none"), ("train.out_dir", "x"))  # how it prints / resumes: not in the name
+    assert auto_folder_name("tiny", typed) == "tiny-dp_shard2-zero_stage1-lr0.001"
+    many = tuple((f"model.key{i}", i) for i in range(30))
+    name = auto_folder_name("tiny", many)
+    assert len(name) <= 90 and name != auto_folder_name("tiny", many[:-1])  # cut, with a digest of them all
+
+
+def test_a_typed_layout_trains_its_own_folder_and_the_same_command_continues_it(small_data, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """`--parallel.dp_replicate 2` used to land in the finished runs/tiny and only report it."""
+    monkeypatch.chdir(tmp_path)
+    Trainer(load_config("tiny", SMALL), data=small_data).fit()
+    cfg = load_config("tiny", {**SMALL, "parallel.dp_replicate": 1})
+    cfg.named_by, cfg.command = (("parallel.dp_replicate", 1),), "lmforge train --parallel.dp_replicate 1"
+    first = Trainer(cfg, data=small_data)
+    first.fit()
+    assert first.out_dir == Path("runs/tiny-dp_replicate1") and not first.finished
+    again = Trainer(cfg, data=small_data)
+    with caplog.at_level("INFO", logger="lmforge.train"):
+        again.fit()
+    assert again.out_dir == first.out_dir and again.finished
+    said = [r.getMessage() for r in caplog.records if "nothing trained" in r.getMessage()]
+    steps = SMALL["train.steps"]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert said[0].startswith(f"nothing trained: runs/tiny-dp_replicate1 holds this run, already complete ({steps} "
+                              f"of {steps} steps"), said
+    assert said[0].endswith(f"Train it further: lmforge train --parallel.dp_replicate 1 --train.out_dir "
+                            f"runs/tiny-dp_replicate1 --train.steps {2 * steps}; start it over: lmforge train "
+                            f"--parallel.dp_replicate 1 --checkpoint.resume none"), said
+
+
+def test_a_refused_resume_answers_before_any_data_or_hardware_work(finished, monkeypatch):
+    """The incompatible-checkpoint error came after data preparation and the precision probe (13-18 s)."""
+    import lmforge.train.trainer as trainer_module
+
+    def too_early(*args, **kwargs):
+        raise AssertionError("data or precision work before the config was checked against the checkpoint")
+
+    monkeypatch.setattr(trainer_module.Trainer, "prepare_data", too_early)
+    monkeypatch.setattr(trainer_module.Trainer, "decide_precision", too_early)
+    monkeypatch.setattr(trainer_module, "build_loaders", too_early)
+    with pytest.raises(ConfigError, match="incompatible with this config .*model.n_layers"):
+        Trainer(load_config("tiny", {**SMALL, "model.n_layers": 3}), out_dir=finished).fit()

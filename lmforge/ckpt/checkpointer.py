@@ -44,7 +44,8 @@ log = logging.getLogger("lmforge.ckpt")
 _HARMLESS_MODEL_KEYS = ("dropout", "init_std")
 
 
-def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callable[[dict], None]) -> CheckpointManager:
+def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callable[[dict], None],
+                    run_id: str = "") -> CheckpointManager:
     """The run's checkpoint manager (every rank): folder, rotation, validation, S3 backup, and a gloo
     group of its own for the collectives of its background thread (they must never interleave with
     the training collectives), plus a second one on which the other ranks wait for rank 0's (or the
@@ -53,7 +54,11 @@ def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callab
 
     When the ranks do not share the checkpoint folder (node-local disks, found by a probe file), a
     checkpoint can only be resumed through the S3 backup, so checkpoint.s3_bucket is then required
-    (a ConfigError names the two keys otherwise); each node's local rank 0 then backs its files up."""
+    (a ConfigError names the two keys otherwise); each node's local rank 0 then backs its files up.
+
+    `run_id` (the same on every rank) keys the run's S3 objects; rank 0 checks that the bucket holds
+    no other run's backup under the run's folder name (`S3Backup.claim`), or adopts it when
+    checkpoint.s3_adopt says so: the manager's `run_id` is then the adopted run's, on every rank."""
     c = cfg.checkpoint
     root = Path(os.path.expandvars(c.dir)).expanduser() if c.dir else Path(out_dir) / CHECKPOINTS
     pg = wait_pg = None
@@ -72,23 +77,32 @@ def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callab
         from lmforge.ckpt.s3 import S3Backup
 
         try:
-            backup = S3Backup(c.s3_bucket, c.s3_prefix, Path(out_dir).name, c.s3_endpoint, on_event=on_event)
+            backup = S3Backup(c.s3_bucket, c.s3_prefix, Path(out_dir).name, c.s3_endpoint, on_event=on_event,
+                              run_id=run_id, out_dir=os.path.abspath(out_dir))
             backup.check()
+            if info.rank == 0:
+                run_id = backup.claim(adopt=c.s3_adopt)
         except ConfigError as e:
             problem[0] = str(e)
     if pg is not None and c.s3_bucket:  # every rank stops with the first verdict (no rank left waiting)
         verdicts: list[Any] = [None] * info.world_size
-        dist.all_gather_object(verdicts, problem[0], group=pg)
-        problem[0] = next((v for v in verdicts if v), None)
+        dist.all_gather_object(verdicts, (problem[0], run_id), group=pg)
+        problem[0] = next((v for v, _ in verdicts if v), None)
+        run_id = verdicts[0][1]  # rank 0's claim (an adopted run's id)
+        if backup is not None:
+            backup.run_id = run_id
     if problem[0]:
         raise ConfigError(problem[0])
     if node_local and info.rank == 0:
         log.info("checkpoint: %s is node-local (not shared by every rank): each node keeps its shards and backs "
                  "them up to s3://%s; a resume restores from there", root, c.s3_bucket)
-    return CheckpointManager(root, rank=info.rank, world_size=info.world_size, async_save=c.async_save,
-                             validate=c.validate, keep_last=c.keep_last, keep_every=c.keep_every, backup=backup,
-                             process_group=pg, wait_group=wait_pg, timeout_s=cfg.parallel.timeout_s,
-                             on_event=on_event, local_rank=info.local_rank, node_local=node_local)
+    manager = CheckpointManager(root, rank=info.rank, world_size=info.world_size, async_save=c.async_save,
+                                validate=c.validate, keep_last=c.keep_last, keep_every=c.keep_every, backup=backup,
+                                process_group=pg, wait_group=wait_pg, timeout_s=cfg.parallel.timeout_s,
+                                on_event=on_event, local_rank=info.local_rank, node_local=node_local,
+                                max_failed_saves=c.max_failed_saves)
+    manager.run_id = run_id
+    return manager
 
 
 def save_states(manager: CheckpointManager, step: int, states: Mapping[str, Stateful], meta: dict[str, Any]) -> None:

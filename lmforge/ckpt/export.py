@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from lmforge.ckpt.streaming import safetensors_writer
 from lmforge.config import Config, ModelConfig, load_config
-from lmforge.folders import CHECKPOINTS, CONFIG, WEIGHTS, atomic_path, describe_kind, folder_kind
+from lmforge import folders
+from lmforge.folders import CHECKPOINTS, CONFIG, WEIGHTS, atomic_path
 from lmforge.model.transformer import Transformer, build_model
 
 
@@ -102,48 +103,10 @@ def load_weights(model: Transformer, path: Path) -> None:
 
 
 def check_run_folder(run_dir: str | Path, checkpoint_ok: bool = False) -> Path:
-    """`run_dir` as a Path if it is an lmforge run folder (config.toml + model.safetensors), else a
-    ValueError that says what the path is: missing (with close names beside it), a file, another
-    kind of folder (a transformers folder: `lmforge import` it first), a folder of runs (a sweep),
-    or a run that has not finished (with `checkpoint_ok`: and has no valid checkpoint either)."""
-    run_dir = Path(run_dir)
-    shown = str(run_dir)
-    if not run_dir.exists():
-        parent = run_dir.parent
-        hint = ""
-        if not parent.exists():
-            hint = f" (nor does {str(parent)!r})"
-        elif parent.is_dir():
-            import difflib
-
-            names = [p.name for p in parent.iterdir() if p.is_dir()]
-            close = difflib.get_close_matches(run_dir.name, names, n=3, cutoff=0.6)
-            if close:
-                hint = " (did you mean " + " or ".join(repr(str(parent / c)) for c in close) + "?)"
-        raise ValueError(f"run folder {shown!r} does not exist{hint}; give the folder `lmforge train` wrote "
-                         f"(its train.out_dir, e.g. runs/tiny).")
-    if run_dir.is_file():
-        fix = (f"give its folder {str(run_dir.parent)!r}" if run_dir.name in (CONFIG, WEIGHTS)
-               else "give the folder `lmforge train` wrote (its train.out_dir)")
-        raise ValueError(f"{shown!r} is a file, not a run folder; {fix}.")
-    kind = folder_kind(run_dir)
-    if kind == "transformers":
-        raise ValueError(f"{shown!r} is {describe_kind(kind)}, not an lmforge run folder; turn it into one with "
-                         f"`lmforge import --hf {shown} --out RUN_DIR`, then use RUN_DIR.")
-    if kind in ("prepared", "shards"):
-        raise ValueError(f"{shown!r} is {describe_kind(kind)}, not an lmforge run folder; give the folder "
-                         f"`lmforge train` wrote (its train.out_dir).")
-    if kind is None:
-        runs = sorted(p.parent.name for p in run_dir.glob(f"*/{CONFIG}"))
-        inside = (f"; it holds run folders ({', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''}): "
-                  f"give one of them, e.g. {str(run_dir / runs[0])!r}" if runs else
-                  "; give the folder `lmforge train` wrote (its train.out_dir)")
-        raise ValueError(f"{shown!r} is not an lmforge run folder: it has no {CONFIG}{inside}.")
-    if not (run_dir / WEIGHTS).is_file() and not (checkpoint_ok and newest_checkpoint(run_dir) is not None):
-        raise ValueError(f"{shown!r} has no {WEIGHTS}: training writes it when the run finishes (or "
-                         f"`lmforge import` for an imported model); finish the run with the same "
-                         f"`lmforge train` command, which resumes from its newest checkpoint.")
-    return run_dir
+    """`folders.check_run_folder`, a run that has not finished accepted (with `checkpoint_ok`) when
+    it has a valid checkpoint."""
+    return folders.check_run_folder(run_dir, has_checkpoint=(lambda d: newest_checkpoint(d) is not None)
+                                    if checkpoint_ok else None)
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Config, Transformer]:

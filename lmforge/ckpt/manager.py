@@ -15,8 +15,12 @@ Save (every rank calls it; collectives inside):
      validates (re-hash + test load) -> rotates older checkpoints (keep-last-N + keep-every-M) ->
      uploads to S3 (if configured).
 A crash at any point leaves either the complete new checkpoint or only a `.tmp` folder; older
-checkpoints are deleted only after a newer one passed validation. A failed write (disk full, ...)
-is logged, its `.tmp` removed, and training goes on.
+checkpoints are deleted only after a newer one passed validation. A failed write is logged, its
+`.tmp` removed, and training goes on, but not for long: the error names its cause (a full disk:
+ENOSPC, the bytes free and the bytes the checkpoint needs; the free space is also checked before
+writing, so a checkpoint that cannot fit is not attempted), a save after a failed one is waited for
+(so the count is known at once), and `max_failed_saves` consecutive failures stop the run with
+CheckpointFailure (the command exits EXIT_CHECKPOINT_FAILED) instead of training on unprotected.
 
 Waiting for the leader (ARCHITECTURE.md, "Collectives"). Work that grows with the checkpoint runs
 on rank 0 (or each node's leader) alone: validating a new checkpoint (re-hash + test load), finding
@@ -33,6 +37,7 @@ every rank counts a failed validation alike and the manager's collectives stay i
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -65,6 +70,66 @@ TRAINER_STATE = "trainer_state.json"
 FORMAT = 1
 LEADER_BYTES_PER_S = 25e6  # a leader reads checkpoint files at least this fast (a slow network file system)
 WAIT_GROUP_TIMEOUT = datetime.timedelta(days=7)  # the wait group's own limit (each wait sets a shorter one)
+
+
+EXIT_CHECKPOINT_FAILED = 74  # `lmforge train`'s exit status when checkpoints fail (sysexits EX_IOERR)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointFailure(RuntimeError):
+    """The run's work is no longer protected: `max_failed_saves` checkpoints in a row failed, or the
+    final checkpoint or final weights could not be written. `lmforge train` exits with
+    EXIT_CHECKPOINT_FAILED."""
+
+
+def _errors(exc: BaseException | None):
+    """`exc` and every error inside it: DCP's CheckpointException holds each rank's in `failures`
+    ({rank: (error, traceback)}), others chain theirs (__cause__, __context__)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        for item in (getattr(e, "failures", None) or {}).values():
+            todo.append(item[0] if isinstance(item, tuple) else item)
+        todo += [e.__cause__, e.__context__]
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes free to this user on the file system of `folder` (or of its nearest existing parent)."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def disk_full_message(folder: Path, needed: int, free: int | None, code: str = "ENOSPC") -> str:
+    have = "an unknown number of bytes" if free is None else f"{free:,} bytes"
+    return (f"disk full ({code}): {have} free on the file system of {folder}, {needed:,} bytes needed; free "
+            f"space there, or move the folder to a larger disk (checkpoint.dir for checkpoints)")
+
+
+def describe_write_error(exc: BaseException, folder: Path, needed: int, free: int | None) -> str:
+    """One line saying why writing `needed` bytes into `folder` failed: a full disk (an ENOSPC /
+    EDQUOT anywhere inside `exc`, or less space free before the write than it needed: a short write
+    can surface as another error, e.g. torch.save's 'unexpected pos') with the bytes free and needed,
+    else the innermost error. `free`: the bytes free before the write."""
+    full = next((e for e in _errors(exc) if isinstance(e, OSError) and e.errno in DISK_FULL), None)
+    inner = full or exc
+    while getattr(inner, "failures", None):  # DCP's CheckpointException: the first rank's own error
+        item = next(iter(inner.failures.values()))
+        inner = item[0] if isinstance(item, tuple) else item
+    cause = f"{type(inner).__name__}: {' '.join(str(inner).split())}"
+    if full is not None or (free is not None and free < needed):
+        code = errno.errorcode.get(full.errno, "ENOSPC") if full is not None else "ENOSPC, from the free space"
+        return f"{disk_full_message(folder, needed, free, code)} ({cause})"
+    return cause
 
 
 def leader_wait_s(nbytes: float, timeout_s: float) -> float:
@@ -171,7 +236,7 @@ class CheckpointManager:
                  validate: bool = True, keep_last: int = 2, keep_every: int = 0,
                  backup: "Any | None" = None, process_group: Any = None, wait_group: Any = None,
                  timeout_s: float = 600.0, on_event: Callable[[dict], None] | None = None, local_rank: int = 0,
-                 node_local: bool = False):
+                 node_local: bool = False, max_failed_saves: int = 3):
         self.root = Path(root)
         self.rank, self.world_size = rank, world_size
         self.node_local = node_local
@@ -192,6 +257,10 @@ class CheckpointManager:
         self.last_save: dict[str, Any] = {}
         self.saves = 0
         self.failures = 0
+        self.consecutive_failures = 0  # failed saves since the last good one (the same count on every rank)
+        self.max_failed_saves = max_failed_saves  # this many in a row stop the run (0 = never)
+        self.last_error = ""  # why the last failed save failed
+        self._space: tuple[int, int | None] = (0, None)  # the save in flight: bytes needed, bytes free before it
         self._prepared = False
 
     def prepare(self) -> None:
@@ -278,17 +347,27 @@ class CheckpointManager:
         t0 = time.perf_counter() if started is None else started
         self.prepare()
         self.wait()
+        self.check_failures()
         tmp = self.root / (step_name(step) + ".tmp")
-        if self.leader:
+        needed = self._expected_bytes(tensors)
+        free = free_bytes(self.root) if self.leader else None
+        fits = free is None or free >= needed
+        if self.leader and fits:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        self._barrier()
+        if self.distributed:  # (a barrier too: the folder exists) every rank skips a save that cannot fit
+            flag = torch.tensor([1 if fits else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
+            fits = bool(flag.item())
+        self._space = (needed, free)
         writer = FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
         started = time.time()
         future: Future | None = None
         error: BaseException | None = None
         write = None
         try:
+            if not fits:  # (checked before writing: nothing is written, nothing half-written to clean up)
+                raise OSError(errno.ENOSPC, "not written: the free space checked before writing is too small")
             if not self.async_save:
                 dcp.save(tensors, storage_writer=writer, process_group=self.pg, no_dist=not self.distributed)
             elif all(_local(t).device.type == "cpu" for t in tensors.values()):
@@ -309,8 +388,25 @@ class CheckpointManager:
         self._pending = threading.Thread(target=self._finish, args=(req, tmp, future, write, error, started, staged_s),
                                          name=f"lmforge-ckpt-{step}", daemon=True)
         self._pending.start()
-        if not self.async_save:
+        if not self.async_save or self.consecutive_failures:  # after a failure: know this one's outcome now
             self.wait()
+            self.check_failures()
+
+    def _expected_bytes(self, tensors: dict[str, torch.Tensor]) -> int:
+        """What the checkpoint will take on this folder's file system: the tensors' bytes (a sharded
+        tensor counted whole: every rank writes its shard there), or on a node-local disk this rank's
+        own part; the file formats add little."""
+        return sum((_local(t) if self.node_local else t).numel() * t.element_size() for t in tensors.values())
+
+    def check_failures(self) -> None:
+        """Raise CheckpointFailure once `max_failed_saves` saves in a row have failed (every rank alike:
+        the outcome of each save is agreed on)."""
+        if self.max_failed_saves and self.consecutive_failures >= self.max_failed_saves:
+            raise CheckpointFailure(
+                f"{self.consecutive_failures} checkpoints in a row failed (checkpoint.max_failed_saves = "
+                f"{self.max_failed_saves}); stopping rather than training on without a checkpoint. The last "
+                f"failure: {self.last_error}. Fix that and run the same command again: it resumes from the newest "
+                f"valid checkpoint in {self.root}.")
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy into host buffers kept from the previous save (allocating fresh ones costs a page fault
@@ -347,14 +443,21 @@ class CheckpointManager:
             if error is not None:
                 raise error
             self._publish(req, tmp, started, staged_s)
+            self.consecutive_failures = 0
         except BaseException as e:  # noqa: BLE001 - a failed checkpoint must not kill the run
             self.failures += 1
+            self.consecutive_failures += 1
+            needed, free = self._space
+            self.last_error = why = f"step {req.step}: {describe_write_error(e, self.root, needed, free)}"
             if self.leader:
                 shutil.rmtree(tmp, ignore_errors=True)
-            log.error("checkpoint at step %d FAILED (%s: %s); previous checkpoints are intact, training goes on",
-                      req.step, type(e).__name__, e)
-            self.on_event({"step": req.step, "event": "checkpoint_failed", "error": f"{type(e).__name__}: {e}",
-                           "message": f"checkpoint at step {req.step} failed: {e}"})
+            left = self.max_failed_saves - self.consecutive_failures
+            log.error("checkpoint at step %d FAILED (%s); previous checkpoints are intact, %s", req.step,
+                      why.split(": ", 1)[1], "training goes on" if left > 0 or not self.max_failed_saves else
+                      "the run stops (checkpoint.max_failed_saves)")
+            self.on_event({"step": req.step, "event": "checkpoint_failed", "error": why,
+                           "consecutive": self.consecutive_failures,
+                           "message": f"checkpoint at step {req.step} failed: {why.split(': ', 1)[1]}"})
 
     def _own_files(self, tmp: Path) -> dict[str, dict]:
         """{file: {bytes, sha256}} of what this rank wrote: its DCP shard files (and, on rank 0, the
@@ -487,28 +590,32 @@ class CheckpointManager:
         return str(restored) if restored else None
 
     def _latest_from_backup(self) -> Path | None:
-        name: list[Any] = [None, 0]
+        """Node-local disks: the newest complete checkpoint of the S3 backup that every node's leader
+        fetches and verifies; one with a missing or corrupt object on any node is skipped for the next
+        older one (as the local store skips an invalid checkpoint)."""
+        plan: list[Any] = [None]
         if self.rank == 0:
-            name[0] = self.backup.latest_complete()
-            name[1] = self.backup.remote_bytes(name[0]) if name[0] is not None else 0
-        dist.broadcast_object_list(name, src=0, group=self.pg)
-        problem: list[Any] = [None]
-        if name[0] is not None and self.leader:
-            try:
-                self.backup.fetch(name[0], self.root)  # (what this node wrote is kept when its checksum holds)
-            except Exception as e:  # noqa: BLE001 - every rank stops with the same error below
-                problem[0] = f"{type(e).__name__}: {e}"
-        # (the leaders download and verify it: read twice)
-        self._wait_for_leader(2 * name[1], f"fetch {name[0]} from the S3 backup")
-        bad = self._problems(problem[0])
-        if bad:
-            raise ValueError(f"checkpoint {name[0]} could not be restored from the S3 backup onto every node: {bad[0]}")
-        if name[0] is None:
-            if self.rank == 0 and list_checkpoints(self.root):
-                log.warning("checkpoint: node-local checkpoints exist but none is complete in the S3 backup; starting "
-                            "fresh (a node-local checkpoint cannot be resumed across nodes)")
-            return None
-        return self.root / name[0]
+            plan[0] = [(n, self.backup.remote_bytes(n)) for n in self.backup.complete_checkpoints()]
+        dist.broadcast_object_list(plan, src=0, group=self.pg)
+        for name, nbytes in plan[0]:
+            problem = None
+            if self.leader:
+                try:
+                    self.backup.fetch(name, self.root)  # (what this node wrote is kept when its checksum holds)
+                except Exception as e:  # noqa: BLE001 - every rank skips it alike below
+                    problem = f"{type(e).__name__}: {e}"
+            self._wait_for_leader(2 * nbytes, f"fetch {name} from the S3 backup")  # (downloaded and verified)
+            bad = self._problems(problem)
+            if not bad:
+                return self.root / name
+            if self.rank == 0:
+                log.warning("checkpoint: %s from the S3 backup is unusable, trying an older one: %s", name, bad[0])
+                self.on_event({"event": "backup_invalid", "error": bad[0],
+                               "message": f"remote checkpoint {name} unusable: {bad[0]}"})
+        if self.rank == 0 and list_checkpoints(self.root):
+            log.warning("checkpoint: node-local checkpoints exist but none is complete and valid in the S3 backup; "
+                        "starting fresh (a node-local checkpoint cannot be resumed across nodes)")
+        return None
 
     def verify(self, path: Path) -> None:
         """`verify_checkpoint(path)` hashed once, on rank 0, while the others wait with a timeout sized

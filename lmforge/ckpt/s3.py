@@ -10,6 +10,19 @@ publishes it atomically into the local folder.
 Credentials come from the environment / boto3's usual sources; the endpoint from the config or
 $AWS_ENDPOINT_URL. `check()`, called once at start-up, says whether the endpoint or the bucket
 is wrong before anything runs.
+
+One run's objects (`<s3_prefix>/<run name>/<run id>/step_NNNNNNNN/...`, plus `run.json`, the owner
+record: run id, run folder, host) are its own: the run id (lmforge.folders.RUN_RECORD, created with
+the run folder) is part of every key, so a run restores, overwrites and rotates only its own objects.
+`claim()`, called at start-up, refuses a run whose folder name (the last part of train.out_dir) under
+the prefix already holds another run's backup, naming both runs and both folders, unless the user
+adopts that run (checkpoint.s3_adopt): two runs in `a/run` and `b/run` would otherwise share
+`<prefix>/run/`. Checkpoints of an lmforge from before run ids (`<prefix>/<run name>/step_*`
+directly) are left alone: neither restored nor deleted, with a warning.
+
+A restore verifies every object against the sha256 and size its meta.json records; a checkpoint
+with a bad object is skipped (the log names the object) and the next older one is tried, as the
+local store does.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import logging
 import os
 import queue
 import shutil
+import socket
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -26,21 +40,24 @@ from typing import Any, Callable
 from lmforge.ckpt.manager import META, STEP_DIR, verify_checkpoint
 from lmforge.ckpt.safe_io import check_relative
 from lmforge.config import ConfigError
-from lmforge.folders import fsync_dir, sha256_file
+from lmforge.folders import RUN_ID, RUN_RECORD, fsync_dir, sha256_file
 
 log = logging.getLogger("lmforge.ckpt.s3")
 
 
 class S3Backup:
     def __init__(self, bucket: str, prefix: str, run_name: str, endpoint: str = "",
-                 on_event: Callable[[dict], None] | None = None):
+                 on_event: Callable[[dict], None] | None = None, run_id: str = "", out_dir: str = ""):
         try:
             import boto3
         except ImportError as e:
             raise ValueError("checkpoint.s3_bucket is set but boto3 is not installed: `pip install boto3` "
                              "(or `pip install lmforge[s3]`).") from e
         self.bucket = bucket
-        self.prefix = "/".join(p for p in (prefix.strip("/"), run_name) if p) + "/"
+        self.name_prefix = "/".join(p for p in (prefix.strip("/"), run_name) if p) + "/"  # <prefix>/<run name>/
+        self.run_id = run_id  # '' = the keys have no run id (a tool's own backup, not a run's)
+        self.out_dir = out_dir  # this run's folder, recorded in the owner record and named in errors
+        self._owned = False  # the owner record is written (with the first upload)
         # where the endpoint came from, for error messages: the config key, the environment, or AWS
         self.endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or ""
         self._endpoint_key = ("checkpoint.s3_endpoint" if endpoint else "$AWS_ENDPOINT_URL" if self.endpoint
@@ -103,6 +120,77 @@ class S3Backup:
         except BotoCoreError as exc:
             raise ConfigError(f"{bucket} at {where}: the start-up check failed ({type(exc).__name__}: {exc}).") from None
 
+    @property
+    def prefix(self) -> str:
+        """Where this run's checkpoints are: `<prefix>/<run name>/<run id>/`."""
+        return self.name_prefix + (f"{self.run_id}/" if self.run_id else "")
+
+    def url(self, key: str = "") -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    # ---- run identity ----------------------------------------------------------------------------
+    def claim(self, adopt: bool = False) -> str:
+        """Check, before anything is restored or uploaded, that `<prefix>/<run name>/` holds no other
+        run's backup; returns the run id to use (this run's, or with `adopt` the one other run's,
+        whose backup this run then continues). A ConfigError names both runs and both folders."""
+        ids, legacy = set(), []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.name_prefix,
+                                                                          Delimiter="/"):
+            for cp in page.get("CommonPrefixes", []):
+                part = cp["Prefix"][len(self.name_prefix):].rstrip("/")
+                if RUN_ID.match(part):
+                    ids.add(part)
+                elif STEP_DIR.match(part):
+                    legacy.append(part)
+        if legacy:
+            log.warning("checkpoint: %s holds %d checkpoint(s) written by an lmforge without run ids (%s, ...); this "
+                        "run neither restores nor deletes them", self.url(self.name_prefix), len(legacy), legacy[0])
+        others = sorted(ids - {self.run_id})
+        if not others:
+            return self.run_id
+        where = self.url(self.name_prefix)
+        if adopt and len(others) == 1 and self.run_id not in ids:
+            previous, self.run_id = self.run_id, others[0]
+            log.warning("checkpoint: adopting run %s (train.out_dir %s) and its backup at %s%s/ as "
+                        "checkpoint.s3_adopt = true says: this run (run id %s until now) continues it, restoring "
+                        "and rotating its checkpoints", self.run_id, self._owner(self.run_id), where, self.run_id,
+                        previous)
+            self.on_event({"event": "backup_adopted", "run_id": self.run_id, "previous_run_id": previous,
+                           "message": f"adopted run {self.run_id}'s backup at {where}{self.run_id}/"})
+            return self.run_id
+        owners = "; ".join(f"run id {i} (train.out_dir {self._owner(i)})" for i in others)
+        mine = f"this run (run id {self.run_id}, train.out_dir {self.out_dir!r})"
+        if adopt:
+            why = (f"checkpoint.s3_adopt = true cannot choose among {len(others)} runs" if len(others) > 1 else
+                   "checkpoint.s3_adopt = true, but this run has a backup there of its own")
+            raise ConfigError(f"checkpoint.s3_bucket: {where} holds the backups of {owners}, and {mine}; {why}. Delete "
+                              f"the backups not wanted, or set another checkpoint.s3_prefix.")
+        raise ConfigError(
+            f"checkpoint.s3_bucket: {where} holds the backup of another run: {owners}; {mine} has the same folder "
+            f"name and checkpoint.s3_prefix, and would restore and rotate that run's checkpoints. Give this run "
+            f"another train.out_dir name or checkpoint.s3_prefix; or, if it continues that run (its run folder was "
+            f"lost or moved), set checkpoint.s3_adopt = true.")
+
+    def _owner(self, run_id: str) -> str:
+        """'host:/path/of/run' from a run's owner record (or 'unknown' without one)."""
+        try:
+            rec = json.loads(self.client.get_object(Bucket=self.bucket,
+                                                    Key=f"{self.name_prefix}{run_id}/{RUN_RECORD}")["Body"].read())
+            return repr(f"{rec.get('host', '?')}:{rec.get('out_dir', '?')}")
+        except Exception:  # noqa: BLE001 - a record that is missing or unreadable names nothing
+            return "unknown"
+
+    def _write_owner(self) -> None:
+        """The owner record `<prefix>/<run name>/<run id>/run.json`, once, before the first upload."""
+        if self._owned or not self.run_id:
+            return
+        import datetime
+
+        rec = {"run_id": self.run_id, "out_dir": self.out_dir, "host": socket.gethostname(),
+               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        self.client.put_object(Bucket=self.bucket, Key=self.prefix + RUN_RECORD, Body=json.dumps(rec).encode())
+        self._owned = True
+
     # ---- upload (background) -----------------------------------------------------------------
     def upload(self, folder: Path, keep: list[str]) -> None:
         """Queue `folder` for upload; afterwards delete remote checkpoints not named in `keep`."""
@@ -155,6 +243,7 @@ class S3Backup:
         checkpoints not in `keep` are then deleted. Node-local disks: each node uploads its own
         files, rank 0 meta.json last."""
         meta = json.loads((folder / META).read_text())
+        self._write_owner()
         for name in names:
             path = folder / name
             digest = meta["files"][name]["sha256"] if name in meta["files"] else sha256_file(path)
@@ -204,15 +293,15 @@ class S3Backup:
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objs})
 
     # ---- restore -----------------------------------------------------------------------------
-    def latest_complete(self) -> str | None:
-        """The newest remote checkpoint whose meta.json (uploaded last) is there."""
-        for name in self.remote_checkpoints():
-            try:
-                self.client.head_object(Bucket=self.bucket, Key=f"{self.prefix}{name}/{META}")
-                return name
-            except Exception:  # noqa: BLE001 - incomplete (or being uploaded): try an older one
-                continue
-        return None
+    def _download(self, key: str, dest: Path, rec: dict) -> None:
+        """Download object `key` to `dest` and check it against its meta.json record (size and sha256):
+        a ValueError names the object."""
+        self.client.download_file(self.bucket, key, str(dest))
+        size = dest.stat().st_size
+        if size != rec.get("bytes"):
+            raise ValueError(f"{self.url(key)} has {size} bytes, its meta.json says {rec.get('bytes')} (truncated?)")
+        if sha256_file(dest) != rec.get("sha256"):
+            raise ValueError(f"{self.url(key)} fails its sha256 checksum (corrupted)")
 
     def fetch(self, name: str, root: Path) -> Path:
         """Make `root/name` a complete copy of the remote checkpoint `name`: files already there with
@@ -221,23 +310,39 @@ class S3Backup:
         base, final, tmp = f"{self.prefix}{name}/", root / name, root / (name + ".fetch")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.client.download_file(self.bucket, base + META, str(tmp / META))
-        meta: dict[str, Any] = json.loads((tmp / META).read_text())
-        for fname, rec in meta.get("files", {}).items():
-            have = check_relative(final, fname)
-            if have.is_file() and have.stat().st_size == rec.get("bytes") and sha256_file(have) == rec.get("sha256"):
-                shutil.copy2(have, check_relative(tmp, fname))
-            else:
-                self.client.download_file(self.bucket, base + fname, str(check_relative(tmp, fname)))
-        verify_checkpoint(tmp)
+        try:
+            self.client.download_file(self.bucket, base + META, str(tmp / META))
+            meta: dict[str, Any] = json.loads((tmp / META).read_text())
+            for fname, rec in meta.get("files", {}).items():
+                have = check_relative(final, fname)
+                if have.is_file() and have.stat().st_size == rec.get("bytes") and sha256_file(have) == rec.get("sha256"):
+                    shutil.copy2(have, check_relative(tmp, fname))
+                else:
+                    self._download(base + fname, check_relative(tmp, fname), rec)
+            verify_checkpoint(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(root)
         log.info("checkpoint: %s fetched from s3://%s/%s into %s", name, self.bucket, base, root)
         return final
 
+    def complete_checkpoints(self) -> list[str]:
+        """Remote checkpoints whose meta.json (uploaded last) is there, newest first."""
+        done = []
+        for name in self.remote_checkpoints():
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=f"{self.prefix}{name}/{META}")
+                done.append(name)
+            except Exception:  # noqa: BLE001 - incomplete (or being uploaded)
+                continue
+        return done
+
     def restore_latest(self, root: Path) -> Path | None:
-        """Download the newest complete, checksum-valid remote checkpoint into `root`."""
+        """Download the newest complete, checksum-valid remote checkpoint into `root`; a checkpoint with
+        a missing or corrupt object is skipped (the log names the object) for the next older one."""
         for name in self.remote_checkpoints():
             tmp = root / (name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -249,8 +354,8 @@ class S3Backup:
                 except Exception as e:  # noqa: BLE001 - no meta.json = incomplete upload
                     raise ValueError(f"no {META} ({type(e).__name__})") from e
                 meta: dict[str, Any] = json.loads((tmp / META).read_text())
-                for fname in meta.get("files", {}):
-                    self.client.download_file(self.bucket, base + fname, str(check_relative(tmp, fname)))
+                for fname, rec in meta.get("files", {}).items():
+                    self._download(base + fname, check_relative(tmp, fname), rec)
                 verify_checkpoint(tmp)
                 final = root / name
                 shutil.rmtree(final, ignore_errors=True)
@@ -262,6 +367,8 @@ class S3Backup:
                                "message": f"restored {name} from s3://{self.bucket}/{base}"})
                 return final
             except Exception as e:  # noqa: BLE001 - try the next older one
-                log.warning("checkpoint: remote %s unusable: %s", name, e)
+                log.warning("checkpoint: remote %s unusable, trying an older one: %s", name, e)
+                self.on_event({"event": "backup_invalid", "path": self.url(f"{self.prefix}{name}/"),
+                               "error": str(e), "message": f"remote checkpoint {name} unusable: {e}"})
                 shutil.rmtree(tmp, ignore_errors=True)
         return None

@@ -202,6 +202,7 @@ def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = 
     if validate:
         from lmforge.config.rules import adapt_defaults
 
+        cfg.check_sections()  # what was set, before adapt_defaults derives anything from it
         cfg.adjustments = adapt_defaults(cfg, explicit)
         cfg.validate()
     return cfg
@@ -275,12 +276,18 @@ def to_toml(cfg: Config, sections: tuple[str, ...] | None = None) -> str:
     for key, value in tree.items():
         if not isinstance(value, dict):
             lines.append(f"{key} = {_toml_value(value)}")
+    def table(name: str, value: dict[str, Any]) -> None:
+        lines.append(f"\n[{name}]")
+        for k, v in value.items():
+            if v is not None and not isinstance(v, dict):
+                lines.append(f"{k} = {_toml_value(v)}")
+        for k, v in value.items():  # nested sections (model.moe) as sub-tables
+            if isinstance(v, dict):
+                table(f"{name}.{k}", v)
+
     for key, value in tree.items():
         if isinstance(value, dict) and (sections is None or key in sections):
-            lines.append(f"\n[{key}]")
-            for k, v in value.items():
-                if v is not None:
-                    lines.append(f"{k} = {_toml_value(v)}")
+            table(key, value)
     return "\n".join(lines) + "\n"
 
 

@@ -61,6 +61,18 @@ def check_cross_section(cfg: "Config") -> None:
     check_context_parallel(cfg)
     check_pipeline(cfg)
     check_features(cfg)
+    check_expert_parallel(cfg)
+
+
+def check_expert_parallel(cfg: "Config") -> None:
+    """parallel.ep splits model.moe's experts: the model must have them, in a number ep divides."""
+    ep, moe = cfg.parallel.ep, cfg.model.moe
+    if ep > 1 and not moe.enabled:
+        raise ConfigError(f"parallel.ep = {ep} splits Mixture-of-Experts layers, but model.moe.num_experts = 0 (a "
+                          f"dense model); set model.moe.num_experts or parallel.ep = 1.")
+    if ep > 1 and moe.num_experts % ep:
+        raise ConfigError(f"parallel.ep = {ep} must divide model.moe.num_experts = {moe.num_experts}; choose ep "
+                          f"among {[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}.")
 
 
 def check_data_vs_model(cfg: "Config") -> None:
@@ -224,17 +236,22 @@ def check_resolved_precision(cfg: "Config", precision: str, why: str = "") -> No
 
 AUTO_LOSS_CHUNK = 4096  # tokens per chunk of train.loss_chunk = "auto"
 AUTO_LOSS_CHUNK_MIN_VOCAB = 8192
+# (device type, precision) where the fused head + loss was measured slower than the plain logits:
+# "auto" leaves it off there. Measured (benchmarks/fused_head.py; benchmarks/RESULTS.md): CPU fp32
+# and bf16 autocast, not slower. CUDA: the GPU suite's `head-loss` row (benchmarks/gpu/suite.py)
+# measures GPT-2's head in bf16 and fails if this rule picks the slower path; add the pair here then.
+FUSED_HEAD_SLOWER: frozenset[tuple[str, str]] = frozenset()
 
 
 def resolve_loss_chunk(cfg: "Config", device_type: str, precision: str) -> int:
     """train.loss_chunk as the layout uses it: the configured number, or for "auto" 4096-token chunks
-    where the fused, chunked cross-entropy was measured faster and equal to float rounding (a CPU,
-    fp32, model.vocab_size >= 8192: 1.2-1.3x less CPU time for the loss, its forward and backward,
-    at 8k-50k vocabularies on 2-core AMD EPYC / AVX2; benchmarks/RESULTS.md) and the layout can use
-    it (parallel.tp = parallel.pp = 1); else 0. Not yet measured on GPUs or in bf16: 0 there."""
+    wherever the fused, chunked cross-entropy is not slower than the plain logits (every device and
+    precision but FUSED_HEAD_SLOWER's), for model.vocab_size >= 8192, where the layout can use it
+    (parallel.tp = parallel.pp = 1: with TP the loss is torch's vocab-parallel loss_parallel on
+    vocab-sharded logits); else 0."""
     t, p = cfg.train, cfg.parallel
     if t.loss_chunk != "auto":
         return t.loss_chunk
-    if p.tp > 1 or p.pp > 1 or device_type != "cpu" or precision != "fp32":
+    if p.tp > 1 or p.pp > 1 or (device_type, precision) in FUSED_HEAD_SLOWER:
         return 0
     return AUTO_LOSS_CHUNK if cfg.model.vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0

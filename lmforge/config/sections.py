@@ -19,6 +19,59 @@ from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY, names_with
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers (`model.moe.*`; lmforge.model.moe): token-choice top-k
+    routing over routed experts, optional shared experts, dropless by default. Off while num_experts = 0."""
+
+    num_experts: int = _f(0, "Routed experts per MoE layer (0 = a dense model: every block has the plain MLP). Mixtral 8, Qwen3-30B-A3B 128, DeepSeek-V3 256.")
+    top_k: int = _f(2, "Experts each token is sent to (Mixtral 2, Qwen3-MoE 8, DeepSeek-V3 8). Must be <= num_experts.")
+    expert_hidden: int | None = _f(None, "Hidden size of each expert's SwiGLU (None = model.ffn_hidden's resolved size). Qwen3-30B-A3B 768, DeepSeek-V3 2048.")
+    shared_experts: int = _f(0, "Shared experts every token passes through besides its routed ones (DeepSeek-V3 1), run as one SwiGLU of shared_experts x expert_hidden.")
+    every: int = _f(1, "Every k-th block (counted after the first `first_dense`) is an MoE block, the others dense: 1 = all of them (Mixtral, Qwen3-MoE), 2 = alternate blocks.")
+    first_dense: int = _f(0, "The first k blocks keep the dense MLP (DeepSeek-V3: 3, with model.ffn_hidden their size).")
+    router: Literal["softmax", "sigmoid"] = _f("softmax", "Router scores: softmax over the experts, top-k taken from it (Mixtral, Qwen3-MoE), or per-expert sigmoid scores with a selection bias (DeepSeek-V3; the bias moves only with bias_update_rate).")
+    renormalize: bool = _f(True, "Divide the top-k weights of a token by their sum (Mixtral, Qwen3 norm_topk_prob, DeepSeek-V3); false = the raw softmax / sigmoid scores.")
+    route_scale: float = _f(1.0, "Multiply the routed experts' weights by this (DeepSeek-V3 routed_scaling_factor 2.5).")
+    aux_loss_coef: float = _f(0.01, "Coefficient of the load-balancing loss E * sum_i f_i P_i (Switch / Mixtral; f_i: share of the token-expert assignments to expert i, P_i: mean router probability), with f and P over the micro-batch's tokens of all data-parallel ranks (global-batch balancing, as Qwen3). 0 = off (DeepSeek-V3 uses the bias update instead).")
+    z_loss_coef: float = _f(0.0, "Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE; 1e-3 there). 0 = off.")
+    bias_update_rate: float = _f(0.0, "Auxiliary-loss-free balancing (DeepSeek-V3): after every optimizer step each expert's selection bias moves by this rate towards balance (+rate if the expert got fewer than the mean assignments in the step, -rate if more). The bias only changes which experts are chosen, not their weights. 0 = off (DeepSeek-V3: 1e-3).")
+    capacity_factor: float = _f(0.0, "0 = dropless (every assignment is computed). > 0: each expert takes at most ceil(capacity_factor x tokens x top_k / num_experts) assignments of a micro-batch on a rank, in token order; the overflow is dropped (the token keeps only its residual and other experts) and counted in the metrics.")
+    grouped_mm: Literal["auto", "on", "off"] = _f("auto", "Expert matmuls: 'auto' = one torch._grouped_mm per projection over the expert-sorted tokens where this torch and the shapes allow it (strides of 16 bytes), else one padded batched matmul; 'on' = require _grouped_mm; 'off' = the padded batched matmul. Neither loops over experts in Python.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has the MoE feed-forward."""
+        return self.enabled and layer >= self.first_dense and (layer - self.first_dense) % self.every == 0
+
+    def check(self, activation: str = "swiglu", n_layers: int | None = None) -> None:
+        at_least(0, "model.moe", num_experts=self.num_experts, shared_experts=self.shared_experts,
+                 first_dense=self.first_dense, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
+                 bias_update_rate=self.bias_update_rate, capacity_factor=self.capacity_factor)
+        at_least(1, "model.moe", top_k=self.top_k, every=self.every)
+        if not self.enabled:
+            return
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"model.moe.top_k = {self.top_k} exceeds model.moe.num_experts = {self.num_experts}; "
+                              f"choose top_k <= num_experts.")
+        if self.expert_hidden is not None and self.expert_hidden < 1:
+            raise ConfigError(f"model.moe.expert_hidden = {self.expert_hidden} must be >= 1 (or unset for model.ffn_hidden).")
+        if activation != "swiglu":
+            raise ConfigError(f"model.moe needs SwiGLU experts (Mixtral, Qwen3-MoE, DeepSeek-V3); model.activation = "
+                              f"{activation!r}: set model.activation = 'swiglu' or model.moe.num_experts = 0.")
+        if self.capacity_factor and self.capacity_factor * self.top_k < 1e-9:
+            raise ConfigError("model.moe.capacity_factor must be 0 (dropless) or > 0.")
+        if n_layers is not None and self.first_dense >= n_layers:
+            raise ConfigError(f"model.moe.first_dense = {self.first_dense} leaves no MoE block of model.n_layers = "
+                              f"{n_layers}; lower first_dense or set model.moe.num_experts = 0.")
+        if self.router == "softmax" and self.top_k == 1 and self.renormalize:
+            raise ConfigError("model.moe.router = 'softmax' with top_k = 1 and renormalize = true gives every token "
+                              "weight 1 and the router no gradient; set model.moe.renormalize = false (Switch).")
+
+
+@dataclass
 class ModelConfig:
     """Architecture of the decoder-only transformer (GPT-2 and Llama families)."""
 
@@ -47,10 +100,12 @@ class ModelConfig:
     rope_high_freq_factor: float = _f(4.0, "rope_scaling 'llama3' only: high-frequency factor (Llama 3.x: 4). Must be > rope_low_freq_factor.")
     rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' only: the context length the model was pre-trained at before scaling (Llama 3.x: 8192).")
     sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean (seq x keys) mask built per forward (per chunk under context parallelism), which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
+    attn_head_dim: int | None = _f(None, "Width of each attention head; None = dim / n_heads. Set where heads x head_dim differs from dim (Qwen3-30B-A3B: 32 heads of 128 on dim 2048).")
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def attn_qkv_bias(self) -> bool:
@@ -75,9 +130,11 @@ class ModelConfig:
         """Reject impossible values of this section (ConfigError naming the key and the fix)."""
         at_least(1, "model", vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
                   n_heads=self.n_heads, max_seq_len=self.max_seq_len)
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and self.attn_head_dim is None:
             raise ConfigError(f"model.n_heads = {self.n_heads} does not divide model.dim = {self.dim}; choose "
-                              f"n_heads among {divisors(self.dim)} or change dim.")
+                              f"n_heads among {divisors(self.dim)}, change dim, or set model.attn_head_dim.")
+        if self.attn_head_dim is not None and self.attn_head_dim < 1:
+            raise ConfigError(f"model.attn_head_dim = {self.attn_head_dim} must be >= 1 (or unset for dim / n_heads).")
         if self.head_dim % 2 and self.pos_emb == "rope":
             raise ConfigError(f"RoPE needs an even head dimension, but model.dim / model.n_heads = {self.head_dim}.")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
@@ -88,6 +145,7 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1).")
         self.check_attention_options()
+        self.moe.check(self.activation, self.n_layers)
 
     def check_attention_options(self) -> None:
         """Rules of the RoPE-scaling, QK-norm and sliding-window keys."""
@@ -119,8 +177,12 @@ class DataConfig:
     tokenizer_vocab_size: int = _f(4096, "Vocabulary size when training a BPE tokenizer (tokenizer = 'bpe'). Must be <= model.vocab_size.")
     seq_len: int = _f(256, "Tokens per training sequence (context length). Must be <= model.max_seq_len.")
     val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
-    verify_checksums: bool = _f(False, "At start-up, re-hash every token shard against its manifest (sha256) before training; off by default (the shard sizes and the largest token id are always checked).")
+    verify_checksums: Literal["first_open", "always", "never"] | bool = _f("first_open", "Re-hash token shards against their manifest (sha256, largest id): 'first_open' = each shard the first time this process reads from it (once per shard per process, so a resumed run checks again; a shard never read is never hashed); 'always' = every shard at start-up; 'never' = no hashing. true / false (the old form) mean 'always' / 'never'. Shard sizes are always checked, and every batch's ids are range-checked against the vocabulary (the error names the shard file and offset).")
     cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.verify_checksums, bool):  # the old boolean form: true = "always", false = "never"
+            self.verify_checksums = "always" if self.verify_checksums else "never"
 
     def check(self) -> None:
         at_least(1, "data", seq_len=self.seq_len, tokenizer_vocab_size=self.tokenizer_vocab_size)
@@ -197,7 +259,7 @@ class TrainConfig:
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
     compile: bool = _f(False, "Compile each transformer block with torch.compile.")
-    loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks where measured faster, else 0: on a CPU, in fp32, with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (rule: lmforge.config.rules.resolve_loss_chunk; not yet measured on GPUs, so off there: try 4096 by hand). Not with parallel.tp > 1 or parallel.pp > 1.")
+    loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks wherever the fused loss is not slower than the plain logits (measured on CPUs in fp32 and bf16, benchmarks/fused_head.py; on GPUs the GPU suite's head-loss row checks the choice), with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (with TP the loss is torch's vocab-parallel loss_parallel), else 0 (rule: lmforge.config.rules.resolve_loss_chunk). Not with parallel.tp > 1 or parallel.pp > 1.")
     fp8: bool = _f(False, "Train the transformer blocks' nn.Linear layers with FP8 matmuls (torchao.float8 dynamic scaling; the output projection stays in the run's precision). Needs the `torchao` package and a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: L4, H100, H200, B200).")
     seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
@@ -239,6 +301,7 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
     pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
     cp: int = _f(1, "Context-parallel degree (long sequences; lmforge.parallel.context_parallel): each sequence is cut into 2 x cp chunks and CP rank i keeps chunks i and 2cp-1-i (even causal work); every layer all-gathers K and V over the cp ranks before attention on the rank's own queries and reduce-scatters their gradients in backward. Activations per rank shrink to ~1/cp, plus the gathered K/V of the whole sequence (2 x seq x kv heads x head_dim per layer). cp must divide data.seq_len / 2 (with sequence_parallel also: tp divides data.seq_len / cp). Any kv-head count works: the all-gather is over the sequence, so every CP rank holds all the (its TP share of the) KV heads of the whole sequence, replicated across the cp ranks; GQA only makes the gathered K/V smaller. The CP ranks hold the same parameters, so their gradients are averaged with the data-parallel ones (FSDP2 shards over dp_shard x cp). Composes with dp_replicate / dp_shard, tp (+ sequence_parallel) and pp.")
+    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. Composes with tp (attention only) and pp; not yet with cp or dp_replicate > 1.")
     timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
@@ -268,7 +331,17 @@ class ParallelConfig:
 
     def check(self) -> None:
         at_least(1, "parallel", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, pp=self.pp,
-                  pp_virtual_stages=self.pp_virtual_stages, powersgd_rank=self.powersgd_rank)
+                  pp_virtual_stages=self.pp_virtual_stages, powersgd_rank=self.powersgd_rank, ep=self.ep)
+        if self.ep > 1:
+            if self.dp_shard % self.ep or self.zero_stage == 1:
+                raise ConfigError(
+                    f"parallel.ep = {self.ep} borrows its ranks from the FSDP2 shard dimension: it must divide "
+                    f"parallel.dp_shard = {self.dp_shard} (zero_stage 0, 2 or 3); set parallel.dp_shard to a multiple "
+                    f"of {self.ep}.")
+            if self.dp_replicate > 1 or self.cp > 1 or self.async_sgd:
+                raise ConfigError(
+                    f"parallel.ep = {self.ep} is not yet combined with dp_replicate > 1 (HSDP), cp > 1 or async_sgd; "
+                    f"put the data-parallel ranks in parallel.dp_shard and set cp = 1.")
         at_least(0, "parallel", max_staleness=self.max_staleness)
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")
@@ -334,14 +407,16 @@ class CheckpointConfig:
     validate: bool = _f(True, "After writing, re-read every file's checksum and test-load the checkpoint before older ones are rotated away.")
     resume: str = _f("auto", "'auto' = continue from the newest valid checkpoint in the folder (or the S3 backup) if there is one; 'none' = start fresh; or a path to a checkpoint folder to start from.")
     save_final: bool = _f(True, "At the end of training, save a final checkpoint and the weights as <out_dir>/model.safetensors.")
+    max_failed_saves: int = _f(3, "Stop the run after this many checkpoints in a row failed (a full disk, ...) instead of training on unprotected; `lmforge train` then exits with status 74, as it does when the final checkpoint or final weights could not be written (failed.json in the run folder says why; a rerun reports it and resumes). 0 = never stop.")
     s3_bucket: str = _f("", "Secondary backup: S3 bucket ('' = no backup). Credentials come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, or any boto3 source).")
-    s3_prefix: str = _f("lmforge", "Key prefix inside the bucket; checkpoints go to <prefix>/<run name>/step_NNNNNNNN/.")
+    s3_prefix: str = _f("lmforge", "Key prefix inside the bucket; checkpoints go to <prefix>/<run name>/<run id>/step_NNNNNNNN/ (run name: the last part of train.out_dir; run id: created with the run folder, in its run.json). A run never restores, overwrites or deletes another run's objects: it stops when its run name there holds another run's backup, naming both.")
+    s3_adopt: bool = _f(False, "Continue the backup of another run found under <prefix>/<run name>/ (e.g. this run folder was lost or moved and is restored from S3): this run takes that run's id, restores from and rotates its checkpoints. Without it such a run stops with an error naming both runs.")
     s3_endpoint: str = _f("", "S3-compatible endpoint URL (MinIO, Ceph, R2, ...); '' = AWS or $AWS_ENDPOINT_URL.")
 
     def check(self) -> None:
         at_least(1, "checkpoint", keep_last=self.keep_last)
         at_least(0, "checkpoint", every_steps=self.every_steps, every_minutes=self.every_minutes,
-                  keep_every=self.keep_every)
+                  keep_every=self.keep_every, max_failed_saves=self.max_failed_saves)
         if self.resume not in ("auto", "none") and not self.resume.strip():
             raise ConfigError("checkpoint.resume = '' : use 'auto', 'none' or a checkpoint folder path.")
 
@@ -411,6 +486,10 @@ class Config:
 
     # what load_config adapted to the layout (log lines; not a config key)
     adjustments: ClassVar[tuple[str, ...]] = ()
+    # the overrides typed on `lmforge train`'s command line, (dotted key, value) in order: they name
+    # the auto run folder (lmforge.train.components.run_folder); not a config key
+    named_by: ClassVar[tuple[tuple[str, Any], ...]] = ()
+    command: ClassVar[str] = ""  # that command line, as typed (the finished-run message repeats it)
 
     # ---- derived quantities -----------------------------------------------------------------
 
@@ -431,12 +510,17 @@ class Config:
         process group forms: each section's own rules, then those that span sections. Returns self."""
         from lmforge.config.rules import check_cross_section
 
+        self.check_sections()
+        check_cross_section(self)
+        return self
+
+    def check_sections(self) -> None:
+        """Each section's own rules (the loader runs them once before it derives any default from
+        the values, so an error names the key the user set, not one derived from it)."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 section.check()
-        check_cross_section(self)
-        return self
 
     def resolved_device(self) -> str:
         if self.train.device != "auto":

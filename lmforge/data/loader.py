@@ -73,7 +73,7 @@ class TokenMixture:
 
     @classmethod
     def open(cls, dir: Path, weights: dict[str, float] | None = None,
-             verify_checksums: bool = False) -> "TokenMixture":
+             verify_checksums: str | bool = "never") -> "TokenMixture":
         """Open ``dir/mixture.json`` (written by ``lmforge prepare``); ``weights`` override."""
         dir = Path(dir)
         path = dir / MIXTURE
@@ -110,7 +110,7 @@ class TokenMixture:
         return f"TokenMixture({str(self.dir)!r}, {parts})"
 
 
-def open_tokens(dir: Path, verify_checksums: bool = False) -> TokenShards | TokenMixture:
+def open_tokens(dir: Path, verify_checksums: str | bool = "never") -> TokenShards | TokenMixture:
     """A shard directory (``manifest.json``) or a prepared train mixture (``mixture.json``)."""
     dir = Path(dir)
     if (dir / MANIFEST).is_file() or not (dir / MIXTURE).is_file():

@@ -10,12 +10,26 @@ Layout of a shard directory::
 The token counts are written with the shards (their entropy, the unigram baseline of a training
 run, goes into the manifest's ``unigram`` entry), so that nothing reads the corpus for them later.
 Folders written before had neither; :attr:`TokenShards.recorded_entropy` is then None.
+
+Corruption is caught on the way in. Opening checks every shard's size; every read range-checks the
+ids it returns against the manifest's vocabulary (one max over the array: a corrupt id is a
+ValueError naming the shard file, the token offset, the id and the vocabulary, not an embedding
+IndexError or a numpy broadcast error later). Checksums (``verify_checksums``, the run's
+``data.verify_checksums``):
+
+* ``"first_open"``: a shard is re-hashed (sha256, and its recorded largest id) the first time this
+  process reads from it, once per shard per process (a module-level record keyed by the file's path,
+  size and mtime), so a resumed run checks again and a shard never read is never hashed;
+* ``"always"``: every shard is re-hashed when the folder is opened (start-up);
+* ``"never"``: no hashing (sizes and the per-read range check still apply).
+
+``True`` / ``False`` (the option's old boolean form) mean ``"always"`` / ``"never"``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +37,20 @@ import numpy as np
 
 from lmforge.folders import (MANIFEST, SHARD_FORMAT, SHARD_FORMAT_VERSION, UNIGRAM_COUNTS, atomic_dir,
                              build_manifest, sha256_bytes, sha256_file, shard_record, unigram_record)
+
+
+VERIFY_MODES = ("first_open", "always", "never")
+_VERIFIED: set[tuple[str, int, int, str]] = set()  # shards this process has hashed: (path, size, mtime_ns, sha256)
+
+
+def verify_mode(value: str | bool) -> str:
+    """`verify_checksums` as one of VERIFY_MODES (True = "always", False = "never", the old boolean form)."""
+    if isinstance(value, bool):
+        return "always" if value else "never"
+    if value not in VERIFY_MODES:
+        raise ValueError(f"verify_checksums = {value!r} is not one of {', '.join(map(repr, VERIFY_MODES))} "
+                         f"(or true = 'always', false = 'never').")
+    return value
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -116,8 +144,9 @@ def _write_shards(token_arrays: Iterable[np.ndarray], tmp: Path, shard_tokens: i
 class TokenShards:
     """Read-only, memory-mapped view of a shard directory as one long token stream."""
 
-    def __init__(self, dir: Path, verify_checksums: bool = False) -> None:
+    def __init__(self, dir: Path, verify_checksums: str | bool = "never") -> None:
         self.dir = Path(dir)
+        self.verify = verify_mode(verify_checksums)
         path = self.dir / MANIFEST
         if not path.is_file():
             raise ValueError(f"{path} not found: {self.dir} is not a token-shard directory "
@@ -159,21 +188,57 @@ class TokenShards:
                 raise ValueError(f"shard {f} has {f.stat().st_size} bytes, manifest says "
                                  f"{want}; the dataset is corrupted, re-run prepare")
             mm = np.memmap(f, dtype=self.dtype, mode="r") if want else np.zeros(0, self.dtype)
-            if verify_checksums:
-                if sha256_file(f) != rec.get("sha256"):
-                    raise ValueError(f"shard {f} is corrupted: sha256 differs from {path}; "
-                                     f"delete {self.dir} and re-run prepare")
-                if "max_id" in rec and len(mm) and int(mm.max()) != rec["max_id"]:
-                    raise ValueError(f"shard {f} is corrupted: its largest token id is "
-                                     f"{int(mm.max())}, {path} says {rec['max_id']}; delete "
-                                     f"{self.dir} and re-run prepare")
             self._maps.append(mm)
+        self._checked = [self.verify == "never"] * len(shards)  # shard k hashed (or not to be)
+        if self.verify == "always":
+            for k in range(len(shards)):
+                self._check_shard(k, force=True)
         sizes = np.array([len(mm) for mm in self._maps], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)])  # shard k covers [s_k, s_k+1)
         self._len = int(self._starts[-1])
         if self._len != m["total_tokens"]:  # (user data: never an assert, which -O removes)
             raise ValueError(f"{path}: total_tokens = {m['total_tokens']} but its shards hold "
                              f"{self._len} tokens; the manifest is damaged, re-run prepare")
+
+    def _check_shard(self, k: int, force: bool = False) -> None:
+        """Re-hash shard `k` against the manifest (sha256 and recorded largest id): at open
+        ("always", `force`) or before its first read in this process ("first_open")."""
+        rec, mm = self.manifest["shards"][k], self._maps[k]
+        f = self.dir / rec["file"]
+        st = f.stat()
+        key = (str(f.resolve()), st.st_size, st.st_mtime_ns, str(rec.get("sha256")))
+        if force or key not in _VERIFIED:
+            path = self.dir / MANIFEST
+            if sha256_file(f) != rec.get("sha256"):
+                raise ValueError(f"shard {f} is corrupted: sha256 differs from {path}; "
+                                 f"delete {self.dir} and re-run prepare")
+            if "max_id" in rec and len(mm) and int(mm.max()) != rec["max_id"]:
+                raise ValueError(f"shard {f} is corrupted: its largest token id is "
+                                 f"{int(mm.max())}, {path} says {rec['max_id']}; delete "
+                                 f"{self.dir} and re-run prepare")
+            _VERIFIED.add(key)
+        self._checked[k] = True
+
+    def _before_reading(self, shards: Iterable[int]) -> None:
+        for k in shards:
+            if not self._checked[k]:
+                self._check_shard(int(k))
+
+    def _check_ids(self, tokens: np.ndarray, offsets: Callable[[int], int]) -> None:
+        """ValueError naming the shard and offset when `tokens` (just read) hold an id outside the
+        vocabulary; `offsets(i)` is the stream position of tokens.flat[i]."""
+        if not tokens.size or int(tokens.max()) < self.vocab_size:
+            return
+        i = int(np.argmax(tokens.reshape(-1) >= self.vocab_size))
+        pos = offsets(i)
+        k = int(np.searchsorted(self._starts, pos, side="right")) - 1
+        local = pos - int(self._starts[k])
+        f = self.dir / self.manifest["shards"][k]["file"]
+        raise ValueError(f"token shard {f} is corrupt: the token at offset {local:,} (byte "
+                         f"{local * self.dtype.itemsize:,}) is id {int(tokens.reshape(-1)[i])}, outside the "
+                         f"vocabulary (vocab_size {self.vocab_size} in {self.dir / MANIFEST}); delete {self.dir} and "
+                         f"re-run `lmforge prepare` (data.verify_checksums 'first_open' or 'always' hashes each shard "
+                         f"before use)")
 
     @property
     def max_id(self) -> int:
@@ -230,9 +295,11 @@ class TokenShards:
         while done < length:
             lo = start + done - int(self._starts[k])
             take = min(length - done, len(self._maps[k]) - lo)
+            self._before_reading([k])
             out[done:done + take] = self._maps[k][lo:lo + take]
             done += take
             k += 1
+        self._check_ids(out, lambda i: start + i)
         return out
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
@@ -250,11 +317,13 @@ class TokenShards:
         inside = starts + length <= self._starts[shard + 1]
         offsets = np.arange(length, dtype=np.int64)
         for k in np.unique(shard[inside]):
+            self._before_reading([k])
             rows = np.flatnonzero(inside & (shard == k))
             local = starts[rows] - self._starts[k]
             out[rows] = self._maps[k][local[:, None] + offsets]
         for row in np.flatnonzero(~inside):
             out[row] = self.read(starts[row], length)
+        self._check_ids(out, lambda i: int(starts[i // length]) + i % length)
         return out
 
     def iter_chunks(self, chunk_tokens: int = 1 << 22, start: int = 0,
@@ -264,8 +333,12 @@ class TokenShards:
         stop = self._len if stop is None else stop
         for k, mm in enumerate(self._maps):
             lo, hi = max(start - int(self._starts[k]), 0), min(stop - int(self._starts[k]), len(mm))
+            if lo < hi:
+                self._before_reading([k])
             for a in range(lo, hi, chunk_tokens):
-                yield mm[a:min(a + chunk_tokens, hi)]
+                chunk = mm[a:min(a + chunk_tokens, hi)]
+                self._check_ids(chunk, lambda i, a=a, k=k: int(self._starts[k]) + a + i)
+                yield chunk
 
     def __repr__(self) -> str:
         return (f"TokenShards({str(self.dir)!r}, tokens={self._len}, "

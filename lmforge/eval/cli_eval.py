@@ -1,8 +1,8 @@
 """`lmforge eval`: perplexity, BLEU/chrF, multiple-choice accuracy and a fluency report of a run.
 
-    lmforge eval --ckpt RUN_DIR                       # perplexity on the run's validation shards + samples
-    lmforge eval --ckpt RUN_DIR --text book.txt --window 256 --stride 128
-    lmforge eval --ckpt RUN_DIR --data prepared/val --bleu pairs.jsonl --mc hellaswag.jsonl --mc piqa.jsonl \\
+    lmforge eval --run RUN_DIR                       # perplexity on the run's validation shards + samples
+    lmforge eval --run RUN_DIR --text book.txt --window 256 --stride 128
+    lmforge eval --run RUN_DIR --data prepared/val --bleu pairs.jsonl --mc hellaswag.jsonl --mc piqa.jsonl \\
                  --json results.json
 
 Perplexity is exp(mean NLL per scored token) over a sliding window (`--window` tokens, default the
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.folders import TOKENIZER
+from lmforge.folders import TOKENIZER, check_run_folder
 
 
 @dataclass
@@ -82,6 +82,10 @@ def _stream_tokens(opts: EvalOptions, cfg, tokenizer) -> tuple[str, Any]:
 
 def run_eval(opts: EvalOptions) -> dict[str, Any]:
     """Load the run, compute what `opts` asks for, and return the results as a dict."""
+    check_run_folder(opts.ckpt)  # the folder and the files named, before torch is imported
+    for flag, path in [("--text", opts.text), ("--data", opts.data), ("--bleu", opts.bleu)] + [("--mc", m) for m in opts.mc]:
+        if path and not Path(path).exists():
+            raise ValueError(f"{flag} {path!r} does not exist.")
     from lmforge.ckpt.export import load_run
     from lmforge.data.tokenizer import Tokenizer
     from lmforge.eval.bleu import bleu_chrf, load_bleu_items
@@ -157,7 +161,8 @@ def format_table(results: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmforge eval", description="Evaluate a run folder: perplexity, BLEU/chrF, "
                                 "multiple-choice accuracy, fluency of samples.")
-    p.add_argument("--ckpt", "--run", dest="ckpt", required=True, help="run folder (config.toml + model.safetensors)")
+    p.add_argument("--run", "--ckpt", dest="ckpt", metavar="RUN_DIR", required=True,
+                   help="run folder (config.toml + model.safetensors); --ckpt: its old name")
     g = p.add_argument_group("perplexity (default: the run's validation shards)")
     g.add_argument("--text", help="a UTF-8 text file, tokenized with the run's tokenizer")
     g.add_argument("--data", help="a token-shard folder (manifest.json) or a prepared dataset folder (uses val/)")

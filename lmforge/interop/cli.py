@@ -13,7 +13,8 @@ import sys
 def _run(argv: list[str], prog: str, description: str, source: str, source_help: str, convert) -> int:
     """Parse `--<source> PATH --out DIR`, run `convert(path, out)`, print the result or the error."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument(f"--{source}", required=True, help=source_help)
+    p.add_argument(f"--{source}", *(("--ckpt",) if source == "run" else ()), dest=source, required=True,
+                   metavar="RUN_DIR" if source == "run" else "HF_DIR", help=source_help)
     p.add_argument("--out", required=True, help="output folder (new or empty)")
     p.add_argument("--force", action="store_true", help="replace files already in --out")
     args = p.parse_args(argv)
@@ -27,11 +28,17 @@ def _run(argv: list[str], prog: str, description: str, source: str, source_help:
 
 
 def export_main(argv: list[str]) -> int:
-    from lmforge.interop.hf import export_hf
+    def export(run, out, overwrite):
+        from lmforge.folders import CHECKPOINTS, check_run_folder
+
+        check_run_folder(run, has_checkpoint=lambda d: (d / CHECKPOINTS).is_dir())  # before torch; verified later
+        from lmforge.interop.hf import export_hf
+
+        return export_hf(run, out, overwrite=overwrite)
 
     return _run(argv, "lmforge export", "Write a run as a transformers folder (LlamaForCausalLM or "
                 "GPT2LMHeadModel) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
-                "lmforge run folder (config.toml + model.safetensors)", export_hf)
+                "lmforge run folder (config.toml + model.safetensors)", export)
 
 
 def import_main(argv: list[str]) -> int:

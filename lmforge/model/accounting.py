@@ -22,16 +22,34 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     f = cfg.ffn_dim
     mlp = (3 * d * f + b * (2 * f + d)) if cfg.activation == "swiglu" else (2 * d * f + b * (f + d))
     block = attn + mlp + 2 * norm
+    moe, n_moe = moe_params(cfg), sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
+    blocks = cfg.n_layers * block + n_moe * (moe["total"] - mlp)
     embedding = v * d
     position = cfg.max_seq_len * d if cfg.pos_emb == "learned" else 0
     head = 0 if cfg.tie_embeddings else v * d
-    total = embedding + position + cfg.n_layers * block + norm + head
-    return {"total": total, "embedding": embedding, "position": position, "blocks": cfg.n_layers * block,
-            "lm_head": head, "non_embedding": total - embedding - position}
+    total = embedding + position + blocks + norm + head
+    return {"total": total, "embedding": embedding, "position": position, "blocks": blocks,
+            "lm_head": head, "non_embedding": total - embedding - position,
+            # a token's parameters: the routed experts it does not visit left out (= total for a dense model)
+            "active": total - n_moe * (moe["total"] - moe["active"]),
+            "experts": n_moe * moe["experts"]}
+
+
+def moe_params(cfg: ModelConfig) -> dict[str, int]:
+    """One MoE feed-forward's parameters (lmforge.model.moe.MoE): router + routed experts (SwiGLU,
+    3 x dim x expert_hidden each) + shared experts; "active" counts top_k routed experts."""
+    m = cfg.moe
+    if not m.enabled:
+        return {"total": 0, "active": 0, "experts": 0}
+    one = 3 * cfg.dim * (m.expert_hidden or cfg.ffn_dim)
+    common = cfg.dim * m.num_experts + m.shared_experts * one
+    return {"total": common + m.num_experts * one, "active": common + m.top_k * one, "experts": m.num_experts * one}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int] | None = None) -> float:
     """Training FLOPs per token, PaLM convention: 6 * N_matmul + 12 * L * d * s when every weight trains.
+    A Mixture-of-Experts model counts its *active* parameters (router, top_k routed experts, shared
+    experts: `count_params(cfg)["active"]`), the weights one token's matmuls use.
 
     N_matmul counts the weights that take part in a matrix multiply per token: every block weight
     and the output projection (vocab x dim, whether tied or not). The embedding lookup and a
@@ -47,7 +65,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int]
     """
     if trainable is None:
         counts = count_params(cfg)
-        n_matmul = counts["blocks"] + cfg.vocab_size * cfg.dim
+        n_matmul = counts["blocks"] - (counts["total"] - counts["active"]) + cfg.vocab_size * cfg.dim
         return 6.0 * n_matmul + 12.0 * cfg.n_layers * cfg.dim * seq_len
     return training_flops(cfg, seq_len, trainable)["total"]
 
@@ -126,7 +144,18 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
         total["attention"] += 4.0 * d * seq_len + (8.0 * d * seq_len if a_grad else 0.0)
         grad = linear(b + "attn.wo", q_width, d, a_grad) or grad
         h = norm(b + "mlp_norm", grad)
-        if cfg.activation == "swiglu":
+        if cfg.moe.is_moe_layer(i):  # MoE: the router, top_k routed experts per token, the shared experts
+            m, he = cfg.moe, cfg.moe.expert_hidden or f
+            r = linear(b + "mlp.router", d, m.num_experts, h)
+            w = [trains(b + f"mlp.experts.{n}") for n in ("w_gate", "w_up", "w_down")]
+            total["matmul"] += m.top_k * (cost(d * he, h, w[0]) + cost(d * he, h, w[1]) + cost(he * d, h or w[0] or w[1], w[2]))
+            out = r or h or any(w)
+            if m.shared_experts:
+                s_gate = linear(b + "mlp.shared.gate", d, m.shared_experts * he, h)
+                s_up = linear(b + "mlp.shared.up", d, m.shared_experts * he, h)
+                out = linear(b + "mlp.shared.down", m.shared_experts * he, d, s_gate or s_up) or out
+            grad = out or grad
+        elif cfg.activation == "swiglu":
             gate, up = linear(b + "mlp.gate", d, f, h), linear(b + "mlp.up", d, f, h)
             grad = linear(b + "mlp.down", f, d, gate or up) or grad
         else:
@@ -135,3 +164,18 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
     linear("lm_head", d, cfg.vocab_size, final, weight="tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight")
     total["total"] = total["matmul"] + total["elementwise"] + total["attention"]
     return total
+
+
+def mlp_activation_width(cfg: ModelConfig) -> float:
+    """Per token, the feed-forward hidden width whose activations a layer keeps, averaged over the
+    layers (the planner's activation formulas take one per-layer figure): the dense MLP's ffn_dim,
+    or for an MoE layer top_k x expert_hidden (each token's routed experts) + the shared experts'
+    width + top_k x dim (the token's rows sorted by expert, and their outputs before the weighted
+    sum)."""
+    m = cfg.moe
+    if not m.enabled:
+        return float(cfg.ffn_dim)
+    he = m.expert_hidden or cfg.ffn_dim
+    moe_width = m.top_k * he + m.shared_experts * he + m.top_k * cfg.dim
+    n_moe = sum(m.is_moe_layer(i) for i in range(cfg.n_layers))
+    return (n_moe * moe_width + (cfg.n_layers - n_moe) * cfg.ffn_dim) / cfg.n_layers

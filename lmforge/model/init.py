@@ -14,7 +14,9 @@ parameter: the same numbers.
 The rules (GPT-2 / nanoGPT style; `init_rule`):
 
 * linear weights and embeddings: N(0, model.init_std); the residual output projections (``attn.wo``,
-  ``mlp.proj``, ``mlp.down``) N(0, init_std / sqrt(2 n_layers));
+  ``mlp.proj``, ``mlp.down``; MoE experts' ``w_down`` and shared experts' ``down``) N(0, init_std /
+  sqrt(2 n_layers)); MoE experts' stacked weights (experts along dim 0, so a rank holding some experts
+  draws exactly their blocks) and routers N(0, init_std);
 * biases 0; norm weights 1 (norm biases 0);
 * LoRA adapters (lmforge.model.lora): A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's Kaiming uniform),
   B = 0, so the adapted model starts as the base model.
@@ -37,7 +39,7 @@ from torch import nn
 from lmforge.config import ModelConfig
 
 BLOCK_ELEMENTS = 1 << 16  # values per generator block (rows of a parameter, at least one row)
-RESIDUAL_PROJECTIONS = ("attn.wo", "mlp.proj", "mlp.down")
+RESIDUAL_PROJECTIONS = ("attn.wo", "mlp.proj", "mlp.down", "mlp.shared.down")  # (+ MoE experts' w_down)
 
 Index = Sequence["torch.Tensor | None"]  # per dim of the full tensor: the indices kept (None: all of them)
 
@@ -56,6 +58,9 @@ def init_rule(cfg: ModelConfig, module: nn.Module, module_name: str, param_name:
         return InitRule("zeros")
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return InitRule("ones")
+    if param_name in ("w_gate", "w_up", "w_down"):  # MoE experts (lmforge.model.moe.GroupedExperts): per expert a linear
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if param_name == "w_down" else cfg.init_std
+        return InitRule("normal", std)
     if isinstance(module, nn.Linear) and module_name.endswith(RESIDUAL_PROJECTIONS):
         return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
     assert isinstance(module, (nn.Linear, nn.Embedding)), (module_name, type(module))

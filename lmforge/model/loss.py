@@ -19,12 +19,25 @@ copy; for a 128k vocabulary it dominates activation memory.
 
 `linear_cross_entropy_sum(hidden, weight, targets, chunk)` computes the same summed token NLL
 chunk by chunk (`chunk` tokens at a time) and, in the same pass, the gradients with respect to
-`hidden` and `weight` (d loss / d logits = softmax - one_hot, then two matmuls). Only one chunk
-of logits exists at a time (fp32 [chunk, vocab], turned into the softmax gradient in place, plus
-the compute-dtype matmul output); what is kept for backward is grad_hidden ([B*T, d], the size of the
-hidden states) and grad_weight ([vocab, d] fp32, the size of the weight). Backward multiplies
-them by the incoming scalar gradient. FLOPs equal the plain path's (no recomputation:
-forward matmul + the two backward matmuls, done in the forward).
+`hidden` and `weight` (d loss / d logits = softmax - one_hot, then two matmuls). Per chunk:
+
+    logits = h_c @ W.T                      [chunk, vocab], compute dtype (bf16 under autocast)
+    lp = log_softmax(logits, dtype=fp32)    one kernel; the bf16 -> fp32 upcast happens inside it
+    nll += -sum(lp[target])                 (ignored targets masked on [chunk] values)
+    g = exp_(lp); g[target] -= 1            in place: d(sum NLL)/d logits, fp32, then cast to bf16
+    grad_h_c = g @ W;  grad_W += g.T @ (h_c * valid)
+
+An ignored target's row of g is not zeroed (a pass over [chunk, vocab]): its grad_h row is zeroed
+and its hidden row is zeroed before the grad_W matmul ([chunk, d] work). Only one chunk of logits
+exists at a time (at most two [chunk, vocab] fp32 buffers, briefly, plus the compute-dtype matmul
+output); what is kept for backward is grad_hidden ([B*T, d], the size of the hidden states) and
+grad_weight ([vocab, d] fp32, the size of the weight). Backward multiplies them by the incoming
+scalar gradient. FLOPs equal the plain path's: forward matmul + the two backward matmuls, done in
+the forward (the alternative, recomputing each chunk's logits in backward as torch's own
+checkpointing would, costs a fourth matmul: +33% of the head's FLOPs, for the same memory). Elementwise
+memory traffic per chunk: one compute-dtype write and read, an fp32 write (log_softmax), an fp32
+read + write (exp), and in bf16 one cast; the plain path also materialises an fp32 copy of all the
+logits, the log-softmax autograd keeps, and a same-sized gradient (benchmarks/fused_head.py).
 
 Precision follows the plain path: under autocast the matmuls run in the autocast dtype with
 the logits upcast to fp32 for the softmax; grad_weight is accumulated in fp32.
@@ -82,20 +95,25 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, y.numel(), chunk):
             hc, yc = h[start:start + chunk].to(cdtype), y[start:start + chunk]
-            logits = (hc @ w.t()).float()
             valid = yc != IGNORE_INDEX
-            safe = torch.where(valid, yc, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, safe[:, None]).squeeze(1)) * valid).sum()
-            if need_h or need_w:
-                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: d(sum NLL)/d logits = softmax - one_hot
-                g.scatter_add_(1, safe[:, None], torch.full_like(g[:, :1], -1.0))
-                g.mul_(valid[:, None])
-                g = g.to(cdtype)
-                if need_h:
-                    grad_h[start:start + chunk] = (g @ w).to(h.dtype)
-                if need_w:
-                    grad_w += (g.t() @ hc).float()
+            safe = torch.where(valid, yc, 0)[:, None]
+            lp = torch.log_softmax(hc @ w.t(), dim=-1, dtype=torch.float32)  # (the logits are freed here)
+            total -= lp.gather(1, safe).squeeze(1).mul_(valid).sum()
+            if not (need_h or need_w):
+                continue
+            g = lp.exp_()  # softmax, in place: d(sum NLL)/d logits = softmax - one_hot
+            g.scatter_add_(1, safe, valid.to(g.dtype).neg_()[:, None])
+            g = g.to(cdtype)
+            if need_h:
+                gh = grad_h[start:start + chunk]
+                gh.copy_(g @ w)
+                gh.mul_(valid[:, None])  # ignored targets: no gradient
+            if need_w:
+                hm = hc * valid[:, None]
+                if g.dtype == grad_w.dtype:
+                    grad_w.addmm_(g.t(), hm)
+                else:
+                    grad_w += g.t() @ hm
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.need = (need_h, need_w)
         ctx.shapes = (hidden.shape, weight.dtype)

@@ -20,6 +20,7 @@ from lmforge.model.materialise import materialise
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
 from lmforge.model.layers import Block, KVCache, make_norm, rope_rows, rope_tables, token_positions
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
+from lmforge.model.moe import MoE
 
 
 class Transformer(nn.Module):
@@ -32,6 +33,9 @@ class Transformer(nn.Module):
         # A ModuleDict keyed "0".."n-1" (not a ModuleList): pipeline stages delete the blocks they
         # do not own and the remaining names stay those of the full model, so checkpoints match.
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        for i, block in self.blocks.items():  # Mixture-of-Experts feed-forwards (model.moe): lmforge.model.moe
+            if cfg.moe.is_moe_layer(int(i)):
+                block.mlp = MoE(cfg, int(i))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()

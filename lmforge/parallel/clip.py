@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.parallel.mesh import FLAT_DIMS, MESH_DIMS, DistInfo
+from lmforge.parallel.mesh import DistInfo
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -41,7 +41,7 @@ def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: D
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
             p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
     coord = dict(zip(info.mesh.mesh_dim_names, info.mesh.get_coordinate()))
-    replicated_dims = [d for d in MESH_DIMS if d != "pp"]
+    replicated_dims = [d for d in info.mesh.mesh_dim_names if d != "pp"]
     sq = torch.zeros((), dtype=torch.float32, device=info.device)
     grads = []
     for p in params:
@@ -49,7 +49,7 @@ def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: D
         if g is None:
             continue
         if isinstance(g, DTensor):
-            dims = [FLAT_DIMS.get(n, (n,)) for n in g.device_mesh.mesh_dim_names]  # each mesh dim's own dims
+            dims = [info.dim_parts(n) for n in g.device_mesh.mesh_dim_names]  # each mesh dim's own dims
             rep = [d for ds, pl in zip(dims, g.placements) if pl.is_replicate() for d in ds]
             rep += [d for d in replicated_dims if not any(d in ds for ds in dims)]
             local = g.to_local()

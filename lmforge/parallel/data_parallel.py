@@ -86,8 +86,33 @@ def apply_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
 
         state = psgd.PowerSGDState(process_group=info.dp_cp_group, matrix_approximation_rank=cfg.parallel.powersgd_rank,
                                    start_powerSGD_iter=2, random_seed=cfg.train.seed)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        hook = psgd.powerSGD_hook
+        if torch.distributed.get_backend(info.dp_cp_group) == "gloo":
+            hook = one_bucket_at_a_time(hook)
+        ddp.register_comm_hook(state, hook)
     return ddp
+
+
+def one_bucket_at_a_time(hook):
+    """`hook`, finished (its future waited for) before it returns: on gloo, buckets one at a time.
+
+    torch's PowerSGD hook chains its three all-reduces with `Future.then`, and each callback issues
+    the next all-reduce and blocks on it from the thread that completed the previous one: on gloo, a
+    thread of the process group's small pool (or the backward thread, when the work was already
+    done). With two buckets in flight, (1) the ranks issued their buckets' all-reduces in different
+    orders (a rank's backward thread starting bucket 2 while a pool thread of bucket 1 issued its P
+    all-reduce), pairing unrelated collectives across ranks, and (2) callbacks blocked in `wait()`
+    held the pool threads the waited-for work needed: the 2-rank README run hung at its first
+    compressed step (or aborted, SIGABRT on a mismatched pairing). Waiting here keeps one bucket's
+    chain at a time, in bucket order on every rank. NCCL runs the callbacks inline when the work is
+    enqueued, in order: it keeps the overlapped hook."""
+
+    def finished(state, bucket):
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+
+    return finished
 
 
 def zero1(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

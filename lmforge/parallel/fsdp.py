@@ -33,6 +33,7 @@ from torch import nn
 
 from lmforge.config import Config
 from lmforge.model.transformer import Transformer
+from lmforge.parallel.expert_parallel import shard_experts
 from lmforge.parallel.layout import ShardedLayout
 from lmforge.parallel.mesh import DistInfo
 
@@ -108,6 +109,8 @@ def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str) ->
         kw["offload_policy"] = CPUOffloadPolicy()
     reshard = reshard_after_forward(cfg)
     for block in model.blocks.values():
+        shard_experts(block, info, reshard_after_forward=reshard,  # (EP: over the expert replicas)
+                      **{k: v for k, v in kw.items() if k != "mesh"})
         fully_shard(block, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
     return model

@@ -41,6 +41,7 @@ from lmforge.model.loss import count_targets, normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.clip import clip_grad_norm_, clip_grad_norm_sharded_
 from lmforge.parallel.context_parallel import SequenceSharding
+from lmforge.parallel.expert_parallel import moe_metrics, moe_step
 from lmforge.parallel.mesh import DistInfo, all_reduce_sum
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -58,6 +59,7 @@ class Layout:
         self.dp = dist_info.dp_cp_size if self.data_parallel else 1  # ranks the gradients are averaged over
         self.cp = SequenceSharding(dist_info.group("cp"), dist_info.cp_rank, dist_info.cp_size, dist_info.device) \
             if dist_info.cp_size > 1 else None
+        self.moe_stats: dict = {}  # the last step's MoE statistics by block index (lmforge.model.moe.MoEStats)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -69,13 +71,30 @@ class Layout:
         n_targets = self.global_targets(micro_batches)
         loss_sum = torch.zeros((), device=self.dist.device)
         last = len(micro_batches) - 1
-        with precision.step(self.module), sharded:
+        with precision.step(self.module), sharded, self.moe_step(len(micro_batches)):
             for i, (x, y) in enumerate(micro_batches):
                 with self.micro_batch_context(i == last):
                     nll = self.nll_sum(x, y, precision)
                     precision.backward(normalise(nll, n_targets, self.dp))
                     loss_sum += self.local_value(normalise(nll.detach(), n_targets))
         return self.dp_sum(loss_sum)
+
+    def moe_step(self, micro_batches: int) -> contextlib.AbstractContextManager:
+        """Around a step's forwards and backwards: Mixture-of-Experts layers' aux-loss scale, then their
+        statistics into `self.moe_stats` (lmforge.parallel.expert_parallel; nothing for a dense model)."""
+        return moe_step(self.model, micro_batches, self.dp, self.moe_stats)
+
+    def moe_metrics(self, stats: dict) -> dict:
+        """A step's MoE metrics (`moe_stats`, lmforge.parallel.expert_parallel.moe_metrics) of every MoE
+        layer: pipeline stages exchange theirs (a collective at log lines; every rank calls it)."""
+        if not self.cfg.model.moe.enabled:
+            return {}
+        out = moe_metrics(stats)
+        if self.dist.pp_size > 1:
+            parts: list = [None] * self.dist.pp_size
+            dist.all_gather_object(parts, out, group=self.dist.group("pp"))
+            out = {k: v for part in parts for k, v in part.items()}
+        return out
 
     def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
         """Summed token NLL (fp32) of one micro-batch. train.loss_chunk: fused with the output

@@ -53,6 +53,10 @@ log = logging.getLogger("lmforge.parallel")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost -> innermost (torchtitan's order)
 FLAT_DIMS = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),  # flattened dims -> theirs
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+# expert parallelism (parallel.ep > 1; lmforge.parallel.expert_parallel): dp_shard is made of two dims,
+# the EP group innermost, and "dp_shard" is their flattened dim
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+EP_FLAT_DIMS = {"dp_shard": ("dp_shard_mod_ep", "ep")}
 
 
 @dataclass
@@ -79,7 +83,9 @@ class DistInfo:
     pp_size: int = 1
     cp_rank: int = 0
     cp_size: int = 1
-    flat: dict = field(default_factory=dict)  # flattened sub-meshes by name ("dp_shard_cp", "dp_cp"; CP only)
+    ep_rank: int = 0  # expert-parallel coordinate (parallel.ep; part of the dp_shard coordinate)
+    ep_size: int = 1
+    flat: dict = field(default_factory=dict)  # flattened sub-meshes by name ("dp_shard_cp", "dp_cp": CP; "dp_shard": EP)
 
     @property
     def distributed(self) -> bool:
@@ -93,8 +99,14 @@ class DistInfo:
         return self.mesh[names[0] if len(names) == 1 else names]
 
     def group(self, name: str):
-        """Process group of one mesh dim ("pp", "tp", "cp", "dp_replicate", "dp_shard")."""
-        return self.mesh.get_group(name)
+        """Process group of one mesh dim ("pp", "tp", "cp", "dp_replicate", "dp_shard", "ep")."""
+        return self.flat[name].get_group() if name in self.flat else self.mesh.get_group(name)
+
+    def dim_parts(self, name: str) -> tuple[str, ...]:
+        """The mesh's own (not flattened) dims that dim `name` spans: "dp_shard" is ("dp_shard_mod_ep", "ep")
+        under expert parallelism, "dp_shard_cp" is dp_shard's parts and "cp"."""
+        parts = EP_FLAT_DIMS if self.ep_size > 1 else {}
+        return tuple(q for d in FLAT_DIMS.get(name, (name,)) for q in parts.get(d, (d,)))
 
     @property
     def dp_group(self):
@@ -183,18 +195,26 @@ def init_distributed(cfg: Config) -> DistInfo:
     from torch.distributed.device_mesh import init_device_mesh
 
     p = cfg.parallel
-    shape = (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-    coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
-    flat = {name: mesh[dims]._flatten(name) for name, dims in FLAT_DIMS.items() if name != "dp"} if p.cp > 1 else {}
+    if p.ep > 1:  # (lmforge.parallel.expert_parallel: the EP group is the innermost part of dp_shard)
+        mesh = init_device_mesh(device.type, (p.pp, p.dp_replicate, p.dp_shard // p.ep, p.ep, p.cp, p.tp),
+                                mesh_dim_names=EP_MESH_DIMS)
+        coord = dict(zip(EP_MESH_DIMS, mesh.get_coordinate()))
+        coord["dp_shard"] = coord["dp_shard_mod_ep"] * p.ep + coord["ep"]
+        flat = {name: mesh[dims]._flatten(name) for name, dims in EP_FLAT_DIMS.items()}
+    else:
+        mesh = init_device_mesh(device.type, (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
+        coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))
+        flat = {name: mesh[dims]._flatten(name) for name, dims in FLAT_DIMS.items() if name != "dp"} if p.cp > 1 else {}
     dp_rank, dp_size = coord["dp_replicate"] * p.dp_shard + coord["dp_shard"], p.dp
     if p.async_sgd:  # rank 0 serves parameters; workers 1..N-1 split the data N-1 ways
         dp_rank, dp_size = max(rank - 1, 0), world - 1
-    log.info("distributed: %d ranks, backend %s, mesh pp=%d x dp_replicate=%d x dp_shard=%d x cp=%d x tp=%d, "
-             "timeout %.0f s", world, backend, p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, p.timeout_s)
+    log.info("distributed: %d ranks, backend %s, mesh pp=%d x dp_replicate=%d x dp_shard=%d%s x cp=%d x tp=%d, "
+             "timeout %.0f s", world, backend, p.pp, p.dp_replicate, p.dp_shard,
+             f" (= {p.dp_shard // p.ep} x ep {p.ep})" if p.ep > 1 else "", p.cp, p.tp, p.timeout_s)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh, backend=backend,
                     host_group=host_group, dp_rank=dp_rank, dp_size=dp_size, tp_rank=coord["tp"], tp_size=p.tp, pp_rank=coord["pp"],
-                    pp_size=p.pp, cp_rank=coord["cp"], cp_size=p.cp, flat=flat)
+                    pp_size=p.pp, cp_rank=coord["cp"], cp_size=p.cp, ep_rank=coord.get("ep", 0), ep_size=p.ep,
+                    flat=flat)
 
 
 def resolve_device(name: str) -> torch.device:

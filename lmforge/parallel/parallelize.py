@@ -6,6 +6,9 @@ The parallel layout is applied in one fixed order, each step on what the previou
                       them: a stage's state dict is a slice of the full model's, by name)
   2. tensor parallel  DTensor column/row sharding of what is kept (+ sequence parallel); the plan
                       addresses plain module names, so it runs before any wrapper renames them
+     expert parallel  MoE experts split over parallel.ep (DTensor Shard(0) on the "ep" dim), tokens
+                      sent by all-to-all (lmforge.parallel.expert_parallel); FSDP2 in step 5 then
+                      shards them over the ranks holding the same experts
   3. activation ckpt  wraps blocks (after TP: checkpointing recomputes the sharded modules)
   4. compile          per block (after AC: the compiled region includes the checkpoint wrapper, as
                       in torchtitan)
@@ -36,6 +39,7 @@ import logging
 
 from lmforge.config import Config
 from lmforge.model.materialise import Source, materialise
+from lmforge.parallel.expert_parallel import wire_moe
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.activation_ckpt import apply_activation_checkpointing
 from lmforge.parallel.data_parallel import DataParallel
@@ -61,6 +65,7 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     stage_ids = split_model(model, cfg, dist_info.pp_rank) if p.pp > 1 else None  # 1
     if p.tp > 1:
         apply_tensor_parallel(model, dist_info.sub_mesh("tp"), p.sequence_parallel)  # 2
+    wire_moe(model, cfg, dist_info)  # 2b: MoE layers' groups; experts split over parallel.ep (expert_parallel)
     apply_activation_checkpointing(model.blocks, t.activation_checkpoint, t.ac_every)  # 3
     if t.compile:  # 4
         for block in model.blocks.values():
@@ -81,6 +86,10 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     if kind.shards_parameters:  # 6 (FSDP2 / TP / PP have split and sharded the model on meta)
         materialise(model, dist_info.device, source)
     lines = list(layout.describe())
+    if p.ep > 1:
+        e = cfg.model.moe.num_experts
+        lines.append(f"expert parallel: {e} experts per MoE layer over ep = {p.ep} ranks ({e // p.ep} each), "
+                     f"all-to-all dispatch; experts FSDP2-sharded over dp_shard / ep = {p.dp_shard // p.ep} ranks")
     if layout.cp is not None:  # context parallelism runs inside every layout (lmforge.parallel.layout)
         layout.name += "+cp"
         lines += layout.cp.describe(cfg, 2 if precision in ("bf16", "fp16") else 4)

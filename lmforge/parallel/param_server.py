@@ -5,7 +5,9 @@ asynchronous SGD loop that uses it is `lmforge.train.async_sgd`.
 Rank 0 is the server, ranks 1..N-1 the workers. Messages, in order on each (server, worker) pair:
 
     server -> worker   int64 [version, stop]; then, unless stop, the flat fp32 parameters
-    worker -> server   float64 [version, mean token loss, target tokens]; then the flat fp32 gradient
+                       (stop: 0 go on, 1 the run is done, 2 the run was preempted)
+    worker -> server   float64 [version, mean token loss, target tokens, preempt]; then the flat fp32
+                       gradient (preempt 1: this worker got a signal, lmforge.train.preempt)
 
 They are host tensors on `DistInfo.host_group`, an explicit gloo group (also on GPU runs, where
 the default group is NCCL), and every receive names its source: NCCL has no receive-from-any-source
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+STOP_DONE, STOP_PREEMPTED = 1, 2  # the stop field of the server's header
 
 
 def flat_params(params: list[nn.Parameter]) -> torch.Tensor:
@@ -58,6 +62,7 @@ class Push:
     loss: float
     tokens: float
     grad: torch.Tensor
+    preempt: bool = False  # the worker got a preemption signal
 
 
 class ServerLink:
@@ -74,9 +79,11 @@ class ServerLink:
         for t in self._threads:
             t.start()
 
-    def send(self, worker: int, version: int, params: torch.Tensor | None) -> None:
-        """Parameters at `version` to `worker`, or (params None) tell it to stop."""
-        dist.send(torch.tensor([version, int(params is None)], dtype=torch.int64), dst=worker, group=self.group)
+    def send(self, worker: int, version: int, params: torch.Tensor | None, preempted: bool = False) -> None:
+        """Parameters at `version` to `worker`, or (params None) tell it to stop (`preempted`: the run
+        stops for a signal)."""
+        stop = 0 if params is not None else STOP_PREEMPTED if preempted else STOP_DONE
+        dist.send(torch.tensor([version, stop], dtype=torch.int64), dst=worker, group=self.group)
         if params is None:
             self._stopped.add(worker)
         else:
@@ -99,11 +106,12 @@ class ServerLink:
                 self._turns[worker].acquire()
                 if worker in self._stopped:
                     return
-                header = torch.zeros(3, dtype=torch.float64)
+                header = torch.zeros(4, dtype=torch.float64)
                 dist.recv(header, src=worker, group=self.group)
                 grad = torch.empty(self.numel, dtype=torch.float32)
                 dist.recv(grad, src=worker, group=self.group)
-                self._arrivals.put(Push(worker, int(header[0]), float(header[1]), float(header[2]), grad))
+                self._arrivals.put(Push(worker, int(header[0]), float(header[1]), float(header[2]), grad,
+                                        bool(header[3])))
         except BaseException as e:  # noqa: BLE001 - handed to the server's loop, which raises it
             self._arrivals.put(e)
 
@@ -119,15 +127,18 @@ class WorkerLink:
         self.group, self.server = group, server
         self._header = torch.zeros(2, dtype=torch.int64)
         self._params = torch.empty(numel, dtype=torch.float32)
+        self.preempted = False  # the server's stop message said the run was preempted
 
     def pull(self) -> tuple[int, torch.Tensor] | None:
         """(version, flat parameters), or None when the server says stop."""
         dist.recv(self._header, src=self.server, group=self.group)
         if int(self._header[1]):
+            self.preempted = int(self._header[1]) == STOP_PREEMPTED
             return None
         dist.recv(self._params, src=self.server, group=self.group)
         return int(self._header[0]), self._params
 
-    def push(self, version: int, loss: float, tokens: float, grad: torch.Tensor) -> None:
-        dist.send(torch.tensor([version, loss, tokens], dtype=torch.float64), dst=self.server, group=self.group)
+    def push(self, version: int, loss: float, tokens: float, grad: torch.Tensor, preempt: bool = False) -> None:
+        dist.send(torch.tensor([version, loss, tokens, float(preempt)], dtype=torch.float64), dst=self.server,
+                  group=self.group)
         dist.send(grad, dst=self.server, group=self.group)

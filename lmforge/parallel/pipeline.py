@@ -147,7 +147,8 @@ class Pipelined(ShardedLayout):
         losses: list[torch.Tensor] = []  # the schedule's per-micro-batch loss_fn outputs (last stage)
         x = torch.cat([mb[0] for mb in micro_batches])
         y = torch.cat([mb[1] for mb in micro_batches])
-        with loss_parallel_context(self.cfg.parallel.tp), precision.step(*self.chunks), precision.autocast(), sharded:
+        with loss_parallel_context(self.cfg.parallel.tp), precision.step(*self.chunks), precision.autocast(), sharded, \
+                self.moe_step(len(micro_batches)):
             if self.first:
                 self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None)
             elif self.last:

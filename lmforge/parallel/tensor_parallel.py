@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.moe import is_moe
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.fsdp import apply_fsdp, fsdp_description, micro_batch_sync
 from lmforge.parallel.inference import ShardedInference
@@ -48,7 +49,7 @@ from lmforge.parallel.mesh import DistInfo
 def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict:
     """`parallelize_module` plan for a Transformer or a pipeline stage chunk (keys of present modules)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel
 
     ColwiseParallel, RowwiseParallel = _lora_aware_styles()  # noqa: N806 (torch's class names)
     sp = sequence_parallel
@@ -69,19 +70,27 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
         plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
         if getattr(block.attn, "q_norm", None) is not None:
             plan.update(_qk_norm_plan(pre))
-        up = ("gate", "up") if hasattr(block.mlp, "gate") else ("fc",)
-        down = "down" if hasattr(block.mlp, "down") else "proj"
-        for n in up:
-            plan[f"{pre}.mlp.{n}"] = ColwiseParallel()
-        plan[f"{pre}.mlp.{down}"] = RowwiseParallel(**row_out)
+        if is_moe(block.mlp):  # TP shards attention only: each TP rank runs the MoE feed-forward whole
+            pass
+        else:
+            up = ("gate", "up") if hasattr(block.mlp, "gate") else ("fc",)
+            down = "down" if hasattr(block.mlp, "down") else "proj"
+            for n in up:
+                plan[f"{pre}.mlp.{n}"] = ColwiseParallel()
+            plan[f"{pre}.mlp.{down}"] = RowwiseParallel(**row_out)
         if sp:
             plan[f"{pre}.attn_norm"] = SequenceParallel()
             plan[f"{pre}.mlp_norm"] = SequenceParallel()
             plan[f"{pre}.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                                      desired_input_layouts=(Replicate(), None, None),
                                                      use_local_output=True)
-            plan[f"{pre}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                    use_local_output=True)
+            if is_moe(block.mlp):  # whole sequence in, this rank's sequence shard out
+                plan[f"{pre}.mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+            else:
+                plan[f"{pre}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                        use_local_output=True)
     return plan
 
 

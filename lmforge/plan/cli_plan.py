@@ -183,6 +183,11 @@ def _resolve_precision(precision: str, device) -> str:
 
 def plan_main(argv: list[str]) -> int:
     """Entry point of `lmforge plan`. Returns a process exit code (2 on bad input)."""
+    argv = list(argv)
+    for i, arg in enumerate(argv[:-1]):  # `--gpus -3xH100`: argparse takes -3xH100 for an option; keep it a value
+        if arg == "--gpus" and argv[i + 1].startswith("-"):
+            argv[i:i + 2] = [f"--gpus={argv[i + 1]}"]
+            break
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)

@@ -101,13 +101,34 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int, convention: str = "pal
     return model_flops_per_token(model_cfg, seq_len)
 
 
-def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int) -> tuple[float, int]:
-    """(parameters, parameter tensors) one rank of pipeline stage 0 holds under TP degree `tp`."""
-    key = ("stage0", cfg_key(model_cfg), pp, tp)
+def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int, ep: int = 1) -> tuple[float, int]:
+    """(parameters, parameter tensors) one rank of pipeline stage 0 holds under TP degree `tp` (and
+    EP degree `ep`: E / ep of each MoE layer's routed experts). The data-parallel traffic counts
+    them all over the dp group; an expert's gradient is in fact reduced over the dp / ep ranks
+    holding it, a smaller group (a slight overestimate of the ring's (n-1)/n)."""
+    key = ("stage0", cfg_key(model_cfg), pp, tp, ep)
     if key not in _CACHE:
         specs = stage_specs(model_cfg, pp, 0)
-        _CACHE[key] = (sum(math.prod(tp_shape(sp, tp)) for sp in specs), len(specs))
+        _CACHE[key] = (sum(math.prod(tp_shape(sp, tp, ep)) for sp in specs), len(specs))
     return _CACHE[key]
+
+
+def ep_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
+    """All-to-all traffic of one optimizer step on one rank under expert parallelism
+    (lmforge.parallel.expert_parallel): per MoE layer of the rank's stage and per micro-batch, a
+    dispatch and a combine in forward and the two in backward (and again in a recomputed forward),
+    each moving the rank's tokens x top_k rows of dim 16-bit values, of which (ep - 1) / ep leave
+    the rank (balanced routing)."""
+    m = model_cfg.moe
+    if layout.ep <= 1 or not m.enabled:
+        return {"calls": 0.0, "wire_bytes": 0.0}
+    per = model_cfg.n_layers // layout.pp
+    moe_layers = sum(m.is_moe_layer(i) for i in range(per))  # (stage 0's blocks)
+    rows = (seq_len // layout.cp) * layout.micro_batch * m.top_k
+    half = 4 if layout.precision == "fp32" else 2
+    recomputed = recomputed_layers(layout.ac, moe_layers, layout.ac_every)
+    calls = layout.grad_accum * (4 * moe_layers + 2 * recomputed)
+    return {"calls": calls, "wire_bytes": calls * rows * model_cfg.dim * half * (layout.ep - 1) / layout.ep}
 
 
 def recompute_factor(layout: Layout, n_layers: int) -> float:
@@ -293,9 +314,13 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
         comm["cp"] = _cp_comm_seconds(model_cfg, layout, cluster, seq_len)
     if layout.pp > 1:
         comm["pp"] = _Link.of(cluster, n_gpus, layout.pp).sends(2 * m * v, 2 * m * v * act_bytes / t)
+    if layout.ep > 1:  # the EP group: ep data-parallel neighbours, tp x cp ranks apart (not overlapped)
+        traffic = ep_comm(model_cfg, layout, seq_len)
+        comm["ep"] = _Link.of(cluster, t * layout.cp * layout.ep, layout.ep).collective(traffic["calls"],
+                                                                                        traffic["wire_bytes"])
     dp_overlap = 0.0
     if layout.shard_ranks > 1:  # gradients averaged over dp x cp
-        params, tensors = _stage0_params(model_cfg, layout.pp, t)
+        params, tensors = _stage0_params(model_cfg, layout.pp, t, layout.ep)
         once_calls, once_bytes, mb_calls, mb_bytes = _dp_traffic(layout, convention, params, tensors, m, layers)
         link = _Link.of(cluster, t * layout.shard_ranks, layout.shard_ranks)
         once, per_mb = link.collective(once_calls, once_bytes), link.collective(mb_calls, mb_bytes)

@@ -185,6 +185,11 @@ _CLUSTER_RE = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?(?:(\d+)\s*[xX*]\s*)?(\S.*?)
 def parse_cluster(spec: str, nodes: int | None = None, devices: dict[str, Device] | None = None) -> Cluster:
     """Parse "64x8xH100" (nodes x GPUs per node x device), "8xA100-80GB" (one node) or "H100"
     (one device). `nodes` (the CLI's --nodes) multiplies a one-node spec."""
+    counts = re.match(r"^\s*([^xX*]*?)[xX*](?:([^xX*]*?)[xX*])?", spec or "")  # what stands before the device
+    for count in (counts.groups() if counts else ()):  # a negative or fractional count: say so, not "unknown GPU"
+        if count is not None and re.fullmatch(r"[-+]?\d*\.?\d+", count.strip()) and not count.strip().isdigit():
+            raise ValueError(f"--gpus {spec!r}: {count.strip()!r} is not a count; node and GPU counts are whole "
+                             f"numbers >= 1, e.g. 8xH100 or 64x8xH100")
     m = _CLUSTER_RE.match(spec or "")
     if not m:
         raise ValueError(f"cluster spec {spec!r} must look like 8xH100 or 64x8xH100")

@@ -143,6 +143,7 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.config.base import divisors
+from lmforge.model.accounting import mlp_activation_width
 from lmforge.optim.registry import REGISTRY
 from lmforge.optim.state_memory import OPTIMIZER_NAMES, optimizer_state_bytes_per_param
 from lmforge.parallel.formulas import cp_activation_bytes, cp_kv_bytes, cp_score_elements, recomputed_layers
@@ -201,6 +202,7 @@ class Layout:
     cpu_offload: bool = False
     precision: str = "bf16"       # bf16 | fp16 | fp32 | fp8
     fsdp_reduce_every_micro_batch: bool = False  # FSDP2: reduce-scatter after every micro-batch (not pp > 1)
+    ep: int = 1                   # expert parallelism (MoE): experts split over ep of the dp ranks
 
     @property
     def world_size(self) -> int:
@@ -224,7 +226,7 @@ class Layout:
         """Check the values, then (given) against the model and the sequence length: the rules of
         lmforge's config (tp divides the heads, pp x v the layers, cp divides seq_len / 2, and with
         SP tp divides seq_len / cp)."""
-        for key in ("dp", "cp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "ac_every"):
+        for key in ("dp", "cp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "ac_every", "ep"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"layout {key} = {value!r} must be an integer >= 1")
@@ -244,7 +246,13 @@ class Layout:
         if self.fsdp_reduce_every_micro_batch and self.pp > 1:
             raise ValueError("layout reduce_every = 1 needs pp = 1: torch's pipeline schedule reduces FSDP2's "
                              "gradients once per step; drop reduce_every=1")
+        if self.ep > 1 and self.dp % self.ep:
+            raise ValueError(f"layout ep = {self.ep} must divide dp = {self.dp} (expert parallelism borrows "
+                             f"data-parallel ranks)")
         if model_cfg is not None:
+            if self.ep > 1 and (not model_cfg.moe.enabled or model_cfg.moe.num_experts % self.ep):
+                raise ValueError(f"layout ep = {self.ep} must divide the model's routed experts "
+                                 f"({model_cfg.moe.num_experts}); a dense model takes ep = 1")
             if model_cfg.n_heads % self.tp or model_cfg.kv_heads % self.tp:
                 raise ValueError(f"layout tp = {self.tp} must divide n_heads = {model_cfg.n_heads} "
                                  f"and kv heads = {model_cfg.kv_heads}")
@@ -280,6 +288,8 @@ class Layout:
             s += ",offload=1"
         if self.fsdp_reduce_every_micro_batch:
             s += ",reduce_every=1"
+        if self.ep > 1:
+            s += f",ep={self.ep}"
         return s
 
     _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
@@ -288,12 +298,12 @@ class Layout:
              "ga": "grad_accum", "grad_accum": "grad_accum", "m": "grad_accum", "ac": "ac",
              "ac_every": "ac_every", "offload": "cpu_offload", "cpu_offload": "cpu_offload",
              "precision": "precision", "dtype": "precision", "reduce_every": "fsdp_reduce_every_micro_batch",
-             "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch"}
+             "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch", "ep": "ep"}
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
         """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
-        ac_every offload precision reduce_every); unknown keys or bad values raise ValueError naming them."""
+        ac_every offload precision reduce_every ep); unknown keys or bad values raise ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
             if "=" not in item:
@@ -333,6 +343,7 @@ class ParamSpec:
     tp_dim: int | None = None
     is_embedding: bool = False
     matmul: bool = False          # an input of a Linear (weight or bias): the step casts it to 16-bit
+    expert: bool = False          # routed experts (MoE; experts along dim 0): split over layout.ep
 
     @property
     def numel(self) -> int:
@@ -343,9 +354,11 @@ _SPEC_CACHE: dict[tuple, tuple[ParamSpec, ...]] = {}
 _TOTAL_CACHE: dict[tuple, int] = {}
 
 
-def cfg_key(cfg: ModelConfig) -> tuple:
-    """A hashable key of a model config (for the planner's caches)."""
-    return tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
+def cfg_key(cfg) -> tuple:
+    """A hashable key of a model config (for the planner's caches; nested sections such as model.moe
+    as tuples too)."""
+    return tuple(cfg_key(v) if dataclasses.is_dataclass(v) else v
+                 for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
 
 
 def total_params(cfg: ModelConfig) -> int:
@@ -395,7 +408,17 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         if cfg.qk_norm:  # (head_dim each, replicated under TP)
             out += [ParamSpec(f"{p}.attn.{n}.weight", (hd,), "block", i) for n in ("q_norm", "k_norm")]
         out += norm(f"{p}.mlp_norm", "block", i)
-        if cfg.activation == "swiglu":
+        if cfg.moe.is_moe_layer(i):  # lmforge.model.moe: router, stacked experts, shared experts; no TP split
+            m, he = cfg.moe, cfg.moe.expert_hidden or f
+            out.append(ParamSpec(f"{p}.mlp.router.weight", (m.num_experts, d), "block", i, matmul=True))
+            for name, shape in (("w_gate", (d, he)), ("w_up", (d, he)), ("w_down", (he, d))):
+                out.append(ParamSpec(f"{p}.mlp.experts.{name}", (m.num_experts, *shape), "block", i, matmul=True,
+                                     expert=True))
+            if m.shared_experts:
+                hs = m.shared_experts * he
+                out += [ParamSpec(f"{p}.mlp.shared.{n}.weight", sh, "block", i, matmul=True)
+                        for n, sh in (("gate", (hs, d)), ("up", (hs, d)), ("down", (d, hs)))]
+        elif cfg.activation == "swiglu":
             out += linear(f"{p}.mlp.gate", d, f, 0, i)
             out += linear(f"{p}.mlp.up", d, f, 0, i)
             out += linear(f"{p}.mlp.down", f, d, 1, i)
@@ -439,7 +462,10 @@ def _stage_specs(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
     return specs
 
 
-def tp_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:
+def tp_shape(spec: ParamSpec, tp: int, ep: int = 1) -> tuple[int, ...]:
+    """A rank's part of `spec` under TP degree `tp` (and, for routed experts, EP degree `ep`)."""
+    if spec.expert and ep > 1:
+        return (math.ceil(spec.shape[0] / ep), *spec.shape[1:])
     if tp == 1 or spec.tp_dim is None:
         return spec.shape
     shape = list(spec.shape)
@@ -611,7 +637,7 @@ def _literature_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: 
     r = cfg.kv_heads / cfg.n_heads
     k_mlp = 6 if cfg.activation == "swiglu" else 4
     replicated = 10.0
-    split = 4 + 4 * r + k_mlp * cfg.ffn_dim / h
+    split = 4 + 4 * r + k_mlp * mlp_activation_width(cfg) / h
     core = 0.0 if (fused_attention or ac == "selective") else 5 * a * s / h
     if layout.sp or t == 1:
         return sbh / t * (replicated + split + core)
@@ -635,7 +661,7 @@ def _megatron_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: in
     if ac == "full":
         return 2 * sbh / (t if layout.sp else 1)
     if megatron_sp_formula(layout, ac):
-        return sbh * (18 + 4 * cfg.ffn_dim / h) / t
+        return sbh * (18 + 4 * mlp_activation_width(cfg) / h) / t
     scores = 0.0 if (fused_attention or ac == "selective") else 5 * a * s * s * b / t
     return sbh * (10 + 24 / t) + scores
 
@@ -646,7 +672,7 @@ def _lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int
     sbh = s * b * h
     half = 4 if layout.precision == "fp32" else 2
     r = cfg.kv_heads / cfg.n_heads
-    F = cfg.ffn_dim / h
+    F = mlp_activation_width(cfg) / h  # (MoE: the routed and shared experts' width per token)
     if ac == "full":
         return 4 * sbh  # the fp32 residual-stream input of the block
     norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * 2
@@ -764,7 +790,7 @@ _STATE_CACHE: dict[tuple, _StageStates] = {}
 
 def _stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, stage: int) -> _StageStates:
     n_dp = layout.shard_ranks if layout.zero > 0 else 1  # (context parallel: dp x cp)
-    key = (cfg_key(cfg), n_dp, layout.zero, layout.tp, layout.pp, layout.precision, opt, convention, stage)
+    key = (cfg_key(cfg), n_dp, layout.zero, layout.tp, layout.pp, layout.precision, opt, convention, stage, layout.ep)
     hit = _STATE_CACHE.get(key)
     if hit is not None:
         return hit
@@ -772,9 +798,13 @@ def _stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, s
     params = matmul = layer = root = head = 0.0
     specs = stage_specs(cfg, layout.pp, stage)
     first_layer = stage * (cfg.n_layers // layout.pp)
+    all_dp = n_dp
     for spec in specs:
-        local = tp_shape(spec, layout.tp)
+        local = tp_shape(spec, layout.tp, layout.ep)
         full_n = math.prod(local)
+        # routed experts under EP: E / ep of them per rank, sharded (ZeRO / FSDP2) over the dp / ep
+        # ranks holding the same experts (lmforge.parallel.expert_parallel)
+        n_dp = max(all_dp // layout.ep, 1) if spec.expert else all_dp
         params += full_n
         if spec.where == "block":
             layer += full_n if spec.layer == first_layer else 0

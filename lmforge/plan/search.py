@@ -102,6 +102,15 @@ def cp_degrees(seq_len: int | None, world: int, min_tokens: int = CP_MIN_TOKENS_
     return [cp for cp in _pow2_upto(world) if cp == 1 or (seq_len % (2 * cp) == 0 and seq_len // cp >= min_tokens)]
 
 
+def ep_degrees(model_cfg: ModelConfig, dp: int, cp: int = 1) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for an MoE model the powers of two dividing both dp and
+    the routed experts (lmforge: not with cp > 1 yet)."""
+    m = model_cfg.moe
+    if not m.enabled or cp > 1:
+        return [1]
+    return [e for e in _pow2_upto(dp) if dp % e == 0 and m.num_experts % e == 0]
+
+
 def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, *,
                       zero_stages: tuple[int, ...] = (0, 1, 2, 3), ac_modes: tuple[str, ...] = ("none", "selective", "full"),
                       precision: str = "bf16", max_micro_batch: int = 16, allow_offload: bool = False,
@@ -142,12 +151,15 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                                 # SP splits a CP rank's seq_len / cp tokens over the TP ranks
                                 sp_ok = tp > 1 and (seq_len is None or (seq_len // cp) % tp == 0)
                                 every = reduce_every and zero >= 2 and ga > 1 and pp == 1
-                                for sp, re in itertools.product((True, False) if sp_ok else (False,),
-                                                                (False, True) if every else (False,)):
+                                # expert parallelism (MoE): EP degrees dividing dp and the experts, with FSDP
+                                # (lmforge borrows the EP ranks from dp_shard: parallel.ep)
+                                eps = ep_degrees(model_cfg, dp, cp) if zero >= 2 else [1]
+                                for sp, re, ep in itertools.product((True, False) if sp_ok else (False,),
+                                                                    (False, True) if every else (False,), eps):
                                     out.append(Layout(dp=dp, zero=zero, cp=cp, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
                                                       virtual_stages=v, micro_batch=mb, grad_accum=ga, ac=ac,
                                                       cpu_offload=offload, precision=precision,
-                                                      fsdp_reduce_every_micro_batch=re))
+                                                      fsdp_reduce_every_micro_batch=re, ep=ep))
     return out
 
 
@@ -160,7 +172,7 @@ def lmforge_config_for(config: Config, layout: Layout, seq_len: int) -> Config:
         dp_shard=dp if sharded else 1,
         zero_stage=zero if sharded else 0, sequence_parallel=layout.sp, pp_schedule=layout.pp_schedule,
         pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload,
-        fsdp_reduce_every_micro_batch=layout.fsdp_reduce_every_micro_batch)
+        fsdp_reduce_every_micro_batch=layout.fsdp_reduce_every_micro_batch, ep=layout.ep)
     precision = "bf16" if layout.precision == "fp8" else layout.precision
     train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch, precision=precision,
                                 global_batch_size=layout.sequences_per_step, activation_checkpoint=layout.ac,
@@ -196,7 +208,7 @@ def complexity(layout: Layout) -> tuple:
     newest mechanism (a K/V all-gather in every layer, chunked sequences, tested on CPU only), ranks
     after pipelining and before TP, a smaller degree first."""
     return (layout.cpu_offload, layout.pp > 1, layout.virtual_stages > 1, layout.cp, layout.tp > 1, layout.sp,
-            layout.zero, layout.fsdp_reduce_every_micro_batch, _AC_RANK[layout.ac])
+            layout.zero, layout.fsdp_reduce_every_micro_batch, _AC_RANK[layout.ac], layout.ep)
 
 
 def _rank(cands: list[Candidate], margin: float) -> list[Candidate]:

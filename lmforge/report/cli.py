@@ -1,4 +1,4 @@
-"""`lmforge report RUN_DIR [RUN_DIR ...] [--out DIR] [--embed]`
+"""`lmforge report --run RUN_DIR [--run RUN_DIR ...] [--out DIR] [--embed]` (or RUN_DIR positional)
 
 Plots (loss train/val, LR, grad norm, throughput; several runs overlaid) as PNG and one HTML page
 summarising config, hardware, final metrics, health events and samples. A folder that is not a
@@ -16,7 +16,9 @@ from lmforge.folders import REPORT
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmforge report", description=__doc__.split("\n\n")[1])
-    p.add_argument("runs", nargs="+", type=Path, help="run folders written by `lmforge train` (or a sweep folder)")
+    p.add_argument("--run", dest="run", action="append", type=Path, default=[], metavar="RUN_DIR",
+                   help="a run folder written by `lmforge train`, or a sweep folder (repeatable)")
+    p.add_argument("runs", nargs="*", type=Path, metavar="RUN_DIR", help="the same, positional (the old form)")
     p.add_argument("--out", type=Path, default=None,
                    help="output folder (default: RUN_DIR/report for one run, ./lmforge-report for several)")
     p.add_argument("--embed", action="store_true", help="embed the PNGs in the HTML (one self-contained file)")
@@ -25,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def report_main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.runs = args.run + args.runs
+    if not args.runs:
+        parser.error("give a run folder: --run RUN_DIR (repeatable)")
     from lmforge.report.html import build_report, find_runs
 
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from lmforge.folders import METRICS
 from lmforge.train.metrics import split_metrics
 
-PLOTS = ("loss", "lr", "grad_norm", "throughput")
+PLOTS = ("loss", "lr", "grad_norm", "throughput", "expert_load")  # (expert_load: Mixture-of-Experts runs only)
 
 
 def run_label(run_dir: Path, all_dirs: list[Path]) -> str:
@@ -132,4 +132,49 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
         ax2.set_ylabel("MFU (%)")
         ax2.legend(loc="lower right", fontsize=8)
     save(fig, ax, "throughput")
+    if any(_moe_layers(data[d][0]) for d in run_dirs):
+        plot_expert_load(plt, run_dirs, data, colors, out_dir, paths)
     return paths
+
+
+def _moe_layers(train: list[dict]) -> list[str]:
+    """The MoE layers a run's metrics hold (lmforge.parallel.expert_parallel.moe_metrics), by block index."""
+    keys = {k.split("/")[1] for r in train for k in r if k.startswith("moe/") and k.endswith("/max_load")}
+    return sorted(keys, key=int)
+
+
+def plot_expert_load(plt, run_dirs: list[Path], data: dict, colors, out_dir: Path, paths: dict) -> None:
+    """expert_load.png: each MoE layer's max / mean expert load over the steps (1 = balanced; top), and
+    for the first run with MoE layers the share of its first MoE layer's assignments going to each
+    expert, step by step (bottom, a heat map)."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), dpi=100)
+    styles = ["-", "--", ":", "-."]
+    for i, d in enumerate(run_dirs):
+        train = data[d][0]
+        for j, layer in enumerate(_moe_layers(train)):
+            xs, ys = _finite([r["step"] for r in train], [r.get(f"moe/{layer}/max_load") for r in train])
+            top.plot(xs, ys, color=colors[(i + j) % len(colors)], ls=styles[i % len(styles)], lw=1,
+                     label=f"{run_label(d, run_dirs)} block {layer}")
+    top.set_title("expert load: busiest expert / mean, per MoE block (1 = balanced)")
+    top.set_xlabel("step")
+    top.set_ylabel("max / mean load")
+    top.grid(True, alpha=0.3)
+    if len(top.get_legend_handles_labels()[0]) <= 12:
+        top.legend(fontsize=7)
+    run = next(d for d in run_dirs if _moe_layers(data[d][0]))
+    train = data[run][0]
+    layer = _moe_layers(train)[0]
+    rows = [(r["step"], r[f"moe/{layer}/tokens_per_expert"]) for r in train if f"moe/{layer}/tokens_per_expert" in r]
+    if rows:
+        shares = [[c / max(sum(counts), 1) for c in counts] for _, counts in rows]
+        image = bottom.imshow([list(col) for col in zip(*shares)], aspect="auto", origin="lower", cmap="viridis",
+                              extent=(rows[0][0] - 0.5, rows[-1][0] + 0.5, -0.5, len(shares[0]) - 0.5))
+        fig.colorbar(image, ax=bottom, label="share of assignments")
+    bottom.set_title(f"{run_label(run, run_dirs)}: block {layer}, share of each expert's assignments")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("expert")
+    fig.tight_layout()
+    path = out_dir / "expert_load.png"
+    fig.savefig(path)
+    plt.close(fig)
+    paths["expert_load"] = path

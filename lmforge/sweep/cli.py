@@ -155,8 +155,8 @@ def sweep_main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # ConfigError, or a --out that is another kind of folder
         print(f"{'config error' if isinstance(exc, ConfigError) else 'error'}: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # (SIGINT, or SIGTERM: sweep.core.SweepInterrupted) the trials are stopped
+        return 128 + int(getattr(exc, "signum", 2))
     import json
 
     rows = json.loads((out / RESULTS_JSON).read_text())

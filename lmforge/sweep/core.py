@@ -14,8 +14,13 @@ Layout of a sweep folder:
 several GPUs one GPU each (CUDA_VISIBLE_DEVICES per trial).
 
 A trial is done when its folder has `summary.json` (the trainer writes it last). Re-running the
-same command skips done trials and re-runs the others from scratch, so an interrupted sweep
-resumes. The trial folder name holds a hash of its full override set, so a changed spec never
+same command skips done trials, resumes an interrupted one from its checkpoint and re-runs the
+others from scratch, so an interrupted sweep resumes.
+
+The sweep owns its trials (each in a process group of its own): SIGINT (Ctrl-C) or SIGTERM to the
+sweep hands SIGTERM to every running trial, which saves a checkpoint of its step and exits
+(lmforge.train.preempt); the sweep waits for them, records them as `interrupted` and exits
+128 + the signal. A second signal kills the trials at once. No trial outlives its sweep. The trial folder name holds a hash of its full override set, so a changed spec never
 mistakes an old run for a new trial.
 
 A folder holds one sweep: `sweep.json` records it, and a sweep whose trials differ (another
@@ -45,7 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.config import ConfigError, load_config
-from lmforge.folders import REPORT, SUMMARY, atomic_write, atomic_write_json, check_target
+from lmforge.folders import CHECKPOINTS, REPORT, SUMMARY, atomic_write, atomic_write_json, check_target
+from lmforge.train.preempt import PREEMPTED_EXIT_CODE
 
 SWEEP_RECORD = "sweep.json"  # the spec and its trials: what this folder's sweep is
 RESULTS_JSON = "results.json"
@@ -288,16 +294,18 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_t
     free_slots = list(range(parallel))
     queue = list(todo)
     interrupted = False
+    previous = _sigterm_interrupts()
     try:
         while queue or running:
             while queue and len(running) < parallel:
                 t = queue.pop(0)
-                if t.out_dir.exists():  # an interrupted attempt: start it over
+                resume = has_checkpoint(t.out_dir)  # an interrupted trial: `lmforge train` resumes it
+                if t.out_dir.exists() and not resume:  # a failed or killed attempt: start it over
                     shutil.rmtree(t.out_dir)
-                t.out_dir.mkdir(parents=True)
+                t.out_dir.mkdir(parents=True, exist_ok=True)
                 extra = {"train.threads": threads_per_trial} if threads_per_trial else {}
                 cmd = train_command(spec, {**t.params, **extra}, t.out_dir)
-                logf = open(t.out_dir / TRIAL_LOG, "w")
+                logf = open(t.out_dir / TRIAL_LOG, "a" if resume else "w")
                 slot = free_slots.pop(0)
                 env = {**os.environ, "PYTHONUNBUFFERED": "1"}
                 if gpus:  # parallel trials spread over the GPUs, one GPU per trial
@@ -306,7 +314,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_t
                                         start_new_session=True)
                 t.status = "running"
                 running.append((t, proc, time.perf_counter(), logf, slot))
-                echo(f"  start {t.name}: {_params_text(t.params)}")
+                echo(f"  {'resume' if resume else 'start'} {t.name}: {_params_text(t.params)}")
             time.sleep(0.2)
             for item in list(running):
                 t, proc, t0, logf, slot = item
@@ -321,22 +329,24 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_t
                     t.load_summary()
                     echo(f"  done  {t.name}: {spec.metric} {_metric_text(t.summary.get(spec.metric, float('nan')))} "
                          f"({t.seconds:.0f} s)")
+                elif proc.returncode == PREEMPTED_EXIT_CODE:  # signalled on its own: it saved a checkpoint
+                    t.status = "interrupted"
+                    echo(f"  interrupted {t.name}: a re-run of the sweep resumes it from its checkpoint")
                 else:
                     t.status = "failed"
                     tail = (t.out_dir / TRIAL_LOG).read_text(errors="replace").strip().splitlines()[-3:]
                     echo(f"  FAILED {t.name} (exit {proc.returncode}); see {t.out_dir / TRIAL_LOG}: "
                          + " / ".join(tail))
-    except KeyboardInterrupt:
-        interrupted = True
-        for t, proc, _, logf, _ in running:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    except KeyboardInterrupt as exc:
+        interrupted = exc
+        stop_trials([(t, proc) for t, proc, *_ in running], echo)
+        for t, _, _, logf, _ in running:
             logf.close()
-            t.status = "interrupted"
-        echo("sweep interrupted: re-run the same command to resume (finished trials are kept)")
+        echo("sweep interrupted: re-run the same command to resume (finished trials are kept, interrupted ones "
+             "resume from their checkpoints)")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     write_results(trials, sweep_dir, spec)
     if not interrupted:
         try:
@@ -349,8 +359,58 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, parallel: int = 1, threads_per_t
         except ImportError:
             echo("sweep: plots skipped (`pip install matplotlib`)")
     if interrupted:
-        raise KeyboardInterrupt
+        raise interrupted
     return trials
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """SIGTERM to the sweep, handled as Ctrl-C is (`signum`: the process exits 128 + it)."""
+
+    signum = signal.SIGTERM
+
+
+def _sigterm_interrupts():
+    """SIGTERM raises SweepInterrupted in the sweep's main thread, as SIGINT raises
+    KeyboardInterrupt; returns the previous handler (None off the main thread: left alone)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise SweepInterrupted()
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def stop_trials(running: list[tuple[Trial, subprocess.Popen]], echo=print) -> None:
+    """SIGTERM to each running trial's process group: a trial finishes its step, saves a checkpoint and
+    exits (lmforge.train.preempt). Wait for them all; a second signal to the sweep meanwhile kills them
+    at once. Each is `interrupted` after."""
+    if running:
+        echo(f"sweep: stopping {len(running)} running trial(s); each saves a checkpoint (a second signal kills "
+             f"them at once)")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            for _, proc in running:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+            for _, proc in running:
+                proc.wait()
+            break
+        except KeyboardInterrupt:
+            continue
+    for t, _ in running:
+        t.status = "interrupted"
+
+
+def has_checkpoint(run: Path) -> bool:
+    """Whether a trial's run folder holds a finished checkpoint (`step_<N>` under checkpoints/)."""
+    folder = Path(run) / CHECKPOINTS
+    return folder.is_dir() and any(p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
+                                   for p in folder.iterdir())
 
 
 def visible_gpus() -> list[str]:

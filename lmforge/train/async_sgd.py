@@ -18,6 +18,11 @@ update, with its staleness and worker) and to summary.json. The end of the run (
 sample, weights, summary) is the Trainer's `finish`, run by the server on its own model; no
 periodic or final checkpoint is written (the server's state is not checkpointed yet: the config
 refuses checkpoint.every_steps). Messages: lmforge.parallel.param_server.
+
+Preemption (lmforge.train.preempt): a signal to the server, or to a worker (which says so with its
+next push), stops the run after the update in progress: the server stops every worker, logs a
+`preempted` event and every rank exits with PREEMPTED_EXIT_CODE. There is no checkpoint to resume
+(see above): a rerun starts over.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from lmforge.model.materialise import materialise
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.param_server import (ServerLink, WorkerLink, flat_grads, flat_params, load_flat_params,
                                            set_flat_grads)
+from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted
 from lmforge.train.progress import Progress
 from lmforge.train.trainer import Trainer, TrainResult
 
@@ -51,11 +57,17 @@ class AsyncSGDTrainer(Trainer):
         to its final evaluation, sample and checkpoint, which may outlast parallel.timeout_s. The
         stop message is the last one either side sends."""
 
+    def finish_decides(self, value):
+        """Only the server (rank 0) runs `finish`: its value as it is."""
+        return value
+
     def train(self) -> TrainResult:
         if self.dist.rank != 0:
-            self.work()
+            preempted = self.work()
             self.metrics.close()
             self.ckpt.close()
+            if preempted:
+                raise Preempted("preempted", self.state.step, self.preemption.signal_name, None)
             nan = math.nan
             return TrainResult(steps=self.state.step, tokens=0, train_loss=nan, val_loss=nan, val_perplexity=nan,
                                initial_val_loss=nan, unigram_entropy=nan, sample="", out_dir=str(self.out_dir),
@@ -67,6 +79,8 @@ class AsyncSGDTrainer(Trainer):
         initial = self.validate()
         start = time.perf_counter()
         history, stats = self.serve()
+        if stats["preempted"]:
+            self.stop_for_preemption_async()
         return self.finish(initial, history, time.perf_counter() - start, start_step=0, checkpoint=False,
                            extra_summary={"async_sgd": stats})
 
@@ -80,7 +94,8 @@ class AsyncSGDTrainer(Trainer):
         progress = Progress(cfg.train.steps, cfg.train.progress)
         for w in workers:
             link.send(w, version, flat_params(params))
-        while st.step < cfg.train.steps:
+        preempted = False
+        while st.step < cfg.train.steps and not preempted:
             push = link.receive()
             stale = version - push.version
             staleness.append(stale)
@@ -104,21 +119,34 @@ class AsyncSGDTrainer(Trainer):
                     progress.write(f"update {st.step}: loss {push.loss:.4f} (worker {push.worker}, staleness "
                                    f"{stale}; mean {sum(staleness) / len(staleness):.2f}, max {max(staleness)}, "
                                    f"dropped {dropped})")
-            link.send(push.worker, version, flat_params(params) if st.step < cfg.train.steps else None)
+            preempted = push.preempt or self.preemption.signum is not None
+            go_on = st.step < cfg.train.steps and not preempted
+            link.send(push.worker, version, flat_params(params) if go_on else None, preempted)
         while link.in_flight:  # every other worker has one gradient in flight: take it (not applied), stop it
-            link.send(link.receive().worker, version, None)
+            link.send(link.receive().worker, version, None, preempted)
         link.close()
         progress.close()
         stats = {"staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
                  "dropped": dropped, "received": len(staleness), "max_staleness": cfg.parallel.max_staleness,
-                 "workers": len(workers)}
+                 "workers": len(workers), "preempted": preempted}
         self.metrics.write({"step": st.step, **stats})
         log.info("async SGD done: staleness mean %.2f, max %d; %d of %d gradients dropped", stats["staleness_mean"],
                  stats["staleness_max"], dropped, len(staleness))
         return history, stats
 
-    def work(self) -> None:
-        """A worker's loop: pull -> gradient of one micro-batch -> push, until the server says stop."""
+    def stop_for_preemption_async(self) -> None:
+        """The server, after a signal stopped the run (its own or a worker's): log it, raise Preempted."""
+        st = self.state
+        message = (f"preempted ({self.preemption.signal_name}) at update {st.step} of {self.cfg.train.steps}: "
+                   f"asynchronous SGD keeps no checkpoint, a rerun starts over (exit code {PREEMPTED_EXIT_CODE})")
+        self.log_event({"event": "preempted", "signal": self.preemption.signal_name, "checkpoint": None,
+                        "message": message})
+        self.metrics.close()
+        raise Preempted(message, st.step, self.preemption.signal_name, None)
+
+    def work(self) -> bool:
+        """A worker's loop: pull -> gradient of one micro-batch -> push, until the server says stop.
+        Returns whether the run was preempted."""
         params = list(self.model.parameters())
         link = WorkerLink(sum(p.numel() for p in params), self.dist.host_group)
         while (pulled := link.pull()) is not None:
@@ -127,7 +155,9 @@ class AsyncSGDTrainer(Trainer):
             x, y = self.loader.next_batch()
             batch = [(x.to(self.device), y.to(self.device))]
             loss = self.layout.forward_backward(batch, self.precision)  # (one process's layout: no collective)
-            link.push(version, float(loss), float(count_targets(y)), flat_grads(params))
+            link.push(version, float(loss), float(count_targets(y)), flat_grads(params),
+                      preempt=self.preemption.signum is not None)
             self.model.zero_grad(set_to_none=True)
+        return link.preempted
 
 

@@ -79,16 +79,38 @@ def config_differences(a: dict, b: dict, prefix: str = "") -> list[tuple[str, ob
     return out
 
 
+# Command-line keys that do not name the auto run folder: how a run prints, where it writes, and
+# whether it resumes (`--checkpoint.resume none` starts the same folder over).
+_NOT_IN_NAME = ("description", "train.out_dir", "train.progress", "train.threads", "train.log_every", "train.plot",
+                "train.tensorboard", "train.wandb", "checkpoint.resume")
+
+
+def auto_folder_name(base: str, named_by: tuple[tuple[str, object], ...]) -> str:
+    """`base` (e.g. 'tiny') followed by every command-line override as the last part of its key and
+    its value, in the order typed: ('parallel.dp_replicate', 2) -> 'tiny-dp_replicate2'. A suffix
+    longer than 80 characters keeps its first 70 and a digest of all of them."""
+    parts = [f"{key.rsplit('.', 1)[-1]}{_short(value)}" for key, value in named_by if key not in _NOT_IN_NAME]
+    suffix = "-".join(parts)
+    if len(suffix) > 80:
+        suffix = f"{suffix[:70]}-{_digest(dict(named_by))}"
+    return f"{base}-{suffix}" if suffix else base
+
+
 def run_folder(cfg: Config) -> Path:
     """The run folder: train.out_dir with '{preset}', '~' and $VARS expanded. When that is the default
-    folder and it holds a run of another config, a sibling named after the differences (e.g.
-    runs/tiny-lr0.003-n_layers6) instead: a changed command never continues or overwrites another
-    run by accident. A folder given explicitly is continued as given (a compatible checkpoint
-    resumes; changed keys are listed in the log)."""
+    folder, its name also carries every command-line override (`cfg.named_by`, set by `lmforge
+    train`), layout keys included: `--parallel.dp_replicate 2` trains in runs/tiny-dp_replicate2, so
+    each changed command trains its own run and the same command continues it. When that folder
+    holds a run of another config (a changed TOML file; a Trainer built without a command line), a
+    sibling named after the differences (e.g. runs/tiny-lr0.003-n_layers6) instead: a changed
+    command never continues or overwrites another run by accident. A folder given explicitly is
+    continued as given (a compatible checkpoint resumes, resharded to the new layout; changed keys
+    are listed in the log)."""
     default = TrainConfig().out_dir
     folder = Path(os.path.expandvars(cfg.train.out_dir.format(preset=cfg.preset))).expanduser()
     if cfg.train.out_dir != default:
         return folder
+    folder = folder.with_name(auto_folder_name(folder.name, cfg.named_by))
     mine = cfg.to_dict()
     candidate = folder
     for attempt in range(3):
@@ -99,7 +121,7 @@ def run_folder(cfg: Config) -> Path:
                 log.info("run folder: %s holds a run of another config; this one goes to %s", folder, candidate)
             return candidate
         if attempt == 0:
-            named = [(k.rsplit(".", 1)[-1], v) for k, _, v in config_differences(existing, mine)]
+            named = [(k.rsplit(".", 1)[-1], v) for k, _, v in diffs]
             suffix = "-".join(f"{k}{_short(v)}" for k, v in named)
             candidate = folder.with_name(f"{folder.name}-{suffix}" if len(suffix) <= 60 else
                                          f"{folder.name}-{_digest(mine)}")
@@ -154,7 +176,8 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
             raise ValueError(
                 f"data.corpus: the {split} shards hold token id {shards.max_id} but model.vocab_size = "
                 f"{cfg.model.vocab_size}: they were written with a larger vocabulary or are corrupt; re-run "
-                f"`lmforge prepare` (data.verify_checksums = true re-hashes every shard), or raise model.vocab_size.")
+                f"`lmforge prepare` (data.verify_checksums = 'always' re-hashes every shard at start-up), or raise "
+                f"model.vocab_size.")
     loader = PackedLoader(train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed, rank=dp_rank,
                           world_size=dp_size, mask_doc_boundaries=cfg.data.mask_doc_boundaries,
                           eos_id=data.tokenizer.eos_id)

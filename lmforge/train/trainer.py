@@ -33,7 +33,7 @@ import torch
 
 from lmforge.ckpt.checkpointer import check_compatible, load_states, manager_for_run, resolve_resume, save_states
 from lmforge.ckpt.export import save_streaming
-from lmforge.ckpt.manager import read_meta
+from lmforge.ckpt.manager import CheckpointFailure, read_meta
 from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config, to_toml
 from lmforge.config.rules import check_resolved_precision
@@ -41,8 +41,9 @@ from lmforge.data.loader import PackedLoader
 from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
-from lmforge.folders import (CONFIG, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS, atomic_path,
-                             atomic_write)
+from lmforge.folders import (CONFIG, FAILED_RECORD, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS,
+                             atomic_path, atomic_write, new_run_id, read_failure, read_run_id, record_failure,
+                             write_run_record)
 from lmforge.model.transformer import count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
 from lmforge.optim.schedules import BatchRampup, build_scheduler
@@ -55,6 +56,7 @@ from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
 from lmforge.train.precision import Resolved, make_precision, resolve_precision
+from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
@@ -89,6 +91,8 @@ class Trainer:
         self._data = data  # an already prepared dataset (tests, benchmarks), else prepared in setup
         self.metrics = None  # opened once the run really starts (events before that wait in _early)
         self._early: list[dict] = []
+        self.preemption = Preemption()  # SIGTERM / SIGINT / SIGUSR1 -> a checkpoint (handlers: during fit)
+        self._saved_step = -1  # the step of the last checkpoint this run saved
 
     # ------------------------------------------------------------------------------------------
     # setup
@@ -102,6 +106,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.dist = init_distributed(cfg)  # validates the layout against the launch first
+        self.preemption.attach(self.dist.host_group, self.dist.distributed)
         self.device = self.dist.device
         for note in cfg.adjustments:  # (what load_config fitted to the layout)
             log.info("config: %s", note)
@@ -110,6 +115,17 @@ class Trainer:
             chosen = run_folder(cfg)
             self.out_dir = chosen.with_name(self.rank0_decides(chosen.name))
         check_out_dir(self.out_dir)
+
+        # the checkpoint to resume (rank 0's choice), checked against this config before any data work
+        # or hardware probing (a refused resume answers at once); before the precision: it records
+        # the run's precision
+        # (the run's identity keys its S3 backup: the folder's, or a new one, recorded with the folder)
+        self.run_id = self.rank0_decides((read_run_id(self.out_dir) or new_run_id()) if is_rank0() else None)
+        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event, run_id=self.run_id)
+        self.run_id = self.ckpt.run_id  # (another run's, adopted: checkpoint.s3_adopt)
+        self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
+        if self.resumed_from is not None:
+            check_compatible(read_meta(self.resumed_from), cfg, self.resumed_from)
 
         # data
         self.data = self._data or self.prepare_data()
@@ -120,10 +136,6 @@ class Trainer:
         loaders = build_loaders(cfg, self.data, self.dist.dp_rank, self.dist.dp_size)
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
-
-        # the checkpoint to resume (rank 0's choice), before the precision: it records the run's precision
-        self.ckpt = manager_for_run(cfg, self.out_dir, self.dist, self.log_event)
-        self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
 
         # model, parallel layout, optimizer, precision
         model, self.weight_source = build_training_model(cfg, self.device)  # (on the meta device)
@@ -177,6 +189,8 @@ class Trainer:
         if rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(self.out_dir / CONFIG, to_toml(cfg))
+            if read_run_id(self.out_dir) != self.run_id:
+                write_run_record(self.out_dir, self.run_id)
             with atomic_path(self.out_dir / TOKENIZER) as tmp:
                 shutil.copyfile(self.data.tokenizer_path, tmp)
         self.metrics = MetricsWriter(self.out_dir / METRICS, make_sinks(
@@ -184,7 +198,16 @@ class Trainer:
         for event in self._early:
             self.log_event(event)
         self._early.clear()
+        failed = read_failure(self.out_dir) if rank0 else None
+        if failed:  # (the record goes once the run completes)
+            self.log_event({"event": "previous_attempt_failed", **failed, "message": (
+                f"the previous attempt in {self.out_dir} stopped at step {failed.get('step')} ({failed.get('time')}) "
+                f"without protecting its work: {failed.get('error')}")})
         self.ckpt.prepare()
+
+    def finish_decides(self, value):
+        """Rank 0's value on every rank that runs `finish` (a synchronous run: all of them)."""
+        return self.rank0_decides(value)
 
     def rank0_decides(self, value):
         """Rank 0's value on every rank (decisions that read rank 0's disk)."""
@@ -203,7 +226,8 @@ class Trainer:
             resolved = resolve_precision(self.cfg.train.precision, self.device, saved)
         resolved = self.rank0_decides(resolved)
         check_resolved_precision(self.cfg, resolved.name, resolved.reason)
-        log.log(logging.WARNING if resolved.slow or resolved.changed else logging.INFO, "precision: %s (%s)",
+        log.log(logging.WARNING if (resolved.slow or resolved.changed) and is_rank0() else logging.INFO,
+                "precision: %s (%s)",
                 resolved.name, resolved.reason)
         return resolved
 
@@ -234,18 +258,24 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
+        """Set up, train, finish. A signal (lmforge.train.preempt) ends the loop early with a
+        checkpoint and raises `Preempted`."""
         try:
-            if not is_rank0():
-                log.setLevel(logging.WARNING)  # only rank 0 prints progress and info lines
+            self.preemption.install()
             self.setup()
             result = self.report_finished() if self.finished else self.train()
             self.end_together()
             return result
+        except CheckpointFailure as e:  # (every rank alike) the rerun says what happened
+            if is_rank0() and not record_failure(self.out_dir, self.state.step, str(e)):
+                log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
+            raise
         finally:
             if getattr(self, "ckpt", None) is not None:
                 self.ckpt.close()  # never leave a save half-written behind an exception
             if getattr(self, "dist", None) is not None and self.dist.distributed:
                 destroy_distributed()
+            self.preemption.uninstall()
 
     def end_together(self) -> None:
         """Every rank waits here for the others before any tears its process groups down. A rank
@@ -259,10 +289,11 @@ class Trainer:
     def report_finished(self) -> TrainResult:
         """The run in the folder is complete: report its summary, change nothing."""
         summary = self.rank0_decides(json.loads((self.out_dir / SUMMARY).read_text()) if is_rank0() else None)
-        log.info("the run in %s is already complete (%d of %d steps, validation loss %.4f); nothing to do. Start "
-                 "over with --checkpoint.resume none or another --train.out_dir, or train longer with a larger "
-                 "--train.steps and --train.out_dir %s", self.out_dir, self.state.step, self.cfg.train.steps,
-                 summary.get("val_loss", math.nan), self.out_dir)
+        command = self.cfg.command or "lmforge train ..."
+        log.info("nothing trained: %s holds this run, already complete (%d of %d steps, validation loss %.4f). "
+                 "Train it further: %s --train.out_dir %s --train.steps %d; start it over: %s --checkpoint.resume none",
+                 self.out_dir, self.state.step, self.cfg.train.steps, summary.get("val_loss", math.nan), command,
+                 self.out_dir, 2 * self.cfg.train.steps, command)
         fields = {f for f in TrainResult.__dataclass_fields__ if f != "history"}
         return TrainResult(**{k: v for k, v in summary.items() if k in fields})
 
@@ -290,7 +321,7 @@ class Trainer:
             st.tokens_seen += step_tokens
             self.profiler.step_end(st.step)
             window.add_step(step_tokens, data_s)
-            pending.append((st.step, loss, grad_norm, lr, st.tokens_seen, data_s))
+            pending.append((st.step, loss, grad_norm, lr, st.tokens_seen, data_s, dict(self.layout.moe_stats)))
 
             if st.step % t.log_every == 0 or st.step == t.steps or self._rollback_requested:
                 if self.device.type == "cuda":  # the log line's one sync, before timing the window
@@ -309,6 +340,8 @@ class Trainer:
                 st.last_loss = float(loss)
                 self.save_checkpoint()
                 last_save_time = time.time()
+            if self.preemption.requested():  # (every rank, every step: one tiny all-reduce)
+                self.stop_for_preemption(pending, window, history, progress)
 
         progress.close()
         self.profiler.close()
@@ -432,6 +465,32 @@ class Trainer:
                 "layout": self.layout.name, "optimizer": self.cfg.optim.name, "precision": self.precision.name}
         with self.timers("checkpoint"):
             save_states(self.ckpt, self.state.step, self.states, meta)
+        self._saved_step = self.state.step
+
+    def stop_for_preemption(self, pending: list[tuple], window: ThroughputWindow, history: list[dict],
+                            progress: Progress) -> None:
+        """A signal came (lmforge.train.preempt): log the steps not logged yet, checkpoint this step
+        synchronously on every rank (unless the loop just did), log a `preempted` event, leave
+        together and raise `Preempted` (the command line exits with its code)."""
+        st, t = self.state, self.cfg.train
+        if pending:
+            self.log_window(pending, window.take(), history, progress)
+        progress.close()
+        self.profiler.close()
+        if self._saved_step != st.step:
+            self.save_checkpoint()
+        self.ckpt.wait()  # written, validated and rotated before we report it
+        saved = self.ckpt.last_save.get("step") == st.step
+        where = self.ckpt.last_save.get("path") if saved else None
+        name = self.preemption.signal_name
+        message = (f"preempted ({name}) at step {st.step} of {t.steps}: " + (
+            f"checkpoint saved in {where}; run the same command again to resume" if saved or not is_rank0() else
+            "the checkpoint of this step failed (see above); a rerun resumes from the last good one")
+            + f" (exit code {PREEMPTED_EXIT_CODE})")
+        self.log_event({"event": "preempted", "signal": name, "checkpoint": where, "message": message})
+        self.ckpt.close()
+        self.end_together()
+        raise Preempted(message, st.step, name, where)
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore `self.states` from `path` (every rank; the checkpoint may come from any layout)."""
@@ -527,9 +586,9 @@ class Trainer:
 
     def log_window(self, pending: list[tuple], stats: dict, history: list[dict], progress: Progress) -> None:
         """Metrics records of the steps since the last log line (one host sync for all of them)."""
-        for step, loss, grad_norm, lr, tokens, data_s in pending:
+        for step, loss, grad_norm, lr, tokens, data_s, moe in pending:
             rec = {"step": step, "loss": float(loss), "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
-                   **stats, "data_s": data_s}
+                   **stats, "data_s": data_s, **self.layout.moe_metrics(moe)}
             history.append(rec)
             self.metrics.write(rec)
             for event in self.health.update(step, rec["loss"], rec["grad_norm"]):
@@ -552,7 +611,7 @@ class Trainer:
             return
         self.metrics.write({"step": self.state.step, **event})
         self.metrics.flush()
-        if event.get("event") not in ("checkpoint", "backup"):  # (those log their own info line)
+        if event.get("event") not in ("checkpoint", "backup", "checkpoint_failed"):  # (those log their own line)
             log.warning("%s", event.get("message", event.get("event")))
 
     # ------------------------------------------------------------------------------------------
@@ -576,12 +635,19 @@ class Trainer:
                                    t.sample_tokens, temperature=0.8, top_k=50, seed=t.seed)
             if is_rank0():
                 atomic_write(self.out_dir / SAMPLE, t.sample_prompt + sample + "\n")
+        weights_error = None
         if cfg.checkpoint.save_final:
             if checkpoint and (st.step > start_step or self.resumed_from is None):  # (not if resumed at this step)
                 self.save_checkpoint()
             with self.timers("checkpoint"):
-                self.save_final_weights(self.out_dir / WEIGHTS)
+                weights_error = self.save_final_weights(self.out_dir / WEIGHTS)
         self.ckpt.close()  # the last save is written, validated and backed up before we report
+        if self.ckpt.consecutive_failures or weights_error:  # (every rank alike) no summary: a rerun resumes
+            what = [f"the last checkpoint failed ({self.ckpt.last_error})"] if self.ckpt.consecutive_failures else []
+            what += [f"the final weights {self.out_dir / WEIGHTS} could not be written ({weights_error})"] \
+                if weights_error else []
+            raise CheckpointFailure(f"training reached step {st.step}, but {' and '.join(what)}. Fix that and run the "
+                                    f"same command again: it resumes from the newest valid checkpoint.")
 
         result = TrainResult(
             steps=st.step, tokens=st.tokens_seen, train_loss=st.last_loss, val_loss=final["loss"],
@@ -593,6 +659,7 @@ class Trainer:
         summary.update(extra_summary or {})
         if is_rank0():
             atomic_write(self.out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+            (self.out_dir / FAILED_RECORD).unlink(missing_ok=True)  # (a failed attempt, now made good)
         self.metrics.close()
         if t.plot and is_rank0():
             try:
@@ -603,10 +670,13 @@ class Trainer:
                 log.info("plots skipped: `pip install matplotlib` to get %s/*.png", self.out_dir / REPORT)
         return result
 
-    def save_final_weights(self, path: Path) -> None:
+    def save_final_weights(self, path: Path) -> str | None:
         """safetensors weights, streamed by rank 0 one tensor at a time as the layout gathers them (LoRA
         adapters folded in unless finetune.merge_lora = false; a tied head stored once, as the
-        embedding). A collective: every rank calls this."""
+        embedding). A collective: every rank calls this. Returns why the file could not be written
+        (a full disk: the bytes free and needed), on every rank, or None; rank 0 then still drains the
+        layout's gathers so that no rank is left in a collective."""
+        from lmforge.ckpt.manager import describe_write_error, free_bytes
         from lmforge.model.lora import is_adapter, merged_weight
 
         ft = self.cfg.finetune
@@ -614,18 +684,39 @@ class Trainer:
         specs = [s for s in self.layout.weight_specs() if not (merge and is_adapter(s[0]))]
         rank0 = is_rank0()
         adapters: dict[str, torch.Tensor] = {}
-        with save_streaming(path, specs) if rank0 else contextlib.nullcontext() as write:
-            for name, tensor in self.layout.full_weights():
-                if not rank0:
-                    continue
-                if merge and is_adapter(name):
-                    adapters[name] = tensor
-                    continue
-                module = name.removesuffix(".weight")
-                if merge and f"{module}.lora_a" in adapters:
-                    tensor = merged_weight(tensor, adapters.pop(f"{module}.lora_a"), adapters.pop(f"{module}.lora_b"),
-                                           ft.lora_rank, ft.lora_alpha)
+        needed = sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in specs)
+        free = free_bytes(path.parent) if rank0 else None
+        error: BaseException | None = None
+        stack = contextlib.ExitStack()
+        write = None
+        if rank0:
+            try:
+                write = stack.enter_context(save_streaming(path, specs))
+            except OSError as e:
+                error = e
+        for name, tensor in self.layout.full_weights():
+            if write is None or error is not None:
+                continue
+            if merge and is_adapter(name):
+                adapters[name] = tensor
+                continue
+            module = name.removesuffix(".weight")
+            if merge and f"{module}.lora_a" in adapters:
+                tensor = merged_weight(tensor, adapters.pop(f"{module}.lora_a"), adapters.pop(f"{module}.lora_b"),
+                                       ft.lora_rank, ft.lora_alpha)
+            try:
                 write(name, tensor)
+            except OSError as e:
+                error = e
+        try:
+            if error is not None:  # (the writer removes its temp file; `path` stays as it was)
+                stack.__exit__(type(error), error, error.__traceback__)
+            else:
+                stack.close()  # fsync, check, rename
+        except OSError as e:
+            error = error or e
+        why = describe_write_error(error, path.parent, needed, free) if error is not None else None
+        return self.finish_decides(why)
 
     def operability_summary(self, history: list[dict]) -> dict:
         """Extra `summary.json` keys: throughput/MFU, time shares, health counts, hardware."""
