@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lmforge import __version__
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
-from lmforge.folders import TOKENIZER, check_run_folder, check_writable
+from lmforge.folders import CONFIG, TOKENIZER, check_run_folder, check_writable
 
 
 TRAIN_ARGS_ENV = "LMFORGE_TRAIN_ARGS"  # overrides appended to every `lmforge train` command line
@@ -96,7 +96,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     extra = shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
     try:  # validate before the heavy imports; under torchrun every rank reads the same config
         typed = parse_cli_overrides(rest)
-        cfg = load_config(args.config, {**typed, **parse_cli_overrides(extra)})
+        cfg = load_config(train_config_source(args.config, typed), {**typed, **parse_cli_overrides(extra)})
         check_writable(cfg.train.out_dir.format(preset=cfg.preset), "train.out_dir")
     except ValueError as exc:  # (ConfigError included)
         return report_on_one_rank(f"config error: {exc}")
@@ -136,12 +136,24 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def train_command(config: str, rest: list[str]) -> str:
+def train_config_source(config: str | None, overrides: dict) -> str:
+    """--config; without one, the config.toml of the run folder that finetune.init_from names (an
+    imported run's holds its model and data settings, the rest adapting as a preset's; a trained
+    run's, that run's whole config), else the tiny preset."""
+    if config is not None:
+        return config
+    init_from = overrides.get("finetune.init_from")
+    if init_from and (Path(init_from) / CONFIG).is_file():
+        return str(Path(init_from) / CONFIG)
+    return "tiny"
+
+
+def train_command(config: str | None, rest: list[str]) -> str:
     """The `lmforge train` command line as typed (under torchrun: its launcher, one node)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     head = f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', world)} -m lmforge train" if world > 1 \
         else "lmforge train"
-    return " ".join([head] + ([f"--config {shlex.quote(config)}"] if config != "tiny" else []) + [shlex.quote(a) for a in rest])
+    return " ".join([head] + ([f"--config {shlex.quote(config)}"] if config not in (None, "tiny") else []) + [shlex.quote(a) for a in rest])
 
 
 def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
@@ -231,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (default: the tiny preset on the embedded corpus)",
                        description="Train a model: a preset or TOML file, plus any config key set on the command "
                        "line.", epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tiny", help="preset name or path to a TOML file (default: tiny; "
-                   "`lmforge presets` lists the presets)")
+    p.add_argument("--config", default=None, help="preset name or path to a TOML file (default: tiny, or with "
+                   "--finetune.init_from RUN_FOLDER that run's config.toml; `lmforge presets` lists the presets)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("generate", help="sample text from a trained run folder")
     p.add_argument("--run", "--ckpt", dest="run", metavar="RUN_DIR", required=True,

@@ -72,7 +72,8 @@ def test_continue_pretraining_a_qwen25_style_model_on_your_own_text(tmp_path):
     assert prepared.tokenizer.vocab_size == TOKENIZER_VOCAB < MODEL_VOCAB  # the model keeps its padded rows
 
     # 3. continue pre-training from the imported weights for 20 steps
-    proc = lmforge(tmp_path, "train", "--config", "runs/qwen-base/config.toml", "--finetune.init_from", "runs/qwen-base",
+    # (no --config: the run that finetune.init_from names gives the model)
+    proc = lmforge(tmp_path, "train", "--finetune.init_from", "runs/qwen-base",
                    "--data.corpus", "data/my_text", "--optim.lr", "1e-3", "--train.out_dir", "runs/qwen-cpt", *TRAIN)
     run = tmp_path / "runs" / "qwen-cpt"
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -303,6 +303,8 @@ FAMILIES = {  # name: (transformers class, config keys, lmforge ModelConfig valu
                                    max_window_layers=0), dict(qkv_bias=True, sliding_window=7)),
     "qwen3_untied": ("Qwen3", dict(tie_word_embeddings=False, head_dim=8), dict(qk_norm=True, bias=False)),
     "qwen3_tied": ("Qwen3", dict(tie_word_embeddings=True, head_dim=8), dict(qk_norm=True, tie_embeddings=True)),
+    # Qwen3 0.6B-4B: heads x head_dim != hidden_size (here 4 x 16 on 32)
+    "qwen3_wide_heads": ("Qwen3", dict(tie_word_embeddings=True, head_dim=16), dict(qk_norm=True, attn_head_dim=16)),
     "mistral_window": ("Mistral", dict(sliding_window=6, tie_word_embeddings=False), dict(sliding_window=6)),
     "llama3_rope": ("Llama", dict(rope_theta=5e5, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True),
                     dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max_seq_len=16)),
@@ -374,7 +376,7 @@ def Transformer_like(model, kw: dict):  # noqa: N802
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
     ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
      "sliding window on some layers only"),
-    ({"head_dim": 16}, "head_dim = 16"),
+    ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
 ])
 def test_family_settings_lmforge_cannot_represent_are_named(tmp_path, edit, message):
     import json

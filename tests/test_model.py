@@ -14,7 +14,11 @@ LLAMA = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, max_seq_len=64)
 GPT2 = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, max_seq_len=64, pos_emb="learned", norm="layernorm",
             activation="gelu", bias=True, tie_embeddings=True)
 VARIANTS = {"llama": LLAMA, "gpt2": GPT2, "gqa": {**LLAMA, "n_kv_heads": 2, "tie_embeddings": False},
-            "mqa": {**LLAMA, "n_kv_heads": 1}}
+            "mqa": {**LLAMA, "n_kv_heads": 1},
+            # the families' attention options (issue 37)
+            "qwen2": {**LLAMA, "n_kv_heads": 2, "qkv_bias": True}, "qwen3": {**LLAMA, "qk_norm": True},
+            "mistral": {**LLAMA, "n_kv_heads": 2, "sliding_window": 6},
+            "llama3": {**LLAMA, "rope_scaling": "llama3", "rope_original_max_seq_len": 16}}
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -86,7 +90,7 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(score(3, 1) - score(3, 2)) > 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gqa"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gqa", "qwen2", "qwen3", "mistral", "llama3"])
 def test_kv_cache_generation_equals_full_recompute(name):
     model = build_model(ModelConfig(**VARIANTS[name]), seed=0)
     prompt = [5, 17, 3]
@@ -131,3 +135,41 @@ def test_streamed_text_never_contains_a_stop_string(monkeypatch):
     assert "".join(pieces) == "ab" == gen.generate_text(None, Tok(), "x", 6, stop=["\n\n"])
     assert gen.generate_text(None, Tok(), "x", 6) == "ab\n\ncd"
     assert list(gen.stream_text(None, Tok(), "x", 3)) == ["a", "b", "\n"]  # no stops: nothing held back
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+def test_chunked_prefill_and_decoding_with_a_cache_equal_the_full_forward(name):
+    """Chunks of several tokens after cached ones (the offset mask, within the sliding window) and
+    single tokens (the window over the cache) give the full forward's logits."""
+    from lmforge.model.layers import KVCache
+
+    model = build_model(ModelConfig(**VARIANTS[name]), seed=0).eval()
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    caches = [KVCache() for _ in range(2)]
+    with torch.no_grad():
+        full = model(tokens)
+        parts = [model(tokens[:, a:b], caches) for a, b in ((0, 9), (9, 10), (10, 25), (25, 26), (26, 40))]
+    assert (torch.cat(parts, dim=1) - full).abs().max().item() < 1e-5
+
+
+def test_sliding_window_mask_and_llama3_rope_frequencies():
+    """The window: query p sees keys p - window + 1 .. p; a window covering the keys is no mask
+    (is_causal). llama3 RoPE: high frequencies kept, low ones divided by the factor (Hugging Face's
+    formula: wavelengths above original / low_freq_factor)."""
+    from lmforge.model.layers import scaled_inv_freq, window_mask
+
+    mask = window_mask(0, 6, 6, 3, torch.device("cpu"))
+    assert mask.int().tolist()[5] == [0, 0, 0, 1, 1, 1] and mask.int().tolist()[1] == [1, 1, 0, 0, 0, 0]
+    assert window_mask(0, 6, 6, 6, torch.device("cpu")) is None and window_mask(0, 6, 6, 0, torch.device("cpu")) is None
+    assert window_mask(5, 1, 6, 0, torch.device("cpu")) is None  # one token after cached ones sees them all
+    assert window_mask(5, 1, 6, 2, torch.device("cpu")).int().tolist() == [[0, 0, 0, 0, 1, 1]]
+    cfg = ModelConfig(**{**VARIANTS["llama3"], "rope_original_max_seq_len": 64})  # thresholds 64/4 and 64/1
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))  # wavelengths 6.3 .. 6283
+    scaled, wavelen = scaled_inv_freq(inv, cfg), 2 * math.pi / inv
+    high, low = wavelen < 16, wavelen > 64
+    medium = ~high & ~low
+    assert high.any() and low.any() and medium.any()
+    assert torch.equal(scaled[high], inv[high]) and torch.allclose(scaled[low], inv[low] / 8.0)
+    assert ((scaled[medium] < inv[medium]) & (scaled[medium] > inv[medium] / 8.0)).all()
+    assert torch.allclose(scaled_inv_freq(inv, ModelConfig(**{**LLAMA, "rope_scaling": "linear", "rope_factor": 4.0})),
+                          inv / 4.0)

@@ -233,16 +233,20 @@ def test_attention_options_under_tensor_and_sequence_parallel_match_one_process(
 
 
 @pytest.mark.slow
-def test_family_options_together_under_fsdp_tp_and_pipeline_match_one_process(corpus, tmp_path):  # noqa: F811
-    """All four options at once under FSDP2 x TP (2 x 2, SP) and under TP x PP (2 x 2) against one
-    process: the new weights compose with FSDP2's sharding and the pipeline split."""
+def test_family_options_together_under_fsdp_tp_pipeline_and_context_parallel_match_one_process(corpus, tmp_path):  # noqa: F811
+    """All four options at once under FSDP2 x TP (2 x 2, SP), under PP=2 (1F1B) and under CP=2 (the
+    8-token window inside 32-token sequences cut into 4 chunks of 8: the windowed chunk attention)
+    against one process: the new weights compose with FSDP2's sharding and the pipeline split, and
+    the window is exact across the CP ranks' chunks. PP and CP share a launch."""
     every = {k: v for option in ATTENTION_OPTIONS.values() for k, v in option.items()}
     shared = {**MP, "model.n_kv_heads": 2, **every, **FAMILY_STEPS}
     ref = tmp_path / "single"
     proc = train_runs(corpus, {ref: {}}, **shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for layout in ("fsdp2xtp2", "tp2xpp2"):
-        nproc, extra = LAYOUTS[layout]
-        proc = train_runs(corpus, {tmp_path / layout: {}}, nproc=nproc, timeout=300, **shared, **extra)
+    launches = [(4, {tmp_path / "fsdp2xtp2": LAYOUTS["fsdp2xtp2"][1]}),
+                (2, {tmp_path / "pp2-1f1b": LAYOUTS["pp2-1f1b"][1], tmp_path / "cp2": {"parallel.cp": 2}})]
+    for nproc, runs in launches:
+        proc = train_runs(corpus, runs, nproc=nproc, timeout=300, **shared)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert_runs_match(tmp_path / layout, ref, f"family options, {layout} vs one process", tol=TOL)
+        for out in runs:
+            assert_runs_match(out, ref, f"family options, {out.name} vs one process", tol=TOL)

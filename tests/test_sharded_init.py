@@ -28,6 +28,8 @@ SMALL = {"model.vocab_size": 320, "model.dim": 64, "model.n_layers": 4, "model.n
 UNTIED = {"model.tie_embeddings": False}
 GPT2 = {"model.pos_emb": "learned", "model.norm": "layernorm", "model.activation": "gelu", "model.bias": True}
 LORA = {"finetune.lora_rank": 4, "finetune.lora_targets": "wq,wv,down"}
+# Qwen3-style (issue 37): QK-norm weights (replicated under TP), a sliding window (no weights)
+FAMILY = {"model.n_kv_heads": 2, "model.qk_norm": True, "model.sliding_window": 8}
 
 
 def hf_folder(tmp: Path, overrides: dict) -> Path:
@@ -71,13 +73,18 @@ def test_two_rank_layouts_materialise_one_processs_weights(corpus, tmp_path):  #
                             "parallel.pp_virtual_stages": 2},
         "fsdp2-hf-lora": {**UNTIED, "model.n_kv_heads": 2, "parallel.dp_shard": 2,
                           "finetune.init_from": str(llama), **LORA},
+        "tp2-sp-qkv-bias-qk-norm": {**FAMILY, "model.qkv_bias": True, "parallel.tp": 2,
+                                    "parallel.sequence_parallel": True},
     })
 
 
 @pytest.mark.slow
 def test_four_rank_layouts_materialise_one_processs_weights(corpus, tmp_path):  # noqa: F811
     gpt2 = hf_folder(tmp_path / "gpt2", GPT2)
+    qwen3 = hf_folder(tmp_path / "qwen3", {**UNTIED, **FAMILY})
     run(corpus, 4, {
+        "fsdp2xtp2-qwen3-hf": {**UNTIED, **FAMILY, "parallel.dp_shard": 2, "parallel.tp": 2,
+                               "finetune.init_from": str(qwen3)},
         "fsdp2xtp2": {"parallel.dp_shard": 2, "parallel.tp": 2, "parallel.sequence_parallel": True},
         "hsdp2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2},
         "tp2xpp2": {**UNTIED, "parallel.tp": 2, "parallel.pp": 2},

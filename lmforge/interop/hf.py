@@ -188,15 +188,13 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
 def _decoder_config(hf: dict, source: str, kind: str) -> ModelConfig:
     """ModelConfig of a Llama / Qwen2 / Qwen3 / Mistral config.json dict, or ValueError."""
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or dim // heads
-    if head_dim * heads != dim:
-        raise ValueError(f"{source}: head_dim = {head_dim} x num_attention_heads = {heads} != hidden_size = "
-                         f"{dim}; lmforge needs head_dim = hidden_size / num_attention_heads.")
+    head_dim = hf.get("head_dim") or dim // heads  # (Qwen3 0.6B-4B: heads x head_dim != hidden_size)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act = {hf['hidden_act']!r}; lmforge's SwiGLU uses 'silu'.")
     return ModelConfig(
         vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
+        attn_head_dim=None if head_dim * heads == dim else head_dim,
         max_seq_len=hf.get("max_position_embeddings", 2048), pos_emb="rope", norm="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0, qk_norm=kind == "qwen3",
@@ -401,7 +399,7 @@ def write_hf_weights(cfg: ModelConfig, weights: WeightReader, path: Path) -> Non
 # --------------------------------------------------------------------------------------------
 
 
-HF_FILES = (HF_CONFIG, "generation_config.json", WEIGHTS, TOKENIZER, "tokenizer_config.json")
+HF_FILES = (HF_CONFIG, "generation_config.json", WEIGHTS, TOKENIZER, TOKENIZER_CONFIG)
 
 
 def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, tokenizer=None,
