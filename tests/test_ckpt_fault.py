@@ -83,33 +83,49 @@ def reference(corpus, tmp_path_factory) -> Path:  # noqa: F811
     return out
 
 
-def test_sigkill_at_random_moments_then_resume_is_bit_exact(corpus, reference, tmp_path):  # noqa: F811
+# Mixture-of-Experts with expert parallelism over 2 ranks (lmforge.parallel.expert_parallel): expert
+# weights split over the EP ranks, their optimizer state, the aux-loss-free selection bias
+MOE_EP2 = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_hidden": 64,
+           "model.moe.bias_update_rate": 0.01, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 2}
+SIGKILL_LAYOUTS = {"1-process": (1, {}), "ep2-moe": (2, MOE_EP2)}
+
+
+@pytest.mark.parametrize("layout", list(SIGKILL_LAYOUTS))
+def test_sigkill_at_random_moments_then_resume_is_bit_exact(corpus, reference, tmp_path, layout):  # noqa: F811
     """Three SIGKILLs at random moments (mid-step, mid-save, whatever), a resume after each: the
     final weights equal the uninterrupted run's bit for bit. Each kill comes 0-0.15 s (a few steps
     of this model, or a save's write) after a checkpoint shows up, and the kills aim at checkpoints
     at least 12 steps before the end: a quiet CPU runs a few more steps while an asynchronous save
     is written and validated, and with 16 steps, kills aimed up to 2 steps before the end and up to
-    0.4 s late, the third kill landed after the run's last checkpoint."""
+    0.4 s late, the third kill landed after the run's last checkpoint. Under torchrun (the EP layout)
+    the workers are killed first, then the agent's group (killing the agent alone leaves them running)."""
+    nproc, extra = SIGKILL_LAYOUTS[layout]
+    if nproc > 1:
+        reference = tmp_path / "reference"
+        finish(launch(corpus, reference, nproc=nproc, **KILLED, **extra), reference)
     rng = random.Random(int(os.environ.get("LMFORGE_FAULT_SEED", "1234")))
     out = tmp_path / "run"
     steps = KILLED["train.steps"]
     kills = 0
     for _ in range(3):
-        proc = launch(corpus, out, **KILLED)
+        proc = launch(corpus, out, nproc=nproc, **KILLED, **extra)
         target = min(newest_step(out) + rng.choice([2, 4]), steps - 12)
         if not wait_for_checkpoint(proc, out, target):
             break
         time.sleep(rng.uniform(0.0, 0.15))  # somewhere inside the following steps or the save
+        for worker in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split() \
+                if nproc > 1 else ():
+            os.kill(int(worker), signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         kills += 1
     assert kills == 3
     killed_at = newest_step(out)
     assert 2 <= killed_at < steps
-    proc = launch(corpus, out, **KILLED)
+    proc = launch(corpus, out, nproc=nproc, **KILLED, **extra)
     finish(proc, out)
     log = (tmp_path / "run.log").read_text()
-    assert log.count("resumed from") == 3, log[-3000:]
+    assert log.count("resumed from") == 3 * nproc, log[-3000:]  # (each rank logs it)
     assert_bitwise(final_weights(out), final_weights(reference))
     # every step's loss and gradient norm after a resume equal the reference's (the last record of a
     # step wins)
