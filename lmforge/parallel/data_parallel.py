@@ -86,8 +86,23 @@ def apply_ddp(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
 
         state = psgd.PowerSGDState(process_group=info.dp_cp_group, matrix_approximation_rank=cfg.parallel.powersgd_rank,
                                    start_powerSGD_iter=2, random_seed=cfg.train.seed)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        ddp.register_comm_hook(state, serialized_powersgd_hook)
     return ddp
+
+
+def serialized_powersgd_hook(state, bucket):
+    """torch's powerSGD_hook, finished before the next bucket's hook starts. Its second all-reduce
+    (of Q) is issued from a callback of the first, on the communication thread, while autograd may
+    already be issuing the next bucket's first all-reduce (of P): the two ranks can then call the
+    group's collectives in different orders, which gloo reports as "Received data size doesn't match
+    expected size" (a hang or worse on NCCL). Seen with the tiny preset under DDP (two buckets: DDP's
+    first bucket is 1 MB) within a few steps; a model in one bucket never showed it. Waiting here
+    costs the overlap of one bucket's compression with the next bucket's backward only."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    future = psgd.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
 
 
 def zero1(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
