@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.eval.bleu import bleu_chrf, load_bleu_items
+from lmforge.eval.bleu import bleu_chrf, hypothesis, load_bleu_items
 from lmforge.eval.fluency import distinct_n, fluency_report, repetition_rate
 from lmforge.eval.perplexity import sliding_window_nll
 from lmforge.model.transformer import build_model
@@ -79,6 +79,18 @@ def test_bleu_and_chrf():
     assert two["bleu"] == pytest.approx(100.0)
     with pytest.raises(ValueError, match="2 hypotheses but 1"):
         bleu_chrf(["a", "b"], [["a"]])
+
+
+def test_a_generation_answered_on_the_next_line_is_scored_not_emptied():
+    """`lmforge eval --bleu` with the README's `ROMEO:` prompts printed BLEU 0.0 and chrF 0.0: the
+    greedy text begins with a newline and was cut there, leaving every hypothesis empty."""
+    generated = "\nBut soft, what light\nthrough yonder window"
+    assert hypothesis(generated, "\n") == "But soft, what light"
+    assert hypothesis(generated, "") == hypothesis(generated, None) == "But soft, what light\nthrough yonder window"
+    assert hypothesis("  ran to the park. The", ".") == "ran to the park"
+    assert hypothesis("\n\n", "\n") == ""
+    scores = bleu_chrf([hypothesis(generated, "\n")], [["But soft, what light"]])
+    assert scores["bleu"] == pytest.approx(100.0) and scores["chrf"] == pytest.approx(100.0)
 
 
 def test_bleu_file_errors_name_file_and_line(tmp_path):

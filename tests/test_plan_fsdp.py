@@ -15,6 +15,7 @@ import pytest
 
 from lmforge.config import load_config
 from lmforge.plan.memory import Layout, estimate_memory, param_specs
+from tests.test_parallel_dp import free_port  # (a fixed port collides with another xdist worker's launch)
 
 _WORKER = textwrap.dedent('''
     import json, os, sys
@@ -62,7 +63,7 @@ def test_lmforge_zero3_and_zero2_bytes_equal_real_fsdp2_shards(tmp_path, optimiz
     out = tmp_path / "res"
     n = 3  # tiny's 4096-row embedding (and its MLP) do not divide by 3: exercises ceil(dim0/N)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", "29731",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", str(free_port()),
            str(script), "tiny", optimizer, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]

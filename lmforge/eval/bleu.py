@@ -28,6 +28,14 @@ def load_bleu_items(path: str | Path) -> tuple[list[str], list[list[str]]]:
     return prompts, refs
 
 
+def hypothesis(generated: str, stop: str | None) -> str:
+    """The text scored of one greedy generation: its leading whitespace skipped, then cut at the first
+    `stop` (None or '': not cut), stripped. A prompt such as "ROMEO:" is answered on the next line:
+    cut at the first newline as generated, every such hypothesis was empty (BLEU and chrF 0.0)."""
+    text = generated.lstrip()
+    return (text.split(stop, 1)[0] if stop else text).strip()
+
+
 def bleu_chrf(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
     """Corpus BLEU and chrF (0-100) of hypotheses against per-hypothesis reference lists."""
     try:

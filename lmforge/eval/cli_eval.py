@@ -88,7 +88,7 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
             raise ValueError(f"{flag} {path!r} does not exist.")
     from lmforge.ckpt.export import load_run
     from lmforge.data.tokenizer import Tokenizer
-    from lmforge.eval.bleu import bleu_chrf, load_bleu_items
+    from lmforge.eval.bleu import bleu_chrf, hypothesis, load_bleu_items
     from lmforge.eval.fluency import fluency_report
     from lmforge.eval.generate import generate_text
     from lmforge.eval.perplexity import perplexity_report, sliding_window_nll
@@ -114,8 +114,8 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
                                  "stride": stride}
     if opts.bleu:
         prompts, refs = load_bleu_items(opts.bleu)
-        hyps = [generate_text(model, tokenizer, p, opts.max_new_tokens, stop=[opts.stop] if opts.stop else None,
-                              temperature=0.0).strip() for p in prompts]
+        hyps = [hypothesis(generate_text(model, tokenizer, p, opts.max_new_tokens, temperature=0.0), opts.stop)
+                for p in prompts]
         results["bleu"] = {"file": opts.bleu, **bleu_chrf(hyps, refs)}
         results["bleu_hypotheses"] = hyps
     if opts.mc:
@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("BLEU / chrF")
     g.add_argument("--bleu", help='jsonl of {"prompt": ..., "reference": ...}; prompts are continued greedily')
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--stop", default="\n", help="cut each generation at this string (default: newline; '' = none)")
+    g.add_argument("--stop", default="\n", help="cut each generation at this string, after its leading whitespace "
+                   "(default: newline, so the first line of text; '' = none)")
     g = p.add_argument_group("multiple choice")
     g.add_argument("--mc", action="append", default=[], help='jsonl of {"context", "choices", "label"} (repeatable)')
     g = p.add_argument_group("samples and fluency")
