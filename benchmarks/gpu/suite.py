@@ -108,6 +108,7 @@ class Suite:
 
     # ---- running steps ------------------------------------------------------------------------
     def run(self, step: str, cmd: list[str], limit_s: float) -> tuple[Row, subprocess.CompletedProcess | None]:
+        limit_s *= self.args.limit_scale
         left = self.deadline - time.monotonic()
         if left < min(limit_s, 60):
             row = Row(step, "skipped", f"the {self.args.budget_min}-minute budget is spent")
@@ -119,7 +120,8 @@ class Suite:
             proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True,
                                   timeout=min(limit_s, left))
         except subprocess.TimeoutExpired as e:
-            log.write_text(f"$ {' '.join(cmd)}\n{e.stdout or ''}\n{e.stderr or ''}")
+            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            log.write_text(f"$ {' '.join(cmd)}\n{text(e.stdout)}\n{text(e.stderr)}")
             row = Row(step, "failed", f"timed out after {min(limit_s, left):.0f} s", time.monotonic() - t0)
             self.rows.append(row)
             return row, None
@@ -351,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default="", help="a copy of ~/.cache/lmforge (the default corpus, prepared)")
     p.add_argument("--budget-min", type=float, default=25.0, help="stop starting steps after this many minutes")
     p.add_argument("--cpu-smoke", action="store_true", help="the same steps, tiny, on the CPU (tests the suite)")
+    p.add_argument("--limit-scale", type=float, default=1.0,
+                   help="multiply every row's time limit (a CPU shared with other jobs runs the smoke slowly)")
     args = p.parse_args(argv)
     if args.build_cache:
         return build_cache(args.build_cache)
