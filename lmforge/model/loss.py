@@ -32,7 +32,7 @@ and its hidden row is zeroed before the grad_W matmul ([chunk, d] work). Only on
 exists at a time (at most two [chunk, vocab] fp32 buffers, briefly, plus the compute-dtype matmul
 output); what is kept for backward is grad_hidden ([B*T, d], the size of the hidden states) and
 grad_weight ([vocab, d] fp32, the size of the weight). Backward multiplies them by the incoming
-scalar gradient. FLOPs equal the plain path's: forward matmul + the two backward matmuls, done in
+scalar gradient, in place. FLOPs equal the plain path's: forward matmul + the two backward matmuls, done in
 the forward (the alternative, recomputing each chunk's logits in backward as torch's own
 checkpointing would, costs a fourth matmul: +33% of the head's FLOPs, for the same memory). Elementwise
 memory traffic per chunk: one compute-dtype write and read, an fp32 write (log_softmax), an fp32
@@ -124,8 +124,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         saved = ctx.saved_tensors
         need_h, need_w = ctx.need
         shape, wdtype = ctx.shapes
-        gh = saved[0].mul(grad_out).reshape(shape) if need_h else None
-        gw = saved[-1].mul(grad_out).to(wdtype) if need_w else None
+        # in place: the gradients become the returned ones (no second hidden- or weight-sized buffer;
+        # a second backward through this graph is refused by autograd's version check)
+        gh = saved[0].mul_(grad_out).reshape(shape) if need_h else None
+        gw = saved[-1].mul_(grad_out).to(wdtype) if need_w else None
         return gh, gw, None, None, None
 
 

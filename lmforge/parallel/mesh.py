@@ -23,6 +23,9 @@ Backends (NCCL serves CUDA tensors only, with no receive-from-any-source and no 
 * GPU: ``init_process_group("cuda:nccl,cpu:gloo")``: every group, the mesh's too, sends CUDA
   tensors through NCCL and host tensors through gloo (FSDP2 CPU offload's CPU gradients, say).
 * CPU: gloo.
+* Asynchronous SGD with more processes than GPUs on a node (the GPU suite's `async-2`: a server and
+  a worker on one GPU): gloo for every group, since NCCL refuses two ranks on one device
+  ("Duplicate GPU"); its messages travel on the host group anyway.
 * ``DistInfo.host_group``: an explicit gloo group over all ranks for messages that are host
   tensors by nature (the checkpoint-due flag of rank 0's clock, the parameter server's flat
   parameters and gradients). It is the same gloo group on a GPU run and on a CPU run, so CPU tests
@@ -186,11 +189,17 @@ def init_distributed(cfg: Config) -> DistInfo:
                         local_rank % count)
         device = torch.device("cuda", local_rank % count)
         torch.cuda.set_device(device)
-    backend = backend_spec(device.type)
+    shared_gpu = device.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
+    backend = backend_spec(device.type, shared_gpu=shared_gpu and cfg.parallel.async_sgd)
+    if backend == "gloo" and device.type == "cuda" and rank == 0:
+        log.warning("distributed: %s processes share %d GPU(s); NCCL refuses two ranks on one device "
+                    "(\"Duplicate GPU\"), so asynchronous SGD's default group is gloo (its per-step "
+                    "messages are host tensors on the gloo host group either way)",
+                    os.environ.get("LOCAL_WORLD_SIZE"), torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout,
-                                **({"device_id": device} if device.type == "cuda" else {}))
+                                **({"device_id": device} if "nccl" in backend else {}))
     host_group = dist.new_group(backend="gloo", timeout=timeout)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -250,10 +259,13 @@ def folder_is_shared(folder: Path, info: DistInfo) -> bool:
     return bool(seen.item())
 
 
-def backend_spec(device_type: str) -> str:
+def backend_spec(device_type: str, shared_gpu: bool = False) -> str:
     """The default process group's backend for a run on `device_type`: NCCL for CUDA tensors with
-    gloo beside it for host tensors (torchtitan's choice), plain gloo on CPU."""
-    return "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+    gloo beside it for host tensors (torchtitan's choice), plain gloo on CPU. `shared_gpu`: ranks
+    share a GPU in a layout whose default group carries no per-step traffic (asynchronous SGD:
+    init_distributed), where NCCL would refuse ("Duplicate GPU"): gloo, which also carries CUDA
+    tensors (through host memory)."""
+    return "cuda:nccl,cpu:gloo" if device_type == "cuda" and not shared_gpu else "gloo"
 
 
 def destroy_distributed() -> None:
