@@ -26,7 +26,7 @@ from tests.test_parallel_dp import corpus, free_port, grad_norms, losses, overri
 
 pytestmark = pytest.mark.slow
 
-RUN = {"train.steps": 40, "train.log_every": 1, "checkpoint.every_minutes": 0, "train.sample_tokens": 0,
+RUN = {"train.steps": 60, "train.log_every": 1, "checkpoint.every_minutes": 0, "train.sample_tokens": 0,
        "train.eval_sequences": 4}
 
 

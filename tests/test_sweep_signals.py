@@ -49,10 +49,10 @@ def steps_logged(run: Path) -> int:
     return max((json.loads(line).get("step", 0) for line in lines if '"loss"' in line), default=0)
 
 
-@pytest.mark.slow
-def test_a_signal_to_the_sweep_ends_its_trials_and_a_rerun_resumes_them(tmp_path, sig=signal.SIGTERM):
-    """SIGTERM (what a scheduler sends). Ctrl-C (SIGINT) takes the same path (KeyboardInterrupt ->
-    `stop_trials`); one of the two keeps the test's minute."""
+def signal_the_sweep(tmp_path: Path, sig: signal.Signals) -> tuple[list[str], dict, list[Path]]:
+    """Start a sweep of two parallel trials, send it `sig` once both trials have logged steps; check
+    that it exited 128 + sig, leaving no trial process behind and both trials `interrupted`. Returns
+    (its command line, its environment, the trial folders)."""
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "lmforge", "sweep", "--grid", "optim.lr=1e-3,3e-3", "--parallel", "2",
            "--threads", "1", "--out", str(out), *BASE]
@@ -79,14 +79,24 @@ def test_a_signal_to_the_sweep_ends_its_trials_and_a_rerun_resumes_them(tmp_path
     assert [r["status"] for r in rows] == ["interrupted", "interrupted"], rows
     stopped = {r: steps_logged(r) for r in runs}
     assert all(2 <= s < STEPS for s in stopped.values()), stopped
-    for run in runs:
+    for run in runs:  # (the sweep hands each trial SIGTERM, whatever it got itself)
         assert (run / "checkpoints").is_dir() and "preempted (SIGTERM)" in (run / "train.log").read_text()
+    return cmd, env, runs
 
+
+@pytest.mark.slow
+def test_sigterm_to_the_sweep_ends_its_trials_and_a_rerun_resumes_them(tmp_path):
+    cmd, env, runs = signal_the_sweep(tmp_path, signal.SIGTERM)
     rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert rerun.stdout.count("  resume ") == 2, rerun.stdout
-    rows = json.loads((out / "results.json").read_text())
+    rows = json.loads((runs[0].parent / "results.json").read_text())
     assert [r["status"] for r in rows] == ["done", "done"], rows
     for run in runs:
         assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
         assert "resumed from" in (run / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_sweep_ends_its_trials(tmp_path):
+    signal_the_sweep(tmp_path, signal.SIGINT)
