@@ -647,6 +647,7 @@ class Trainer:
             what = [f"the last checkpoint failed ({self.ckpt.last_error})"] if self.ckpt.consecutive_failures else []
             what += [f"the final weights {self.out_dir / WEIGHTS} could not be written ({weights_error})"] \
                 if weights_error else []
+            self.metrics.close()
             raise CheckpointFailure(f"training reached step {st.step}, but {' and '.join(what)}. Fix that and run the "
                                     f"same command again: it resumes from the newest valid checkpoint.")
 
