@@ -12,6 +12,7 @@ cache (LMFORGE_CACHE) and run folder (train.out_dir = $NODE_DIR/run), FSDP over 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -48,11 +49,30 @@ def launch(root: Path, node: int, port: int, extra: list[str]) -> subprocess.Pop
     return proc
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch: its workers (the agent's children) first, then the agent's process group."""
+    for worker in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(worker), signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def both(root: Path, extra: list[str], timeout: float = 400) -> list[tuple[str, int]]:
+    """Both nodes' launches to the end; one that outlasts `timeout` stops both and fails the test with
+    each node's log (its ranks' output), never a bare TimeoutExpired."""
     port = free_port()
     procs = [launch(root, n, port, extra) for n in (0, 1)]
-    for p in procs:
-        p.wait(timeout=timeout)
+    start = time.time()
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, start + timeout - time.time()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            stop(p)
+        pytest.fail(f"the two-node launch ({' '.join(extra)}) outlasted {timeout:.0f} s; stopped. Node logs:\n"
+                    + "\n".join(f"--- node {n} ({p.log}) ---\n{p.log.read_text()[-4000:]}" for n, p in enumerate(procs)))
     return [(p.log.read_text(), p.returncode) for p in procs]
 
 
@@ -79,12 +99,12 @@ def test_node_local_disks_checkpoint_through_s3_and_resume(tmp_path, s3_server, 
             break
         time.sleep(0.2)
     else:
-        pytest.fail("no checkpoint reached S3: " + procs[0].log.read_text()[-3000:])
+        for p in procs:
+            stop(p)
+        pytest.fail("no checkpoint reached S3 in 400 s. Node logs:\n"
+                    + "\n".join(f"--- node {n} ---\n{p.log.read_text()[-3000:]}" for n, p in enumerate(procs)))
     for p in procs:  # the workers (the agent's children) first: killing the agent alone leaves them running
-        for worker in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split():
-            os.kill(int(worker), signal.SIGKILL)
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+        stop(p)
     for n in (0, 1):  # each node kept only its own shards, and prepared its own data
         local = sorted((tmp_path / f"n{n}" / "run" / "checkpoints").glob("step_*[0-9]"))
         assert local and all((c / f"__{n}_0.distcp").is_file() and not (c / f"__{1 - n}_0.distcp").is_file()

@@ -729,9 +729,9 @@ class Trainer:
         hw = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
               "device": str(self.device), "device_name": self.peak.device_name, "threads": torch.get_num_threads(),
               "world_size": self.cfg.parallel.world_size}
-        return {"mfu": mean("mfu"), "peak_flops": self.peak.flops, "peak_source": self.peak.source,
+        return {"mfu": mean("window_mfu"), "peak_flops": self.peak.flops, "peak_source": self.peak.source,
                 "flops_per_token": self.flops_per_token, "n_params": self.n_params, "layout": self.layout.name,
-                "data_share": mean("data_share"), "checkpoint_s": self.timers.total.get("checkpoint", 0.0),
+                "data_share": mean("window_data_share"), "checkpoint_s": self.timers.total.get("checkpoint", 0.0),
                 "peak_mem_gb": memory_gb(self.device), "loss_spikes": self.health.n_spikes,
                 "grad_norm_warnings": self.health.n_growth, "hardware": hw,
                 "skipped_updates": self.guard.n_skipped if self.guard is not None else 0,
