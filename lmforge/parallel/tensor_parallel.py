@@ -47,7 +47,7 @@ from lmforge.parallel.mesh import DistInfo
 def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict:
     """`parallelize_module` plan for a Transformer or a pipeline stage chunk (keys of present modules)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel
 
     ColwiseParallel, RowwiseParallel = _lora_aware_styles()  # noqa: N806 (torch's class names)
     sp = sequence_parallel
@@ -66,11 +66,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
         plan[f"{pre}.attn.wk"] = ColwiseParallel()
         plan[f"{pre}.attn.wv"] = ColwiseParallel()
         plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
-        if is_moe(block.mlp):  # TP shards attention only: each TP rank runs the MoE feed-forward whole
-            if sp:
-                plan[f"{pre}.mlp"] = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-                                                         use_local_output=True)
-        else:
+        moe = is_moe(block.mlp)  # TP shards attention only: each TP rank runs the MoE feed-forward whole
+        if not moe:
             up = ("gate", "up") if hasattr(block.mlp, "gate") else ("fc",)
             down = "down" if hasattr(block.mlp, "down") else "proj"
             for n in up:
@@ -83,7 +80,10 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
                                                      desired_input_layouts=(Replicate(), None, None),
                                                      use_local_output=True)
             plan[f"{pre}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                    use_local_output=True)
+                                                    use_local_output=True) if not moe else \
+                PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),  # (MoE:
+                                         use_local_input=True, output_layouts=(Replicate(),),  # the whole sequence in,
+                                         desired_output_layouts=(Shard(1),), use_local_output=True)  # its shard out)
     return plan
 
 
