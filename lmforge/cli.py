@@ -279,7 +279,7 @@ DELEGATED = {
     "sweep": ("lmforge.sweep.cli", "sweep_main", "grid or random hyperparameter search"),
     "eval": ("lmforge.eval.cli_eval", "eval_main", "perplexity, BLEU/chrF, multiple-choice accuracy, fluency"),
     "export": ("lmforge.interop.cli", "export_main", "write a run as a Hugging Face transformers folder"),
-    "import": ("lmforge.interop.cli", "import_main", "turn a transformers Llama/GPT-2 folder into a run folder"),
+    "import": ("lmforge.interop.cli", "import_main", "turn a transformers Llama/Qwen/Mixtral/GPT-2 folder into a run"),
 }
 
 

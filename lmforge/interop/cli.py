@@ -36,14 +36,14 @@ def export_main(argv: list[str]) -> int:
 
         return export_hf(run, out, overwrite=overwrite)
 
-    return _run(argv, "lmforge export", "Write a run as a transformers folder (LlamaForCausalLM or "
-                "GPT2LMHeadModel) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
+    return _run(argv, "lmforge export", "Write a run as a transformers folder (Llama, Qwen2, Qwen3, Mistral, "
+                "Mixtral, Qwen3-MoE or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
                 "lmforge run folder (config.toml + model.safetensors)", export)
 
 
 def import_main(argv: list[str]) -> int:
     from lmforge.interop.hf import import_hf_run
 
-    return _run(argv, "lmforge import", "Turn a local transformers Llama or GPT-2 folder into an lmforge run "
-                "folder (for generate, eval and fine-tuning).", "hf",
+    return _run(argv, "lmforge import", "Turn a local transformers Llama, Qwen2, Qwen3, Mistral, Mixtral, "
+                "Qwen3-MoE or GPT-2 folder into an lmforge run folder (for generate, eval and fine-tuning).", "hf",
                 "transformers folder (config.json + safetensors or pytorch_model.bin)", import_hf_run)

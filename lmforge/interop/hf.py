@@ -42,8 +42,10 @@ import torch
 from lmforge.config import Config, ModelConfig, to_toml
 from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, atomic_path,
                              atomic_write, check_target)
-from lmforge.ckpt.export import WeightReader, run_weights, save_streaming
+from lmforge.ckpt.export import WeightReader, model_state, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
+from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
+from lmforge.interop.hf_moe import MOE_DECODERS, import_moe, model_config_from_moe, moe_hf_config, save_moe
 from lmforge.model.materialise import materialise
 from lmforge.model.transformer import Transformer
 
@@ -135,20 +137,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None, bos_id: int | None = 
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         hidden_act="silu", attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings,
-        architectures=[arch], **_hf_rope(cfg), **_hf_attention(cfg, family), **special)
-
-
-def _hf_rope(cfg: ModelConfig) -> dict:
-    """rope_theta and rope_scaling keys (transformers 4.x names; 5.x folds them into rope_parameters)."""
-    out: dict = {"rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling == "linear":
-        out["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_factor}
-    elif cfg.rope_scaling == "llama3":
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_factor,
-                               "low_freq_factor": cfg.rope_low_freq_factor,
-                               "high_freq_factor": cfg.rope_high_freq_factor,
-                               "original_max_position_embeddings": cfg.rope_original_max_seq_len}
-    return out
+        architectures=[arch], **hf_rope_keys(cfg), **_hf_attention(cfg, family), **special)
 
 
 def _hf_attention(cfg: ModelConfig, family: str) -> dict:
@@ -165,6 +154,8 @@ def _hf_attention(cfg: ModelConfig, family: str) -> dict:
 def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
     """ModelConfig equivalent to a transformers config.json dict (Llama or GPT-2), or ValueError."""
     kind = hf.get("model_type")
+    if kind in MOE_DECODERS:  # (Mixtral, Qwen3-MoE: lmforge.interop.hf_moe)
+        return model_config_from_moe(hf, source)
     if kind in DECODERS:
         return _decoder_config(hf, source, kind)
     if kind == "gpt2":
@@ -182,7 +173,7 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
             norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), activation="gelu", bias=True,
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
     raise ValueError(f"{source}: model_type = {kind!r} is not supported; lmforge imports "
-                     f"{', '.join(repr(k) for k in [*DECODERS, 'gpt2'])}.")
+                     f"{', '.join(repr(k) for k in [*DECODERS, *MOE_DECODERS, 'gpt2'])}.")
 
 
 def _decoder_config(hf: dict, source: str, kind: str) -> ModelConfig:
@@ -198,28 +189,7 @@ def _decoder_config(hf: dict, source: str, kind: str) -> ModelConfig:
         max_seq_len=hf.get("max_position_embeddings", 2048), pos_emb="rope", norm="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), activation="swiglu",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0, qk_norm=kind == "qwen3",
-        sliding_window=_window_from_hf(hf, source, kind), **_rope_from_hf(hf, source), **_biases_from_hf(hf, source, kind))
-
-
-def _rope_from_hf(hf: dict, source: str) -> dict:
-    """ModelConfig RoPE keys of rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-    if rope_type == "default":
-        return out
-    if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported by lmforge; it has the default, "
-                         f"'linear' and 'llama3' RoPE (model.rope_scaling).")
-    if float(rope.get("attention_factor") or 1.0) != 1.0:
-        raise ValueError(f"{source}: rope attention_factor = {rope['attention_factor']} is not supported (lmforge "
-                         f"does not scale the RoPE tables).")
-    out.update(rope_scaling=rope_type, rope_factor=float(rope["factor"]))
-    if rope_type == "llama3":
-        out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                   rope_high_freq_factor=float(rope["high_freq_factor"]),
-                   rope_original_max_seq_len=int(rope["original_max_position_embeddings"]))
-    return out
+        sliding_window=_window_from_hf(hf, source, kind), **rope_from_hf(hf, source), **_biases_from_hf(hf, source, kind))
 
 
 def _biases_from_hf(hf: dict, source: str, kind: str) -> dict:
@@ -426,11 +396,14 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = {cfg.vocab_size}.")
         ids = {"eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id}
-    hf_cfg = hf_config(cfg, **ids)
+    hf_cfg = moe_hf_config(cfg, **ids) if cfg.moe.enabled else hf_config(cfg, **ids)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_cfg.save_pretrained(out)
-    write_hf_weights(cfg, weights, out / WEIGHTS)
+    if cfg.moe.enabled:  # (Mixtral / Qwen3-MoE: the whole model in memory, through transformers)
+        save_moe(cfg, hf_cfg, {name: weights.read(name) for name in weights.shapes}, out)
+    else:
+        hf_cfg.save_pretrained(out)
+        write_hf_weights(cfg, weights, out / WEIGHTS)
     if tokenizer is not None:
         save_hf_tokenizer(tokenizer, out, cfg.max_seq_len)
     return out
@@ -454,21 +427,13 @@ def save_hf_tokenizer(tokenizer, out_dir: Path, max_len: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _read_hf_config(hf_dir: Path) -> dict:
-    cfg_path = hf_dir / HF_CONFIG
-    if not cfg_path.is_file():
-        raise ValueError(f"{hf_dir} is not a transformers model folder: {cfg_path.name} is missing.")
-    try:
-        return json.loads(cfg_path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{cfg_path}: invalid JSON ({exc})") from exc
-
-
 def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
     """A local transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2) -> (ModelConfig, lmforge Transformer in eval mode),
     built on the meta device and filled one weight at a time."""
     hf_dir = Path(hf_dir)
-    cfg = model_config_from_hf(_read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
+    if read_hf_config(hf_dir).get("model_type") in MOE_DECODERS:
+        return import_moe(hf_dir, device)
+    cfg = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
     refs = hf_weight_refs(cfg, hf_dir)
 
     def values(name, module, module_name, param_name, shape, index, dtype):
@@ -508,10 +473,16 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     Existing files are replaced only with `overwrite`; a transformers folder is never written into."""
     hf_dir, out = Path(hf_dir), Path(out_dir)
     check_target(out, "run", RUN_FILES + (TOKENIZER_CONFIG,), "--out", overwrite)
-    cfg = model_config_from_hf(_read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
-    refs = hf_weight_refs(cfg, hf_dir)
-    with torch.device("meta"):
-        specs = [(name, p.dtype, tuple(p.shape)) for name, p in Transformer(cfg).named_parameters()]
+    cfg = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
+    if cfg.moe.enabled:  # (Mixtral / Qwen3-MoE: read whole by transformers; persistent buffers too)
+        state = model_state(import_moe(hf_dir)[1])
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in state.items()]
+        read = lambda name, shape: state[name]  # noqa: E731
+    else:
+        refs = hf_weight_refs(cfg, hf_dir)
+        with torch.device("meta"):
+            specs = [(name, p.dtype, tuple(p.shape)) for name, p in Transformer(cfg).named_parameters()]
+        read = lambda name, shape: refs[name].read(shape, (None,) * len(shape), name)  # noqa: E731
     tokenizer = import_hf_tokenizer(hf_dir)  # read everything before the first write
     out.mkdir(parents=True, exist_ok=True)
     run_cfg = Config(preset="imported", description=f"imported from {hf_dir}", model=cfg)
@@ -528,5 +499,5 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     atomic_write(out / CONFIG, to_toml(run_cfg.validate(), sections=("model", "data")))
     with save_streaming(out / WEIGHTS, specs) as write:  # one tensor at a time, in fp32
         for name, dtype, shape in specs:
-            write(name, refs[name].read(shape, (None,) * len(shape), name).to(dtype))
+            write(name, read(name, shape).to(dtype))
     return out
