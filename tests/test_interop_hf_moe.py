@@ -50,6 +50,33 @@ def test_lmforge_moe_exports_to_transformers_mixtral_with_the_same_logits(tmp_pa
         assert torch.equal(p, q), n
 
 
+def test_mixtral_through_the_import_and_export_commands(tmp_path):
+    """`lmforge import --hf` / `lmforge export` pick Mixtral by model_type / a MoE model without QK-norm."""
+    from lmforge.ckpt.export import load_run
+    from lmforge.cli import main
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64)
+    hf = transformers.MixtralForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.mul_(10)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    _, model = load_run(tmp_path / "run")
+    tokens = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(tokens), hf(tokens).logits, atol=1e-5)
+    assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
+    assert type(again).__name__ == "MixtralForCausalLM"
+    theirs = again.state_dict()
+    for name, t in hf.state_dict().items():
+        assert torch.equal(t, theirs[name]), name
+
+
 def test_settings_mixtral_cannot_represent_are_refused():
     cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, moe=MoEConfig(num_experts=4, router="sigmoid",
                                                                                    shared_experts=1))
