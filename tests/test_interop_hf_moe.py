@@ -50,11 +50,28 @@ def test_lmforge_moe_exports_to_transformers_mixtral_with_the_same_logits(tmp_pa
         assert torch.equal(p, q), n
 
 
-def test_mixtral_through_the_import_and_export_commands(tmp_path):
-    """`lmforge import --hf` / `lmforge export` pick Mixtral by model_type / a MoE model without QK-norm."""
+def _through_the_commands(tmp_path, hf):
+    """`lmforge import --hf` of the saved `hf`, then `lmforge export` of that run: the run has `hf`'s
+    logits, and the export is `hf`'s class with its weights bit for bit. Returns (run config, export)."""
     from lmforge.ckpt.export import load_run
     from lmforge.cli import main
 
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    cfg, model = load_run(tmp_path / "run")
+    tokens = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(tokens), hf(tokens).logits, atol=1e-5)
+    assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
+    assert type(again) is type(hf)
+    theirs = again.state_dict()
+    for name, t in hf.state_dict().items():
+        assert torch.equal(t, theirs[name]), name
+    return cfg, again
+
+
+def test_mixtral_through_the_import_and_export_commands(tmp_path):
+    """`lmforge import --hf` / `lmforge export` pick Mixtral by model_type / a MoE model without QK-norm."""
     torch.manual_seed(0)
     hf_cfg = transformers.MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
@@ -64,17 +81,7 @@ def test_mixtral_through_the_import_and_export_commands(tmp_path):
         for name, p in hf.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.mul_(10)
     hf.save_pretrained(str(tmp_path / "hf"))
-    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
-    _, model = load_run(tmp_path / "run")
-    tokens = torch.randint(0, 97, (2, 12))
-    with torch.no_grad():
-        assert torch.allclose(model.eval()(tokens), hf(tokens).logits, atol=1e-5)
-    assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")]) == 0
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
-    assert type(again).__name__ == "MixtralForCausalLM"
-    theirs = again.state_dict()
-    for name, t in hf.state_dict().items():
-        assert torch.equal(t, theirs[name]), name
+    _through_the_commands(tmp_path, hf)
 
 
 def test_settings_mixtral_cannot_represent_are_refused():
@@ -129,23 +136,10 @@ def test_transformers_qwen3_moe_imports_with_the_same_logits(tmp_path, norm_topk
 def test_qwen3_moe_through_the_import_and_export_commands(tmp_path):
     """`lmforge import --hf` and `lmforge export` pick Qwen3-MoE by model_type / model.qk_norm: the run
     has the model's logits, and the export is a Qwen3MoeForCausalLM with the same weights bit for bit."""
-    from lmforge.ckpt.export import load_run
-    from lmforge.cli import main
-
     hf = _qwen3_moe(tmp_path, decoder_sparse_step=2, mlp_only_layers=[])  # MoE blocks 1, 3
-    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
-    cfg, model = load_run(tmp_path / "run")
+    cfg, again = _through_the_commands(tmp_path, hf)
     assert (cfg.model.moe.first_dense, cfg.model.moe.every) == (1, 2)
-    tokens = torch.randint(0, 97, (2, 12))
-    with torch.no_grad():
-        assert torch.allclose(model.eval()(tokens), hf(tokens).logits, atol=1e-5)
-    assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")]) == 0
-    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
-    assert type(again).__name__ == "Qwen3MoeForCausalLM"
     assert (again.config.decoder_sparse_step, again.config.mlp_only_layers) in ((1, [0, 2]), (2, []))
-    theirs = again.state_dict()
-    for name, t in hf.state_dict().items():
-        assert torch.equal(t, theirs[name]), name
 
 
 def test_lmforge_moe_with_qk_norm_exports_to_qwen3_moe_with_the_same_logits(tmp_path):
