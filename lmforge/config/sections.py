@@ -179,6 +179,7 @@ class DataConfig:
     val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
     verify_checksums: Literal["first_open", "always", "never"] | bool = _f("first_open", "Re-hash token shards against their manifest (sha256, largest id): 'first_open' = each shard the first time this process reads from it (once per shard per process, so a resumed run checks again; a shard never read is never hashed); 'always' = every shard at start-up; 'never' = no hashing. true / false (the old form) mean 'always' / 'never'. Shard sizes are always checked, and every batch's ids are range-checked against the vocabulary (the error names the shard file and offset).")
     cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
+    prefetch: int = _f(4, "Training micro-batches a background thread draws ahead of the step (lmforge.data.prefetch): the gather and shard reads overlap the step, and on CUDA the batches wait in pinned memory so the copy to the GPU is asynchronous. 0 = draw them in the step. Same batches, same order, same checkpoints either way.")
 
     def __post_init__(self) -> None:
         if isinstance(self.verify_checksums, bool):  # the old boolean form: true = "always", false = "never"
@@ -191,6 +192,8 @@ class DataConfig:
                               "+ end-of-text).")
         if not 0.0 < self.val_fraction < 0.5:
             raise ConfigError(f"data.val_fraction = {self.val_fraction} must be in (0, 0.5).")
+        if self.prefetch < 0:
+            raise ConfigError(f"data.prefetch = {self.prefetch} must be >= 0 (micro-batches drawn ahead; 0 = off).")
 
 
 @dataclass

@@ -16,8 +16,8 @@ logging window are written together). Fields:
 | `tokens_per_s`  | tokens/s    | global throughput (all ranks) over the step's logging window, eval excluded |
 | `mfu`           | fraction    | tokens_per_s x flops_per_token / (peak FLOP/s per device x world), <= 1 |
 | `step_time_s`   | s           | mean wall time per step over the logging window                         |
-| `data_s`        | s           | host time this step spent fetching its batches                         |
-| `data_share`    | fraction    | share of the window's wall time spent fetching batches                  |
+| `data_s`        | s           | host time this step waited for its batches: blocked on the prefetch queue (data.prefetch > 0) or drawing them (0) |
+| `data_share`    | fraction    | share of the window's wall time spent waiting for batches               |
 | `ckpt_s`        | s           | time the window spent blocked on checkpoint saves (0 when none)        |
 | `mem_gb`        | GB (1e9 B)  | peak device memory so far (CUDA), or the process's peak RSS on CPU     |
 | `elapsed_s`     | s           | wall time since the first step started (excludes the initial eval)    |
@@ -58,8 +58,9 @@ TRAIN_FIELDS: dict[str, str] = {
     "tokens_per_s": "throughput over the logging window",
     "mfu": "model FLOPs utilisation over the logging window (fraction of the device peak)",
     "step_time_s": "mean wall seconds per step over the logging window",
-    "data_s": "host seconds this step spent fetching its batches",
-    "data_share": "fraction of the window's wall time spent fetching batches",
+    "data_s": "host seconds this step waited for its batches (blocked on the prefetch queue when data.prefetch > 0, "
+              "else drawing them)",
+    "data_share": "fraction of the window's wall time spent waiting for batches",
     "ckpt_s": "seconds the window spent blocked on checkpoint saves",
     "mem_gb": "peak device memory (CUDA) or peak process RSS (CPU), GB",
     "elapsed_s": "wall seconds since the first step started",

@@ -38,6 +38,7 @@ from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config, to_toml
 from lmforge.config.rules import check_resolved_precision
 from lmforge.data.loader import PackedLoader
+from lmforge.data.prefetch import Prefetcher
 from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
@@ -136,6 +137,8 @@ class Trainer:
         loaders = build_loaders(cfg, self.data, self.dist.dp_rank, self.dist.dp_size)
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
+        if cfg.data.prefetch:  # the next micro-batches are drawn (CUDA: pinned) while the step runs
+            self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
 
         # model, parallel layout, optimizer, precision
         model, self.weight_source = build_training_model(cfg, self.device)  # (on the meta device)
@@ -271,6 +274,8 @@ class Trainer:
                 log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
             raise
         finally:
+            if isinstance(getattr(self, "loader", None), Prefetcher):
+                self.loader.close()  # (the prefetch thread ends with the run, whatever ended it)
             if getattr(self, "ckpt", None) is not None:
                 self.ckpt.close()  # never leave a save half-written behind an exception
             if getattr(self, "dist", None) is not None and self.dist.distributed:
