@@ -363,7 +363,8 @@ class Trainer:
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: forward/backward over the micro-batches, then the update. Returns (mean
         loss, grad norm) as tensors: reading them forces a host sync, so the loop does it only when
-        it logs (the spike guard, when enabled, reads both once per step)."""
+        it logs. The spike guard decides on the device where the optimizer can skip there (torch's
+        fused Adam/AdamW, `guard_verdict_on_device`); otherwise it reads both once per step."""
         loss = self.forward_backward(micro_batches)
         return loss, self.update(loss)
 
@@ -426,9 +427,10 @@ class Trainer:
         inside a step? Yes for torch's fused Adam / AdamW (their kernels honour `found_inf`: a skipped
         step changes neither the weights nor any state, the step count included) unless fp16's
         GradScaler already drives `found_inf`. Every other optimizer (foreach kernels, ZeRO-1, the
-        lmforge optimizers, fp16) keeps the host verdict: one host wait per step, after the backward."""
+        lmforge optimizers, fp16) keeps the host verdict: one host wait per step, after the backward;
+        so does asynchronous SGD's server, which reads every update's values anyway."""
         opt = self.optimizer
-        return (type(opt) in (torch.optim.Adam, torch.optim.AdamW) and bool(opt.defaults.get("fused"))
+        return not self.cfg.parallel.async_sgd and (type(opt) in (torch.optim.Adam, torch.optim.AdamW) and bool(opt.defaults.get("fused"))
                 and getattr(opt, "_step_supports_amp_scaling", False) and not self.precision.scaler.is_enabled())
 
     def guard_verdict_on_device(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
