@@ -1,0 +1,164 @@
+"""Fused QKV (model.fused_qkv): one `attn.wqkv` matmul in kv-head-grouped rows against the separate
+wq/wk/wv: the same initial values, the same function and gradients, HF export/import bit-equal, and
+checkpoints of either layout resume in the other. (Tensor parallel parity: tests/test_parallel_mp.py's
+ATTENTION_OPTIONS; sharded initialisation: tests/test_sharded_init.py.)"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig, load_config
+from lmforge.model.layers import fuse_qkv, qkv_layout, split_qkv
+from lmforge.model.transformer import build_model
+
+# GQA (3 query heads per kv head), q/k/v biases and QK-norm: every part the fused layout touches
+CFG = ModelConfig(vocab_size=96, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=32, qkv_bias=True,
+                  qk_norm=True, tie_embeddings=False)
+FUSED = replace(CFG, fused_qkv=True)
+PARTS = ("wq", "wk", "wv")
+
+
+def as_fused(cfg: ModelConfig, state: dict) -> dict:
+    """A separate-layout state dict in the fused layout."""
+    out = {k: v for k, v in state.items() if not any(f"attn.{w}." in k for w in PARTS)}
+    for k in state:
+        if "attn.wq." in k:
+            out[k.replace("attn.wq.", "attn.wqkv.")] = fuse_qkv(cfg, *(state[k.replace("attn.wq.", f"attn.{w}.")]
+                                                                      for w in PARTS))
+    return out
+
+
+def randomised(model):
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_layout_groups_each_kv_heads_queries_then_its_key_and_value():
+    part, row = qkv_layout(CFG)
+    hd = CFG.head_dim
+    per_group = (3 + 2) * hd
+    assert len(part) == 2 * per_group
+    # group 1: query heads 3, 4, 5, then kv head 1's key, then its value
+    g1 = slice(per_group, 2 * per_group)
+    assert part[g1].tolist() == [0] * 3 * hd + [1] * hd + [2] * hd
+    assert row[g1].tolist() == list(range(3 * hd, 6 * hd)) + list(range(hd, 2 * hd)) * 2
+    q, k, v = torch.randn(6 * hd, 4), torch.randn(2 * hd, 4), torch.randn(2 * hd, 4)
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(CFG, fuse_qkv(CFG, q, k, v)), (q, k, v)))
+
+
+def test_fused_model_starts_as_the_separate_one_and_computes_the_same_loss_and_gradients():
+    """Same seed: the fused weight is the separate weights' rows (init by their names and rows); after
+    randomising both alike, the logits are equal and so are the loss and every gradient."""
+    sep, fused = build_model(CFG, seed=3), build_model(FUSED, seed=3)
+    want = as_fused(CFG, sep.state_dict())
+    got = fused.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    fused.load_state_dict(as_fused(CFG, randomised(sep).state_dict()))
+    tokens = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (sep, fused):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    grads = {n: p.grad for n, p in sep.named_parameters()}
+    fused_grads = as_fused(CFG, grads)
+    for n, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, fused_grads[n], rtol=1e-5, atol=1e-7)
+    norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs]))  # noqa: E731
+    torch.testing.assert_close(norm([p.grad for p in fused.parameters()]), norm(list(grads.values())), rtol=1e-6,
+                               atol=0)
+
+
+def test_any_rows_of_the_fused_initialisation_are_those_of_the_whole():
+    """What a tensor-parallel rank draws (its kv groups' rows, or any rows) equals the same rows of a
+    single process's fused weight."""
+    from lmforge.model.init import init_source
+
+    with torch.device("meta"):
+        model = build_model.__globals__["Transformer"](FUSED)
+    layer = model.blocks["0"].attn.wqkv
+    source = init_source(FUSED, seed=11)
+    shape = tuple(layer.weight.shape)
+    whole = source("blocks.0.attn.wqkv.weight", layer, "blocks.0.attn.wqkv", "weight", shape, (None, None),
+                   torch.float32)
+    for rows in (torch.arange(shape[0] // 2, shape[0]), torch.tensor([0, 9, 17, 40, shape[0] - 1])):
+        part = source("blocks.0.attn.wqkv.weight", layer, "blocks.0.attn.wqkv", "weight", shape,
+                      (rows, torch.arange(3, 20)), torch.float32)
+        assert torch.equal(part, whole[rows][:, 3:20])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gpt2"])
+def test_hf_export_and_import_of_a_fused_model_are_bit_equal_to_the_separate_ones(family, tmp_path):
+    """export_hf of a fused model writes exactly the separate model's q_proj/k_proj/v_proj (GPT-2: c_attn)
+    tensors; reading that folder into a fused model (fine-tuning's init_from path) gives back the fused
+    weights bit for bit."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from lmforge.interop.hf import export_hf
+    from lmforge.train.finetune import load_pretrained
+
+    kw = {"qwen2": dict(qk_norm=False), "qwen3": dict(qkv_bias=False),
+          "gpt2": dict(pos_emb="learned", norm="layernorm", activation="gelu", bias=True, qkv_bias=None,
+                       qk_norm=False, n_kv_heads=None)}[family]
+    cfg = replace(CFG, **kw)
+    sep = randomised(build_model(cfg, seed=0))
+    fused = build_model(replace(cfg, fused_qkv=True), seed=1)
+    fused.load_state_dict(as_fused(cfg, sep.state_dict()))
+    export_hf(sep, tmp_path / "sep")
+    export_hf(fused, tmp_path / "fused")
+    want, got = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("sep", "fused"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    back = build_model(replace(cfg, fused_qkv=True), seed=2)
+    load_pretrained(back, tmp_path / "sep")
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in fused.state_dict().items())
+
+
+SMALL = {
+    "model.vocab_size": 320, "model.dim": 48, "model.n_layers": 2, "model.n_heads": 6, "model.n_kv_heads": 2,
+    "model.qkv_bias": True, "model.max_seq_len": 64, "data.seq_len": 32, "data.tokenizer_vocab_size": 320,
+    "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.steps": 8, "train.eval_every": 0,
+    "train.eval_sequences": 8, "train.log_every": 1, "train.sample_tokens": 0, "train.precision": "fp32",
+    "train.tensorboard": False, "train.plot": False, "train.progress": "none", "schedule.warmup_steps": 2,
+    "optim.lr": 3e-3, "checkpoint.every_steps": 4, "checkpoint.async_save": False,
+}
+
+
+@pytest.mark.parametrize("saved_fused", [False, True], ids=["old-separate-checkpoint", "fused-checkpoint"])
+def test_a_checkpoint_of_either_layout_resumes_in_the_other(small_data, tmp_path, saved_fused):
+    """A run saved with one q/k/v layout (False: the separate wq/wk/wv keys every checkpoint before
+    model.fused_qkv has) resumes at step 4 with the other: weights and AdamW moments are converted on
+    load, and steps 5-8 give the straight run's losses and gradient norms, and its final weights."""
+    from lmforge.train.trainer import Trainer
+    from tests.test_parallel_dp import assert_runs_match
+
+    def run(out, fused: bool, **extra):
+        trainer = Trainer(load_config("tiny", {**SMALL, "model.fused_qkv": fused, **extra}), out_dir=out,
+                          data=small_data)
+        trainer.fit()
+        return trainer
+
+    straight = run(tmp_path / "straight", saved_fused)
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step_00000004", out / "checkpoints" / "step_00000004")
+    resumed = run(out, not saved_fused)
+    assert resumed.resumed_from.name == "step_00000004"
+    assert_runs_match(out, tmp_path / "straight", "resumed in the other q/k/v layout", steps=list(range(5, 9)))
+    cfg = straight.model.cfg
+    want, got = straight.model.state_dict(), resumed.model.state_dict()
+    if not saved_fused:
+        want = as_fused(cfg, want)
+    else:
+        got = as_fused(cfg, got)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
