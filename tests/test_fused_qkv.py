@@ -162,3 +162,33 @@ def test_a_checkpoint_of_either_layout_resumes_in_the_other(small_data, tmp_path
         got = as_fused(cfg, got)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+
+
+def test_lora_on_the_fused_layer_keeps_the_target_names_users_type():
+    """wq,wk,wv (the default targets) put one adapter on attn.wqkv, which starts as the base model
+    and trains; naming only some of q/k/v is a ValueError naming the fix."""
+    from lmforge.model.lora import apply_lora
+
+    model = build_model(FUSED, seed=0)
+    tokens = torch.randint(0, FUSED.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = model(tokens).detach()
+    adapted = apply_lora(model, "wq,wk,wv,wo", rank=4, alpha=8, seed=0)
+    assert adapted == [f"blocks.{i}.attn.{n}" for i in range(2) for n in ("wqkv", "wo")]
+    assert apply_lora(build_model(FUSED, seed=0), "attn.wqkv", rank=4, seed=0) == ["blocks.0.attn.wqkv",
+                                                                                  "blocks.1.attn.wqkv"]
+    assert torch.equal(model(tokens), before)
+    model(tokens).sum().backward()
+    assert model.blocks["0"].attn.wqkv.lora_b.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="wq, wv but not all of wq, wk, wv.*model.fused_qkv = false"):
+        apply_lora(build_model(FUSED, seed=0), "wq,wv,down")
+
+
+def test_the_planner_counts_the_fused_weight_as_the_model_holds_it():
+    from lmforge.model.transformer import Transformer, count_params
+    from lmforge.plan.memory import param_specs
+
+    with torch.device("meta"):
+        model = Transformer(FUSED)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == [(s.name, s.shape)
+                                                                          for s in param_specs(FUSED)]
+    assert count_params(FUSED) == count_params(CFG)
