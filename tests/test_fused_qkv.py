@@ -14,6 +14,7 @@ import torch
 from lmforge.config import ModelConfig, load_config
 from lmforge.model.layers import fuse_qkv, qkv_layout, split_qkv
 from lmforge.model.transformer import build_model
+from tests.test_parallel_dp import corpus  # noqa: F401  (module-scoped prepared corpus fixture)
 
 # GQA (3 query heads per kv head), q/k/v biases and QK-norm: every part the fused layout touches
 CFG = ModelConfig(vocab_size=96, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=32, qkv_bias=True,
@@ -192,3 +193,27 @@ def test_the_planner_counts_the_fused_weight_as_the_model_holds_it():
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == [(s.name, s.shape)
                                                                           for s in param_specs(FUSED)]
     assert count_params(FUSED) == count_params(CFG)
+
+
+@pytest.mark.slow
+def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layout_in_one_process(corpus, tmp_path):  # noqa: F811
+    """TP=2 and TP=2 + SP with the fused wqkv (GQA with 2 kv heads: one group per rank; q/k/v biases;
+    QK-norm) against one process with the separate wq/wk/wv: the same per-step losses and gradient
+    norms (tests/test_parallel_mp.py's tolerance), so the plain column split gives each rank exactly
+    its heads' q, k and v rows."""
+    from tests.test_parallel_dp import assert_runs_match, train_runs
+    from tests.test_parallel_mp import FAMILY_STEPS, TOL
+
+    shared = {"model.n_layers": 2, "model.n_kv_heads": 2, "model.qkv_bias": "true", "model.qk_norm": "true",
+              **FAMILY_STEPS}
+    ref, fused = tmp_path / "separate", tmp_path / "fused"
+    proc = train_runs(corpus, {ref: {}, fused: {"model.fused_qkv": "true"}}, **shared)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert_runs_match(fused, ref, "fused vs separate, one process", tol=TOL)
+    tp = {tmp_path / "tp2": {"parallel.tp": 2},
+          tmp_path / "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"}}
+    proc = train_runs(corpus, tp, nproc=2, timeout=300, **shared, **{"model.fused_qkv": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for out in tp:
+        assert_runs_match(out, ref, f"fused qkv, {out.name} vs separate in one process", tol=TOL)
+
