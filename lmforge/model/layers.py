@@ -210,9 +210,9 @@ class Attention(nn.Module):
         # -1 rather than self.n_heads: under tensor parallelism each rank holds a slice of the heads.
         if self.fused:  # (batch, seq, this rank's kv groups, rep + 2, head_dim): q heads, k, v per group
             rep = self.n_heads // self.n_kv_heads
-            qkv = self.wqkv(x).view(bsz, seq, -1, rep + 2, self.head_dim)
-            q = qkv[:, :, :, :rep].reshape(bsz, seq, -1, self.head_dim)
-            k, v = qkv[:, :, :, rep], qkv[:, :, :, rep + 1]
+            # (split, not indexing: its backward is one concatenation, not a zero-filled tensor per part)
+            q, k, v = self.wqkv(x).view(bsz, seq, -1, rep + 2, self.head_dim).split([rep, 1, 1], dim=3)
+            q, k, v = q.reshape(bsz, seq, -1, self.head_dim), k.squeeze(3), v.squeeze(3)
         else:
             q = self.wq(x).view(bsz, seq, -1, self.head_dim)
             k = self.wk(x).view(bsz, seq, -1, self.head_dim)
