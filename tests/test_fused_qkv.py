@@ -231,3 +231,20 @@ def test_generation_with_the_kv_cache_is_the_separate_models():
     want = list(generate_tokens(sep, prompt, 12, temperature=0))
     assert list(generate_tokens(fused, prompt, 12, temperature=0)) == want
     assert list(generate_tokens(fused, prompt, 12, temperature=0, use_cache=False)) == want
+
+
+def test_a_weights_file_of_either_layout_loads_into_the_other(tmp_path):
+    """load_weights (load_run: generate, eval, export of a finished run) reads a model.safetensors
+    with separate wq/wk/wv into a fused model and the reverse, bit for bit."""
+    from lmforge.ckpt.export import load_weights, save_weights
+
+    sep = randomised(build_model(CFG, seed=0))
+    fused = build_model(FUSED, seed=1)
+    fused.load_state_dict(as_fused(CFG, sep.state_dict()))
+    save_weights(sep, tmp_path / "sep.safetensors")
+    save_weights(fused, tmp_path / "fused.safetensors")
+    into_fused, into_sep = build_model(FUSED, seed=2), build_model(CFG, seed=2)
+    load_weights(into_fused, tmp_path / "sep.safetensors")
+    load_weights(into_sep, tmp_path / "fused.safetensors")
+    for got, want in ((into_fused, fused), (into_sep, sep)):
+        assert all(torch.equal(got.state_dict()[k], v) for k, v in want.state_dict().items())

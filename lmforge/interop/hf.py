@@ -45,7 +45,7 @@ from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_
                              atomic_write, check_target)
 from lmforge.ckpt.export import WeightReader, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
-from lmforge.model.layers import QKV_PARTS, qkv_layout, read_fused_qkv, split_qkv
+from lmforge.model.layers import QKV_PARTS, qkv_conversions, qkv_layout, read_fused_qkv, split_qkv
 from lmforge.model.materialise import materialise
 from lmforge.model.transformer import Transformer
 
@@ -381,14 +381,12 @@ def qkv_refs(cfg: ModelConfig, refs: dict) -> dict:
     whichever layout the checkpoint holds: fused `attn.wqkv` refs made of separate wq/wk/wv ones or
     the reverse. Other names unchanged."""
     out = dict(refs)
-    for i in range(cfg.n_layers):
-        for kind in ("weight", "bias"):
-            fused, parts = f"blocks.{i}.attn.wqkv.{kind}", [f"blocks.{i}.attn.{w}.{kind}" for w in QKV_PARTS]
-            if cfg.fused_qkv and fused not in out and all(p in out for p in parts):
-                out[fused] = FusedQKVRef(cfg, tuple(out.pop(p) for p in parts))
-            elif not cfg.fused_qkv and fused in out and not any(p in out for p in parts):
-                ref = out.pop(fused)
-                out.update({p: SplitQKVRef(cfg, ref, j) for j, p in enumerate(parts)})
+    for fused, parts in list(qkv_conversions(cfg, refs)):
+        if cfg.fused_qkv:
+            out[fused] = FusedQKVRef(cfg, tuple(out.pop(p) for p in parts))
+        else:
+            ref = out.pop(fused)
+            out.update({p: SplitQKVRef(cfg, ref, j) for j, p in enumerate(parts)})
     return out
 
 

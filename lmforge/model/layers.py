@@ -161,6 +161,29 @@ def split_qkv(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, torc
     return out[0], out[1], out[2]
 
 
+def qkv_conversions(cfg: ModelConfig, names) -> Iterator[tuple[str, list[str]]]:
+    """(fused name, [wq, wk, wv names]) of each q/k/v weight and bias that `names` (a checkpoint's keys)
+    hold in the other layout than `cfg`'s (model.fused_qkv): the tensors to fuse, or the one to split."""
+    for i in range(cfg.n_layers):
+        for kind in ("weight", "bias"):
+            fused, parts = f"blocks.{i}.attn.wqkv.{kind}", [f"blocks.{i}.attn.{w}.{kind}" for w in QKV_PARTS]
+            if (cfg.fused_qkv and fused not in names and all(p in names for p in parts)) or (
+                    not cfg.fused_qkv and fused in names and not any(p in names for p in parts)):
+                yield fused, parts
+
+
+def qkv_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole-tensor state dict with its q/k/v projections in `cfg`'s layout (model.fused_qkv),
+    whichever layout it holds (a run folder's model.safetensors written before or with fused_qkv)."""
+    out = dict(state)
+    for fused, parts in list(qkv_conversions(cfg, state)):
+        if cfg.fused_qkv:
+            out[fused] = fuse_qkv(cfg, *(out.pop(p) for p in parts))
+        else:
+            out.update(zip(parts, split_qkv(cfg, out.pop(fused))))
+    return out
+
+
 def read_fused_qkv(cfg: ModelConfig, read, shape, index) -> torch.Tensor:
     """The part at `index` (per dim: kept indices, None for all) of a fused `attn.wqkv` weight or bias of
     full `shape`, made from its q, k, v parts: `read(p, part_shape, part_index)` gives the part at
