@@ -205,17 +205,22 @@ def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layou
     from tests.test_parallel_mp import FAMILY_STEPS, TOL
 
     shared = {"model.n_layers": 2, "model.n_kv_heads": 2, "model.qkv_bias": "true", "model.qk_norm": "true",
-              **FAMILY_STEPS}
+              "checkpoint.every_steps": 5, "checkpoint.async_save": "false", **FAMILY_STEPS}
     ref, fused = tmp_path / "separate", tmp_path / "fused"
     proc = train_runs(corpus, {ref: {}, fused: {"model.fused_qkv": "true"}}, **shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert_runs_match(fused, ref, "fused vs separate, one process", tol=TOL)
+    # and the separate layout's step-5 checkpoint resumed by the TP=2 fused run: each rank's shard of
+    # the weights and AdamW moments converted on load
+    old = str(ref / "checkpoints" / "step_00000005")
     tp = {tmp_path / "tp2": {"parallel.tp": 2},
-          tmp_path / "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"}}
+          tmp_path / "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+          tmp_path / "tp2-resumed": {"parallel.tp": 2, "checkpoint.resume": old}}
     proc = train_runs(corpus, tp, nproc=2, timeout=300, **shared, **{"model.fused_qkv": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for out in tp:
-        assert_runs_match(out, ref, f"fused qkv, {out.name} vs separate in one process", tol=TOL)
+        steps = list(range(6, 11)) if out.name == "tp2-resumed" else None
+        assert_runs_match(out, ref, f"fused qkv, {out.name} vs separate in one process", steps=steps, tol=TOL)
 
 
 
