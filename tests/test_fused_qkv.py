@@ -197,7 +197,7 @@ def test_the_planner_counts_the_fused_weight_as_the_model_holds_it():
 
 @pytest.mark.slow
 def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layout_in_one_process(corpus, tmp_path):  # noqa: F811
-    """TP=2 and TP=2 + SP with the fused wqkv (GQA with 2 kv heads: one group per rank; q/k/v biases;
+    """TP=2, TP=2 + SP and CP=2 with the fused wqkv (GQA with 2 kv heads: one group per rank; q/k/v biases;
     QK-norm) against one process with the separate wq/wk/wv: the same per-step losses and gradient
     norms (tests/test_parallel_mp.py's tolerance), so the plain column split gives each rank exactly
     its heads' q, k and v rows."""
@@ -213,12 +213,13 @@ def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layou
     # and the separate layout's step-5 checkpoint resumed by the TP=2 fused run: each rank's shard of
     # the weights and AdamW moments converted on load
     old = str(ref / "checkpoints" / "step_00000005")
-    tp = {tmp_path / "tp2": {"parallel.tp": 2},
+    runs = {tmp_path / "tp2": {"parallel.tp": 2},
           tmp_path / "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
-          tmp_path / "tp2-resumed": {"parallel.tp": 2, "checkpoint.resume": old}}
-    proc = train_runs(corpus, tp, nproc=2, timeout=300, **shared, **{"model.fused_qkv": "true"})
+          tmp_path / "tp2-resumed": {"parallel.tp": 2, "checkpoint.resume": old},
+          tmp_path / "cp2": {"parallel.cp": 2}}  # (context parallel: the fused projection of a sequence shard)
+    proc = train_runs(corpus, runs, nproc=2, timeout=300, **shared, **{"model.fused_qkv": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for out in tp:
+    for out in runs:
         steps = list(range(6, 11)) if out.name == "tp2-resumed" else None
         assert_runs_match(out, ref, f"fused qkv, {out.name} vs separate in one process", steps=steps, tol=TOL)
 
