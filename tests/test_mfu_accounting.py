@@ -76,9 +76,9 @@ def test_lora_run_reports_the_flops_it_computes_and_mfu_is_the_identity(small_da
     assert summary["flops_per_token"] == want < 0.8 * flops_per_token(cfg.model, cfg.data.seq_len)
     peak, world = summary["peak_flops"], summary["hardware"]["world_size"]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "mfu" in r]
+    records = [r for r in records if "window_mfu" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:  # exactly, as logged (JSON floats round-trip)
-        assert r["mfu"] == r["tokens_per_s"] * summary["flops_per_token"] / (peak * world), r
+        assert r["window_mfu"] == r["window_tokens_per_s"] * summary["flops_per_token"] / (peak * world), r
     half = records[-len(records) // 2:]
-    assert summary["mfu"] == sum(r["mfu"] for r in half) / len(half)
+    assert summary["mfu"] == sum(r["window_mfu"] for r in half) / len(half)
