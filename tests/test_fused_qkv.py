@@ -254,3 +254,21 @@ def test_a_weights_file_of_either_layout_loads_into_the_other(tmp_path):
     load_weights(into_sep, tmp_path / "fused.safetensors")
     for got, want in ((into_fused, fused), (into_sep, sep)):
         assert all(torch.equal(got.state_dict()[k], v) for k, v in want.state_dict().items())
+
+
+def test_mixtral_conversion_maps_the_fused_weight_bit_equal():
+    """lmforge.interop.hf_moe's state-dict mapping: a fused MoE model gives Mixtral exactly the separate
+    model's q_proj/k_proj/v_proj, and Mixtral's weights come back fused."""
+    from lmforge.config.sections import MoEConfig
+    from lmforge.interop.hf_moe import from_mixtral_state_dict, to_mixtral_state_dict
+
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=64,
+                      tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2))
+    sep = randomised(build_model(cfg, seed=3))
+    fused_cfg = replace(cfg, fused_qkv=True)
+    fused_state = as_fused(cfg, sep.state_dict())
+    want = to_mixtral_state_dict(cfg, sep.state_dict())
+    got = to_mixtral_state_dict(fused_cfg, fused_state)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    back = from_mixtral_state_dict(fused_cfg, want)
+    assert all(torch.equal(back[k], fused_state[k]) for k in back) and "blocks.0.attn.wqkv.weight" in back
