@@ -219,8 +219,12 @@ def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layou
           tmp_path / "cp2": {"parallel.cp": 2}}  # (context parallel: the fused projection of a sequence shard)
     proc = train_runs(corpus, runs, nproc=2, timeout=300, **shared, **{"model.fused_qkv": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for out in runs:
-        steps = list(range(6, 11)) if out.name == "tp2-resumed" else None
+    # FSDP2 x TP (2 x 2): the converted tensors placed on 2-D shards (FSDP2 shards TP's shards)
+    fsdp_tp = {tmp_path / "fsdp2xtp2-resumed": {"parallel.dp_shard": 2, "parallel.tp": 2, "checkpoint.resume": old}}
+    proc = train_runs(corpus, fsdp_tp, nproc=4, timeout=300, **shared, **{"model.fused_qkv": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for out in [*runs, *fsdp_tp]:
+        steps = list(range(6, 11)) if out.name.endswith("-resumed") else None
         assert_runs_match(out, ref, f"fused qkv, {out.name} vs separate in one process", steps=steps, tol=TOL)
 
 
