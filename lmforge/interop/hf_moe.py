@@ -23,12 +23,14 @@ one host), unlike lmforge's streaming Llama export (lmforge.interop.hf).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from lmforge.config import ModelConfig
 from lmforge.config.sections import MoEConfig
+from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer
 from lmforge.model.materialise import materialise
 
@@ -89,6 +91,7 @@ def model_config_from_mixtral(hf) -> ModelConfig:
 
 def to_mixtral_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """lmforge weights (unwrapped names) -> transformers Mixtral weights."""
+    weights = qkv_state(replace(cfg, fused_qkv=False), weights)  # (a fused attn.wqkv: its q, k, v rows)
     out = {"model.embed_tokens.weight": weights["tok_emb.weight"], "model.norm.weight": weights["norm.weight"],
            "lm_head.weight": weights["tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"]}
     for i in range(cfg.n_layers):
@@ -121,7 +124,7 @@ def from_mixtral_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> di
         out[f"{b}mlp.experts.w_gate"] = gate_up[..., :hidden].contiguous()
         out[f"{b}mlp.experts.w_up"] = gate_up[..., hidden:].contiguous()
         out[f"{b}mlp.experts.w_down"] = hf[f"{h}mlp.experts.down_proj"].transpose(1, 2).contiguous()
-    return out
+    return qkv_state(cfg, out)  # (model.fused_qkv: q, k, v fused)
 
 
 def import_mixtral(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:

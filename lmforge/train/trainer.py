@@ -502,7 +502,7 @@ class Trainer:
             log.warning("resuming %s with changed settings: %s", path,
                         "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed))
         try:
-            load_states(self.ckpt, path, self.states)
+            load_states(self.ckpt, path, self.states, self.cfg.model)
         except ValueError as e:
             raise ValueError(f"checkpoint {path}: {e}") from e
         if not self.states["rng"].restored:
