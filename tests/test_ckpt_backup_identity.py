@@ -4,7 +4,7 @@ against a real S3-protocol server on loopback (moto_server, tests/test_ckpt_s3.p
 * Two runs in different local folders with the same last name and the same bucket/prefix: the second
   neither restores the first's checkpoint nor deletes its objects (it stops, naming both run ids and
   both folders); the first, extended later with its local checkpoints gone, restores its own state;
-  with `checkpoint.s3_adopt = true` the second takes the first's backup over on purpose.
+  with `checkpoint.s3_adopt = true` another run takes the first's backup over on purpose.
 * A corrupt object in the newest remote checkpoint: the restore falls back to the older one and its
   log line names the bad object.
 """
@@ -39,46 +39,66 @@ def run_id(folder: Path) -> str:
     return json.loads((folder / RUN_RECORD).read_text())["run_id"]
 
 
-def test_two_runs_with_one_folder_name_never_touch_each_others_backup(corpus, tmp_path, s3_server,  # noqa: F811
-                                                                        bucket):  # noqa: F811
-    client, name = bucket
-    s3 = {**BACKED, "checkpoint.s3_bucket": name, "checkpoint.s3_endpoint": s3_server}
-    first, second = tmp_path / "a" / "run", tmp_path / "b" / "run"  # the same last part: 'run'
+@pytest.fixture(scope="module")
+def first(corpus, s3_server, tmp_path_factory):  # noqa: F811
+    """The first run: `.../a/run`, 8 steps, checkpoints at 4 and 8 backed up to its own bucket."""
+    import os
 
-    done = train(corpus, first, **s3)
+    import boto3
+
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    client = boto3.client("s3", endpoint_url=s3_server)
+    name = f"identity-{os.getpid()}"
+    client.create_bucket(Bucket=name)
+    s3 = {**BACKED, "checkpoint.s3_bucket": name, "checkpoint.s3_endpoint": s3_server}
+    folder = tmp_path_factory.mktemp("identity") / "a" / "run"
+    done = train(corpus, folder, **s3)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    first_id = run_id(first)
     before = objects(client, name)
+    first_id = run_id(folder)
     assert before and all(k.startswith(f"lmforge/run/{first_id}/") for k in before)  # the key holds the run id
     assert {k.split("/")[3] for k in before} >= {"step_00000004", "step_00000008"}
+    return client, name, s3, folder, first_id, before
 
-    # another run, other settings, same folder name and prefix: it refuses (the old code restored the
-    # first run's step 8 and rotated its objects away)
+
+# (the three tests below run in this order on the first run's bucket)
+def test_a_second_run_with_the_same_folder_name_is_refused_and_touches_nothing(corpus, first, tmp_path):  # noqa: F811
+    """The reproduction: another run, other settings, in another folder with the same last name and
+    the same bucket/prefix. The old code restored the first run's step 8 into it ('no valid local
+    checkpoint; restored step_00000008 from s3://...', then 'with changed settings: optim.lr ...')
+    and its rotation deleted the first run's objects."""
+    client, name, s3, first_folder, first_id, before = first
+    second = tmp_path / "b" / "run"
     other = train(corpus, second, **{**s3, "optim.lr": 1e-3, "train.steps": 12})
     text = other.stdout + other.stderr
     assert other.returncode != 0, text[-3000:]
     assert "restored" not in text
     error = next(line for line in text.splitlines() if "s3_adopt" in line)
-    assert first_id in error and str(first) in error and str(second) in error, error
+    assert first_id in error and str(first_folder) in error and str(second) in error, error
     second_id = re.search(r"this run \(run id ([0-9a-f]{32})", error).group(1)
     assert second_id != first_id
     assert objects(client, name) == before  # nothing deleted, nothing overwritten
     assert not list((second / "checkpoints").glob("step_*"))
 
-    # the first run, extended after losing its local checkpoints, restores its own step 8
-    shutil.rmtree(first / "checkpoints")
-    more = train(corpus, first, **{**s3, "train.steps": 12})
+
+def test_the_first_run_extended_restores_its_own_state(corpus, first):  # noqa: F811
+    client, name, s3, folder, first_id, _ = first
+    shutil.rmtree(folder / "checkpoints")  # its local checkpoints are lost
+    more = train(corpus, folder, **{**s3, "train.steps": 12})
     text = more.stdout + more.stderr
     assert more.returncode == 0, text[-3000:]
     assert f"restored step_00000008 from s3://{name}/lmforge/run/{first_id}/" in text
-    assert "changed settings: train.steps 8 -> 12\n" in text  # its own state: none of the other run's settings
-    assert run_id(first) == first_id
+    assert "changed settings: train.steps 8 -> 12\n" in text  # its own state: none of another run's settings
+    assert run_id(folder) == first_id
 
-    # adopting on purpose: the second run takes the first's backup over and continues it
+
+def test_adopting_another_runs_backup_on_purpose(corpus, first, tmp_path):  # noqa: F811
+    client, name, s3, _, first_id, _ = first
+    second = tmp_path / "c" / "run"
     adopted = train(corpus, second, **{**s3, "train.steps": 12, "checkpoint.s3_adopt": "true"})
     text = adopted.stdout + adopted.stderr
     assert adopted.returncode == 0, text[-3000:]
-    assert f"adopting run {first_id}" in text and "restored step_00000012" in text
+    assert f"adopting run {first_id}" in text and re.search(r"restored step_000000(08|12)", text)
     assert run_id(second) == first_id
 
 

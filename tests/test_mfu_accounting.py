@@ -32,7 +32,9 @@ def trainable(model: torch.nn.Module) -> dict[str, int]:
     ({"model.n_kv_heads": 2, "model.tie_embeddings": False}, "wk,wv"),
     ({}, "gate,up,down"),                              # first block's attention entirely frozen
     (GPT2ISH, "fc,proj,lm_head"),                      # biases, LayerNorm, a LoRA head
-], ids=["full", "lora-attn", "lora-gqa-kv", "lora-mlp", "lora-gelu-head"])
+    ({"model.fused_qkv": True, "model.n_kv_heads": 2, "model.qkv_bias": True}, ""),  # one wqkv matmul
+    ({"model.fused_qkv": True, "model.n_kv_heads": 2}, "wq,wk,wv,wo"),               # its one adapter
+], ids=["full", "lora-attn", "lora-gqa-kv", "lora-mlp", "lora-gelu-head", "fused-qkv", "lora-fused-qkv"])
 def test_matmul_flops_equal_what_torch_counts(over, lora):
     """torch's FlopCounterMode counts every mm/addmm of one forward + backward; the accounting's
     matmul part must equal it exactly (attention runs in SDPA, which the counter does not see on
@@ -74,9 +76,9 @@ def test_lora_run_reports_the_flops_it_computes_and_mfu_is_the_identity(small_da
     assert summary["flops_per_token"] == want < 0.8 * flops_per_token(cfg.model, cfg.data.seq_len)
     peak, world = summary["peak_flops"], summary["hardware"]["world_size"]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "mfu" in r]
+    records = [r for r in records if "window_mfu" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:  # exactly, as logged (JSON floats round-trip)
-        assert r["mfu"] == r["tokens_per_s"] * summary["flops_per_token"] / (peak * world), r
+        assert r["window_mfu"] == r["window_tokens_per_s"] * summary["flops_per_token"] / (peak * world), r
     half = records[-len(records) // 2:]
-    assert summary["mfu"] == sum(r["mfu"] for r in half) / len(half)
+    assert summary["mfu"] == sum(r["window_mfu"] for r in half) / len(half)

@@ -54,10 +54,14 @@ def test_one_train_record_per_step_with_the_documented_fields(run):
         assert set(rec) == set(TRAIN_FIELDS), set(rec) ^ set(TRAIN_FIELDS)
         assert all(isinstance(rec[k], (int, float)) for k in TRAIN_FIELDS)
         assert rec["tokens"] == rec["step"] * 8 * 32
-        assert rec["tokens_per_s"] > 0 and 0 < rec["mfu"] < 5 and rec["mem_gb"] > 0
-        assert 0 <= rec["data_share"] < 1 and rec["data_s"] >= 0 and rec["ckpt_s"] == 0
-    # records of one logging window share the window's throughput; different windows differ
-    assert train[0]["tokens_per_s"] == train[4]["tokens_per_s"]
+        assert rec["window_tokens_per_s"] > 0 and 0 < rec["window_mfu"] < 5 and rec["mem_gb"] > 0
+        assert 0 <= rec["window_data_share"] < 1 and rec["data_s"] >= 0 and rec["window_ckpt_s"] == 0
+    # records of one logging window share the window's numbers, and say so: window_* fields and the
+    # window's step count (log_every 5 over 12 steps: windows of 5, 5 and 2 steps)
+    assert [r["window_steps"] for r in train] == [5] * 10 + [2] * 2
+    assert train[0]["window_tokens_per_s"] == train[4]["window_tokens_per_s"]
+    assert train[0]["window_elapsed_s"] == train[4]["window_elapsed_s"] < train[5]["window_elapsed_s"]
+    assert not {"tokens_per_s", "mfu", "step_time_s", "elapsed_s"} & set(train[0])  # no unqualified window numbers
     assert [r["step"] for r in val] == [0, 6, 12]
     assert all(set(r) == {"step", "val_loss", "val_perplexity"} for r in val)
     # a healthy run reports no spikes or skipped updates; only its final checkpoint
@@ -75,7 +79,7 @@ def test_tensorboard_gets_every_step(run):
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    for name in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "data_share", "mem_gb"):
+    for name in ("loss", "grad_norm", "lr", "window_tokens_per_s", "window_mfu", "window_data_share", "mem_gb"):
         assert f"train/{name}" in tags, name
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 13))
     assert [e.step for e in acc.Scalars("val/loss")] == [0, 6, 12]
@@ -92,8 +96,8 @@ def test_non_tty_progress_is_plain_log_lines(run):
 
 
 def test_progress_modes_and_rank0(monkeypatch):
-    rec = {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1234.0, "mfu": 0.1, "mem_gb": 1.0,
-           "data_share": 0.02}
+    rec = {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "window_tokens_per_s": 1234.0, "window_mfu": 0.1,
+           "mem_gb": 1.0, "window_data_share": 0.02}
     assert format_line(10, 100, rec, 65).startswith("step 10/100 | loss 2.5000 | lr 1.00e-03 | grad norm 0.50")
 
     class Tty(io.StringIO):

@@ -89,7 +89,7 @@ def test_report_of_damaged_or_unfinished_runs_renders_what_is_readable(tmp_path,
     AttributeError on a JSON list). Now each run's page says what is missing and shows the rest."""
     import json
 
-    records = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0}
+    records = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "window_tokens_per_s": 1000.0}
                for s in (1, 2, 3)] + [{"step": 3, "val_loss": 4.8, "val_perplexity": 121.5}]
     lines = [json.dumps(r) for r in records]
     runs = {"cut": ('{"val_loss": 4.', lines + ['{"step": 4, "loss": 4.']),  # name: (summary.json, metrics)

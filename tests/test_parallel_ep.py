@@ -3,7 +3,8 @@
 A Mixture-of-Experts model (2 blocks, 4 routed experts, top-2, a shared expert, the aux loss and
 the z-loss on) trains plain SGD without clipping (tests/test_parallel_dp.py's `SGD`: the steps are
 the gradient itself, so a gradient off by any factor shows in the loss curve) under EP2, EP2 x
-FSDP2, EP2 x PP2 and EP2 with TP2 on attention, and must match the one-process run in every step's
+FSDP2, EP2 x PP2, EP2 with TP2 on attention (with and without
+sequence parallelism) and EP2 x CP2, and must match the one-process run in every step's
 loss and gradient norm (before clipping) to 1e-5 relative: fp32, the same seed, data and global
 batch; only the reduction order differs. Every layout has 2 micro-batches per step whose union over
 the data-parallel ranks is the one-process micro-batch (the loader's global sample order), so the
@@ -38,6 +39,7 @@ LAYOUTS = {  # name: (processes, overrides); 2 micro-batches of 4 sequences over
     "ep2-tp2": (4, {"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.tp": 2, "train.micro_batch_size": 2}),
     "ep2-tp2-sp": (4, {"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true",
                        "train.micro_batch_size": 2}),
+    "ep2xcp2": (4, {"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.cp": 2, "train.micro_batch_size": 2}),
 }
 
 

@@ -138,10 +138,17 @@ class Suite:
         self.rows.append(row)
         return row
 
-    def has_package(self, module: str) -> bool:
-        """Whether `module` imports in the steps' environment (the machine's packages + --wheels)."""
-        proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=self.env, capture_output=True, cwd=ROOT)
-        return proc.returncode == 0
+    def missing_package(self, module: str) -> str:
+        """Why `module` does not import in the steps' environment (the machine's packages + --wheels),
+        or "" when it does."""
+        proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=self.env, capture_output=True, text=True,
+                              cwd=ROOT)
+        if proc.returncode == 0:
+            return ""
+        top = module.split(".")[0]
+        if f"No module named '{top}'" in proc.stderr:
+            return f"{top} is not installed: pass its wheel with --wheels (benchmarks/gpu/README.md)"
+        return f"{module} does not import: {(proc.stderr.strip().splitlines() or [''])[-1][:160]}"
 
     def train_args(self, steps: int) -> list[str]:
         steps = steps if self.cuda else 6  # (the CPU smoke run checks the mechanics, not the numbers)
@@ -256,9 +263,9 @@ class Suite:
     def step_fp8(self) -> None:
         """gpt2-fp8 on a GPU; on the CPU, the fp8 config and torchao.float8 (fp8 needs a GPU). An
         optional row: without torchao it is skipped with the reason, not failed."""
-        if not self.has_package("torchao.float8"):
-            self.skip("gpt2-fp8" if self.cuda else "fp8-config", "torchao is not installed: pass its wheel with --wheels "
-                      "(benchmarks/gpu/README.md)", required=False)
+        missing = self.missing_package("torchao.float8")
+        if missing:
+            self.skip("gpt2-fp8" if self.cuda else "fp8-config", missing, required=False)
             return
         if self.cuda:
             self.step_throughput("gpt2-fp8", "gpt2-124m", GPT2 + ["train.compile=true", "train.loss_chunk=4096",

@@ -18,7 +18,10 @@ the run folder) is part of every key, so a run restores, overwrites and rotates 
 the prefix already holds another run's backup, naming both runs and both folders, unless the user
 adopts that run (checkpoint.s3_adopt): two runs in `a/run` and `b/run` would otherwise share
 `<prefix>/run/`. Checkpoints of an lmforge from before run ids (`<prefix>/<run name>/step_*`
-directly) are left alone: neither restored nor deleted, with a warning.
+directly) are left alone: neither restored nor deleted, with a warning. (The owner record is written
+with a run's first upload: two runs started under one name before either uploaded do not see each
+other, but their keys differ by run id, so neither touches the other's objects; the next start of
+either names both.)
 
 A restore verifies every object against the sha256 and size its meta.json records; a checkpoint
 with a bad object is skipped (the log names the object) and the next older one is tried, as the

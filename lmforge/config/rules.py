@@ -238,7 +238,8 @@ AUTO_LOSS_CHUNK = 4096  # tokens per chunk of train.loss_chunk = "auto"
 AUTO_LOSS_CHUNK_MIN_VOCAB = 8192
 # (device type, precision) where the fused head + loss was measured slower than the plain logits:
 # "auto" leaves it off there. Measured (benchmarks/fused_head.py; benchmarks/RESULTS.md): CPU fp32
-# faster (1.4-2.4x); CPU bf16 autocast slower (0.67x; 2-core AMD EPYC with avx512_bf16). CUDA: the
+# faster (1.4-2.4x); CPU bf16 autocast not shown faster (0.67x and 1.06x on a loaded 2-core AMD EPYC
+# with avx512_bf16) and a higher peak at small batches: off. CUDA: the
 # GPU suite's `head-loss` row (benchmarks/gpu/suite.py) measures GPT-2's head in bf16 and fails if this
 # rule picks the slower path; add the pair here then.
 FUSED_HEAD_SLOWER: frozenset[tuple[str, str]] = frozenset({("cpu", "bf16")})

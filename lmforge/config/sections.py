@@ -93,6 +93,7 @@ class ModelConfig:
     dropout: float = _f(0.0, "Dropout probability on attention and residual branches (0 for pre-training).")
     init_std: float = _f(0.02, "Std of the normal init of weights; residual output projections get init_std/sqrt(2*n_layers).")
     qkv_bias: bool | None = _f(None, "Biases on the q, k and v projections only (Qwen2 / Qwen2.5: true with bias = false). None = model.bias. Under tensor parallelism they are split with their weights (column-parallel).")
+    fused_qkv: bool = _f(False, "One matmul for q, k and v (`attn.wqkv`) instead of three (`attn.wq/wk/wv`). Rows grouped by kv head (Megatron's layout: for each kv head g, g's query heads, then k_g, then v_g), so tensor parallelism splits it with a plain row split and checkpoints reshard across TP degrees. Same initial values as the separate projections; HF import/export map q_proj/k_proj/v_proj; checkpoints saved with the other layout load (converted on load). LoRA: the targets wq, wk, wv together (as in the default) or 'wqkv' put one adapter on the fused layer; naming only some of them is an error. Optimizers that treat each matrix as a whole (Muon) see one matrix instead of three; element-wise ones (AdamW) update identically.")
     qk_norm: bool = _f(False, "QK-norm (Qwen3): an RMSNorm over head_dim (one weight of head_dim values, eps = model.norm_eps) applied to every query and key head before RoPE. Needs model.norm = 'rmsnorm'. Under tensor parallelism the weights are replicated and the heads sharded.")
     rope_scaling: Literal["none", "llama3", "linear"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), or 'none'.")
     rope_factor: float = _f(8.0, "rope_scaling 'llama3' / 'linear': the scaling factor (Llama 3.1: 8, Llama 3.2: 32). Must be >= 1.")
@@ -262,7 +263,7 @@ class TrainConfig:
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
     compile: bool = _f(False, "Compile each transformer block with torch.compile.")
-    loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks wherever the fused loss is not slower than the plain logits (measured on CPUs: faster in fp32, slower in bf16 autocast, so off there, benchmarks/fused_head.py; on GPUs on, and the GPU suite's head-loss row checks the choice), with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (with TP the loss is torch's vocab-parallel loss_parallel), else 0 (rule: lmforge.config.rules.resolve_loss_chunk). Not with parallel.tp > 1 or parallel.pp > 1.")
+    loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks wherever the fused loss is not slower than the plain logits (measured on CPUs: faster in fp32; in bf16 autocast not shown faster, so off there, benchmarks/fused_head.py; on GPUs on, and the GPU suite's head-loss row checks the choice), with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (with TP the loss is torch's vocab-parallel loss_parallel), else 0 (rule: lmforge.config.rules.resolve_loss_chunk). Not with parallel.tp > 1 or parallel.pp > 1.")
     fp8: bool = _f(False, "Train the transformer blocks' nn.Linear layers with FP8 matmuls (torchao.float8 dynamic scaling; the output projection stays in the run's precision). Needs the `torchao` package and a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: L4, H100, H200, B200).")
     seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
@@ -304,7 +305,7 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
     pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
     cp: int = _f(1, "Context-parallel degree (long sequences; lmforge.parallel.context_parallel): each sequence is cut into 2 x cp chunks and CP rank i keeps chunks i and 2cp-1-i (even causal work); every layer all-gathers K and V over the cp ranks before attention on the rank's own queries and reduce-scatters their gradients in backward. Activations per rank shrink to ~1/cp, plus the gathered K/V of the whole sequence (2 x seq x kv heads x head_dim per layer). cp must divide data.seq_len / 2 (with sequence_parallel also: tp divides data.seq_len / cp). Any kv-head count works: the all-gather is over the sequence, so every CP rank holds all the (its TP share of the) KV heads of the whole sequence, replicated across the cp ranks; GQA only makes the gathered K/V smaller. The CP ranks hold the same parameters, so their gradients are averaged with the data-parallel ones (FSDP2 shards over dp_shard x cp). Composes with dp_replicate / dp_shard, tp (+ sequence_parallel) and pp.")
-    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. Composes with tp (attention only) and pp; not yet with cp or dp_replicate > 1.")
+    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. Composes with tp (attention only), pp and cp; not yet with dp_replicate > 1.")
     timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
@@ -341,10 +342,10 @@ class ParallelConfig:
                     f"parallel.ep = {self.ep} borrows its ranks from the FSDP2 shard dimension: it must divide "
                     f"parallel.dp_shard = {self.dp_shard} (zero_stage 0, 2 or 3); set parallel.dp_shard to a multiple "
                     f"of {self.ep}.")
-            if self.dp_replicate > 1 or self.cp > 1 or self.async_sgd:
+            if self.dp_replicate > 1 or self.async_sgd:
                 raise ConfigError(
-                    f"parallel.ep = {self.ep} is not yet combined with dp_replicate > 1 (HSDP), cp > 1 or async_sgd; "
-                    f"put the data-parallel ranks in parallel.dp_shard and set cp = 1.")
+                    f"parallel.ep = {self.ep} is not yet combined with dp_replicate > 1 (HSDP) or async_sgd; put the "
+                    f"data-parallel ranks in parallel.dp_shard.")
         at_least(0, "parallel", max_staleness=self.max_staleness)
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")
@@ -455,7 +456,7 @@ class FinetuneConfig:
     lora_rank: int = _f(0, "LoRA rank; 0 = full fine-tuning (every weight trains).")
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) * B A.")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA branch input.")
-    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq.")
+    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq. With model.fused_qkv: wq, wk, wv all together or wqkv (one adapter on the fused layer).")
     merge_lora: bool = _f(True, "Fold the adapters into the weights before writing model.safetensors (a plain model for generate/eval/export).")
 
     def check(self) -> None:

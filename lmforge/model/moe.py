@@ -62,15 +62,24 @@ def expert_hidden(cfg: ModelConfig) -> int:
 # ---- grouped GEMM ---------------------------------------------------------------------------------
 
 
-def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs (x (M, K) @ w (G, K, N)) here: the op exists and the row
-    strides are multiples of 16 bytes (its rule on CPU and CUDA)."""
+    strides are multiples of 16 bytes (its rule on CPU and CUDA). On CUDA (bf16, Hopper or newer)
+    also every group's row count a multiple of 16, so the backward's x^T @ grad, whose groups run
+    along the rows, starts each group 16-byte aligned (torchtitan pads groups for the same reason);
+    lmforge does not pad yet, so other loads take the padded bmm. (CPU runs were measured; the CUDA
+    rule is conservative and not yet run on a GPU.)"""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16):
         return False
     size = x.element_size()
-    return (x.shape[1] * size) % 16 == 0 and (w.shape[2] * size) % 16 == 0
+    if (x.shape[1] * size) % 16 or (w.shape[2] * size) % 16:
+        return False
+    if x.device.type == "cuda":
+        return (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+                and bool((counts % 16 == 0).all()))
+    return True
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -91,7 +100,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, mode:
     (K, N) -> (M, N). One `torch._grouped_mm` (mode 'auto' where it runs, 'on' always), else one
     padded batched matmul; never a Python loop over the groups."""
     w = w.to(x.dtype)
-    if mode == "on" or (mode == "auto" and grouped_mm_ok(x, w)):
+    if mode == "on" or (mode == "auto" and grouped_mm_ok(x, w, counts)):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x.contiguous(), w, offs=offs))
     return padded_bmm(x, w, counts)

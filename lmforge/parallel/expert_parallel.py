@@ -25,8 +25,9 @@ data-parallel ranks, each reading its own micro-batches.
 * **Other dimensions.** TP shards attention only (an MoE block's feed-forward is computed whole on
   each TP rank, which hold the same tokens); pipeline stages keep their blocks' experts; the
   gradient-norm clip counts an expert shard once (lmforge.parallel.clip: its mesh dims
-  "dp_shard_mod_ep" and "ep" are parts of "dp_shard"). Context parallelism with ep > 1 is not
-  supported yet (a ConfigError says so).
+  "dp_shard_mod_ep" and "ep" are parts of "dp_shard"). Context parallelism: the CP ranks hold the
+  same experts, so experts are FSDP2-sharded over dp_shard_mod_ep x cp and dense weights over
+  dp_shard x cp; each CP rank routes its own chunks' tokens through the EP group.
 
 Every MoE model, with or without EP (`wire_moe`): the balancing statistics are all-reduced over the
 ranks that split the data (DistInfo.dp_cp_group), and `moe_step` sets the backward scale of the
@@ -122,7 +123,8 @@ def shard_experts(block: nn.Module, info: DistInfo, **fsdp_kw) -> None:
     from torch.distributed.fsdp import fully_shard
 
     for layer in moe_layers(block).values() if info.ep_size > 1 else ():
-        fully_shard(layer.experts, mesh=info.sub_mesh("dp_shard_mod_ep"), **fsdp_kw)
+        fully_shard(layer.experts, mesh=info.sub_mesh("dp_shard_mod_ep_cp" if info.cp_size > 1 else "dp_shard_mod_ep"),
+                    **fsdp_kw)
         layer.experts.grad_scale = 1.0 / info.ep_size
 
 

@@ -59,7 +59,7 @@ FLAT_DIMS = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 # expert parallelism (parallel.ep > 1; lmforge.parallel.expert_parallel): dp_shard is made of two dims,
 # the EP group innermost, and "dp_shard" is their flattened dim
 EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
-EP_FLAT_DIMS = {"dp_shard": ("dp_shard_mod_ep", "ep")}
+EP_FLAT_DIMS = {"dp_shard": ("dp_shard_mod_ep", "ep"), "dp_shard_mod_ep_cp": ("dp_shard_mod_ep", "cp")}
 
 
 @dataclass
@@ -209,7 +209,10 @@ def init_distributed(cfg: Config) -> DistInfo:
                                 mesh_dim_names=EP_MESH_DIMS)
         coord = dict(zip(EP_MESH_DIMS, mesh.get_coordinate()))
         coord["dp_shard"] = coord["dp_shard_mod_ep"] * p.ep + coord["ep"]
-        flat = {name: mesh[dims]._flatten(name) for name, dims in EP_FLAT_DIMS.items()}
+        flat = {name: mesh[dims]._flatten(name) for name, dims in EP_FLAT_DIMS.items() if p.cp > 1 or "cp" not in dims}
+        if p.cp > 1:  # (FSDP2 and the token count over dp_shard x cp: every part of both)
+            for name in ("dp_shard_cp", "dp_cp"):
+                flat[name] = mesh["dp_shard_mod_ep", "ep", "cp"]._flatten(name)
     else:
         mesh = init_device_mesh(device.type, (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
         coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))

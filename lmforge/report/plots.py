@@ -15,6 +15,12 @@ from lmforge.train.metrics import split_metrics
 PLOTS = ("loss", "lr", "grad_norm", "throughput", "expert_load")  # (expert_load: Mixture-of-Experts runs only)
 
 
+
+def _window(record: dict, name: str) -> float:
+    """A record's `window_<name>` (NaN when absent); runs written before the window fields were named
+    so carry it as `<name>`."""
+    return record.get(f"window_{name}", record.get(name, float("nan")))
+
 def run_label(run_dir: Path, all_dirs: list[Path]) -> str:
     """Shortest readable name: the folder name, or parent/name when names collide."""
     names = [d.name for d in all_dirs]
@@ -122,12 +128,12 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
     fig, ax = figure("throughput", "tokens/s")
     for i, d in enumerate(run_dirs):
         train = data[d][0]
-        ax.plot([r["step"] for r in train], [r.get("tokens_per_s", float("nan")) for r in train],
+        ax.plot([r["step"] for r in train], [_window(r, "tokens_per_s") for r in train],
                 color=colors[i % len(colors)], label=f"{run_label(d, run_dirs)} tokens/s")
-    if single and data[run_dirs[0]][0] and "mfu" in data[run_dirs[0]][0][-1]:
+    if single and data[run_dirs[0]][0] and {"window_mfu", "mfu"} & data[run_dirs[0]][0][-1].keys():
         ax2 = ax.twinx()
         train = data[run_dirs[0]][0]
-        ax2.plot([r["step"] for r in train], [100 * r.get("mfu", float("nan")) for r in train], color="gray",
+        ax2.plot([r["step"] for r in train], [100 * _window(r, "mfu") for r in train], color="gray",
                  ls=":", label="MFU %")
         ax2.set_ylabel("MFU (%)")
         ax2.legend(loc="lower right", fontsize=8)

@@ -4,7 +4,10 @@
 
 Train records: exactly one per optimizer step, written at each log line (the trainer reads loss
 and grad norm back from the device only every `train.log_every` steps, so the records of a
-logging window are written together). Fields:
+logging window are written together). Fields named `window_*` are measured over the record's
+logging window (the `window_steps` steps that end at the window's last step, this one among
+them: every record of a window carries the same values); the others are the step's own.
+Fields:
 
 | field           | unit        | meaning                                                                 |
 |-----------------|-------------|-------------------------------------------------------------------------|
@@ -13,14 +16,15 @@ logging window are written together). Fields:
 | `grad_norm`     | -           | global L2 norm of the gradients before clipping                        |
 | `lr`            | -           | learning rate used by the step (first parameter group)                 |
 | `tokens`        | tokens      | tokens consumed so far, including this step                            |
-| `tokens_per_s`  | tokens/s    | global throughput (all ranks) over the step's logging window, eval excluded |
-| `mfu`           | fraction    | tokens_per_s x flops_per_token / (peak FLOP/s per device x world), <= 1 |
-| `step_time_s`   | s           | mean wall time per step over the logging window                         |
+| `window_steps`  | steps       | steps in the record's logging window (the window fields average them)  |
+| `window_tokens_per_s` | tokens/s | global throughput (all ranks) over the window, eval excluded      |
+| `window_mfu`    | fraction    | window_tokens_per_s x flops_per_token / (peak FLOP/s per device x world), <= 1 |
+| `window_step_time_s` | s      | mean wall time per step over the window                                 |
 | `data_s`        | s           | host time this step waited for its batches: blocked on the prefetch queue (data.prefetch > 0) or drawing them (0) |
-| `data_share`    | fraction    | share of the window's wall time spent waiting for batches               |
-| `ckpt_s`        | s           | time the window spent blocked on checkpoint saves (0 when none)        |
+| `window_data_share` | fraction | share of the window's wall time spent waiting for batches             |
+| `window_ckpt_s` | s           | time the window spent blocked on checkpoint saves (0 when none)        |
 | `mem_gb`        | GB (1e9 B)  | peak device memory so far (CUDA), or the process's peak RSS on CPU     |
-| `elapsed_s`     | s           | wall time since the first step started (excludes the initial eval)    |
+| `window_elapsed_s` | s        | wall time from the first step's start to the window's end (excludes the initial eval) |
 
 Validation records: `{"step", "val_loss", "val_perplexity"}` at step 0 (before training), every
 `train.eval_every` steps and at the end. Event records: `{"step", "event", "message", ...}` for health signals:
@@ -55,15 +59,16 @@ TRAIN_FIELDS: dict[str, str] = {
     "grad_norm": "global L2 gradient norm before clipping",
     "lr": "learning rate of the step",
     "tokens": "tokens consumed so far, including this step",
-    "tokens_per_s": "throughput over the logging window",
-    "mfu": "model FLOPs utilisation over the logging window (fraction of the device peak)",
-    "step_time_s": "mean wall seconds per step over the logging window",
+    "window_steps": "steps in the record's logging window (the window_* fields are over them)",
+    "window_tokens_per_s": "throughput over the logging window",
+    "window_mfu": "model FLOPs utilisation over the logging window (fraction of the device peak)",
+    "window_step_time_s": "mean wall seconds per step over the logging window",
     "data_s": "host seconds this step waited for its batches (blocked on the prefetch queue when data.prefetch > 0, "
               "else drawing them)",
-    "data_share": "fraction of the window's wall time spent waiting for batches",
-    "ckpt_s": "seconds the window spent blocked on checkpoint saves",
+    "window_data_share": "fraction of the window's wall time spent waiting for batches",
+    "window_ckpt_s": "seconds the window spent blocked on checkpoint saves",
     "mem_gb": "peak device memory (CUDA) or peak process RSS (CPU), GB",
-    "elapsed_s": "wall seconds since the first step started",
+    "window_elapsed_s": "wall seconds from the first step's start to the end of the logging window",
 }
 VAL_FIELDS: dict[str, str] = {"step": "step of the evaluation", "val_loss": "validation loss (nats/token)",
                               "val_perplexity": "exp(val_loss)"}
@@ -347,10 +352,11 @@ class ThroughputWindow:
         now = time.perf_counter()
         busy = max(now - self.window_start - self.eval_s, 1e-9)
         tok_s = self.tokens / busy
-        stats = {"tokens_per_s": tok_s, "mfu": self.peak.utilisation(tok_s * self.flops_per_token, self.world_size),
-                 "step_time_s": busy / max(self.steps, 1), "data_share": self.data_s / busy,
-                 "ckpt_s": self.timers.take("checkpoint"), "mem_gb": memory_gb(self.device),
-                 "elapsed_s": now - self.start}
+        stats = {"window_steps": self.steps, "window_tokens_per_s": tok_s,
+                 "window_mfu": self.peak.utilisation(tok_s * self.flops_per_token, self.world_size),
+                 "window_step_time_s": busy / max(self.steps, 1), "window_data_share": self.data_s / busy,
+                 "window_ckpt_s": self.timers.take("checkpoint"), "mem_gb": memory_gb(self.device),
+                 "window_elapsed_s": now - self.start}
         self.window_start, self.tokens, self.steps, self.data_s, self.eval_s = now, 0, 0, 0.0, 0.0
         return stats
 

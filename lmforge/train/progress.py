@@ -46,15 +46,15 @@ def _terminal_columns(stream) -> int | None:
 def format_line(step: int, total: int, rec: dict[str, Any], eta_s: float) -> str:
     """The plain progress line (also what the e2e tests grep for: 'step N/T | loss')."""
     parts = [f"step {step}/{total}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
-             f"grad norm {rec['grad_norm']:.2f}", f"{rec['tokens_per_s']:,.0f} tok/s"]
-    if math.isfinite(rec.get("mfu", float("nan"))):
-        parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+             f"grad norm {rec['grad_norm']:.2f}", f"{rec['window_tokens_per_s']:,.0f} tok/s"]
+    if math.isfinite(rec.get("window_mfu", float("nan"))):
+        parts.append(f"mfu {100 * rec['window_mfu']:.1f}%")
     if math.isfinite(rec.get("mem_gb", float("nan"))):
         parts.append(f"mem {rec['mem_gb']:.2f} GB")
-    if "data_share" in rec:
-        parts.append(f"data {100 * rec['data_share']:.0f}%")
-    if rec.get("ckpt_s"):
-        parts.append(f"ckpt {rec['ckpt_s']:.1f}s")
+    if "window_data_share" in rec:
+        parts.append(f"data {100 * rec['window_data_share']:.0f}%")
+    if rec.get("window_ckpt_s"):
+        parts.append(f"ckpt {rec['window_ckpt_s']:.1f}s")
     parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
 
@@ -87,13 +87,13 @@ class Progress:
             return
         if self._bar is not None:
             post = {"loss": f"{rec['loss']:.4f}", "lr": f"{rec['lr']:.1e}", "gnorm": f"{rec['grad_norm']:.2f}",
-                    "tok/s": f"{rec['tokens_per_s']:,.0f}"}
-            if math.isfinite(rec.get("mfu", float("nan"))):
-                post["mfu"] = f"{100 * rec['mfu']:.1f}%"
+                    "tok/s": f"{rec['window_tokens_per_s']:,.0f}"}
+            if math.isfinite(rec.get("window_mfu", float("nan"))):
+                post["mfu"] = f"{100 * rec['window_mfu']:.1f}%"
             if math.isfinite(rec.get("mem_gb", float("nan"))):
                 post["mem"] = f"{rec['mem_gb']:.2f}GB"
-            if "data_share" in rec:
-                post["data"] = f"{100 * rec['data_share']:.0f}%"
+            if "window_data_share" in rec:
+                post["data"] = f"{100 * rec['window_data_share']:.0f}%"
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(step - self._bar.n)
         else:

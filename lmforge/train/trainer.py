@@ -585,7 +585,7 @@ class Trainer:
             log.warning("resuming %s with changed settings: %s", path,
                         "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed))
         try:
-            load_states(self.ckpt, path, self.states)
+            load_states(self.ckpt, path, self.states, self.cfg.model)
         except ValueError as e:
             raise ValueError(f"checkpoint {path}: {e}") from e
         if not self.states["rng"].restored:
@@ -730,6 +730,7 @@ class Trainer:
             what = [f"the last checkpoint failed ({self.ckpt.last_error})"] if self.ckpt.consecutive_failures else []
             what += [f"the final weights {self.out_dir / WEIGHTS} could not be written ({weights_error})"] \
                 if weights_error else []
+            self.metrics.close()
             raise CheckpointFailure(f"training reached step {st.step}, but {' and '.join(what)}. Fix that and run the "
                                     f"same command again: it resumes from the newest valid checkpoint.")
 
@@ -811,9 +812,9 @@ class Trainer:
         hw = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
               "device": str(self.device), "device_name": self.peak.device_name, "threads": torch.get_num_threads(),
               "world_size": self.cfg.parallel.world_size}
-        return {"mfu": mean("mfu"), "peak_flops": self.peak.flops, "peak_source": self.peak.source,
+        return {"mfu": mean("window_mfu"), "peak_flops": self.peak.flops, "peak_source": self.peak.source,
                 "flops_per_token": self.flops_per_token, "n_params": self.n_params, "layout": self.layout.name,
-                "data_share": mean("data_share"), "checkpoint_s": self.timers.total.get("checkpoint", 0.0),
+                "data_share": mean("window_data_share"), "checkpoint_s": self.timers.total.get("checkpoint", 0.0),
                 "peak_mem_gb": memory_gb(self.device), "loss_spikes": self.health.n_spikes,
                 "grad_norm_warnings": self.health.n_growth, "hardware": hw,
                 "skipped_updates": self.guard.n_skipped if self.guard is not None else 0,
