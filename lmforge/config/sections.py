@@ -429,7 +429,7 @@ class CheckpointConfig:
 class GuardConfig:
     """Loss-spike and NaN guard: skip bad updates, roll back on repeated trouble."""
 
-    enabled: bool = _f(True, "Check every step's loss and gradient norm before the optimizer update (one host sync per step).")
+    enabled: bool = _f(True, "Check every step's loss and gradient norm before the optimizer update: on the device with torch's fused Adam/AdamW (the update skipped through found_inf, the host reading the verdict a step later), else read on the host once per step (one sync).")
     sigma: float = _f(6.0, "Skip the update when the loss or grad norm exceeds the rolling mean by more than this many standard deviations (0 = only non-finite values).")
     window: int = _f(100, "Rolling window (accepted steps) for the mean and standard deviation.")
     min_history: int = _f(20, "Accepted steps needed before the sigma rule applies.")
