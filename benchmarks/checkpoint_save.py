@@ -4,8 +4,11 @@
 
 For each preset: the model + AdamW state after one optimizer step (so the optimizer state exists),
 saved through the same path the trainer uses (`lmforge.ckpt.checkpointer.save_states` of the model +
-optimizer and RNG states -> CheckpointManager): async (DCP staging copy, then a background write) and
-sync. Reported per save:
+optimizer and RNG states -> CheckpointManager): async (a staging copy into host buffers, then a background
+write) and sync. With `--device cuda` (the default where CUDA exists) the model lives on the GPU and
+there are two async arms: `async` (DCP staging into pinned host buffers allocated at the first save and
+reused: `lmforge.ckpt.manager.device_stager`) and `async-per-save` (DCP's own staging into fresh pageable
+memory at every save: the behaviour before). Reported per save:
   blocking_s  time the caller was blocked (building the state dicts, then, async, staging them into host
               memory)
   total_s     until the checkpoint is written, fsynced, checksummed, renamed and validated
@@ -36,20 +39,25 @@ from lmforge.model.transformer import build_model
 from lmforge.optim.optimizers import build_optimizer
 
 
-def one_preset(preset: str, reps: int, root: Path) -> list[dict]:
+def modes(device: str) -> list[str]:
+    return ["async", "async-per-save", "sync"] if device == "cuda" else ["async", "sync"]
+
+
+def one_preset(preset: str, reps: int, root: Path, device: str = "cpu") -> list[dict]:
     cfg = load_config(preset)
-    model = build_model(cfg.model, "cpu", seed=0)
+    model = build_model(cfg.model, device, seed=0)
     opt = build_optimizer(OptimConfig(name="adamw", lr=1e-4, weight_decay=0.1), model)
     for p in model.parameters():  # one step on random gradients: the optimizer state exists
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.zero_grad(set_to_none=True)
     rows = []
-    for mode in ("async", "sync"):
+    for mode in modes(device):
         # one manager per mode, saving again and again like a run does (keep_last = 1): the first
         # async save allocates the host staging buffers, later ones reuse them
         folder = root / f"{preset}-{mode}"
-        mgr = CheckpointManager(folder, async_save=mode == "async", validate=True, keep_last=1)
+        mgr = CheckpointManager(folder, async_save=mode != "sync", validate=True, keep_last=1,
+                                staging="dcp-per-save" if mode == "async-per-save" else "auto")
         states = {"model": ModelOptimizerState(model, opt), "rng": RNGState(0)}
         for rep in range(reps):
             t0 = time.perf_counter()
@@ -57,7 +65,7 @@ def one_preset(preset: str, reps: int, root: Path) -> list[dict]:
             blocking = time.perf_counter() - t0
             mgr.wait()
             total = time.perf_counter() - t0
-            rows.append({"preset": preset, "mode": mode, "rep": rep,
+            rows.append({"preset": preset, "mode": mode, "rep": rep, "device": device, "staging": mgr.staging,
                          "params": sum(p.numel() for p in model.parameters()),
                          "blocking_s": blocking, "total_s": total, "bytes": mgr.last_save["bytes"],
                          "write_s": mgr.last_save["write_s"]})
@@ -72,19 +80,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="", help="where to write (default: a temp folder on the local disk)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the model and optimizer state live (default: cuda where it exists)")
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="lmforge-ckpt-bench-"))
-    rows = [r for preset in args.preset for r in one_preset(preset, args.reps, root)]
+    rows = [r for preset in args.preset for r in one_preset(preset, args.reps, root, args.device)]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, commit {commit}, "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'preset':<12} {'mode':<6} {'params':>12} {'size MB':>9} {'blocking s':>11} {'total s':>8} "
+          f"load average {os.getloadavg()[0]:.1f}, device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
+    print(f"{'preset':<12} {'mode':<14} {'params':>12} {'size MB':>9} {'blocking s':>11} {'total s':>8} "
           f"(median of saves 2..{args.reps}; first save in the JSON)")
     for preset in args.preset:
-        for mode in ("async", "sync"):
+        for mode in modes(args.device):
             sel = [r for r in rows if r["preset"] == preset and r["mode"] == mode and (r["rep"] > 0 or args.reps == 1)]
             med = lambda k: statistics.median(r[k] for r in sel)  # noqa: E731
-            print(f"{preset:<12} {mode:<6} {sel[0]['params']:>12,} {sel[0]['bytes'] / 1e6:>9.1f} "
+            print(f"{preset:<12} {mode:<14} {sel[0]['params']:>12,} {sel[0]['bytes'] / 1e6:>9.1f} "
                   f"{med('blocking_s'):>11.3f} {med('total_s'):>8.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

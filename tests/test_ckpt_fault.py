@@ -125,7 +125,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(corpus, reference, t
     proc = launch(corpus, out, nproc=nproc, **KILLED, **extra)
     finish(proc, out)
     log = (tmp_path / "run.log").read_text()
-    assert log.count("resumed from") == 3 * nproc, log[-3000:]  # (each rank logs it)
+    assert log.count("resumed from") == 3, log[-3000:]  # (rank 0 alone prints it)
     assert_bitwise(final_weights(out), final_weights(reference))
     # every step's loss and gradient norm after a resume equal the reference's (the last record of a
     # step wins)

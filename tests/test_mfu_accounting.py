@@ -32,7 +32,9 @@ def trainable(model: torch.nn.Module) -> dict[str, int]:
     ({"model.n_kv_heads": 2, "model.tie_embeddings": False}, "wk,wv"),
     ({}, "gate,up,down"),                              # first block's attention entirely frozen
     (GPT2ISH, "fc,proj,lm_head"),                      # biases, LayerNorm, a LoRA head
-], ids=["full", "lora-attn", "lora-gqa-kv", "lora-mlp", "lora-gelu-head"])
+    ({"model.fused_qkv": True, "model.n_kv_heads": 2, "model.qkv_bias": True}, ""),  # one wqkv matmul
+    ({"model.fused_qkv": True, "model.n_kv_heads": 2}, "wq,wk,wv,wo"),               # its one adapter
+], ids=["full", "lora-attn", "lora-gqa-kv", "lora-mlp", "lora-gelu-head", "fused-qkv", "lora-fused-qkv"])
 def test_matmul_flops_equal_what_torch_counts(over, lora):
     """torch's FlopCounterMode counts every mm/addmm of one forward + backward; the accounting's
     matmul part must equal it exactly (attention runs in SDPA, which the counter does not see on

@@ -75,6 +75,12 @@ def test_two_rank_layouts_materialise_one_processs_weights(corpus, tmp_path):  #
                           "finetune.init_from": str(llama), **LORA},
         "tp2-sp-qkv-bias-qk-norm": {**FAMILY, "model.qkv_bias": True, "parallel.tp": 2,
                                     "parallel.sequence_parallel": True},
+        # fused q/k/v (one attn.wqkv): each rank draws its kv groups' rows by the separate names
+        "tp2-sp-fused-qkv": {**FAMILY, "model.qkv_bias": True, "model.fused_qkv": True, "parallel.tp": 2,
+                             "parallel.sequence_parallel": True},
+        "tp2-fused-qkv-hf-lora": {**UNTIED, "model.n_kv_heads": 2, "model.fused_qkv": True, "parallel.tp": 2,
+                                  "finetune.init_from": str(llama), "finetune.lora_rank": 4,
+                                  "finetune.lora_targets": "wq,wk,wv,down"},
     })
 
 

@@ -5,7 +5,7 @@ out, and back. It knows nothing of the trainer (torchtitan's `CheckpointManager(
     save_states(manager, step, states, meta)          # every rank, at the same step (async by default)
     path = resolve_resume(cfg.checkpoint, manager)     # newest valid checkpoint, an explicit path, or None
     check_compatible(read_meta(path), cfg, path)       # model / optimizer must match the config
-    load_states(manager, path, states)                 # every rank; any world size / layout
+    load_states(manager, path, states, cfg.model)      # every rank; any world size / layout
 
 `states` maps names to objects with `state_dict()` / `load_state_dict()` (lmforge.ckpt.state): their
 tensors go through DCP (resharded by key on load), everything else into one JSON file that rank 0
@@ -23,17 +23,20 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from lmforge.ckpt.manager import WAIT_GROUP_TIMEOUT, CheckpointManager
 from lmforge.ckpt.safe_io import safe_read_metadata
 from lmforge.ckpt.state import Stateful, join_state, split_state
-from lmforge.config import Config, ConfigError
+from lmforge.config import Config, ConfigError, ModelConfig
+from lmforge.model.layers import fuse_qkv, split_qkv
 from lmforge.folders import CHECKPOINTS
 from lmforge.parallel.mesh import DistInfo, folder_is_shared
 
@@ -41,7 +44,8 @@ log = logging.getLogger("lmforge.ckpt")
 
 # model settings that change the meaning of the weights; anything else (batch, lr, steps, layout,
 # precision, activation checkpointing, ...) may differ between the checkpoint and the resuming run
-_HARMLESS_MODEL_KEYS = ("dropout", "init_std")
+# (model.fused_qkv is the q/k/v layout: load_states converts a checkpoint of the other layout)
+_HARMLESS_MODEL_KEYS = ("dropout", "init_std", "fused_qkv")
 
 
 def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callable[[dict], None],
@@ -117,17 +121,78 @@ def save_states(manager: CheckpointManager, step: int, states: Mapping[str, Stat
     manager.save(step, tensors, trees, meta, started=t0)
 
 
-def load_states(manager: CheckpointManager, path: Path, states: Mapping[str, Stateful]) -> None:
-    """Restore `states` from the checkpoint at `path` (every rank; any world size or layout)."""
+def load_states(manager: CheckpointManager, path: Path, states: Mapping[str, Stateful],
+                model: ModelConfig | None = None) -> None:
+    """Restore `states` from the checkpoint at `path` (every rank; any world size or layout). With the
+    run's `model` config, a checkpoint saved with the other q/k/v layout (model.fused_qkv) loads too:
+    `_qkv_conversions`."""
     stored = safe_read_metadata(path).state_dict_metadata
     tensors: dict = {}
     trees: dict[str, Any] = {}
+    wanted: dict = {}
     for name, state in states.items():
         t, trees[name] = split_state(name, state.state_dict())
         tensors.update({k: v for k, v in t.items() if k in stored})
+        wanted.update({k: v for k, v in t.items() if k not in stored})
+    convert = _qkv_conversions(wanted, stored, model) if model is not None else {}
+    for sources in convert.values():  # each source whole, in plain tensors
+        tensors.update({k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype)
+                        for k in sources if k not in tensors})
     saved = manager.load(path, tensors)
+    for key, sources in convert.items():
+        tensors[key] = _place(_convert_qkv(model, key, [tensors[k] for k in sources]), wanted[key])
+    for key in {k for sources in convert.values() for k in sources}:
+        del tensors[key]  # (the checkpoint's layout: this run's states have no such entries)
     for name, state in states.items():
         state.load_state_dict(join_state(_merge(saved.get(name, _MISSING), trees[name]), tensors))
+
+
+_QKV = re.compile(r"(.*\battn\.)(wqkv|wq|wk|wv)(\.(?:weight|bias)(?:/.*)?)")
+
+
+def _qkv_conversions(wanted: Mapping[str, torch.Tensor], stored: Mapping[str, Any],
+                     model: ModelConfig) -> dict[str, list[str]]:
+    """For each q/k/v tensor this run needs (`wanted`: weights and their optimizer state) that the
+    checkpoint holds in the other layout (model.fused_qkv): the checkpoint keys it is made of (the
+    separate wq, wk, wv ones for a fused `attn.wqkv`; the fused one for each of wq, wk, wv)."""
+    out = {}
+    for key in wanted:
+        m = _QKV.fullmatch(key)
+        if m is None:
+            continue
+        names = ["wq", "wk", "wv"] if m[2] == "wqkv" else ["wqkv"]
+        sources = [f"{m[1]}{n}{m[3]}" for n in names]
+        if all(k in stored for k in sources):
+            out[key] = sources
+    return out
+
+
+def _convert_qkv(model: ModelConfig, key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor `key` of this run's q/k/v layout from the checkpoint's `parts` (_qkv_conversions):
+    fused rows by lmforge.model.layers.qkv_layout. A 0-d state (an optimizer's step) is shared."""
+    if parts[0].dim() == 0:
+        return parts[0]
+    rows = {"wq": model.n_heads, "wk": model.kv_heads, "wv": model.kv_heads, "wqkv": model.n_heads + 2 * model.kv_heads}
+    name = _QKV.fullmatch(key)[2]
+    got = [p.shape[0] for p in parts]
+    need = [rows[n] * model.head_dim for n in (["wq", "wk", "wv"] if name == "wqkv" else ["wqkv"])]
+    if got != need:  # (a state that is not one value per row: e.g. a factored second moment's columns)
+        raise ValueError(f"{key}: the checkpoint holds it in the other q/k/v layout (model.fused_qkv) and this "
+                         f"state ({list(parts[0].shape)}) cannot be converted by rows; resume with the "
+                         f"checkpoint's model.fused_qkv.")
+    if name == "wqkv":
+        return fuse_qkv(model, *parts)
+    return split_qkv(model, parts[0])[["wq", "wk", "wv"].index(name)]
+
+
+def _place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` in the layout of this run's tensor `like` (plain, or a DTensor: this rank's shard)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(device=like.device, dtype=like.dtype, copy=True)  # (never shared: wq/wk/wv's step is one tensor each)
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full
 
 
 _MISSING = object()

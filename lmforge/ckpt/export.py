@@ -12,6 +12,7 @@ from lmforge.ckpt.streaming import safetensors_writer
 from lmforge.config import Config, ModelConfig, load_config
 from lmforge import folders
 from lmforge.folders import CHECKPOINTS, CONFIG, WEIGHTS, atomic_path
+from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer, build_model
 
 
@@ -91,7 +92,7 @@ def load_weights(model: Transformer, path: Path) -> None:
     """Copy the weights of a safetensors file (a run's model.safetensors) into `model`; ValueError
     names the file when it is missing, unreadable or does not match the model's config."""
     path = Path(path)
-    state = read_safetensors(path)
+    state = qkv_state(model.cfg, read_safetensors(path))  # (either q/k/v layout, model.fused_qkv)
     if model.cfg.tie_embeddings and "tok_emb.weight" in state:
         state.setdefault("lm_head.weight", state["tok_emb.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False)

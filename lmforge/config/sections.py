@@ -93,6 +93,7 @@ class ModelConfig:
     dropout: float = _f(0.0, "Dropout probability on attention and residual branches (0 for pre-training).")
     init_std: float = _f(0.02, "Std of the normal init of weights; residual output projections get init_std/sqrt(2*n_layers).")
     qkv_bias: bool | None = _f(None, "Biases on the q, k and v projections only (Qwen2 / Qwen2.5: true with bias = false). None = model.bias. Under tensor parallelism they are split with their weights (column-parallel).")
+    fused_qkv: bool = _f(False, "One matmul for q, k and v (`attn.wqkv`) instead of three (`attn.wq/wk/wv`). Rows grouped by kv head (Megatron's layout: for each kv head g, g's query heads, then k_g, then v_g), so tensor parallelism splits it with a plain row split and checkpoints reshard across TP degrees. Same initial values as the separate projections; HF import/export map q_proj/k_proj/v_proj; checkpoints saved with the other layout load (converted on load). LoRA: the targets wq, wk, wv together (as in the default) or 'wqkv' put one adapter on the fused layer; naming only some of them is an error. Optimizers that treat each matrix as a whole (Muon) see one matrix instead of three; element-wise ones (AdamW) update identically.")
     qk_norm: bool = _f(False, "QK-norm (Qwen3): an RMSNorm over head_dim (one weight of head_dim values, eps = model.norm_eps) applied to every query and key head before RoPE. Needs model.norm = 'rmsnorm'. Under tensor parallelism the weights are replicated and the heads sharded.")
     rope_scaling: Literal["none", "llama3", "linear"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), or 'none'.")
     rope_factor: float = _f(8.0, "rope_scaling 'llama3' / 'linear': the scaling factor (Llama 3.1: 8, Llama 3.2: 32). Must be >= 1.")
@@ -179,6 +180,7 @@ class DataConfig:
     val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
     verify_checksums: Literal["first_open", "always", "never"] | bool = _f("first_open", "Re-hash token shards against their manifest (sha256, largest id): 'first_open' = each shard the first time this process reads from it (once per shard per process, so a resumed run checks again; a shard never read is never hashed); 'always' = every shard at start-up; 'never' = no hashing. true / false (the old form) mean 'always' / 'never'. Shard sizes are always checked, and every batch's ids are range-checked against the vocabulary (the error names the shard file and offset).")
     cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
+    prefetch: int = _f(4, "Training micro-batches a background thread draws ahead of the step (lmforge.data.prefetch): the gather and shard reads overlap the step, and on CUDA the batches wait in pinned memory so the copy to the GPU is asynchronous. 0 = draw them in the step. Same batches, same order, same checkpoints either way.")
 
     def __post_init__(self) -> None:
         if isinstance(self.verify_checksums, bool):  # the old boolean form: true = "always", false = "never"
@@ -191,6 +193,8 @@ class DataConfig:
                               "+ end-of-text).")
         if not 0.0 < self.val_fraction < 0.5:
             raise ConfigError(f"data.val_fraction = {self.val_fraction} must be in (0, 0.5).")
+        if self.prefetch < 0:
+            raise ConfigError(f"data.prefetch = {self.prefetch} must be >= 0 (micro-batches drawn ahead; 0 = off).")
 
 
 @dataclass
@@ -425,7 +429,7 @@ class CheckpointConfig:
 class GuardConfig:
     """Loss-spike and NaN guard: skip bad updates, roll back on repeated trouble."""
 
-    enabled: bool = _f(True, "Check every step's loss and gradient norm before the optimizer update (one host sync per step).")
+    enabled: bool = _f(True, "Check every step's loss and gradient norm before the optimizer update: on the device with torch's fused Adam/AdamW (the update skipped through found_inf, the host reading the verdict a step later), else read on the host once per step (one sync).")
     sigma: float = _f(6.0, "Skip the update when the loss or grad norm exceeds the rolling mean by more than this many standard deviations (0 = only non-finite values).")
     window: int = _f(100, "Rolling window (accepted steps) for the mean and standard deviation.")
     min_history: int = _f(20, "Accepted steps needed before the sigma rule applies.")
@@ -452,7 +456,7 @@ class FinetuneConfig:
     lora_rank: int = _f(0, "LoRA rank; 0 = full fine-tuning (every weight trains).")
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) * B A.")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA branch input.")
-    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq.")
+    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq. With model.fused_qkv: wq, wk, wv all together or wqkv (one adapter on the fused layer).")
     merge_lora: bool = _f(True, "Fold the adapters into the weights before writing model.safetensors (a plain model for generate/eval/export).")
 
     def check(self) -> None:

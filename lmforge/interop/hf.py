@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from lmforge.ckpt.export import WeightReader, model_state, run_weights, save_str
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
 from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
 from lmforge.interop.hf_moe import MOE_DECODERS, import_moe, model_config_from_moe, moe_hf_config, save_moe
+from lmforge.model.layers import QKV_PARTS, qkv_conversions, qkv_layout, read_fused_qkv, split_qkv
 from lmforge.model.materialise import materialise
 from lmforge.model.transformer import Transformer
 
@@ -246,11 +248,37 @@ def _decoder_names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
+def _separate_qkv(cfg: ModelConfig, get: Callable[[str], torch.Tensor],
+                  has: Callable[[str], bool]) -> tuple[Callable[[str], torch.Tensor], Callable[[str], bool]]:
+    """`get` / `has` that also answer the separate `attn.wq/wk/wv` names of a fused model
+    (model.fused_qkv), as rows of its `attn.wqkv` (exact copies: the export is bit-equal)."""
+    if not cfg.fused_qkv:
+        return get, has
+    pattern = re.compile(r"(blocks\.\d+\.attn\.)(wq|wk|wv)\.(weight|bias)")
+
+    def get_(name: str) -> torch.Tensor:
+        m = pattern.fullmatch(name)
+        if m is None:
+            return get(name)
+        fused = get(f"{m[1]}wqkv.{m[3]}")
+        if fused.device.type == "meta":  # (shapes only)
+            rows = {"wq": cfg.n_heads, "wk": cfg.kv_heads, "wv": cfg.kv_heads}[m[2]] * cfg.head_dim
+            return fused.new_empty((rows, *fused.shape[1:]))
+        return split_qkv(cfg, fused)[QKV_PARTS.index(m[2])]
+
+    def has_(name: str) -> bool:
+        m = pattern.fullmatch(name)
+        return has(name) if m is None else has(f"{m[1]}wqkv.{m[3]}")
+
+    return get_, has_
+
+
 def _hf_tensors(cfg: ModelConfig, get: Callable[[str], torch.Tensor],
                 has: Callable[[str], bool]) -> dict[str, Callable[[], torch.Tensor]]:
     """transformers name -> a function making that tensor from lmforge's (`get(name)`; `has(name)`:
     whether the model has it). Nothing is read until a function is called, so an export holds one
     output tensor at a time (called on meta tensors: the shapes and dtypes, for free)."""
+    get, has = _separate_qkv(cfg, get, has)
     if hf_family(cfg) != "gpt2":
         return {theirs: functools.partial(get, ours) for ours, theirs in _decoder_names(cfg).items()}
 
@@ -286,6 +314,52 @@ def _hf_tensors(cfg: ModelConfig, get: Callable[[str], torch.Tensor],
     return out
 
 
+@dataclass(frozen=True)
+class FusedQKVRef:
+    """A fused `attn.wqkv` weight or bias (model.fused_qkv) read from the separate q, k, v tensors of a
+    checkpoint (`parts`: their refs), only the rows asked for (lmforge.model.layers.qkv_layout)."""
+
+    cfg: ModelConfig
+    parts: tuple
+
+    def read(self, shape, index, name: str = "") -> torch.Tensor:
+        return read_fused_qkv(self.cfg, lambda p, s, i: self.parts[p].read(s, i, name), shape, index)
+
+
+@dataclass(frozen=True)
+class SplitQKVRef:
+    """One of q, k, v (`part`: 0, 1, 2) of a checkpoint that holds the fused `attn.wqkv` (`fused`: its
+    ref), for a model with separate projections: reads only that projection's rows."""
+
+    cfg: ModelConfig
+    fused: object
+    part: int
+
+    def read(self, shape, index, name: str = "") -> torch.Tensor:
+        layout_part, layout_row = qkv_layout(self.cfg)
+        rows = (layout_part == self.part).nonzero().flatten()  # fused rows of this projection, by its row
+        rows = rows[torch.argsort(layout_row[rows])]
+        want = rows if index[0] is None else rows[index[0].to(torch.int64)]
+        order = torch.argsort(want)
+        full = (len(layout_part), *shape[1:])
+        got = self.fused.read(full, (want[order], *index[1:]), name)
+        return got[torch.argsort(order)]
+
+
+def qkv_refs(cfg: ModelConfig, refs: dict) -> dict:
+    """`refs` (lmforge name -> ref) with the q/k/v projections in `cfg`'s layout (model.fused_qkv),
+    whichever layout the checkpoint holds: fused `attn.wqkv` refs made of separate wq/wk/wv ones or
+    the reverse. Other names unchanged."""
+    out = dict(refs)
+    for fused, parts in list(qkv_conversions(cfg, refs)):
+        if cfg.fused_qkv:
+            out[fused] = FusedQKVRef(cfg, tuple(out.pop(p) for p in parts))
+        else:
+            ref = out.pop(fused)
+            out.update({p: SplitQKVRef(cfg, ref, j) for j, p in enumerate(parts)})
+    return out
+
+
 def hf_weight_refs(cfg: ModelConfig, hf_dir: str | Path) -> dict[str, TensorRef]:
     """Where each lmforge weight of a `cfg` model lies in the transformers folder `hf_dir`
     (model.safetensors, a sharded index, or pytorch_model.bin memory-mapped): read slice by slice,
@@ -303,7 +377,7 @@ def hf_weight_refs(cfg: ModelConfig, hf_dir: str | Path) -> dict[str, TensorRef]
                          f"biases or tied embeddings).")
 
     if hf_family(cfg) != "gpt2":
-        return {ours: ref(theirs) for ours, theirs in _decoder_names(cfg).items()}
+        return qkv_refs(cfg, {ours: ref(theirs) for ours, theirs in _decoder_names(cfg).items()})
     out = {"tok_emb.weight": ref("wte.weight"), "pos_emb.weight": ref("wpe.weight"),
            "norm.weight": ref("ln_f.weight"), "norm.bias": ref("ln_f.bias")}
     if not cfg.tie_embeddings:
@@ -319,7 +393,7 @@ def hf_weight_refs(cfg: ModelConfig, hf_dir: str | Path) -> dict[str, TensorRef]
         for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
             out[b + ours + ".weight"], out[b + ours + ".bias"] = ref(h + theirs + ".weight", transpose=True), \
                 ref(h + theirs + ".bias")
-    return out
+    return qkv_refs(cfg, out)
 
 
 def _hf_weight_files(hf_dir: Path) -> dict[str, tuple[Path, dict | None]]:

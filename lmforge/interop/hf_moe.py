@@ -32,6 +32,7 @@ that fit one host), unlike lmforge's streaming dense export (lmforge.interop.hf)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from lmforge.config import ModelConfig
 from lmforge.config.sections import MoEConfig
 from lmforge.folders import HF_CONFIG
 from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
+from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer
 from lmforge.model.materialise import materialise
 
@@ -179,6 +181,7 @@ def _block_names(cfg: ModelConfig, i: int) -> dict[str, str]:
 
 def to_moe_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """lmforge weights (unwrapped names) -> transformers Mixtral / Qwen3-MoE weights."""
+    weights = qkv_state(replace(cfg, fused_qkv=False), weights)  # (a fused attn.wqkv: its q, k, v rows)
     out = {"model.embed_tokens.weight": weights["tok_emb.weight"], "model.norm.weight": weights["norm.weight"],
            "lm_head.weight": weights["tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"]}
     for i in range(cfg.n_layers):
@@ -211,7 +214,7 @@ def from_moe_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[s
         out[f"{b}mlp.experts.w_gate"] = gate_up[..., :hidden].contiguous()
         out[f"{b}mlp.experts.w_up"] = gate_up[..., hidden:].contiguous()
         out[f"{b}mlp.experts.w_down"] = hf[f"{h}mlp.experts.down_proj"].transpose(1, 2).contiguous()
-    return out
+    return qkv_state(cfg, out)  # (model.fused_qkv: q, k, v fused)
 
 
 to_mixtral_state_dict, from_mixtral_state_dict = to_moe_state_dict, from_moe_state_dict

@@ -134,8 +134,12 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
         b = f"blocks.{i}."
         h = norm(b + "attn_norm", grad)
         qb = cfg.attn_qkv_bias
-        qkv = [linear(b + "attn.wq", d, q_width, h, bias=qb), linear(b + "attn.wk", d, kv_width, h, bias=qb),
-               linear(b + "attn.wv", d, kv_width, h, bias=qb)]
+        if cfg.fused_qkv:  # one matmul of the three's width: the same FLOPs (its own LoRA adapter, if any)
+            fused = linear(b + "attn.wqkv", d, q_width + 2 * kv_width, h, bias=qb)
+            qkv = [fused, fused, fused]
+        else:
+            qkv = [linear(b + "attn.wq", d, q_width, h, bias=qb), linear(b + "attn.wk", d, kv_width, h, bias=qb),
+                   linear(b + "attn.wv", d, kv_width, h, bias=qb)]
         if cfg.qk_norm:  # (head_dim weights each, counted like the other norms)
             qkv += [trains(b + "attn.q_norm.weight"), trains(b + "attn.k_norm.weight")]
             total["elementwise"] += sum(cost(cfg.head_dim, any(qkv[:3]), trains(b + f"attn.{n}.weight"))

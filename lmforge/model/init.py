@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lmforge.config import ModelConfig
+from lmforge.model.layers import QKV_PARTS, read_fused_qkv
 
 BLOCK_ELEMENTS = 1 << 16  # values per generator block (rows of a parameter, at least one row)
 RESIDUAL_PROJECTIONS = ("attn.wo", "mlp.proj", "mlp.down", "mlp.shared.down")  # (+ MoE experts' w_down)
@@ -109,6 +110,14 @@ def init_source(cfg: ModelConfig, seed: int):
 
     def values(name: str, module: nn.Module, module_name: str, param_name: str, shape, index: Index,
                dtype: torch.dtype) -> torch.Tensor:
-        return init_values(init_rule(cfg, module, module_name, param_name), name, shape, index, seed, dtype)
+        rule = init_rule(cfg, module, module_name, param_name)
+        if module_name.endswith("attn.wqkv") and param_name in ("weight", "bias"):
+            # the fused projection (model.fused_qkv) starts as the separate wq/wk/wv would: each of
+            # its rows drawn by the name and row of the projection it belongs to
+            def part(p: int, shape, index) -> torch.Tensor:
+                return init_values(rule, name.replace("attn.wqkv.", f"attn.{QKV_PARTS[p]}."), shape, index, seed, dtype)
+
+            return read_fused_qkv(cfg, part, shape, index)
+        return init_values(rule, name, shape, index, seed, dtype)
 
     return values

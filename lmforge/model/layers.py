@@ -119,6 +119,88 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+QKV_PARTS = ("wq", "wk", "wv")
+
+
+def qkv_layout(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the rows of the separate q, k, v projections lie in the fused `attn.wqkv` (model.fused_qkv):
+    (part, row), each of length (n_heads + 2 kv_heads) * head_dim: fused row r is row `row[r]` of
+    projection QKV_PARTS[part[r]].
+
+    Grouped by kv head (Megatron's layout): for each kv head g, the rows of g's n_heads / kv_heads
+    query heads, then k_g's, then v_g's. A contiguous split of the rows into tp parts (tp divides
+    kv_heads) gives each rank whole groups, the same heads the separate projections' column split
+    gives it, whatever tp is."""
+    rep, hd, groups = cfg.n_heads // cfg.kv_heads, cfg.head_dim, cfg.kv_heads
+    g = torch.arange(groups).view(groups, 1, 1)
+    slot = torch.arange(rep + 2).view(1, rep + 2, 1)
+    d = torch.arange(hd).view(1, 1, hd)
+    part = torch.clamp(slot - rep + 1, min=0).expand(groups, rep + 2, hd)  # 0 q, 1 k, 2 v
+    row = torch.where(slot < rep, (g * rep + slot) * hd + d, g * hd + d)
+    return part.reshape(-1), row.reshape(-1)
+
+
+def fuse_qkv(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The fused `attn.wqkv` weight (or bias, or any tensor shaped like them) of separate q, k, v ones."""
+    part, row = qkv_layout(cfg)
+    out = q.new_empty((len(part), *q.shape[1:]))
+    for p, t in enumerate((q, k, v)):
+        out[part == p] = t[row[part == p]]
+    return out
+
+
+def split_qkv(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k, v tensors of a fused `attn.wqkv` weight or bias (the inverse of fuse_qkv)."""
+    part, row = qkv_layout(cfg)
+    out = []
+    for p in range(3):
+        sel = part == p
+        piece = fused.new_empty((int(sel.sum()), *fused.shape[1:]))
+        piece[row[sel]] = fused[sel]
+        out.append(piece)
+    return out[0], out[1], out[2]
+
+
+def qkv_conversions(cfg: ModelConfig, names) -> Iterator[tuple[str, list[str]]]:
+    """(fused name, [wq, wk, wv names]) of each q/k/v weight and bias that `names` (a checkpoint's keys)
+    hold in the other layout than `cfg`'s (model.fused_qkv): the tensors to fuse, or the one to split."""
+    for i in range(cfg.n_layers):
+        for kind in ("weight", "bias"):
+            fused, parts = f"blocks.{i}.attn.wqkv.{kind}", [f"blocks.{i}.attn.{w}.{kind}" for w in QKV_PARTS]
+            if (cfg.fused_qkv and fused not in names and all(p in names for p in parts)) or (
+                    not cfg.fused_qkv and fused in names and not any(p in names for p in parts)):
+                yield fused, parts
+
+
+def qkv_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole-tensor state dict with its q/k/v projections in `cfg`'s layout (model.fused_qkv),
+    whichever layout it holds (a run folder's model.safetensors written before or with fused_qkv)."""
+    out = dict(state)
+    for fused, parts in list(qkv_conversions(cfg, state)):
+        if cfg.fused_qkv:
+            out[fused] = fuse_qkv(cfg, *(out.pop(p) for p in parts))
+        else:
+            out.update(zip(parts, split_qkv(cfg, out.pop(fused))))
+    return out
+
+
+def read_fused_qkv(cfg: ModelConfig, read, shape, index) -> torch.Tensor:
+    """The part at `index` (per dim: kept indices, None for all) of a fused `attn.wqkv` weight or bias of
+    full `shape`, made from its q, k, v parts: `read(p, part_shape, part_index)` gives the part at
+    `part_index` of projection QKV_PARTS[p] (an initialisation, a transformers file): a tensor-parallel
+    rank reads only the rows of its own kv groups."""
+    part, row = qkv_layout(cfg)
+    rows = torch.arange(shape[0]) if index[0] is None else index[0].to(torch.int64)
+    pieces, order = [], []
+    for p in range(3):
+        sel = part[rows] == p
+        if bool(sel.any()):
+            pieces.append(read(p, (int((part == p).sum()), *shape[1:]), (row[rows[sel]], *index[1:])))
+            order.append(sel.nonzero().flatten())
+    out = torch.cat(pieces)
+    return out[torch.argsort(torch.cat(order))]
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with grouped-query support, through scaled_dot_product_attention;
     optional q/k/v biases (model.qkv_bias), QK-norm (model.qk_norm) and a sliding window
@@ -127,12 +209,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        # Separate q/k/v projections (not one fused qkv) so tensor parallelism can shard each
-        # column-wise and GQA shapes stay obvious.
+        # Separate q/k/v projections, or one fused in qkv_layout's grouped rows (model.fused_qkv):
+        # either way a column split over tensor-parallel ranks gives each whole kv groups.
         qkv_bias = cfg.attn_qkv_bias
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.fused = cfg.fused_qkv
+        if self.fused:
+            self.wqkv = nn.Linear(cfg.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=qkv_bias)
+        else:
+            self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=qkv_bias)
+            self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+            self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
         # QK-norm (Qwen3): one RMSNorm over head_dim shared by every head, applied before RoPE on
         # (batch, seq, heads, head_dim), so tensor parallelism can treat the heads as a sharded dim
@@ -145,9 +231,15 @@ class Attention(nn.Module):
         """q, k, v of x (batch, seq, dim), each (batch, heads, seq, head_dim), QK-normed if configured."""
         bsz, seq, _ = x.shape
         # -1 rather than self.n_heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.fused:  # (batch, seq, this rank's kv groups, rep + 2, head_dim): q heads, k, v per group
+            rep = self.n_heads // self.n_kv_heads
+            # (split, not indexing: its backward is one concatenation, not a zero-filled tensor per part)
+            q, k, v = self.wqkv(x).view(bsz, seq, -1, rep + 2, self.head_dim).split([rep, 1, 1], dim=3)
+            q, k, v = q.reshape(bsz, seq, -1, self.head_dim), k.squeeze(3), v.squeeze(3)
+        else:
+            q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+            k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+            v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

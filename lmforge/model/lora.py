@@ -16,7 +16,9 @@ extra cost at inference, ready for `save_weights` / `export_hf`.
 Targets are module names: the last component (``wq`` matches every ``blocks.i.attn.wq``) or a
 dotted suffix (``attn.wq``, ``blocks.0.mlp.up``). The Transformer's linear layers are
 ``attn.wq, attn.wk, attn.wv, attn.wo`` and ``mlp.gate, mlp.up, mlp.down`` (SwiGLU) or ``mlp.fc,
-mlp.proj`` (GELU), and ``lm_head``.
+mlp.proj`` (GELU), and ``lm_head``. With model.fused_qkv the three q/k/v layers are one,
+``attn.wqkv``: the targets ``wq,wk,wv`` (all three; the default ``wq,wk,wv,wo`` stays valid) or
+``wqkv`` put one adapter on it, and naming only some of them is a ValueError.
 """
 
 from __future__ import annotations
@@ -75,6 +77,28 @@ def _parse_targets(targets: str | list[str]) -> list[str]:
     return names
 
 
+def _fused_qkv_targets(wanted: list[str]) -> list[str]:
+    """Targets for a model with the fused `attn.wqkv` (model.fused_qkv): wq, wk and wv named together
+    (with the same dotted prefix, if any) become one target `wqkv`, one adapter on the fused layer (its
+    B's rows follow the fused layout, so it adapts q, k and v like three adapters sharing one A).
+    ValueError for some but not all of them: one adapter cannot leave k (say) alone."""
+    parts = {"wq", "wk", "wv"}
+    out, groups = [], {}
+    for t in wanted:
+        prefix, _, last = t.rpartition(".")
+        if last in parts:
+            groups.setdefault(prefix, set()).add(last)
+        else:
+            out.append(t)
+    for prefix, named in groups.items():
+        if named != parts:
+            raise ValueError(f"LoRA targets name {', '.join(sorted(named))} but not all of wq, wk, wv, and "
+                             f"model.fused_qkv = true makes them one layer (attn.wqkv): target all three (or "
+                             f"'wqkv'), or set model.fused_qkv = false to adapt them separately.")
+        out.append(f"{prefix}.wqkv" if prefix else "wqkv")
+    return out
+
+
 def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
@@ -90,8 +114,10 @@ def apply_lora(model: nn.Module, targets: str | list[str] = "wq,wk,wv,wo", rank:
         raise ValueError(f"LoRA alpha = {alpha} must be > 0.")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"LoRA dropout = {dropout} must be in [0, 1).")
-    wanted = _parse_targets(targets)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LoRALinear)}
+    wanted = _parse_targets(targets)
+    if any(n.endswith("attn.wqkv") for n in linears):
+        wanted = _fused_qkv_targets(wanted)
     for target in wanted:
         if not any(_matches(n, target) for n in linears):
             short = sorted({n.split(".")[-1] for n in linears} | {".".join(n.split(".")[-2:]) for n in linears})

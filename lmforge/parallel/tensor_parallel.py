@@ -2,8 +2,8 @@
 
 Per transformer block (on the "tp" sub-mesh of the DeviceMesh):
 
-* attention: q/k/v column-parallel (each rank holds n_heads/tp query heads and kv_heads/tp kv
-  heads: attention is local, the reshape uses -1 heads; q/k/v biases split with their weights),
+* attention: q/k/v (or the fused wqkv, model.fused_qkv) column-parallel (each rank holds
+  n_heads/tp query heads and kv_heads/tp kv heads: attention is local, the reshape uses -1 heads; q/k/v biases split with their weights),
   output projection ``wo`` row-parallel; QK-norm weights (model.qk_norm) replicated, applied to
   the rank's heads as a DTensor sharded along the heads (`_qk_norm_plan`);
 * MLP: gate/up (SwiGLU) or fc (GELU) column-parallel, down/proj row-parallel;
@@ -64,9 +64,10 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
     for name, block in model.blocks.items():
         pre = f"blocks.{name}"
         row_out = {"output_layouts": Shard(1)} if sp else {}
-        plan[f"{pre}.attn.wq"] = ColwiseParallel()
-        plan[f"{pre}.attn.wk"] = ColwiseParallel()
-        plan[f"{pre}.attn.wv"] = ColwiseParallel()
+        # the fused wqkv (model.fused_qkv) too: its rows are grouped by kv head, so the plain row
+        # split gives each rank whole groups (lmforge.model.layers.qkv_layout)
+        for n in ("wqkv",) if getattr(block.attn, "fused", False) else ("wq", "wk", "wv"):
+            plan[f"{pre}.attn.{n}"] = ColwiseParallel()
         plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
         if getattr(block.attn, "q_norm", None) is not None:
             plan.update(_qk_norm_plan(pre))

@@ -401,9 +401,12 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     for i in range(cfg.n_layers):
         p = f"blocks.{i}"
         out += norm(f"{p}.attn_norm", "block", i)
-        out += linear(f"{p}.attn.wq", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias)
-        out += linear(f"{p}.attn.wk", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias)
-        out += linear(f"{p}.attn.wv", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias)
+        if cfg.fused_qkv:  # one attn.wqkv (lmforge.model.layers.qkv_layout), column-split like the three
+            out += linear(f"{p}.attn.wqkv", d, (cfg.n_heads + 2 * cfg.kv_heads) * hd, 0, i, cfg.attn_qkv_bias)
+        else:
+            out += linear(f"{p}.attn.wq", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias)
+            out += linear(f"{p}.attn.wk", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias)
+            out += linear(f"{p}.attn.wv", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias)
         out += linear(f"{p}.attn.wo", cfg.n_heads * hd, d, 1, i)
         if cfg.qk_norm:  # (head_dim each, replicated under TP)
             out += [ParamSpec(f"{p}.attn.{n}.weight", (hd,), "block", i) for n in ("q_norm", "k_norm")]

@@ -22,7 +22,8 @@ from lmforge.model.materialise import Source
 from lmforge.model.transformer import Transformer
 
 # fields that do not change the weights' shapes or the function (training-time or init-only settings)
-_IRRELEVANT = {"dropout", "init_std", "ffn_multiple_of", "ffn_hidden", "n_kv_heads"}
+_IRRELEVANT = {"dropout", "init_std", "ffn_multiple_of", "ffn_hidden", "n_kv_heads",
+               "fused_qkv"}  # (the q/k/v layout: weight_refs reads either into either)
 
 
 def architecture_differences(want: ModelConfig, have: ModelConfig) -> list[str]:
@@ -94,7 +95,9 @@ def weight_refs(path: Path, cfg: ModelConfig) -> dict[str, TensorRef]:
             refs[name] = TensorRef(file, name)
         if cfg.tie_embeddings:
             refs.pop("lm_head.weight", None)  # (the head is the embedding)
-        return refs
+        from lmforge.interop.hf import qkv_refs
+
+        return qkv_refs(cfg, refs)  # (a run saved with the other model.fused_qkv layout)
     from lmforge.interop.hf import hf_weight_refs
 
     return hf_weight_refs(cfg, path)

@@ -31,12 +31,21 @@ class SpikeGuard:
         self.consecutive = 0
         self.n_skipped = 0
 
-    def _outlier(self, value: float, history: deque[float]) -> str | None:
+    def _limit(self, history: deque[float]) -> tuple[float, float]:
+        """(mean, the largest value not flagged) of a history; (nan, inf) while it is too short."""
         if self.sigma <= 0 or len(history) < self.min_history:
-            return None
+            return math.nan, math.inf
         mean = sum(history) / len(history)
         std = math.sqrt(sum((v - mean) ** 2 for v in history) / len(history))
-        limit = mean + self.sigma * max(std, 0.05 * abs(mean))
+        return mean, mean + self.sigma * max(std, 0.05 * abs(mean))
+
+    def limits(self) -> tuple[float, float]:
+        """The largest loss and gradient norm the next check accepts (finite values only): a step
+        passes `check` exactly when both values are finite and <= these (float64 comparisons)."""
+        return self._limit(self.losses)[1], self._limit(self.norms)[1]
+
+    def _outlier(self, value: float, history: deque[float]) -> str | None:
+        mean, limit = self._limit(history)
         return f"{value:.4g} > mean {mean:.4g} + {self.sigma:g} sigma ({limit:.4g})" if value > limit else None
 
     def check(self, loss: float, grad_norm: float) -> Verdict:

@@ -20,8 +20,8 @@ Fields:
 | `window_tokens_per_s` | tokens/s | global throughput (all ranks) over the window, eval excluded      |
 | `window_mfu`    | fraction    | window_tokens_per_s x flops_per_token / (peak FLOP/s per device x world), <= 1 |
 | `window_step_time_s` | s      | mean wall time per step over the window                                 |
-| `data_s`        | s           | host time this step spent fetching its batches                         |
-| `window_data_share` | fraction | share of the window's wall time spent fetching batches                |
+| `data_s`        | s           | host time this step waited for its batches: blocked on the prefetch queue (data.prefetch > 0) or drawing them (0) |
+| `window_data_share` | fraction | share of the window's wall time spent waiting for batches             |
 | `window_ckpt_s` | s           | time the window spent blocked on checkpoint saves (0 when none)        |
 | `mem_gb`        | GB (1e9 B)  | peak device memory so far (CUDA), or the process's peak RSS on CPU     |
 | `window_elapsed_s` | s        | wall time from the first step's start to the window's end (excludes the initial eval) |
@@ -63,8 +63,9 @@ TRAIN_FIELDS: dict[str, str] = {
     "window_tokens_per_s": "throughput over the logging window",
     "window_mfu": "model FLOPs utilisation over the logging window (fraction of the device peak)",
     "window_step_time_s": "mean wall seconds per step over the logging window",
-    "data_s": "host seconds this step spent fetching its batches",
-    "window_data_share": "fraction of the window's wall time spent fetching batches",
+    "data_s": "host seconds this step waited for its batches (blocked on the prefetch queue when data.prefetch > 0, "
+              "else drawing them)",
+    "window_data_share": "fraction of the window's wall time spent waiting for batches",
     "window_ckpt_s": "seconds the window spent blocked on checkpoint saves",
     "mem_gb": "peak device memory (CUDA) or peak process RSS (CPU), GB",
     "window_elapsed_s": "wall seconds from the first step's start to the end of the logging window",

@@ -38,6 +38,7 @@ from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config, to_toml
 from lmforge.config.rules import check_resolved_precision
 from lmforge.data.loader import PackedLoader
+from lmforge.data.prefetch import Prefetcher
 from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
@@ -136,6 +137,8 @@ class Trainer:
         loaders = build_loaders(cfg, self.data, self.dist.dp_rank, self.dist.dp_size)
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
+        if cfg.data.prefetch:  # the next micro-batches are drawn (CUDA: pinned) while the step runs
+            self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
 
         # model, parallel layout, optimizer, precision
         model, self.weight_source = build_training_model(cfg, self.device)  # (on the meta device)
@@ -169,6 +172,8 @@ class Trainer:
         self.guard = SpikeGuard(g.sigma, g.window, g.min_history, g.rollback_after) if g.enabled else None
         self._skipped_batches: list[int] = []  # batch indices of the current run of skipped steps
         self._rollback_requested = False
+        self._guard_on_device = self.guard is not None and self.guard_can_skip_on_device()
+        self._guard_pending: tuple | None = None  # the last step's (values on the host, step, batch, event)
         self.states = {"train": self.state, "model": ModelOptimizerState(self.model, self.optimizer),
                        "loader": self.loader, "scheduler": SchedulerPosition(self.scheduler),
                        "scaler": ScalerState(self.precision.scaler), "rng": RNGState(self.dist.rank)}
@@ -271,6 +276,8 @@ class Trainer:
                 log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
             raise
         finally:
+            if isinstance(getattr(self, "loader", None), Prefetcher):
+                self.loader.close()  # (the prefetch thread ends with the run, whatever ended it)
             if getattr(self, "ckpt", None) is not None:
                 self.ckpt.close()  # never leave a save half-written behind an exception
             if getattr(self, "dist", None) is not None and self.dist.distributed:
@@ -322,6 +329,8 @@ class Trainer:
             self.profiler.step_end(st.step)
             window.add_step(step_tokens, data_s)
             pending.append((st.step, loss, grad_norm, lr, st.tokens_seen, data_s, dict(self.layout.moe_stats)))
+            if self._guard_pending is not None and self.guard_books_now():
+                self.book_guard()
 
             if st.step % t.log_every == 0 or st.step == t.steps or self._rollback_requested:
                 if self.device.type == "cuda":  # the log line's one sync, before timing the window
@@ -354,7 +363,8 @@ class Trainer:
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step: forward/backward over the micro-batches, then the update. Returns (mean
         loss, grad norm) as tensors: reading them forces a host sync, so the loop does it only when
-        it logs (the spike guard, when enabled, reads both once per step)."""
+        it logs. The spike guard decides on the device where the optimizer can skip there (torch's
+        fused Adam/AdamW, `guard_verdict_on_device`); otherwise it reads both once per step."""
         loss = self.forward_backward(micro_batches)
         return loss, self.update(loss)
 
@@ -368,7 +378,14 @@ class Trainer:
         scaler.unscale_(opt)  # true gradients before clipping (a no-op unless fp16)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grad_norm = self.layout.clip_grad_norm(clip)
-        if self.guard is not None and not self.guard_allows(float(loss), float(grad_norm)):
+        if self._guard_on_device:  # no host wait: the optimizer skips on the device's verdict
+            opt.found_inf = (~self.guard_verdict_on_device(loss, grad_norm)).to(torch.float32)
+            try:
+                scaler.step(opt)
+            finally:
+                del opt.found_inf
+            scaler.update()
+        elif self.guard is not None and not self.guard_allows(float(loss), float(grad_norm)):
             scaler.update()  # (fp16) still adapt the loss scale to an overflow
         else:
             scaler.step(opt)  # skips the update if fp16 gradients overflowed
@@ -405,18 +422,82 @@ class Trainer:
     # fault tolerance: guard, rollback, checkpoints
     # ------------------------------------------------------------------------------------------
 
-    def guard_allows(self, loss: float, grad_norm: float) -> bool:
-        """The spike guard's verdict on this step (same on every rank: global loss and norm)."""
+    def guard_can_skip_on_device(self) -> bool:
+        """Can a rejected update be skipped on the device, so that the guard never makes the host wait
+        inside a step? Yes for torch's fused Adam / AdamW (their kernels honour `found_inf`: a skipped
+        step changes neither the weights nor any state, the step count included) unless fp16's
+        GradScaler already drives `found_inf`. Every other optimizer (foreach kernels, ZeRO-1, the
+        lmforge optimizers, fp16) keeps the host verdict: one host wait per step, after the backward;
+        so does asynchronous SGD's server, which reads every update's values anyway."""
+        opt = self.optimizer
+        return not self.cfg.parallel.async_sgd and (type(opt) in (torch.optim.Adam, torch.optim.AdamW) and bool(opt.defaults.get("fused"))
+                and getattr(opt, "_step_supports_amp_scaling", False) and not self.precision.scaler.is_enabled())
+
+    def guard_verdict_on_device(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """This step's guard verdict as a device boolean (True: apply the update), with no host wait.
+
+        The host books the previous step first (`book_guard`: its values were copied to pinned memory
+        a step ago, so that wait is normally over), which makes the guard's accepted history what the
+        host check would see; then "finite, and <= the history's limits" (`SpikeGuard.limits`,
+        compared in float64 like `SpikeGuard.check`) is computed on the device. So every verdict is the
+        host check's, booked (events) one step late. The host waits for this step's values only where
+        the loop syncs anyway (`guard_books_now`), before a checkpoint, and while a bad step would
+        ask for a rollback (`guard.rollback_after - 1` skipped steps in a row already; with
+        rollback_after = 1: every step), so that a rollback happens at the step the host check
+        asks for it."""
+        self.book_guard()
+        lim_loss, lim_norm = self.guard.limits()
+        if hasattr(grad_norm, "full_tensor"):  # (a DTensor norm: the global value, on every rank)
+            grad_norm = grad_norm.full_tensor()
+        values = torch.stack([loss.detach().to(torch.float64).reshape(()),
+                              grad_norm.detach().to(loss.device, torch.float64).reshape(())])
+        ok = torch.isfinite(values).all() & (values[0] <= lim_loss) & (values[1] <= lim_norm)
+        event = None
+        if values.device.type == "cuda":
+            host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            values = host
+        self._guard_pending = (values, self.state.step + 1, self.state.batches_drawn - 1, event)
+        g = self.guard
+        if g.rollback_after > 0 and g.consecutive + 1 >= g.rollback_after:
+            self.book_guard()  # (a bad step now rolls back: known in this step, as the host check knows it)
+        return ok
+
+    def guard_books_now(self) -> bool:
+        """Steps at which the loop syncs anyway (log line, evaluation, checkpoint by step count, the
+        last step): the guard books this step's verdict there, so events, rollbacks and the saved guard
+        state are those of the host check at the same step."""
+        t, c, step = self.cfg.train, self.cfg.checkpoint, self.state.step
+        return (step % t.log_every == 0 or step >= t.steps or bool(t.eval_every and step % t.eval_every == 0)
+                or bool(c.every_steps and step % c.every_steps == 0))
+
+    def book_guard(self) -> None:
+        """Book the verdict of the last step judged on the device (`guard_verdict_on_device`)."""
+        if self._guard_pending is None:
+            return
+        values, step, batch, event = self._guard_pending
+        self._guard_pending = None
+        if event is not None:
+            event.synchronize()
+        loss, grad_norm = values.tolist()
+        self.guard_allows(loss, grad_norm, step, batch)
+
+    def guard_allows(self, loss: float, grad_norm: float, step: int | None = None, batch: int | None = None) -> bool:
+        """The spike guard's verdict on step `step` (default: this step), which drew batch `batch` (same
+        on every rank: global loss and norm)."""
         if self.precision.name == "fp16" and math.isfinite(loss) and not math.isfinite(grad_norm):
             return True  # an fp16 overflow: the GradScaler skips the step and lowers its scale
         verdict = self.guard.check(loss, grad_norm)
         if not verdict.skip:
             self._skipped_batches.clear()
             return True
-        batch = self.state.batches_drawn - 1
+        batch = self.state.batches_drawn - 1 if batch is None else batch
+        step = self.state.step + 1 if step is None else step
         self._skipped_batches.append(batch)
-        self.log_event({"step": self.state.step + 1, "event": "skipped_update", "loss": loss, "grad_norm": grad_norm,
-                        "batch": batch, "message": f"step {self.state.step + 1}: update skipped ({verdict.reason})"})
+        self.log_event({"step": step, "event": "skipped_update", "loss": loss, "grad_norm": grad_norm,
+                        "batch": batch, "message": f"step {step}: update skipped ({verdict.reason})"})
         self._rollback_requested = verdict.rollback
         return False
 
@@ -461,6 +542,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Checkpoint `self.states` at the current step (every rank calls this)."""
+        self.book_guard()  # (the guard state saved is the one after this step's verdict)
         meta = {"loss": self.state.last_loss, "tokens_seen": self.state.tokens_seen, "config": self.cfg.to_dict(),
                 "layout": self.layout.name, "optimizer": self.cfg.optim.name, "precision": self.precision.name}
         with self.timers("checkpoint"):
@@ -495,6 +577,7 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore `self.states` from `path` (every rank; the checkpoint may come from any layout)."""
+        self._guard_pending = None  # (a verdict not booked yet belongs to a step this load undoes)
         meta = read_meta(path)
         check_compatible(meta, self.cfg, path)
         changed = config_differences(meta.get("config", {}), self.cfg.to_dict())
@@ -502,7 +585,7 @@ class Trainer:
             log.warning("resuming %s with changed settings: %s", path,
                         "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed))
         try:
-            load_states(self.ckpt, path, self.states)
+            load_states(self.ckpt, path, self.states, self.cfg.model)
         except ValueError as e:
             raise ValueError(f"checkpoint {path}: {e}") from e
         if not self.states["rng"].restored:

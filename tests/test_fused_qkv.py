@@ -1,0 +1,278 @@
+"""Fused QKV (model.fused_qkv): one `attn.wqkv` matmul in kv-head-grouped rows against the separate
+wq/wk/wv: the same initial values, the same function and gradients, HF export/import bit-equal, and
+checkpoints of either layout resume in the other. (Tensor parallel parity: tests/test_parallel_mp.py's
+ATTENTION_OPTIONS; sharded initialisation: tests/test_sharded_init.py.)"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig, load_config
+from lmforge.model.layers import fuse_qkv, qkv_layout, split_qkv
+from lmforge.model.transformer import build_model
+from tests.test_parallel_dp import corpus  # noqa: F401  (module-scoped prepared corpus fixture)
+
+# GQA (3 query heads per kv head), q/k/v biases and QK-norm: every part the fused layout touches
+CFG = ModelConfig(vocab_size=96, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=32, qkv_bias=True,
+                  qk_norm=True, tie_embeddings=False)
+FUSED = replace(CFG, fused_qkv=True)
+PARTS = ("wq", "wk", "wv")
+
+
+def as_fused(cfg: ModelConfig, state: dict) -> dict:
+    """A separate-layout state dict in the fused layout."""
+    out = {k: v for k, v in state.items() if not any(f"attn.{w}." in k for w in PARTS)}
+    for k in state:
+        if "attn.wq." in k:
+            out[k.replace("attn.wq.", "attn.wqkv.")] = fuse_qkv(cfg, *(state[k.replace("attn.wq.", f"attn.{w}.")]
+                                                                      for w in PARTS))
+    return out
+
+
+def randomised(model):
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_layout_groups_each_kv_heads_queries_then_its_key_and_value():
+    part, row = qkv_layout(CFG)
+    hd = CFG.head_dim
+    per_group = (3 + 2) * hd
+    assert len(part) == 2 * per_group
+    # group 1: query heads 3, 4, 5, then kv head 1's key, then its value
+    g1 = slice(per_group, 2 * per_group)
+    assert part[g1].tolist() == [0] * 3 * hd + [1] * hd + [2] * hd
+    assert row[g1].tolist() == list(range(3 * hd, 6 * hd)) + list(range(hd, 2 * hd)) * 2
+    q, k, v = torch.randn(6 * hd, 4), torch.randn(2 * hd, 4), torch.randn(2 * hd, 4)
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(CFG, fuse_qkv(CFG, q, k, v)), (q, k, v)))
+
+
+def test_fused_model_starts_as_the_separate_one_and_computes_the_same_loss_and_gradients():
+    """Same seed: the fused weight is the separate weights' rows (init by their names and rows); after
+    randomising both alike, the logits are equal and so are the loss and every gradient."""
+    sep, fused = build_model(CFG, seed=3), build_model(FUSED, seed=3)
+    want = as_fused(CFG, sep.state_dict())
+    got = fused.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    fused.load_state_dict(as_fused(CFG, randomised(sep).state_dict()))
+    tokens = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (sep, fused):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    grads = {n: p.grad for n, p in sep.named_parameters()}
+    fused_grads = as_fused(CFG, grads)
+    for n, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, fused_grads[n], rtol=1e-5, atol=1e-7)
+    norm = lambda gs: torch.linalg.vector_norm(torch.stack([g.norm() for g in gs]))  # noqa: E731
+    torch.testing.assert_close(norm([p.grad for p in fused.parameters()]), norm(list(grads.values())), rtol=1e-6,
+                               atol=0)
+
+
+def test_any_rows_of_the_fused_initialisation_are_those_of_the_whole():
+    """What a tensor-parallel rank draws (its kv groups' rows, or any rows) equals the same rows of a
+    single process's fused weight."""
+    from lmforge.model.init import init_source
+
+    with torch.device("meta"):
+        model = build_model.__globals__["Transformer"](FUSED)
+    layer = model.blocks["0"].attn.wqkv
+    source = init_source(FUSED, seed=11)
+    shape = tuple(layer.weight.shape)
+    whole = source("blocks.0.attn.wqkv.weight", layer, "blocks.0.attn.wqkv", "weight", shape, (None, None),
+                   torch.float32)
+    for rows in (torch.arange(shape[0] // 2, shape[0]), torch.tensor([0, 9, 17, 40, shape[0] - 1])):
+        part = source("blocks.0.attn.wqkv.weight", layer, "blocks.0.attn.wqkv", "weight", shape,
+                      (rows, torch.arange(3, 20)), torch.float32)
+        assert torch.equal(part, whole[rows][:, 3:20])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gpt2"])
+def test_hf_export_and_import_of_a_fused_model_are_bit_equal_to_the_separate_ones(family, tmp_path):
+    """export_hf of a fused model writes exactly the separate model's q_proj/k_proj/v_proj (GPT-2: c_attn)
+    tensors; reading that folder into a fused model (fine-tuning's init_from path) gives back the fused
+    weights bit for bit."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from lmforge.interop.hf import export_hf
+    from lmforge.train.finetune import load_pretrained
+
+    kw = {"qwen2": dict(qk_norm=False), "qwen3": dict(qkv_bias=False),
+          "gpt2": dict(pos_emb="learned", norm="layernorm", activation="gelu", bias=True, qkv_bias=None,
+                       qk_norm=False, n_kv_heads=None)}[family]
+    cfg = replace(CFG, **kw)
+    sep = randomised(build_model(cfg, seed=0))
+    fused = build_model(replace(cfg, fused_qkv=True), seed=1)
+    fused.load_state_dict(as_fused(cfg, sep.state_dict()))
+    export_hf(sep, tmp_path / "sep")
+    export_hf(fused, tmp_path / "fused")
+    want, got = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("sep", "fused"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    back = build_model(replace(cfg, fused_qkv=True), seed=2)
+    load_pretrained(back, tmp_path / "sep")
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in fused.state_dict().items())
+
+
+SMALL = {
+    "model.vocab_size": 320, "model.dim": 48, "model.n_layers": 2, "model.n_heads": 6, "model.n_kv_heads": 2,
+    "model.qkv_bias": True, "model.max_seq_len": 64, "data.seq_len": 32, "data.tokenizer_vocab_size": 320,
+    "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.steps": 8, "train.eval_every": 0,
+    "train.eval_sequences": 8, "train.log_every": 1, "train.sample_tokens": 0, "train.precision": "fp32",
+    "train.tensorboard": False, "train.plot": False, "train.progress": "none", "schedule.warmup_steps": 2,
+    "optim.lr": 3e-3, "checkpoint.every_steps": 4, "checkpoint.async_save": False,
+}
+
+
+@pytest.mark.parametrize("saved_fused", [False, True], ids=["old-separate-checkpoint", "fused-checkpoint"])
+def test_a_checkpoint_of_either_layout_resumes_in_the_other(small_data, tmp_path, saved_fused):
+    """A run saved with one q/k/v layout (False: the separate wq/wk/wv keys every checkpoint before
+    model.fused_qkv has) resumes at step 4 with the other: weights and AdamW moments are converted on
+    load, and steps 5-8 give the straight run's losses and gradient norms, and its final weights."""
+    from lmforge.train.trainer import Trainer
+    from tests.test_parallel_dp import assert_runs_match
+
+    def run(out, fused: bool, **extra):
+        trainer = Trainer(load_config("tiny", {**SMALL, "model.fused_qkv": fused, **extra}), out_dir=out,
+                          data=small_data)
+        trainer.fit()
+        return trainer
+
+    straight = run(tmp_path / "straight", saved_fused)
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step_00000004", out / "checkpoints" / "step_00000004")
+    resumed = run(out, not saved_fused)
+    assert resumed.resumed_from.name == "step_00000004"
+    assert_runs_match(out, tmp_path / "straight", "resumed in the other q/k/v layout", steps=list(range(5, 9)))
+    cfg = straight.model.cfg
+    want, got = straight.model.state_dict(), resumed.model.state_dict()
+    if not saved_fused:
+        want = as_fused(cfg, want)
+    else:
+        got = as_fused(cfg, got)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+
+
+def test_lora_on_the_fused_layer_keeps_the_target_names_users_type():
+    """wq,wk,wv (the default targets) put one adapter on attn.wqkv, which starts as the base model
+    and trains; naming only some of q/k/v is a ValueError naming the fix."""
+    from lmforge.model.lora import apply_lora
+
+    model = build_model(FUSED, seed=0)
+    tokens = torch.randint(0, FUSED.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = model(tokens).detach()
+    adapted = apply_lora(model, "wq,wk,wv,wo", rank=4, alpha=8, seed=0)
+    assert adapted == [f"blocks.{i}.attn.{n}" for i in range(2) for n in ("wqkv", "wo")]
+    assert apply_lora(build_model(FUSED, seed=0), "attn.wqkv", rank=4, seed=0) == ["blocks.0.attn.wqkv",
+                                                                                  "blocks.1.attn.wqkv"]
+    assert torch.equal(model(tokens), before)
+    model(tokens).sum().backward()
+    assert model.blocks["0"].attn.wqkv.lora_b.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="wq, wv but not all of wq, wk, wv.*model.fused_qkv = false"):
+        apply_lora(build_model(FUSED, seed=0), "wq,wv,down")
+
+
+def test_the_planner_counts_the_fused_weight_as_the_model_holds_it():
+    from lmforge.model.transformer import Transformer, count_params
+    from lmforge.plan.memory import param_specs
+
+    with torch.device("meta"):
+        model = Transformer(FUSED)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == [(s.name, s.shape)
+                                                                          for s in param_specs(FUSED)]
+    assert count_params(FUSED) == count_params(CFG)
+
+
+@pytest.mark.slow
+def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layout_in_one_process(corpus, tmp_path):  # noqa: F811
+    """TP=2, TP=2 + SP and CP=2 with the fused wqkv (GQA with 2 kv heads: one group per rank; q/k/v biases;
+    QK-norm) against one process with the separate wq/wk/wv: the same per-step losses and gradient
+    norms (tests/test_parallel_mp.py's tolerance), so the plain column split gives each rank exactly
+    its heads' q, k and v rows."""
+    from tests.test_parallel_dp import assert_runs_match, train_runs
+    from tests.test_parallel_mp import FAMILY_STEPS, TOL
+
+    shared = {"model.n_layers": 2, "model.n_kv_heads": 2, "model.qkv_bias": "true", "model.qk_norm": "true",
+              "checkpoint.every_steps": 5, "checkpoint.async_save": "false", **FAMILY_STEPS}
+    ref, fused = tmp_path / "separate", tmp_path / "fused"
+    proc = train_runs(corpus, {ref: {}, fused: {"model.fused_qkv": "true"}}, **shared)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert_runs_match(fused, ref, "fused vs separate, one process", tol=TOL)
+    # and the separate layout's step-5 checkpoint resumed by the TP=2 fused run: each rank's shard of
+    # the weights and AdamW moments converted on load
+    old = str(ref / "checkpoints" / "step_00000005")
+    runs = {tmp_path / "tp2": {"parallel.tp": 2},
+          tmp_path / "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+          tmp_path / "tp2-resumed": {"parallel.tp": 2, "checkpoint.resume": old},
+          tmp_path / "cp2": {"parallel.cp": 2}}  # (context parallel: the fused projection of a sequence shard)
+    proc = train_runs(corpus, runs, nproc=2, timeout=300, **shared, **{"model.fused_qkv": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # FSDP2 x TP (2 x 2): the converted tensors placed on 2-D shards (FSDP2 shards TP's shards)
+    fsdp_tp = {tmp_path / "fsdp2xtp2-resumed": {"parallel.dp_shard": 2, "parallel.tp": 2, "checkpoint.resume": old}}
+    proc = train_runs(corpus, fsdp_tp, nproc=4, timeout=300, **shared, **{"model.fused_qkv": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for out in [*runs, *fsdp_tp]:
+        steps = list(range(6, 11)) if out.name.endswith("-resumed") else None
+        assert_runs_match(out, ref, f"fused qkv, {out.name} vs separate in one process", steps=steps, tol=TOL)
+
+
+
+def test_generation_with_the_kv_cache_is_the_separate_models():
+    """Greedy decoding with the KV cache (k and v are strided views of the fused output) gives the
+    separate model's tokens, and the same as decoding without the cache."""
+    from lmforge.eval.generate import generate_tokens
+
+    sep = randomised(build_model(CFG, seed=0))
+    fused = build_model(FUSED, seed=1)
+    fused.load_state_dict(as_fused(CFG, sep.state_dict()))
+    prompt = [5, 17, 3, 40]
+    want = list(generate_tokens(sep, prompt, 12, temperature=0))
+    assert list(generate_tokens(fused, prompt, 12, temperature=0)) == want
+    assert list(generate_tokens(fused, prompt, 12, temperature=0, use_cache=False)) == want
+
+
+def test_a_weights_file_of_either_layout_loads_into_the_other(tmp_path):
+    """load_weights (load_run: generate, eval, export of a finished run) reads a model.safetensors
+    with separate wq/wk/wv into a fused model and the reverse, bit for bit."""
+    from lmforge.ckpt.export import load_weights, save_weights
+
+    sep = randomised(build_model(CFG, seed=0))
+    fused = build_model(FUSED, seed=1)
+    fused.load_state_dict(as_fused(CFG, sep.state_dict()))
+    save_weights(sep, tmp_path / "sep.safetensors")
+    save_weights(fused, tmp_path / "fused.safetensors")
+    into_fused, into_sep = build_model(FUSED, seed=2), build_model(CFG, seed=2)
+    load_weights(into_fused, tmp_path / "sep.safetensors")
+    load_weights(into_sep, tmp_path / "fused.safetensors")
+    for got, want in ((into_fused, fused), (into_sep, sep)):
+        assert all(torch.equal(got.state_dict()[k], v) for k, v in want.state_dict().items())
+
+
+def test_mixtral_conversion_maps_the_fused_weight_bit_equal():
+    """lmforge.interop.hf_moe's state-dict mapping: a fused MoE model gives Mixtral exactly the separate
+    model's q_proj/k_proj/v_proj, and Mixtral's weights come back fused."""
+    from lmforge.config.sections import MoEConfig
+    from lmforge.interop.hf_moe import from_mixtral_state_dict, to_mixtral_state_dict
+
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=64,
+                      tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2))
+    sep = randomised(build_model(cfg, seed=3))
+    fused_cfg = replace(cfg, fused_qkv=True)
+    fused_state = as_fused(cfg, sep.state_dict())
+    want = to_mixtral_state_dict(cfg, sep.state_dict())
+    got = to_mixtral_state_dict(fused_cfg, fused_state)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    back = from_mixtral_state_dict(fused_cfg, want)
+    assert all(torch.equal(back[k], fused_state[k]) for k in back) and "blocks.0.attn.wqkv.weight" in back
