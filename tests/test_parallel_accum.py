@@ -60,7 +60,7 @@ def _traffic_worker(rank: int, port: int, out: str) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lmforge.config import load_config
-    from lmforge.model.transformer import build_model
+    from lmforge.train.components import build_training_model
     from lmforge.parallel.mesh import init_distributed
     from lmforge.parallel.parallelize import parallelize
     from lmforge.train.precision import make_precision
@@ -90,8 +90,8 @@ def _traffic_worker(rank: int, port: int, out: str) -> None:
     for layout_name, ga, extra in CASES:
         cfg = load_config("tiny", {**SMALL, **LAYOUTS[layout_name], **extra, "train.global_batch_size": 2 * ga})
         info = init_distributed(cfg)
-        model = build_model(cfg.model, info.device, seed=0)
-        layout = parallelize(model, cfg, info, "fp32")
+        model, source = build_training_model(cfg, info.device)  # (on the meta device)
+        layout = parallelize(model, cfg, info, "fp32", source)
         optimizer = layout.prepare_optimizer(torch.optim.SGD(layout.model.parameters(), lr=0.1))
         precision = make_precision("fp32", info.device)
         gen = torch.Generator().manual_seed(rank)

@@ -378,7 +378,7 @@ class Trainer:
         scaler.unscale_(opt)  # true gradients before clipping (a no-op unless fp16)
         clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
         grad_norm = self.layout.clip_grad_norm(clip)
-        if self._guard_on_device:  # no host wait: the optimizer skips on the device's verdict
+        if self._guard_on_device and self.guard is not None:  # no host wait: the optimizer skips on the device's verdict
             opt.found_inf = (~self.guard_verdict_on_device(loss, grad_norm)).to(torch.float32)
             try:
                 scaler.step(opt)
