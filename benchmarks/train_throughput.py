@@ -274,6 +274,10 @@ def run(args: argparse.Namespace) -> dict:
                 mem[name] = max(mem[name], torch.cuda.max_memory_allocated(device) / 1e9)
         say(f"[rep {rep + 1}/{args.reps}] " + ", ".join(f"{a} {wall[a][-1] * 1e3:.1f} ms" for a in arms), flush=True)
 
+    if args.profile:  # after the timed steps, so the profiler's own cost never enters a timing
+        profile_steps(lmforge_step, device, args.profile, steps=2, step_s=statistics.median(wall["lmforge"]))
+        say(f"profile of 2 lmforge steps: {args.profile}", flush=True)
+
     peaks_after = measure_peaks(device, precision)
     peaks = dict(peaks_after)
     for key in ("fp32", "bf16", "fp16"):
@@ -351,6 +355,67 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+# kernel-name patterns -> where the time goes (first match wins); the rest is "other"
+KERNEL_GROUPS = [
+    ("matmul (GEMM)", ("gemm", "matmul", "cutlass", "nvjet", "sm90_xmma", "cublas", "_mm_", "addmm")),
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "_fused_")),
+    ("communication", ("nccl", "allreduce", "all_gather", "reduce_scatter")),
+    ("copy / cast", ("copy", "memcpy", "memset", "cast", "to_copy")),
+    ("compiled (Triton)", ("triton",)),
+]
+
+
+def profile_steps(step, device: torch.device, path: Path, steps: int, step_s: float) -> None:
+    """Where the step's time goes: `steps` lmforge steps under torch.profiler, written to `path` as
+    device time per kernel group (KERNEL_GROUPS), its share of the wall time (what is left over is
+    time the device waited on the host), and the profiler's own top-30 table by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    w0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    wall = (time.perf_counter() - w0) / steps
+    events = prof.key_averages()
+
+    def dev_us(e) -> float:  # self device time (the attribute's name changed across torch releases)
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(e, name):
+                return float(getattr(e, name))
+        return 0.0
+
+    # Count device-side events only (kernels, memcpy): an aten op's own "self device time" is the
+    # time of the kernels it launched, which appear again as events of their own.
+    device_events = [e for e in events if str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1"))]
+    if not device_events:  # an older profiler without device_type on averages: kernels have no "::"
+        device_events = [e for e in events if "::" not in e.key]
+    groups: dict[str, float] = {}
+    for e in device_events:
+        us = dev_us(e)
+        if us <= 0:
+            continue
+        key = e.key.lower()
+        group = next((g for g, pats in KERNEL_GROUPS if any(p in key for p in pats)), "other")
+        groups[group] = groups.get(group, 0.0) + us
+    busy = sum(groups.values()) / 1e6 / steps
+    lines = [f"# profile: {steps} steps, wall {wall * 1e3:.1f} ms/step under the profiler "
+             f"(timed median {step_s * 1e3:.1f} ms/step); device busy {busy * 1e3:.1f} ms/step "
+             f"= {100 * busy / wall:.1f}% of the profiled wall time", "",
+             "| kernel group | device ms/step | share of device time |", "|---|---|---|"]
+    for g, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {g} | {us / 1e3 / steps:.2f} | {100 * us / max(sum(groups.values()), 1e-9):.1f}% |")
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        table = events.table(sort_by=sort, row_limit=30, max_name_column_width=90)
+    except (KeyError, AttributeError, ValueError):
+        table = events.table(sort_by="self_cuda_time_total" if device.type == "cuda" else sort, row_limit=30)
+    Path(path).write_text("\n".join(lines) + "\n\n" + table + "\n")
+
+
 def _fast_path(opt: torch.optim.Optimizer) -> str:
     d = getattr(opt, "defaults", {})
     return "fused" if d.get("fused") else ("foreach" if d.get("foreach") else "for-loop")
@@ -407,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke mode: fp32, 1 thread (unless --threads), 1 warm-up, 3 reps of 1 step")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="after the timed steps, profile 2 lmforge steps and write where the time goes here")
     args = p.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 6)

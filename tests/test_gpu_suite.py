@@ -83,8 +83,8 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
     assert proc.returncode == 0, table + proc.stderr[-2000:]
     rows = {line.split("|")[1].strip(): (line.split("|")[2].strip(), line.split("|")[3].strip())
             for line in table.splitlines() if line.startswith("| ") and not line.startswith("| step")}
-    assert list(rows) == ["env", "head-loss", "tiny-bf16", "ddp-1", "fsdp-1", "async-2", "throughput-quick",
-                          "fp8-config", "optim"], rows
+    assert list(rows) == ["env", "head-loss", "tiny-bf16", "ddp-1", "fsdp-1", "async-2", "optim",
+                          "throughput-quick", "fp8-config"], rows
     # the optional row that needs torchao is skipped with the reason; every other row ran and passed
     assert rows.pop("fp8-config") == ("skipped (optional)", "torchao is not installed: pass its wheel with --wheels "
                                                              "(benchmarks/gpu/README.md)")
@@ -93,6 +93,8 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
     assert "train.loss_chunk = auto picks fused (4096-token chunks)" in rows["head-loss"][1]
     assert "default group gloo, parameter server messages on gloo" in rows["async-2"][1]
     assert not (home / ".cache" / "lmforge").exists()  # the corpus came from --cache
+    profile = (out / "throughput-quick-profile.md").read_text()  # where the step's time goes
+    assert "# profile: 2 steps" in profile and "aten::mm" in profile
 
 
 def _suite_module():

@@ -26,10 +26,12 @@ and says so):
   fsdp-1     `torchrun --nproc-per-node 1`, zero_stage 3: FSDP2 at shard degree 1 (NCCL gathers)
   async-2    asynchronous SGD, 2 processes (server + worker) on the one GPU: NCCL refuses two
              ranks on one device, so their default group is gloo (lmforge.parallel.mesh)
-  gpt2-*     GPT-2 124M tokens/s and MFU (benchmarks/train_throughput.py): plain, compile,
-             loss_chunk, fp8 (torchao; optional); peak CUDA memory against `lmforge plan --weights lmforge`
-  llama-1b   the ~1B Llama preset's MFU (compile + loss_chunk + selective checkpointing)
   optim      tests/test_optim_cuda.py (fused / foreach optimizers on CUDA)
+  gpt2-*     GPT-2 124M tokens/s and MFU (benchmarks/train_throughput.py): plain, then compile +
+             loss_chunk (with a profile of where the step's time goes: gpt2-loss_chunk-profile.md);
+             peak CUDA memory against `lmforge plan --weights lmforge`
+  llama-1b   the ~1B Llama preset's MFU (compile + loss_chunk + selective checkpointing; profiled)
+  gpt2-compile, gpt2-fp8   compile alone (loss_chunk 0), and fp8 (torchao; optional), last
 On the CPU (--cpu-smoke) the gpt2/llama rows are one quick throughput row and an fp8-config row
 (torchao present: the fp8 config loads and torchao.float8 imports; absent: skipped, as on a GPU).
 Targets (benchmarks/RESULTS.md): GPT-2 124M >= 500k tokens/s on one H100; 1B >= 50% MFU.
@@ -108,6 +110,7 @@ class Suite:
 
     # ---- running steps ------------------------------------------------------------------------
     def run(self, step: str, cmd: list[str], limit_s: float) -> tuple[Row, subprocess.CompletedProcess | None]:
+        self.save()  # the rows so far, results filled in: a suite cut off mid-row still leaves its table
         limit_s *= self.args.limit_scale
         left = self.deadline - time.monotonic()
         if left < min(limit_s, 60):
@@ -205,10 +208,12 @@ class Suite:
                 row.result = ("limitation: NCCL refused two ranks on one GPU (Duplicate GPU) although the default "
                               "group should be gloo here; see async-2.log")
 
-    def step_throughput(self, name: str, preset: str, sets: list[str], limit_s: float, reference: bool) -> None:
+    def step_throughput(self, name: str, preset: str, sets: list[str], limit_s: float, reference: bool,
+                        profile: bool = False) -> None:
         out = self.out / f"{name}.json"
         cmd = [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--preset", preset, "--json", str(out)]
         cmd += [a for s in sets for a in ("--set", s)]
+        cmd += ["--profile", str(self.out / f"{name}-profile.md")] if profile else []
         cmd += [] if reference else ["--no-reference"]
         if not self.cuda:
             cmd += ["--quick"]
@@ -288,26 +293,38 @@ class Suite:
         self.step_train("async-2", self.torchrun(2) + self.train_args(30) + [
             "--parallel.dp_replicate", "2", "--parallel.async_sgd", "true", "--train.global_batch_size", "8",
             "--train.micro_batch_size", "4", "--checkpoint.every_steps", "0"], 240)
+        self.step_optim()
+        # the throughput rows last, the targets' rows before the optional fp8 one: a budget spent
+        # early loses the least. The best-configured row of each model is profiled (where the time goes).
         if self.cuda:
             gpt2 = GPT2
             self.step_throughput("gpt2-plain", "gpt2-124m", gpt2 + ["train.loss_chunk=0"], 300, reference=True)
-            self.step_throughput("gpt2-compile", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=0"], 420,
-                                 reference=False)
             self.step_throughput("gpt2-loss_chunk", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=4096"],
-                                 420, reference=False)
-            self.step_fp8()
+                                 420, reference=False, profile=True)
             self.step_throughput("llama-1b", "llama-1b", ["train.micro_batch_size=4", "train.global_batch_size=16",
                                                          "train.compile=true", "train.loss_chunk=4096",
-                                                         "train.activation_checkpoint=selective"], 480, reference=False)
-        else:  # the mechanics of the throughput step, on the CPU
-            self.step_throughput("throughput-quick", "tiny", [], 300, reference=True)
+                                                         "train.activation_checkpoint=selective"], 480, reference=False,
+                                 profile=True)
+            self.step_throughput("gpt2-compile", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=0"], 420,
+                                 reference=False)
             self.step_fp8()
+        else:  # the mechanics of the throughput step (and its profile), on the CPU
+            self.step_throughput("throughput-quick", "tiny", [], 300, reference=True, profile=True)
+            self.step_fp8()
+
+    def step_optim(self) -> None:
+        """tests/test_optim_cuda.py: the fused / foreach optimizers on the device (nothing skipped on a GPU)."""
         row, proc = self.run("optim", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                        str(ROOT / "tests" / "test_optim_cuda.py")], 300)
         if proc is not None:
             row.result = (proc.stdout.strip().splitlines() or [""])[-1][:160]
             if "skipped" in row.result and self.cuda:
                 row.status = "failed"  # on a GPU nothing may be skipped
+
+    def save(self) -> None:
+        """Write the table and the JSON as they stand (after every row and at the end)."""
+        (self.out / "gpu_suite.md").write_text(self.table())
+        (self.out / "gpu_suite.json").write_text(json.dumps([r.__dict__ for r in self.rows], indent=1, default=str))
 
     def table(self) -> str:
         head = [f"# lmforge GPU suite — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -369,10 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--out is required (or --build-cache CACHE)")
     suite = Suite(args)
     suite.run_all()
-    text = suite.table()
-    (suite.out / "gpu_suite.md").write_text(text)
-    (suite.out / "gpu_suite.json").write_text(json.dumps([r.__dict__ for r in suite.rows], indent=1, default=str))
-    print(text)
+    suite.save()
+    print(suite.table())
     return 0 if suite.passed() else 1
 
 
