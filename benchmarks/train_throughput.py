@@ -357,12 +357,13 @@ def run(args: argparse.Namespace) -> dict:
 
 # kernel-name patterns -> where the time goes (first match wins); the rest is "other"
 KERNEL_GROUPS = [
+    ("compiled (Triton)", ("triton_",)),  # (first: Inductor's names contain "fused", "copy", ...)
     ("matmul (GEMM)", ("gemm", "matmul", "cutlass", "nvjet", "sm90_xmma", "cublas", "_mm_", "addmm")),
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "_fused_")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("communication", ("nccl", "allreduce", "all_gather", "reduce_scatter")),
+    ("softmax / loss", ("softmax", "log_softmax", "nll", "cross_entropy", "exp_kernel", "scatter", "gather")),
     ("copy / cast", ("copy", "memcpy", "memset", "cast", "to_copy")),
-    ("compiled (Triton)", ("triton",)),
 ]
 
 

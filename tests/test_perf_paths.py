@@ -36,21 +36,23 @@ def test_linear_cross_entropy_matches_plain_loss_and_grads(chunk):
     assert gh[0, :5].abs().max() == 0
 
 
-def _plain_and_fused(h, w, y, chunk, dtype):
+def _plain_and_fused(h, w, y, chunk, dtype, compiled=None):
     """(loss, grad h, grad w) of the plain path (logits, token_nll_sum) and of the fused one, both
     under the autocast the trainer uses (`dtype` bf16) or none (fp32)."""
     out = []
     for fused in (False, True):
         hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            loss = linear_cross_entropy_sum(hh, ww, y, chunk) if fused else token_nll_sum(hh @ ww.t(), y)
+            loss = (linear_cross_entropy_sum(hh, ww, y, chunk, compiled=compiled) if fused
+                    else token_nll_sum(hh @ ww.t(), y))
         (loss * 0.37).backward()
         out.append((loss.detach(), hh.grad, ww.grad))
     return out
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_head_loss_matches_the_plain_path_in_fp32_and_bf16_autocast(dtype):
+def test_fused_head_loss_matches_the_plain_path_in_fp32_and_bf16_autocast(dtype, compiled):
     """Loss and the gradients of the head weight and of the hidden states, ignored targets (-100)
     included, against the plain logits path under the same precision. bf16: both compute the same
     bf16 logits and upcast them; the gradient matmuls run in bf16 in both paths."""
@@ -59,7 +61,9 @@ def test_fused_head_loss_matches_the_plain_path_in_fp32_and_bf16_autocast(dtype)
     w = 0.05 * torch.randn(1000, 64, generator=g)
     y = torch.randint(0, 1000, (3, 40), generator=g)
     y[1, 7:30] = -100
-    (loss_p, gh_p, gw_p), (loss_f, gh_f, gw_f) = _plain_and_fused(h, w, y, 32, dtype)
+    # (compiled: the elementwise part through torch.compile, as on CUDA; 120 tokens in chunks of 32
+    # leave a last chunk of 24, a second compiled shape)
+    (loss_p, gh_p, gw_p), (loss_f, gh_f, gw_f) = _plain_and_fused(h, w, y, 32, dtype, compiled)
     assert loss_f.dtype == torch.float32 and gh_f.dtype == h.dtype and gw_f.dtype == w.dtype
     assert gh_f[1, 7:30].abs().max() == 0 and gh_p[1, 7:30].abs().max() == 0
     tol = dict(rtol=1e-6, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-5, atol=1e-3)

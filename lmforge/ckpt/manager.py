@@ -174,7 +174,34 @@ def device_stager(cuda: bool) -> tuple[Any, str]:
         return BlockingAsyncStager(cache_staged_state_dict=True), "cached"
     options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                              use_non_blocking_copy=cuda)
-    return DefaultStager(options), "pinned" if cuda else "cached"
+    return KeptStager(DefaultStager(options)), "pinned" if cuda else "cached"
+
+
+class KeptStager:
+    """A DCP stager that lives as long as the run: `close()` from DCP does nothing, `release()` does
+    the real one. Why: torch 2.11's `dcp.async_save` closes the stager it is given once the upload
+    is done, which empties the StateDictStager's copy dispatch table, so the next save with it
+    failed with `KeyError: <class 'type'>` (seen on the H100, benchmarks/RESULTS.md); 2.13 closes
+    only stagers it made itself. Everything else is the wrapped stager's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:  # (only called for what this class does not define)
+        return getattr(self.inner, name)
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        return self.inner.stage(state_dict, **kwargs)
+
+    def synchronize_staging(self) -> None:
+        self.inner.synchronize_staging()
+
+    def close(self) -> None:
+        """DCP's call after a save: the host buffers are kept for the next one."""
+
+    def release(self) -> None:
+        """The run's end: the host buffers go (pinned memory is unpinned)."""
+        self.inner.close()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -684,7 +711,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
         if self._stager is not None:  # (its pinned buffers are released; a later save makes a new one)
-            self._stager.close()
+            getattr(self._stager, "release", self._stager.close)()
             self._stager = None
         if self.backup is not None:
             self.backup.wait()

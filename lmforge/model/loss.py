@@ -39,6 +39,15 @@ memory traffic per chunk: one compute-dtype write and read, an fp32 write (log_s
 read + write (exp), and in bf16 one cast; the plain path also materialises an fp32 copy of all the
 logits, the log-softmax autograd keeps, and a same-sized gradient (benchmarks/fused_head.py).
 
+On CUDA the elementwise part of each chunk (everything between the two matmuls) is one function
+compiled by torch.compile (`chunk_nll_and_grad`, Triton kernels): it reads the compute-dtype logits
+twice (the log-sum-exp, then softmax - one_hot) and writes the gradient once in the compute dtype,
+with no fp32 [chunk, vocab] buffer at all. Measured on an H100 at GPT-2's shape, the eager path's
+fp32 casts, log_softmax, exp_ and cast back took ~67 ms of a 187 ms step (benchmarks/RESULTS.md);
+hand-written CUDA/Triton would do no better than what Inductor makes of these three lines. On the CPU
+the eager path is kept (a compile costs more than it saves at the sizes the CPU trains, and the
+tests' bitwise checks stay on the eager numbers); `compiled=True/False` forces either.
+
 Precision follows the plain path: under autocast the matmuls run in the autocast dtype with
 the logits upcast to fp32 for the softmax; grad_weight is accumulated in fp32.
 Targets equal to -100 are ignored (zero loss, zero gradient).
@@ -82,10 +91,41 @@ def _compute_dtype(t: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def chunk_nll_and_grad(logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed NLL (fp32) and d(sum NLL)/d logits = softmax - one_hot (in the logits' dtype)
+    from logits [chunk, vocab], targets `safe` [chunk, 1] (ignored ones replaced by 0) and `valid`
+    [chunk] (False = ignored: no loss, and no one_hot; its gradient row is dropped by the caller).
+    Written for torch.compile: eagerly it would make several fp32 [chunk, vocab] temporaries."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1, keepdim=True)
+    nll = ((lse.squeeze(1) - lf.gather(1, safe).squeeze(1)) * valid).sum()
+    hit = (torch.arange(lf.shape[1], device=lf.device)[None, :] == safe) & valid[:, None]
+    return nll, (torch.exp(lf - lse) - hit.to(lf.dtype)).to(logits.dtype)
+
+
+_COMPILED: list = []  # the compiled chunk_nll_and_grad, made at its first use
+
+
+def _compiled_chunk_fn():
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(chunk_nll_and_grad, dynamic=False, fullgraph=True))
+    return _COMPILED[0]
+
+
+def use_compiled_chunk(device: torch.device) -> bool:
+    """Whether the chunked loss compiles its elementwise part by default on `device`: on CUDA with
+    Triton (module docstring)."""
+    if device.type != "cuda":
+        return False
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                cdtype: torch.dtype) -> torch.Tensor:
+                cdtype: torch.dtype, compiled: bool) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
         y = targets.reshape(-1)
         w = weight.to(cdtype)
@@ -97,13 +137,17 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             hc, yc = h[start:start + chunk].to(cdtype), y[start:start + chunk]
             valid = yc != IGNORE_INDEX
             safe = torch.where(valid, yc, 0)[:, None]
-            lp = torch.log_softmax(hc @ w.t(), dim=-1, dtype=torch.float32)  # (the logits are freed here)
-            total -= lp.gather(1, safe).squeeze(1).mul_(valid).sum()
-            if not (need_h or need_w):
-                continue
-            g = lp.exp_()  # softmax, in place: d(sum NLL)/d logits = softmax - one_hot
-            g.scatter_add_(1, safe, valid.to(g.dtype).neg_()[:, None])
-            g = g.to(cdtype)
+            if compiled and (need_h or need_w):  # one compiled pass: no fp32 [chunk, vocab] buffers
+                nll, g = _compiled_chunk_fn()(hc @ w.t(), safe, valid)
+                total += nll
+            else:
+                lp = torch.log_softmax(hc @ w.t(), dim=-1, dtype=torch.float32)  # (the logits are freed here)
+                total -= lp.gather(1, safe).squeeze(1).mul_(valid).sum()
+                if not (need_h or need_w):
+                    continue
+                g = lp.exp_()  # softmax, in place: d(sum NLL)/d logits = softmax - one_hot
+                g.scatter_add_(1, safe, valid.to(g.dtype).neg_()[:, None])
+                g = g.to(cdtype)
             if need_h:
                 gh = grad_h[start:start + chunk]
                 gh.copy_(g @ w)
@@ -128,14 +172,17 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # a second backward through this graph is refused by autograd's version check)
         gh = saved[0].mul_(grad_out).reshape(shape) if need_h else None
         gw = saved[-1].mul_(grad_out).to(wdtype) if need_w else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             chunk: int) -> torch.Tensor:
+                             chunk: int, compiled: bool | None = None) -> torch.Tensor:
     """sum over tokens of -log softmax(hidden @ weight.T)[target] (fp32 scalar), `chunk` tokens at a
     time, never holding more than one chunk of logits. hidden (..., d), weight (vocab, d), targets
-    (...) int64 with -100 = ignored. chunk <= 0 or >= the token count: one chunk."""
+    (...) int64 with -100 = ignored. chunk <= 0 or >= the token count: one chunk. `compiled`: the
+    elementwise part through torch.compile (None = where `use_compiled_chunk` says: CUDA)."""
     n = targets.numel()
     chunk = n if chunk <= 0 else min(chunk, n)
-    return _LinearCrossEntropySum.apply(hidden, weight, targets, chunk, _compute_dtype(hidden, weight))
+    if compiled is None:
+        compiled = use_compiled_chunk(hidden.device)
+    return _LinearCrossEntropySum.apply(hidden, weight, targets, chunk, _compute_dtype(hidden, weight), compiled)
