@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager
 
+from lmforge.ckpt import manager as ckpt_manager
 from lmforge.ckpt.checkpointer import load_states, save_states
 from lmforge.ckpt.manager import CheckpointManager, device_stager, verify_checkpoint
 from lmforge.ckpt.state import ModelOptimizerState, RNGState
@@ -27,41 +27,23 @@ def step(model, opt, seed: int) -> None:
 
 def staged_buffers(mgr: CheckpointManager) -> dict[int, int]:
     """The stager's host buffers: id of the source storage's object -> data_ptr of its host copy."""
-    cache = mgr._stager.inner._state_dict_stager._cached_storage_mapping
+    cache = mgr._stager._state_dict_stager._cached_storage_mapping
     return {id(k): v.data_ptr() for k, v in cache.items()}
 
 
 def test_the_selected_stager():
     stager, name = device_stager(cuda=False)
-    assert name == "cached" and type(stager.inner).__name__ == "DefaultStager"
+    assert name == "cached" and type(stager).__name__ == "DefaultStager"
     assert not stager._config.use_pinned_memory and not stager._config.use_non_blocking_copy
     assert not stager._config.use_async_staging  # synchronous: the next step cannot race the copy
-    stager.release()
+    stager.close()
     if torch.cuda.is_available():
         stager, name = device_stager(cuda=True)
         assert name == "pinned" and stager._config.use_pinned_memory and stager._config.use_non_blocking_copy
-        stager.release()
+        stager.close()
 
 
-@pytest.fixture(params=["dcp closes only its own stagers", "dcp closes the stager it is given (torch 2.11)"])
-def dcp_close(request, monkeypatch):
-    """torch 2.11's dcp.async_save closes the stager it is given after the upload (its StateDictStager
-    then fails the next save with KeyError: <class 'type'>, as it did on the H100); 2.13 does not.
-    The second case makes this torch behave like 2.11."""
-    if request.param.startswith("dcp closes the stager it is given"):
-        real = dcp.async_save
-
-        def async_save(*args, async_stager=None, **kwargs):
-            future = real(*args, async_stager=async_stager, **kwargs)
-            if async_stager is not None:
-                future.add_done_callback(lambda _: async_stager.close())
-            return future
-
-        monkeypatch.setattr(dcp, "async_save", async_save)
-    return request.param
-
-
-def test_dcp_staging_reuses_its_host_buffers_and_the_saves_validate_and_resume(tmp_path, dcp_close):
+def test_dcp_staging_reuses_its_host_buffers_and_the_saves_validate_and_resume(tmp_path):
     cfg = load_config("tiny")
     model = build_model(cfg.model, "cpu", seed=0)
     opt = build_optimizer(OptimConfig(name="adamw", lr=1e-3), model)
@@ -79,7 +61,6 @@ def test_dcp_staging_reuses_its_host_buffers_and_the_saves_validate_and_resume(t
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     save_states(mgr, 2, states, {"optimizer": "adamw"})
     mgr.wait()
-    assert mgr.failures == 0, mgr.last_error
     assert mgr._stager is stager and staged_buffers(mgr) == first  # the same host buffers, no new ones
     meta = verify_checkpoint(tmp_path / "ckpt" / "step_00000002", test_load=True)
     assert meta["step"] == 2
@@ -106,3 +87,34 @@ def test_per_save_staging_still_works(tmp_path):
     mgr.close()
     assert mgr.staging == "dcp default" and mgr._stager is None and mgr.last_save["step"] == 1
     verify_checkpoint(tmp_path / "ckpt" / "step_00000001", test_load=True)
+
+
+def test_a_default_stager_that_closes_itself_after_each_stage_is_not_reused(tmp_path, monkeypatch):
+    """torch 2.11's DefaultStager closes its StateDictStager at the end of every stage (its copy
+    table emptied: the next stage fails with KeyError: <class 'type'>, which failed the second
+    checkpoint of every CUDA run on the H100). Made so here; the manager must notice and not reuse it
+    (on a host-only machine: DCP's own per-save staging; on CUDA: BlockingAsyncStager's pinned cache)."""
+    real = DefaultStager._stage
+
+    def stage_and_close(self, state_dict, **kwargs):
+        out = real(self, state_dict, **kwargs)
+        self._state_dict_stager.close()  # what torch 2.11 does here
+        return out
+
+    assert ckpt_manager.default_stager_is_reusable()  # (this torch's own behaviour)
+    monkeypatch.setattr(DefaultStager, "_stage", stage_and_close)
+    assert not ckpt_manager.default_stager_is_reusable()
+    assert device_stager(cuda=False) == (None, "dcp default")
+    cfg = load_config("tiny")
+    model = build_model(cfg.model, "cpu", seed=0)
+    opt = build_optimizer(OptimConfig(name="adamw", lr=1e-3), model)
+    mgr = CheckpointManager(tmp_path / "ckpt", staging="dcp", keep_last=3)
+    states = {"model": ModelOptimizerState(model, opt), "rng": RNGState(0)}
+    for n in (1, 2, 3):  # (three saves: the second is the one that failed)
+        step(model, opt, n)
+        save_states(mgr, n, states, {"optimizer": "adamw"})
+        mgr.wait()
+    assert mgr.failures == 0, mgr.last_error
+    assert mgr.staging == "dcp default" and mgr.last_save["step"] == 3
+    verify_checkpoint(tmp_path / "ckpt" / "step_00000003", test_load=True)
+    mgr.close()

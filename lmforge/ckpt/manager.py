@@ -153,14 +153,18 @@ def device_stager(cuda: bool) -> tuple[Any, str]:
     later one (without it, DCP stages each save into freshly allocated pageable memory), and its
     name for the records. Feature-detected, newest first:
 
-    * `pinned`: torch >= 2.9's `DefaultStager` (tried with 2.11 and 2.13): its `StateDictStager`
-      caches one host storage per device storage; on CUDA the buffers are pinned and the copies
-      non-blocking on the current stream, then synchronised (staging stays synchronous, so the next
-      optimizer step cannot change a tensor being copied). The save blocks for one device-to-host
-      copy at pinned-memory bandwidth.
-    * `cached`: an older torch whose `async_save` takes `async_stager`: `BlockingAsyncStager` with
-      `cache_staged_state_dict` (pinned host copies of the whole state dict, made once).
-    * `dcp default`: neither: DCP's own per-save staging (the writer), as before.
+    * `pinned` (CUDA) / `cached`: torch's `DefaultStager` where it can be reused (2.13): its
+      `StateDictStager` caches one host storage per device storage; on CUDA the buffers are pinned
+      and the copies non-blocking on the current stream, then synchronised (staging stays
+      synchronous, so the next optimizer step cannot race a copy). The save blocks for one
+      device-to-host copy at pinned-memory bandwidth.
+    * `pinned` on CUDA where `DefaultStager` closes itself after every stage (torch 2.11: it empties
+      its cache and its copy table, so a second save with it fails with `KeyError: <class 'type'>`,
+      as every CUDA run's second checkpoint did on the H100, benchmarks/RESULTS.md) or does not exist:
+      `BlockingAsyncStager(cache_staged_state_dict=True)`, pinned host copies of the whole state dict
+      made at the first save and copied into by every later one.
+    * `dcp default`: otherwise (a host-only machine on such a torch, or no `async_stager` at all):
+      DCP's own per-save staging.
     """
     import inspect
 
@@ -169,39 +173,31 @@ def device_stager(cuda: bool) -> tuple[Any, str]:
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
+        DefaultStager = StagingOptions = None
+    if DefaultStager is not None and default_stager_is_reusable():
+        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                 use_non_blocking_copy=cuda)
+        return DefaultStager(options), "pinned" if cuda else "cached"
+    if cuda:  # (BlockingAsyncStager's cache is always pinned: it needs the accelerator)
         from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-        return BlockingAsyncStager(cache_staged_state_dict=True), "cached"
-    options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                             use_non_blocking_copy=cuda)
-    return KeptStager(DefaultStager(options)), "pinned" if cuda else "cached"
+        return BlockingAsyncStager(cache_staged_state_dict=True), "pinned"
+    return None, "dcp default"
 
 
-class KeptStager:
-    """A DCP stager that lives as long as the run: `close()` from DCP does nothing, `release()` does
-    the real one. Why: torch 2.11's `dcp.async_save` closes the stager it is given once the upload
-    is done, which empties the StateDictStager's copy dispatch table, so the next save with it
-    failed with `KeyError: <class 'type'>` (seen on the H100, benchmarks/RESULTS.md); 2.13 closes
-    only stagers it made itself. Everything else is the wrapped stager's."""
+def default_stager_is_reusable() -> bool:
+    """Whether this torch's `DefaultStager` keeps its staging state after a stage (2.13) rather than
+    closing itself (2.11): one stage of a one-element host tensor, then a look at its copy table."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:  # (only called for what this class does not define)
-        return getattr(self.inner, name)
-
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        return self.inner.stage(state_dict, **kwargs)
-
-    def synchronize_staging(self) -> None:
-        self.inner.synchronize_staging()
-
-    def close(self) -> None:
-        """DCP's call after a save: the host buffers are kept for the next one."""
-
-    def release(self) -> None:
-        """The run's end: the host buffers go (pinned memory is unpinned)."""
-        self.inner.close()
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))
+    try:
+        stager.stage({"probe": torch.zeros(1)})
+        inner = getattr(stager, "_state_dict_stager", None)
+        return bool(getattr(inner, "_deepcopy_dispatch", True))  # (a torch without these: trust it)
+    finally:
+        stager.close()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -711,7 +707,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
         if self._stager is not None:  # (its pinned buffers are released; a later save makes a new one)
-            getattr(self._stager, "release", self._stager.close)()
+            self._stager.close()
             self._stager = None
         if self.backup is not None:
             self.backup.wait()
