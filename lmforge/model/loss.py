@@ -22,7 +22,7 @@ chunk by chunk (`chunk` tokens at a time) and, in the same pass, the gradients w
 `hidden` and `weight` (d loss / d logits = softmax - one_hot, then two matmuls). Per chunk:
 
     logits = h_c @ W.T                      [chunk, vocab], compute dtype (bf16 under autocast)
-    lp = log_softmax(logits, dtype=fp32)    one kernel; the bf16 -> fp32 upcast happens inside it
+    lp = log_softmax(logits, dtype=fp32)    (torch casts the logits to fp32 first: a copy)
     nll += -sum(lp[target])                 (ignored targets masked on [chunk] values)
     g = exp_(lp); g[target] -= 1            in place: d(sum NLL)/d logits, fp32, then cast to bf16
     grad_h_c = g @ W;  grad_W += g.T @ (h_c * valid)
@@ -35,7 +35,7 @@ grad_weight ([vocab, d] fp32, the size of the weight). Backward multiplies them 
 scalar gradient, in place. FLOPs equal the plain path's: forward matmul + the two backward matmuls, done in
 the forward (the alternative, recomputing each chunk's logits in backward as torch's own
 checkpointing would, costs a fourth matmul: +33% of the head's FLOPs, for the same memory). Elementwise
-memory traffic per chunk: one compute-dtype write and read, an fp32 write (log_softmax), an fp32
+memory traffic per chunk: one compute-dtype write and read, the fp32 cast, an fp32 write (log_softmax), an fp32
 read + write (exp), and in bf16 one cast; the plain path also materialises an fp32 copy of all the
 logits, the log-softmax autograd keeps, and a same-sized gradient (benchmarks/fused_head.py).
 
@@ -43,8 +43,8 @@ On CUDA the elementwise part of each chunk (everything between the two matmuls) 
 compiled by torch.compile (`chunk_nll_and_grad`, Triton kernels): it reads the compute-dtype logits
 twice (the log-sum-exp, then softmax - one_hot) and writes the gradient once in the compute dtype,
 with no fp32 [chunk, vocab] buffer at all. Measured on an H100 at GPT-2's shape, the eager path's
-fp32 casts, log_softmax, exp_ and cast back took ~67 ms of a 187 ms step (benchmarks/RESULTS.md);
-hand-written CUDA/Triton would do no better than what Inductor makes of these three lines. On the CPU
+fp32 casts, log_softmax, exp_ and cast back took ~45 ms of a 187 ms step; compiled, 9 ms at about
+2.2 TB/s, so a hand-written kernel has little left to win (benchmarks/RESULTS.md). On the CPU
 the eager path is kept (a compile costs more than it saves at the sizes the CPU trains, and the
 tests' bitwise checks stay on the eager numbers); `compiled=True/False` forces either.
 
