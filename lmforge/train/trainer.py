@@ -67,6 +67,32 @@ log = logging.getLogger("lmforge.train")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class StepEvents:
+    """What the loop does after step `step` by count (computed once per step, read by the loop and
+    by the guard): a log line, an evaluation, a checkpoint by step count, the last step. At each of
+    them the loop syncs with the device anyway."""
+
+    log: bool
+    evaluate: bool
+    checkpoint_by_count: bool
+    last: bool
+
+    @classmethod
+    def at(cls, cfg: Config, step: int) -> "StepEvents":
+        t, c = cfg.train, cfg.checkpoint
+        return cls(log=step % t.log_every == 0 or step >= t.steps,
+                   evaluate=bool(t.eval_every and step % t.eval_every == 0 and step < t.steps),
+                   checkpoint_by_count=bool(c.every_steps and step % c.every_steps == 0),
+                   last=step >= t.steps)
+
+    @property
+    def syncs(self) -> bool:
+        """The loop reads device values at this step anyway: the guard books its verdict here, so
+        events, rollbacks and the saved guard state are those of the host check at the same step."""
+        return self.log or self.evaluate or self.checkpoint_by_count or self.last
+
+
 @dataclass
 class TrainResult:
     """What a finished run reports (also written to `summary.json` in the run folder)."""
@@ -329,10 +355,11 @@ class Trainer:
             self.profiler.step_end(st.step)
             window.add_step(step_tokens, data_s)
             pending.append((st.step, loss, grad_norm, lr, st.tokens_seen, data_s, dict(self.layout.moe_stats)))
-            if self._guard_pending is not None and self.guard_books_now():
+            due = StepEvents.at(cfg, st.step)
+            if self._guard_pending is not None and due.syncs:
                 self.book_guard()
 
-            if st.step % t.log_every == 0 or st.step == t.steps or self._rollback_requested:
+            if due.log or self._rollback_requested:
                 if self.device.type == "cuda":  # the log line's one sync, before timing the window
                     torch.cuda.synchronize(self.device)
                 self.log_window(pending, window.take(), history, progress)
@@ -341,11 +368,11 @@ class Trainer:
             if self._rollback_requested:
                 self.rollback()
                 continue
-            if t.eval_every and st.step % t.eval_every == 0 and st.step < t.steps:
+            if due.evaluate:
                 eval_t0 = time.perf_counter()
                 self.validate(progress)
                 window.add_eval(time.perf_counter() - eval_t0)
-            if (st.step < t.steps or not cfg.checkpoint.save_final) and self.checkpoint_due(last_save_time):
+            if (not due.last or not cfg.checkpoint.save_final) and self.checkpoint_due(last_save_time, due):
                 st.last_loss = float(loss)
                 self.save_checkpoint()
                 last_save_time = time.time()
@@ -441,7 +468,7 @@ class Trainer:
         host check would see; then "finite, and <= the history's limits" (`SpikeGuard.limits`,
         compared in float64 like `SpikeGuard.check`) is computed on the device. So every verdict is the
         host check's, booked (events) one step late. The host waits for this step's values only where
-        the loop syncs anyway (`guard_books_now`), before a checkpoint, and while a bad step would
+        the loop syncs anyway (`StepEvents.syncs`), before a checkpoint, and while a bad step would
         ask for a rollback (`guard.rollback_after - 1` skipped steps in a row already; with
         rollback_after = 1: every step), so that a rollback happens at the step the host check
         asks for it."""
@@ -464,14 +491,6 @@ class Trainer:
         if g.rollback_after > 0 and g.consecutive + 1 >= g.rollback_after:
             self.book_guard()  # (a bad step now rolls back: known in this step, as the host check knows it)
         return ok
-
-    def guard_books_now(self) -> bool:
-        """Steps at which the loop syncs anyway (log line, evaluation, checkpoint by step count, the
-        last step): the guard books this step's verdict there, so events, rollbacks and the saved guard
-        state are those of the host check at the same step."""
-        t, c, step = self.cfg.train, self.cfg.checkpoint, self.state.step
-        return (step % t.log_every == 0 or step >= t.steps or bool(t.eval_every and step % t.eval_every == 0)
-                or bool(c.every_steps and step % c.every_steps == 0))
 
     def book_guard(self) -> None:
         """Book the verdict of the last step judged on the device (`guard_verdict_on_device`)."""
@@ -527,13 +546,13 @@ class Trainer:
                         "message": f"rolled back to {path.name} (step {self.state.step}); batches {bad} will be "
                                    f"skipped"})
 
-    def checkpoint_due(self, last_save_time: float) -> bool:
+    def checkpoint_due(self, last_save_time: float, due: StepEvents) -> bool:
         """Periodic checkpoint now? By step count, or by rank 0's clock, read at log steps and
         broadcast over the host (gloo) group, where a CPU tensor is legal on every backend."""
         c = self.cfg.checkpoint
-        if c.every_steps and self.state.step % c.every_steps == 0:
+        if due.checkpoint_by_count:
             return True
-        if c.every_minutes > 0 and self.state.step % self.cfg.train.log_every == 0:  # (at log steps: no extra sync)
+        if c.every_minutes > 0 and due.log:  # (at log steps: no extra sync)
             due = torch.tensor([1 if time.time() - last_save_time >= 60 * c.every_minutes else 0])
             if self.dist.distributed:
                 torch.distributed.broadcast(due, src=0, group=self.dist.host_group)
