@@ -169,3 +169,28 @@ def test_loss_peak_bytes_equal_the_plan_fp32(chunk):
             F.cross_entropy((h @ w.t()).float(), y, reduction="sum").backward()
     left_out = 9 * min(chunk, n) + 4 if chunk else 8
     assert live.peak == kept + transient + left_out
+
+
+# Peak torch.cuda.max_memory_allocated over the timed steps, one H100 80GB, torch 2.11, bf16, fused
+# AdamW, per-block compile: `benchmarks/train_throughput.py --no-reference` with these overrides
+# (issue 33). (llama-1b with activation_checkpoint = none, 32.35 GB, is planned 20% high: the plan
+# counts what eager autograd saves in the blocks, and compiled blocks save less.)
+_H100_PEAKS = [
+    ("gpt2-124m", ["train.micro_batch_size=16", "train.global_batch_size=64", "train.loss_chunk=4096"], 9.05e9),
+    ("gpt2-124m", ["train.micro_batch_size=16", "train.global_batch_size=64", "train.loss_chunk=0"], 17.45e9),
+    ("llama-1b", ["train.micro_batch_size=4", "train.global_batch_size=16", "train.loss_chunk=4096",
+                  "train.activation_checkpoint=selective"], 28.60e9),
+]
+
+
+@pytest.mark.parametrize("preset,sets,measured", _H100_PEAKS, ids=["gpt2-chunked", "gpt2-plain", "llama-1b-selective"])
+def test_plan_is_within_10_percent_of_the_h100_peaks(capsys, preset, sets, measured):
+    """Issue 33's target: `lmforge plan --weights lmforge` within 10% of the measured peak (before:
+    gpt2 chunked 29% high, gpt2 plain 33% low)."""
+    from lmforge.plan.cli_plan import plan_main
+
+    argv = ["--model", preset, "--gpus", "1xH100", "--weights", "lmforge", "--json",
+            "--set", "train.compile=true"] + [a for kv in sets for a in ("--set", kv)]
+    assert plan_main(argv) == 0
+    planned = json.loads(capsys.readouterr().out)["memory"]["lmforge"]["bytes"]["total"]
+    assert abs(planned / measured - 1) < 0.10, (planned / 1e9, measured / 1e9)

@@ -128,10 +128,10 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
       grad_weight, c(half V + 2 half d) + half Vd, and (d) backward's 16-bit weight gradient
       (the head's 16-bit copy) beside its fp32 cast, 2Vd. The fp32 eager path that CPUs run
       holds the same buffers (tests/test_plan_loss_chunk.py measures them); CPU bf16 runs hold
-      fp32 [c, V] buffers the planner does not plan for. Under TP only the tensor-parallel parts
-    are divided by t: SP's sharding of the norms' inputs is not credited yet (an overestimate),
-    and ZeRO-1's optimizer shard is taken as FSDP's even chunk (ZeroRedundancyOptimizer assigns
-    whole tensors, so its worst rank may hold slightly more).
+      fp32 [c, V] buffers the planner does not plan for.
+    Under TP only the tensor-parallel parts are divided by t: SP's sharding of the norms' inputs
+    is not credited yet (an overestimate), and ZeRO-1's optimizer shard is taken as FSDP's even
+    chunk (ZeroRedundancyOptimizer assigns whole tensors, so its worst rank may hold slightly more).
 
 Context parallelism (`cp`, lmforge.parallel.context_parallel; all conventions): a CP rank holds
 seq_len / cp tokens of every sequence (chunks i and 2cp-1-i) and all-gathers the K and V of the
