@@ -194,3 +194,18 @@ def test_plan_is_within_10_percent_of_the_h100_peaks(capsys, preset, sets, measu
     assert plan_main(argv) == 0
     planned = json.loads(capsys.readouterr().out)["memory"]["lmforge"]["bytes"]["total"]
     assert abs(planned / measured - 1) < 0.10, (planned / 1e9, measured / 1e9)
+
+
+def test_search_plans_the_chunked_loss_where_lmforge_runs_it():
+    """With the run's config, the search's layouts with tp = pp = 1 carry train.loss_chunk ("auto":
+    4096 on GPUs) and the others 0; without a config, 0 everywhere."""
+    from lmforge.plan.hardware import parse_cluster
+    from lmforge.plan.search import search_layouts
+
+    cfg = load_config("gpt2-124m")
+    cands = search_layouts(cfg.model, parse_cluster("4xH100"), 64, 1024, config=cfg, top=None, include_unfit=True)
+    chunks = {(c.layout.tp, c.layout.pp, c.layout.loss_chunk) for c in cands}
+    assert {lc for tp, pp, lc in chunks if tp == pp == 1} == {4096}
+    assert {lc for tp, pp, lc in chunks if tp > 1 or pp > 1} == {0}
+    bare = search_layouts(cfg.model, parse_cluster("4xH100"), 64, 1024, top=None)
+    assert {c.layout.loss_chunk for c in bare} == {0}
