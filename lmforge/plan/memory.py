@@ -340,7 +340,8 @@ class Layout:
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
         """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
-        ac_every offload precision reduce_every ep loss_chunk); unknown keys or bad values raise ValueError naming them."""
+        ac_every offload precision reduce_every ep loss_chunk); unknown keys or bad values raise
+        ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
             if "=" not in item:
