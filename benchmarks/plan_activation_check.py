@@ -11,13 +11,17 @@ the step's `Precision.step`, which casts each weight to 16 bits once per step, a
 and compare with the estimate (`estimate_memory(..., weights="lmforge")`):
 
   est_fwd  = activations + the step's 16-bit weight copies (+ RoPE tables for blocks kept)
-  est_peak = est_fwd + gradients (fp32, allocated during backward)
+  est_peak = est_fwd + gradients (fp32, allocated during backward) + the loss's transient
+             (`loss_transient`: the plain loss's backward, or one chunk of the chunked loss)
 
 printing both and the ratio measured / estimated. On a machine without CUDA it says so and exits
 (status 0); `--cpu-saved` instead compares, on CPU, with the bytes autograd saves plus the 16-bit
 copies the step holds (`step_bytes`, what the tests assert exactly).
 
-    python benchmarks/plan_activation_check.py [--batch 8] [--seq 1024] [--json out.json] [--cpu-saved]
+With `--loss-chunk N` the loss is the model's chunked, fused head + cross-entropy
+(train.loss_chunk = N, lmforge.model.loss.linear_cross_entropy_sum), planned with loss_chunk = N.
+
+    python benchmarks/plan_activation_check.py [--batch 8] [--seq 1024] [--loss-chunk 0] [--json out.json] [--cpu-saved]
 """
 
 from __future__ import annotations
@@ -42,21 +46,22 @@ CASES = [("tiny", None), ("gpt2-124m", None)]
 MODES = ("none", "full", "every_k", "selective")
 
 
-def _estimate(cfg, b: int, s: int, ac: str):
-    mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac), "adamw", s, weights="lmforge")
+def _estimate(cfg, b: int, s: int, ac: str, loss_chunk: int = 0):
+    mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac, loss_chunk=loss_chunk), "adamw", s, weights="lmforge")
     fwd = mem.activations + mem.detail["autocast_weight_copies"]
     if ac != "full":
         fwd += mem.detail.get("rope_tables", 0)
     return mem, fwd
 
 
-def step_bytes(model, batches, dtype=torch.bfloat16) -> tuple[int, int, int, int]:
+def step_bytes(model, batches, dtype=torch.bfloat16, loss_chunk: int = 0) -> tuple[int, int, int, int]:
     """The trainer's step on CPU: the forwards of `batches` inside the step's `Precision.step` (one
     16-bit copy of each weight for the step) and autocast, each micro-batch's graph kept (as a
     pipeline schedule keeps those in flight), then one backward in the same context. Returns (bytes
     of the unique storages autograd saves or the step's copies hold, bytes of the 16-bit parameter
     copies alive after the forwards, after the backward, and after the step exits). The parameters
-    themselves are not counted."""
+    themselves are not counted. `loss_chunk` > 0: the model's chunked, fused head + cross-entropy
+    (train.loss_chunk; what it saves is its gradients, grad_hidden and grad_weight)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -85,14 +90,15 @@ def step_bytes(model, batches, dtype=torch.bfloat16) -> tuple[int, int, int, int
             step.enter_context(precision.step(model))  # (the copies are made here: the spy sees them)
         with precision.autocast():
             with CastSpy(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                losses = [F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()) for x in batches]
+                losses = [model(x, targets=x, loss_chunk=loss_chunk) if loss_chunk else
+                          F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()) for x in batches]
             copies = alive()
             sum(losses).backward()
             after_backward = sum(alive().values())
     return sum((saved | copies).values()), sum(copies.values()), after_backward, sum(alive().values())
 
 
-def run_cuda(batch: int, seq: int) -> list[dict]:
+def run_cuda(batch: int, seq: int, loss_chunk: int = 0) -> list[dict]:
     rows = []
     dev = torch.device("cuda")
     for preset, _ in CASES:
@@ -106,6 +112,8 @@ def run_cuda(batch: int, seq: int) -> list[dict]:
             x = torch.randint(0, cfg.model.vocab_size, (batch, s), device=dev)
 
             def loss_fn():
+                if loss_chunk:  # the trainer's chunked loss: summed NLL, scaled like the mean
+                    return model(x, targets=x, loss_chunk=loss_chunk) / x.numel()
                 return F.cross_entropy(model(x).float().flatten(0, 1), x.flatten())
 
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -123,9 +131,10 @@ def run_cuda(batch: int, seq: int) -> list[dict]:
                 loss.backward()
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
-            mem, est_fwd = _estimate(cfg, batch, s, ac)
-            est_peak = est_fwd + mem.gradients
-            rows.append({"preset": preset, "ac": ac, "batch": batch, "seq": s, "measured_fwd": fwd,
+            mem, est_fwd = _estimate(cfg, batch, s, ac, loss_chunk)
+            est_peak = est_fwd + mem.gradients + mem.detail["loss_transient"]
+            rows.append({"preset": preset, "ac": ac, "batch": batch, "seq": s, "loss_chunk": loss_chunk,
+                         "measured_fwd": fwd,
                          "estimated_fwd": est_fwd, "ratio_fwd": fwd / est_fwd, "measured_peak": peak,
                          "estimated_peak": est_peak, "ratio_peak": peak / est_peak})
             del model, opt, x, loss
@@ -158,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-saved", action="store_true",
                     help="compare with autograd's saved tensors + autocast's cached copies on CPU instead")
     ap.add_argument("--micro-batches", type=int, default=1, help="--cpu-saved: forwards kept in flight in one step")
+    ap.add_argument("--loss-chunk", type=int, default=0,
+                    help="CUDA: the chunked fused loss over N-token chunks (train.loss_chunk = N); 0 = plain logits")
     args = ap.parse_args(argv)
     if args.cpu_saved:
         rows = run_cpu_saved(min(args.batch, 2), min(args.seq, 64), args.micro_batches)
@@ -170,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             print("plan_activation_check: no CUDA device on this machine; the GPU comparison needs one "
                   "(run it in a GPU session; --cpu-saved compares with autograd's saved tensors on CPU).")
             return 0
-        rows = run_cuda(args.batch, args.seq)
+        rows = run_cuda(args.batch, args.seq, args.loss_chunk)
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
         for r in rows:
-            print(f"{r['preset']:<10} ac={r['ac']:<9} b={r['batch']} s={r['seq']}: "
+            print(f"{r['preset']:<10} ac={r['ac']:<9} b={r['batch']} s={r['seq']} loss_chunk={r['loss_chunk']}: "
                   f"fwd measured {r['measured_fwd'] / 1e9:7.3f} GB est {r['estimated_fwd'] / 1e9:7.3f} GB ratio {r['ratio_fwd']:.3f} | "
                   f"peak measured {r['measured_peak'] / 1e9:7.3f} GB est {r['estimated_peak'] / 1e9:7.3f} GB ratio {r['ratio_peak']:.3f}")
     if args.json:

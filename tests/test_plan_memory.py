@@ -356,7 +356,7 @@ def _small_model(preset: str, overrides: dict):
     return cfg, build_model(cfg.model, "cpu", seed=0)
 
 
-def _step_bytes(model, batches):
+def _step_bytes(model, batches, loss_chunk: int = 0):
     """benchmarks/plan_activation_check.py's `step_bytes`: the trainer's step (all micro-batches'
     forwards and the backward inside ONE bf16 autocast context), measured on CPU."""
     import importlib.util
@@ -369,7 +369,7 @@ def _step_bytes(model, batches):
         spec = importlib.util.spec_from_file_location(name, path)
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name].step_bytes(model, batches)
+    return sys.modules[name].step_bytes(model, batches, loss_chunk=loss_chunk)
 
 
 @pytest.mark.parametrize("preset,overrides", _SMALL_CASES, ids=[c[0] for c in _SMALL_CASES])
@@ -403,6 +403,29 @@ def test_lmforge_step_memory_equals_saved_tensors_and_autocast_copies(preset, ov
     assert piped.detail["micro_batches_in_flight"] == 8
     assert piped.detail["autocast_weight_copies"] == sum(
         2 * math.prod(sp.shape) for sp in stage_specs(cfg.model, 2, piped.stage) if sp.matmul)
+
+
+@pytest.mark.parametrize("preset,overrides", _SMALL_CASES, ids=[c[0] for c in _SMALL_CASES])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_chunked_step_saves_exactly_the_planned_activations(preset, overrides, ac):
+    """The trainer's bf16 step on CPU with train.loss_chunk: what autograd saves (the blocks, the
+    final norm, and the chunked loss's grad_hidden and fp32 grad_weight) plus the step's 16-bit weight
+    copies equals the plan byte for byte, with 1 and with 2 micro-batches in flight."""
+    from lmforge.parallel.activation_ckpt import apply_activation_checkpointing
+
+    cfg, model = _small_model(preset, overrides)
+    apply_activation_checkpointing(model.blocks, ac)
+    s, b, chunk = 32, 2, 24  # 64 tokens: chunks of 24, 24 and 16
+    batches = [torch.randint(0, cfg.model.vocab_size, (b, s)) for _ in range(2)]
+    one, copies, _, _ = _step_bytes(model, batches[:1], loss_chunk=chunk)
+    two, _, _, _ = _step_bytes(model, batches, loss_chunk=chunk)
+    mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac, loss_chunk=chunk), "adamw", s, weights="lmforge")
+    plain = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac), "adamw", s, weights="lmforge")
+    rope = mem.detail.get("rope_tables", 0) if ac != "full" else 0
+    assert copies == mem.detail["autocast_weight_copies"]
+    assert one == mem.activations + copies + rope
+    assert two == 2 * mem.activations + copies + rope
+    assert mem.activations != plain.activations
 
 
 def test_lmforge_fsdp_layouts_cast_nothing_and_hold_gathered_16_bit_weights():

@@ -342,12 +342,14 @@ def planned_memory_gb(res: dict) -> float | None:
     """`lmforge plan --weights lmforge` for the throughput run's model and layout (one GPU), GB."""
     try:
         from lmforge.config import load_config
-        from lmforge.plan.memory import Layout, estimate_memory
+        from lmforge.plan.memory import Layout, estimate_memory, planned_loss_chunk
 
         c = res["config"]
         cfg = load_config(c["preset"], c["overrides"])
         layout = Layout(micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps,
-                        ac=cfg.train.activation_checkpoint, precision=c["precision"])
+                        ac=cfg.train.activation_checkpoint, precision=c["precision"],
+                        # the loss_chunk the run resolved (train_throughput.py records it), else CUDA's
+                        loss_chunk=c.get("loss_chunk", planned_loss_chunk(cfg, c["precision"])))
         mem = estimate_memory(cfg.model, layout, optimizer=cfg.optim.name, seq_len=cfg.data.seq_len, weights="lmforge",
                               model_name=c["preset"])
         return mem.total / 1e9

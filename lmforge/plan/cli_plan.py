@@ -11,7 +11,8 @@ Defaults come from the model's config: sequence length `data.seq_len`, global ba
 `train.global_batch_size` x seq_len tokens, training tokens those of the config's run
 (`train.steps` steps, the batch ramp-up included),
 optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device has it, else fp16, else fp32), micro-batch `train.micro_batch_size`,
-activation checkpointing `train.activation_checkpoint`, tp/pp/cp from `[parallel]`; the default
+activation checkpointing `train.activation_checkpoint`, the chunked loss `train.loss_chunk` (as resolved on
+CUDA; 0 under tp or pp > 1; layout key loss_chunk=N overrides it), tp/pp/cp from `[parallel]`; the default
 layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
 
 Memory is shown under each convention asked for (`--weights`, default all three: "lmforge" =
@@ -28,7 +29,7 @@ import sys
 
 from lmforge.plan.flops import config_train_tokens, estimate_step
 from lmforge.plan.hardware import load_devices, parse_cluster
-from lmforge.plan.memory import CONVENTIONS, Layout, estimate_memory
+from lmforge.plan.memory import CONVENTIONS, Layout, estimate_memory, planned_loss_chunk
 from lmforge.plan.report import candidates_table, memory_table, step_table, to_json
 from lmforge.plan.search import search_layouts
 
@@ -72,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", required=True, help="cluster: 8xA100-80GB (one node), 64x8xH100 (nodes x GPUs x device) or H100")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (multiplies a one-node --gpus spec)")
     p.add_argument("--layout", default=None,
-                   help="dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ga=4,ac=full,sp=1,sched=1f1b,v=1,offload=0 (cp: context "
-                        "parallelism, cp divides seq_len / 2; dp left out fills the cluster)")
+                   help="dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ga=4,ac=full,sp=1,sched=1f1b,v=1,offload=0,"
+                        "loss_chunk=4096 (cp: context parallelism, cp divides seq_len / 2; dp left out fills the "
+                        "cluster; loss_chunk left out: train.loss_chunk as resolved on CUDA)")
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step, a multiple of the sequence length (default: from the config)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: data.seq_len)")
@@ -144,8 +146,11 @@ def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_
     base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": tr.micro_batch_size,
             "ac": tr.activation_checkpoint, "ac_every": tr.ac_every, "precision": precision,
             "zero": 3 if par.dp_shard > 1 else 0, "fsdp_reduce_every_micro_batch": par.fsdp_reduce_every_micro_batch}
-    given = Layout.parse(layout_text or "", **base).validate(cfg.model, seq_len)  # values, then vs. the model
     explicit = {item.split("=", 1)[0].strip().lower() for item in (layout_text or "").split(",") if "=" in item}
+    given = Layout.parse(layout_text or "", **base)
+    if "loss_chunk" not in explicit:  # train.loss_chunk as lmforge runs it on GPUs under this tp / pp
+        given.loss_chunk = planned_loss_chunk(cfg, precision, given.tp, given.pp)
+    given.validate(cfg.model, seq_len)  # values, then vs. the model
     model_ranks = given.cp * given.tp * given.pp  # the GPUs that one data-parallel replica spans
     if not ({"dp"} & explicit):
         if world % model_ranks:

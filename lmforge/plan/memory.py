@@ -102,12 +102,36 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
     themselves, 8 in all),
     MLP = 8F + 4 (SwiGLU) or 4F + 2 (GELU), plus norm statistics and the attention log-sum-exp
     (4bas); full recompute keeps the fp32 block input, 4sbh. Outside the blocks: token ids, the
-    final norm, and the fp32 log-softmax of the logits (4sbV). These are byte-exact against
-    autograd's saved tensors on CPU (tests); CUDA kernels may differ slightly
-    (benchmarks/plan_activation_check.py measures it). Under TP only the tensor-parallel parts
-    are divided by t: SP's sharding of the norms' inputs is not credited yet (an overestimate),
-    and ZeRO-1's optimizer shard is taken as FSDP's even chunk (ZeroRedundancyOptimizer assigns
-    whole tensors, so its worst rank may hold slightly more).
+    final norm, and the output head + loss below. These are byte-exact against autograd's saved
+    tensors on CPU (tests); CUDA kernels may differ slightly, and per-block torch.compile saves
+    less than eager autograd (benchmarks/plan_activation_check.py measures it).
+
+    The output head and the loss (`lmforge_loss_bytes`; n = sb tokens of the micro-batch, V the
+    vocabulary, d the width, c = min(train.loss_chunk, n), `half` = 2, 4 in fp32 runs; what is
+    kept for backward goes into the activations, the loss's worst moment on top of it into the
+    buffer `loss_transient`, once per step whatever the micro-batches in flight). The layout's
+    `loss_chunk` is train.loss_chunk as lmforge resolves it on CUDA (`planned_loss_chunk`):
+    - plain logits (loss_chunk = 0; every layout with tp or pp > 1): the head's matmul keeps its
+      16-bit input (half sbh), F.cross_entropy keeps the fp32 log-softmax, 4nV (/t under TP), and
+      nll_loss a 4-byte total weight. Forward holds the 16-bit logits and their fp32 copy briefly
+      (half + 4 bytes a logit), but backward holds more: nll_loss's backward makes a dense fp32
+      gradient of the log-softmax, and log_softmax's backward the fp32 gradient of the logits,
+      both while the kept log-softmax is alive: transient 8nV (/t);
+    - chunked (loss_chunk = c > 0; `lmforge.model.loss.linear_cross_entropy_sum`, on CUDA with
+      its compiled per-chunk elementwise part, no fp32 [c, V] buffer): no logits are kept and the
+      head's input is not copied; kept are grad_hidden, the size of the head's fp32 input (4nd),
+      and grad_weight in fp32 (4Vd). Transient: the worst of (a) chunk 1: its 16-bit logits and
+      gradient, c(2 half V + half d) (half d: its hidden rows cast to 16 bits; a view in fp32);
+      (b) chunk 2 (n > c), while chunk 1's gradient and masked hidden rows are still bound in the
+      loop: c half (V + d) + c2 (2 half V + half d), c2 = min(c, n - c); and in 16-bit runs (c)
+      the weight-gradient product g^T h made in 16 bits before it is added to the fp32
+      grad_weight, c(half V + 2 half d) + half Vd, and (d) backward's 16-bit weight gradient
+      (the head's 16-bit copy) beside its fp32 cast, 2Vd. The fp32 eager path that CPUs run
+      holds the same buffers (tests/test_plan_loss_chunk.py measures them); CPU bf16 runs hold
+      fp32 [c, V] buffers the planner does not plan for.
+    Under TP only the tensor-parallel parts are divided by t: SP's sharding of the norms' inputs
+    is not credited yet (an overestimate), and ZeRO-1's optimizer shard is taken as FSDP's even
+    chunk (ZeroRedundancyOptimizer assigns whole tensors, so its worst rank may hold slightly more).
 
 Context parallelism (`cp`, lmforge.parallel.context_parallel; all conventions): a CP rank holds
 seq_len / cp tokens of every sequence (chunks i and 2cp-1-i) and all-gathers the K and V of the
@@ -143,6 +167,7 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.config.base import divisors
+from lmforge.config.rules import resolve_loss_chunk
 from lmforge.model.accounting import mlp_activation_width
 from lmforge.optim.registry import REGISTRY
 from lmforge.optim.state_memory import OPTIMIZER_NAMES, optimizer_state_bytes_per_param
@@ -203,6 +228,8 @@ class Layout:
     precision: str = "bf16"       # bf16 | fp16 | fp32 | fp8
     fsdp_reduce_every_micro_batch: bool = False  # FSDP2: reduce-scatter after every micro-batch (not pp > 1)
     ep: int = 1                   # expert parallelism (MoE): experts split over ep of the dp ranks
+    loss_chunk: int = 0           # train.loss_chunk as resolved (`planned_loss_chunk`): 0 = plain logits +
+    #                               F.cross_entropy, N = the head fused with the loss over N-token chunks
 
     @property
     def world_size(self) -> int:
@@ -230,6 +257,13 @@ class Layout:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"layout {key} = {value!r} must be an integer >= 1")
+        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
+            raise ValueError(f"layout loss_chunk = {self.loss_chunk!r} must be an integer >= 0 (0 = the plain "
+                             f"logits; N = the cross-entropy fused with the head over N-token chunks)")
+        if self.loss_chunk and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"layout loss_chunk = {self.loss_chunk} needs tp = pp = 1 (lmforge runs the chunked "
+                             f"loss only there, as train.loss_chunk does); set loss_chunk=0 with tp = {self.tp}, "
+                             f"pp = {self.pp}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"layout zero = {self.zero!r} must be 0, 1, 2 or 3")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -290,6 +324,8 @@ class Layout:
             s += ",reduce_every=1"
         if self.ep > 1:
             s += f",ep={self.ep}"
+        if self.loss_chunk:
+            s += f",loss_chunk={self.loss_chunk}"
         return s
 
     _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
@@ -298,12 +334,14 @@ class Layout:
              "ga": "grad_accum", "grad_accum": "grad_accum", "m": "grad_accum", "ac": "ac",
              "ac_every": "ac_every", "offload": "cpu_offload", "cpu_offload": "cpu_offload",
              "precision": "precision", "dtype": "precision", "reduce_every": "fsdp_reduce_every_micro_batch",
-             "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch", "ep": "ep"}
+             "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch", "ep": "ep",
+             "loss_chunk": "loss_chunk"}
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
         """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
-        ac_every offload precision reduce_every ep); unknown keys or bad values raise ValueError naming them."""
+        ac_every offload precision reduce_every ep loss_chunk); unknown keys or bad values raise
+        ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
             if "=" not in item:
@@ -324,6 +362,16 @@ class Layout:
                 except ValueError:
                     raise ValueError(f"layout {key} = {value!r} must be an integer") from None
         return cls(**kw).validate()
+
+
+def planned_loss_chunk(config, precision: str, tp: int = 1, pp: int = 1) -> int:
+    """`Layout.loss_chunk` for a run of `config` (a `lmforge.config.Config`) on GPUs in `precision`
+    under tp / pp: train.loss_chunk as lmforge resolves it on CUDA
+    (`lmforge.config.rules.resolve_loss_chunk`: "auto" = 4096-token chunks for a vocabulary of at
+    least 8192), and 0 where the layout has tp > 1 or pp > 1 (lmforge runs the plain logits there)."""
+    if tp > 1 or pp > 1:
+        return 0
+    return resolve_loss_chunk(config, "cuda", precision)
 
 
 # --------------------------------------------------------------------------------------------
@@ -771,8 +819,41 @@ def _extras(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, sta
         normed = 4 if cfg.norm == "rmsnorm" else 0
         stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b
         targets = 8 * s * b if layout.cp > 1 else 0  # (one process: a view of the ids' storage)
-        out["output"] = sbh * (4 + normed + half) + stats + 4 * s * b * V / t + 4 + targets  # + fp32 log-softmax
+        kept, _ = lmforge_loss_bytes(cfg, layout, seq_len)
+        if layout.loss_chunk:  # the head's input is read by the loss itself: no 16-bit copy saved
+            out["output"] = sbh * (4 + normed) + stats + kept + targets
+        else:  # + the head input's 16-bit copy, the fp32 log-softmax (kept) and nll_loss's fp32 total weight
+            out["output"] = sbh * (4 + normed + half) + stats + kept + 4 + targets
     return out
+
+
+def lmforge_loss_bytes(cfg: ModelConfig, layout: Layout, seq_len: int) -> tuple[float, float]:
+    """(kept, transient): bytes of the last stage's output head + cross-entropy for one micro-batch
+    (lmforge convention): what it keeps for backward, and what it allocates on top of that at its
+    worst moment (a peak of the step, counted once as the buffer `loss_transient`, whatever the
+    micro-batches in flight). n = b s / cp tokens, V the vocabulary (/ t under TP), d the model
+    width, c the chunk, `half` the compute dtype's bytes (4 in fp32 runs). Module docstring:
+    "The output head and the loss"."""
+    n = (seq_len // layout.cp) * layout.micro_batch
+    V, d, t = cfg.vocab_size, cfg.dim, layout.tp
+    half = 4 if layout.precision == "fp32" else 2
+    if not layout.loss_chunk:
+        # kept: the fp32 log-softmax; backward: nll_loss's dense fp32 gradient of it and log_softmax's
+        # fp32 gradient of the logits, both alive with the kept one (more than the forward's 16-bit
+        # logits + fp32 copy)
+        return 4 * n * V / t, 8 * n * V / t
+    c = min(layout.loss_chunk, n)
+    kept = 4 * n * d + 4 * V * d  # grad_hidden (the fp32 norm output's size) and the fp32 grad_weight
+    cast = half * d if half == 2 else 0  # a chunk's hidden rows in the compute dtype (fp32: a view)
+    moments = [c * (2 * half * V + cast)]  # chunk 1: its logits + its gradient (softmax - one_hot)
+    if n > c:  # chunk 2: chunk 1's gradient and masked hidden rows are still bound while it runs
+        c2 = min(c, n - c)
+        moments.append(c * half * (V + d) + c2 * (2 * half * V + cast))
+    if half == 2:
+        # g.T @ hidden in 16 bits before it is added into the fp32 grad_weight; and in backward the
+        # weight gradient returned in 16 bits (the head's 16-bit copy) beside its fp32 cast
+        moments += [c * (half * V + cast + half * d) + half * V * d, 2 * V * d]
+    return kept, max(moments)
 
 
 @dataclass(frozen=True)
@@ -889,8 +970,9 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     - ``validation``: what persists between steps (weights, optimizer state; gradients only where
       they are DDP's buckets: elsewhere the step frees them), the FSDP2 blocks gathered at a time
       (weights gathered in the run's precision), and a forward without autograd: one layer's
-      temporaries (at most what the layer saves for backward) and the logits of one micro-batch in
-      16 bits plus their fp32 copy for the cross-entropy (split over the vocabulary under TP);
+      temporaries (at most what the layer saves for backward) and the plain cross-entropy of one
+      micro-batch (evaluation does not chunk it): its logits in 16 bits, their fp32 copy and the
+      fp32 log-softmax, 10 bytes a logit (fp32 runs: 8), split over the vocabulary under TP;
     - ``final_save``: what persists, plus one whole parameter gathered on every rank of its shard
       group (the largest, fp32; rank 0's copy of it goes to host memory, then to the file)."""
     specs = stage_specs(cfg, layout.pp, stage)
@@ -899,7 +981,11 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     persistent = comp["weights"] + comp["master_weights"] + comp["optimizer_states"] + \
         (comp["gradients"] if keeps_grads else 0.0) + buffers.get("rope_tables", 0.0)
     half = 4 if layout.precision == "fp32" else 2
-    logits = (half + 4) * layout.micro_batch * (seq_len // layout.cp) * cfg.vocab_size / layout.tp \
+    # evaluation runs the plain logits whatever train.loss_chunk (lmforge.eval.perplexity): the 16-bit
+    # logits, token_nll_sum's fp32 copy of them (fp32 runs: the logits themselves) and the fp32
+    # log-softmax inside F.cross_entropy, all alive at once
+    per_logit = half + (4 if half == 2 else 0) + 4
+    logits = per_logit * layout.micro_batch * (seq_len // layout.cp) * cfg.vocab_size / layout.tp \
         if stage == layout.pp - 1 else 0.0
     layer = _lmforge_activation_per_layer(cfg, layout, seq_len // layout.cp, "none")
     working = buffers.get("fsdp_gathered_weights", 0.0) + layer + logits
@@ -953,6 +1039,8 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
     # Buffers.
     if convention == "lmforge":
         buffers = _lmforge_buffers(cfg, layout, states, seq_len)
+        if stage == layout.pp - 1:
+            buffers["loss_transient"] = lmforge_loss_bytes(cfg, layout, seq_len)[1]
     else:
         buffers = _literature_buffers(layout, states, convention)
     detail.update(buffers)

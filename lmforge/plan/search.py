@@ -36,7 +36,7 @@ from typing import Any
 from lmforge.config import Config, ConfigError, ModelConfig
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
-from lmforge.plan.memory import Layout, MemoryBreakdown, check_convention, estimate_memory
+from lmforge.plan.memory import Layout, MemoryBreakdown, check_convention, estimate_memory, planned_loss_chunk
 
 SIMPLER_MARGIN = 0.03
 CP_MIN_TOKENS_PER_RANK = 4096  # the search tries context parallelism down to this many tokens per rank
@@ -115,11 +115,13 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                       zero_stages: tuple[int, ...] = (0, 1, 2, 3), ac_modes: tuple[str, ...] = ("none", "selective", "full"),
                       precision: str = "bf16", max_micro_batch: int = 16, allow_offload: bool = False,
                       interleaved: bool = True, seq_len: int | None = None,
-                      cp_min_tokens: int = CP_MIN_TOKENS_PER_RANK, reduce_every: bool = False) -> list[Layout]:
+                      cp_min_tokens: int = CP_MIN_TOKENS_PER_RANK, reduce_every: bool = False,
+                      loss_chunk: int = 0) -> list[Layout]:
     """Every layout that uses all GPUs and divides the global batch (in sequences) exactly; with
     `seq_len`, context-parallel degrees too (`cp_degrees`); with `reduce_every`, FSDP layouts that
     accumulate (grad_accum > 1, no pipeline) also with fsdp_reduce_every_micro_batch (sharded
-    gradients between micro-batches, at grad_accum x the reduce-scatter traffic)."""
+    gradients between micro-batches, at grad_accum x the reduce-scatter traffic). `loss_chunk`
+    (train.loss_chunk as resolved) goes to the layouts with tp = pp = 1, which run the chunked loss."""
     world = cluster.world_size
     out: list[Layout] = []
     for tp, cp in ((tp, cp) for tp in _pow2_upto(cluster.gpus_per_node) for cp in cp_degrees(seq_len, world, cp_min_tokens)):
@@ -159,7 +161,8 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                                     out.append(Layout(dp=dp, zero=zero, cp=cp, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
                                                       virtual_stages=v, micro_batch=mb, grad_accum=ga, ac=ac,
                                                       cpu_offload=offload, precision=precision,
-                                                      fsdp_reduce_every_micro_batch=re, ep=ep))
+                                                      fsdp_reduce_every_micro_batch=re, ep=ep,
+                                                      loss_chunk=loss_chunk if tp == pp == 1 else 0))
     return out
 
 
@@ -278,6 +281,8 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
         raise ValueError(f"margin = {margin} must be in [0, 1)")
     # (reduce_every changes lmforge's FSDP memory and traffic only: the literature conventions count neither)
     enum_kw.setdefault("reduce_every", weights == "lmforge")
+    if config is not None:  # the run's train.loss_chunk, as lmforge resolves it on GPUs
+        enum_kw.setdefault("loss_chunk", planned_loss_chunk(config, precision))
     layouts = enumerate_layouts(model_cfg, cluster, global_batch, precision=precision, seq_len=seq_len, **enum_kw)
     if not layouts:
         raise ValueError(f"no layout of {cluster.world_size} GPUs divides the global batch of {global_batch} "
