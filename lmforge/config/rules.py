@@ -257,3 +257,42 @@ def resolve_loss_chunk(cfg: "Config", device_type: str, precision: str) -> int:
     if p.tp > 1 or p.pp > 1 or (device_type, precision) in FUSED_HEAD_SLOWER:
         return 0
     return AUTO_LOSS_CHUNK if cfg.model.vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0
+
+
+# train.compile = "auto": the device types where per-block torch.compile was measured faster over a
+# run. CUDA: GPT-2 124M, bf16, 16 x 1024 tokens x 4 micro-batches, fused AdamW, on one H100 80GB
+# (torch 2.11; benchmarks/train_throughput.py, benchmarks/RESULTS.md): 331,801 tokens/s compiled
+# against 278,865 eager (1.19x); the GPU suite's gpt2-compile row measures it again against
+# gpt2-plain. CPU (inductor's C++ backend): off; the first steps pay a compile of tens of seconds
+# that the faster steps of a short run (and of every test) never earn back (benchmarks/RESULTS.md).
+COMPILE_FASTER_ON: frozenset[str] = frozenset({"cuda"})
+COMPILE_MIN_CAPABILITY = (7, 0)  # Triton (inductor's GPU backend) needs a Volta or newer GPU
+
+
+def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None) -> tuple[bool, str]:
+    """train.compile as the layout applies it, and why (one phrase for the run's log): the configured
+    true / false, or for "auto" on where per-block torch.compile was measured faster
+    (COMPILE_FASTER_ON: CUDA) and can run (Triton installed; `capability`, the GPU's compute
+    capability where known, at least COMPILE_MIN_CAPABILITY), off for Mixture-of-Experts models (the
+    routed experts' shapes depend on the data: graph breaks and a recompile per new shape, never
+    measured faster here) and everywhere else."""
+    t = cfg.train
+    if t.compile != "auto":
+        return t.compile, f"train.compile = {str(t.compile).lower()}"
+    if device_type not in COMPILE_FASTER_ON:
+        return False, (f"auto: off on {device_type} (the first steps' compile costs more than a short run "
+                       f"saves: benchmarks/RESULTS.md); set train.compile = true to force it")
+    if cfg.model.moe.num_experts > 0:
+        return False, ("auto: off for Mixture-of-Experts models (data-dependent expert shapes recompile); "
+                       "set train.compile = true to force it")
+    if not triton_installed():
+        return False, f"auto: off on {device_type}: torch.compile's GPU backend needs the triton package"
+    if capability is not None and tuple(capability) < COMPILE_MIN_CAPABILITY:
+        return False, (f"auto: off on a GPU of compute capability {capability[0]}.{capability[1]} (Triton "
+                       f"needs {COMPILE_MIN_CAPABILITY[0]}.{COMPILE_MIN_CAPABILITY[1]} or newer)")
+    return True, f"auto: on on {device_type} (per-block compile measured 1.19x tokens/s on an H100: benchmarks/RESULTS.md)"
+
+
+def triton_installed() -> bool:
+    """Whether torch.compile's GPU backend (Triton) can be imported here."""
+    return importlib.util.find_spec("triton") is not None
