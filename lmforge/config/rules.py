@@ -263,8 +263,11 @@ def resolve_loss_chunk(cfg: "Config", device_type: str, precision: str) -> int:
 # run. CUDA: GPT-2 124M, bf16, 16 x 1024 tokens x 4 micro-batches, fused AdamW, on one H100 80GB
 # (torch 2.11; benchmarks/train_throughput.py, benchmarks/RESULTS.md): 331,801 tokens/s compiled
 # against 278,865 eager (1.19x); the GPU suite's gpt2-compile row measures it again against
-# gpt2-plain. CPU (inductor's C++ backend): off; the first steps pay a compile of tens of seconds
-# that the faster steps of a short run (and of every test) never earn back (benchmarks/RESULTS.md).
+# gpt2-plain. CPU (inductor's C++ backend): off. On a loaded 2-core AMD EPYC (avx512_bf16), tiny
+# preset, 1 thread, 32 x 128 tokens per step (benchmarks/train_throughput.py): compiled steps took
+# 0-13% less CPU time (fp32 and bf16 autocast; dim 256: 0-15%), after a cold compile of ~19 CPU-s
+# (37-47 s of wall time there) in the first steps: 150-400 steps to earn it back, more than most
+# CPU runs and every test train (benchmarks/RESULTS.md).
 COMPILE_FASTER_ON: frozenset[str] = frozenset({"cuda"})
 COMPILE_MIN_CAPABILITY = (7, 0)  # Triton (inductor's GPU backend) needs a Volta or newer GPU
 
@@ -280,8 +283,8 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     if t.compile != "auto":
         return t.compile, f"train.compile = {str(t.compile).lower()}"
     if device_type not in COMPILE_FASTER_ON:
-        return False, (f"auto: off on {device_type} (the first steps' compile costs more than a short run "
-                       f"saves: benchmarks/RESULTS.md); set train.compile = true to force it")
+        return False, (f"auto: off on {device_type}: a compile of tens of seconds for a few % per step, "
+                       f"benchmarks/RESULTS.md; set train.compile = true for a long run")
     if cfg.model.moe.num_experts > 0:
         return False, ("auto: off for Mixture-of-Experts models (data-dependent expert shapes recompile); "
                        "set train.compile = true to force it")
