@@ -37,6 +37,11 @@ def test_auto_is_off_where_compile_cannot_run_or_is_not_known_to_pay(monkeypatch
     moe = load_config("tiny", {**SMALL, **MOE})
     off, why = resolve_compile(moe, "cuda", (9, 0))
     assert not off and "Mixture-of-Experts" in why
+    tp = load_config("tiny", {**SMALL, "parallel.tp": 2})
+    off, why = resolve_compile(tp, "cuda", (9, 0))  # (compiled blocks failed under TP: parity_layouts.py)
+    assert not off and "parallel.tp > 1" in why
+    fsdp = load_config("tiny", {**SMALL, "parallel.dp_shard": 2, "train.micro_batch_size": 4})
+    assert resolve_compile(fsdp, "cuda", (9, 0))[0]  # FSDP2: on (parity_layouts.py --case fsdp2-compile)
     off, why = resolve_compile(load_config("tiny", SMALL), "cuda", (6, 1))  # Pascal: Triton needs >= 7.0
     assert not off and "compute capability 6.1" in why
     monkeypatch.setattr(rules, "triton_installed", lambda: False)
@@ -47,7 +52,7 @@ def test_auto_is_off_where_compile_cannot_run_or_is_not_known_to_pay(monkeypatch
 @pytest.mark.parametrize("value", [True, False])
 def test_an_explicit_value_is_kept(monkeypatch, value):
     monkeypatch.setattr(rules, "triton_installed", lambda: True)
-    for over in (SMALL, {**SMALL, **MOE}):
+    for over in (SMALL, {**SMALL, **MOE}, {**SMALL, "parallel.tp": 2}):
         cfg = load_config("tiny", {**over, "train.compile": value})
         for device in ("cpu", "cuda"):
             assert resolve_compile(cfg, device, (6, 1)) == (value, f"train.compile = {str(value).lower()}")

@@ -276,18 +276,25 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     """train.compile as the layout applies it, and why (one phrase for the run's log): the configured
     true / false, or for "auto" on where per-block torch.compile was measured faster
     (COMPILE_FASTER_ON: CUDA) and can run (Triton installed; `capability`, the GPU's compute
-    capability where known, at least COMPILE_MIN_CAPABILITY), off for Mixture-of-Experts models (the
-    routed experts' shapes depend on the data: graph breaks and a recompile per new shape, never
-    measured faster here) and everywhere else."""
+    capability where known, at least COMPILE_MIN_CAPABILITY), off with tensor parallelism (torch
+    2.13 on CPU: the backward of the compiled blocks fails in DTensor's redistribute, "'Tensor'
+    object has no attribute '_local_tensor'"; benchmarks/parity_layouts.py --case tp2-compile), off
+    for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's fake-tensor rule of
+    torch._grouped_mm wants bf16 inputs, so the first compiled step raises; and the routed experts'
+    shapes depend on the data: graph breaks, recompiles) and everywhere else. PP and FSDP2 with
+    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile)."""
     t = cfg.train
     if t.compile != "auto":
         return t.compile, f"train.compile = {str(t.compile).lower()}"
     if device_type not in COMPILE_FASTER_ON:
         return False, (f"auto: off on {device_type}: a compile of tens of seconds for a few % per step, "
                        f"benchmarks/RESULTS.md; set train.compile = true for a long run")
+    if cfg.parallel.tp > 1:
+        return False, ("auto: off with parallel.tp > 1 (compiled blocks fail in DTensor's backward: "
+                       "benchmarks/parity_layouts.py --case tp2-compile); set train.compile = true to try it")
     if cfg.model.moe.num_experts > 0:
-        return False, ("auto: off for Mixture-of-Experts models (data-dependent expert shapes recompile); "
-                       "set train.compile = true to force it")
+        return False, ("auto: off for Mixture-of-Experts models (compiled MoE blocks fail in torch._grouped_mm's "
+                       "tracing on CPU and have data-dependent shapes); set train.compile = true to try it")
     if not triton_installed():
         return False, f"auto: off on {device_type}: torch.compile's GPU backend needs the triton package"
     if capability is not None and tuple(capability) < COMPILE_MIN_CAPABILITY:
