@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss, grad, comm = run_case(name, work, cache)
             except SystemExit as e:  # a launch that failed: say why, go on with the other cases
                 failed.append(name)
-                errors = [line for line in str(e.code).splitlines() if "Error" in line]
+                errors = [line for line in str(e.code).splitlines() if "Error: " in line and "ChildFailed" not in line]
                 print(f"{name:26s} FAILED: {errors[-1].strip() if errors else str(e.code)[-300:]}", flush=True)
                 continue
             print(f"{name:26s} {CASES[name][1]:9d} {loss:9.1e} {grad:9.1e}  ({time.perf_counter() - t0:.0f} s) {comm}",
