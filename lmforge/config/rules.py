@@ -265,9 +265,10 @@ def resolve_loss_chunk(cfg: "Config", device_type: str, precision: str) -> int:
 # against 278,865 eager (1.19x); the GPU suite's gpt2-compile row measures it again against
 # gpt2-plain. CPU (inductor's C++ backend): off. On a loaded 2-core AMD EPYC (avx512_bf16), tiny
 # preset, 1 thread, 32 x 128 tokens per step (benchmarks/train_throughput.py): compiled steps took
-# 0-13% less CPU time (fp32 and bf16 autocast; dim 256: 0-15%), after a cold compile of ~19 CPU-s
-# (37-47 s of wall time there) in the first steps: 150-400 steps to earn it back, more than most
-# CPU runs and every test train (benchmarks/RESULTS.md).
+# 5-9% less CPU time (fp32 and bf16 autocast; dim 256: 9% in fp32, none in bf16), after a cold
+# compile of ~19 CPU-s (37-47 s of wall time there) in the first steps: ~130-350 steps to earn it
+# back (never where nothing is gained), more than most CPU runs and every test train
+# (benchmarks/RESULTS.md).
 COMPILE_FASTER_ON: frozenset[str] = frozenset({"cuda"})
 COMPILE_MIN_CAPABILITY = (7, 0)  # Triton (inductor's GPU backend) needs a Volta or newer GPU
 
