@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 from lmforge.config import Config, load_config, parse_override_value  # noqa: E402
 from lmforge.config.rules import resolve_loss_chunk  # noqa: E402
+from lmforge.parallel.parallelize import compile_choice  # noqa: E402
 from lmforge.data.prepare import PreparedData  # noqa: E402
 from lmforge.data.shards import write_token_shards  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
@@ -131,7 +132,7 @@ class Reference:
         t, o = cfg.train, cfg.optim
         self.model = build_model(cfg.model, device, seed=t.seed)
         apply_activation_checkpointing(self.model.blocks, t.activation_checkpoint, t.ac_every)
-        if t.compile:
+        if compile_choice(cfg, device)[0]:  # (as lmforge's arm: train.compile resolved)
             for block in self.model.blocks.values():
                 block.compile()
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -306,7 +307,8 @@ def run(args: argparse.Namespace) -> dict:
                    "precision": precision, "layout": trainer.layout.name, "world_size": world,
                    "tokens_per_step_per_rank": tokens_per_step, "micro_batch_size": t.micro_batch_size,
                    "seq_len": cfg.data.seq_len, "grad_accum_steps": cfg.grad_accum_steps,
-                   "activation_checkpoint": t.activation_checkpoint, "compile": t.compile,
+                   "activation_checkpoint": t.activation_checkpoint, "compile": compile_choice(cfg, device)[0],
+                   "compile_setting": t.compile,
                    "loss_chunk": resolve_loss_chunk(cfg, device.type, precision), "loss_chunk_setting": t.loss_chunk,
                    "optimizer": type(trainer.optimizer).__name__, "optimizer_fast_path": _fast_path(trainer.optimizer),
                    "reference_optimizer_fast_path": _fast_path(reference.opt) if reference else None,
@@ -443,7 +445,8 @@ def format_table(res: dict) -> str:
     lines.append(f"peak used for MFU: {used} {pk['run'] / 1e9:,.1f} GFLOP/s ({res['peak_source']}); FLOPs/token "
                  f"{c['flops_per_token'] / 1e6:.1f} M ({c['flops_formula']})")
     lines.append(f"lmforge: optimizer {c['optimizer']} ({c['optimizer_fast_path']}), loss_chunk {c['loss_chunk']} "
-                 f"({c['loss_chunk_setting']}), compile {c['compile']}; reference: AdamW "
+                 f"({c['loss_chunk_setting']}), compile {c['compile']} "
+                 f"({c['compile_setting']}); reference: AdamW "
                  f"({c['reference_optimizer_fast_path']}), plain cross-entropy, compile {c['compile']}")
     lm = res["arms"]["lmforge"]
     if "data_share" in lm:

@@ -117,6 +117,30 @@ def test_only_a_failed_required_row_fails_the_suite(tmp_path):
     assert not s.passed()
 
 
+@pytest.mark.parametrize("compiled_tps, status", [(331_801, "ok"), (250_000, "failed")])
+def test_the_compile_row_checks_what_train_compile_auto_picks(tmp_path, monkeypatch, compiled_tps, status):
+    """gpt2-compile against gpt2-plain (their JSON as train_throughput.py writes it): the row records
+    the speed-up and fails where train.compile = "auto" (on on CUDA) picks the slower side."""
+    import json
+
+    from lmforge.config import rules
+
+    monkeypatch.setattr(rules, "triton_installed", lambda: True)  # (as on the GPU machine)
+    suite = _suite_module()
+    s = suite.Suite(suite.argparse.Namespace(out=str(tmp_path), wheels="", cache="", budget_min=1, cpu_smoke=False,
+                                             limit_scale=1.0))
+    for name, tps in (("gpt2-plain", 278_865), ("gpt2-compile", compiled_tps)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"arms": {"lmforge": {"tokens_per_s_median": tps}}}))
+    s.rows = [suite.Row("gpt2-plain", "ok", "278,865 tok/s"), suite.Row("gpt2-compile", "ok", f"{compiled_tps:,} tok/s")]
+    s.check_compile_choice()
+    row = s.rows[1]
+    ratio = f"{compiled_tps / 278_865:.2f}x"
+    assert row.status == status and f"vs gpt2-plain 278,865 tok/s: compile {ratio}; train.compile = auto picks on" \
+        in row.result, row.result
+    assert row.detail["auto_compile"] == "on" and row.detail["faster"] == ("on" if status == "ok" else "off")
+    assert (status == "failed") == ("change lmforge.config.rules.resolve_compile's rule" in row.result)
+
+
 def test_a_cache_without_the_corpus_is_refused_with_the_fix(tmp_path):
     proc = subprocess.run([sys.executable, str(SUITE), "--cpu-smoke", "--out", str(tmp_path / "out"), "--cache",
                            str(tmp_path)], capture_output=True, text=True, timeout=120)

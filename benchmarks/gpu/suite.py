@@ -31,7 +31,8 @@ and says so):
              loss_chunk (with a profile of where the step's time goes: gpt2-loss_chunk-profile.md);
              peak CUDA memory against `lmforge plan --weights lmforge`
   llama-1b   the ~1B Llama preset's MFU (compile + loss_chunk + selective checkpointing; profiled)
-  gpt2-compile, gpt2-fp8   compile alone (loss_chunk 0), and fp8 (torchao; optional), last
+  gpt2-compile, gpt2-fp8   compile alone (loss_chunk 0; against gpt2-plain, it fails if
+             train.compile = "auto" picks the slower), and fp8 (torchao; optional), last
 On the CPU (--cpu-smoke) the gpt2/llama rows are one quick throughput row and an fp8-config row
 (torchao present: the fp8 config loads and torchao.float8 imports; absent: skipped, as on a GPU).
 Targets (benchmarks/RESULTS.md): GPT-2 124M >= 500k tokens/s on one H100; 1B >= 50% MFU.
@@ -265,6 +266,33 @@ class Suite:
             row.result += (f"; but {faster} is faster here: change lmforge.config.rules.resolve_loss_chunk's rule for "
                            f"{r['precision']} on CUDA and record it in benchmarks/RESULTS.md")
 
+    def check_compile_choice(self) -> None:
+        """The gpt2-compile row against gpt2-plain (both loss_chunk 0; compile on / off): the measured
+        speed-up of per-block torch.compile, and whether train.compile = "auto" (on on CUDA:
+        lmforge.config.rules.resolve_compile) picks the faster; the row fails, naming the fix, where
+        it does not (within 2% counts as not slower)."""
+        row = next((r for r in self.rows if r.step == "gpt2-compile"), None)
+        tps = {}
+        for name in ("gpt2-plain", "gpt2-compile"):
+            f = self.out / f"{name}.json"
+            if f.is_file():
+                tps[name] = json.loads(f.read_text())["arms"]["lmforge"]["tokens_per_s_median"]
+        if row is None or row.status != "ok" or len(tps) < 2:
+            return
+        from lmforge.config import load_config
+        from lmforge.config.rules import resolve_compile
+
+        ratio = tps["gpt2-compile"] / tps["gpt2-plain"]
+        picks = "on" if resolve_compile(load_config("gpt2-124m"), "cuda")[0] else "off"
+        faster = "on" if ratio >= 0.98 else "off"
+        row.detail.update({"compile_over_plain": ratio, "auto_compile": picks, "faster": faster})
+        row.result += (f"; vs gpt2-plain {tps['gpt2-plain']:,.0f} tok/s: compile {ratio:.2f}x; "
+                       f"train.compile = auto picks {picks}")
+        if picks != faster:
+            row.status = "failed"
+            row.result += (f"; but {faster} is faster here: change lmforge.config.rules.resolve_compile's rule "
+                           f"for CUDA and record it in benchmarks/RESULTS.md")
+
     def step_fp8(self) -> None:
         """gpt2-fp8 on a GPU; on the CPU, the fp8 config and torchao.float8 (fp8 needs a GPU). An
         optional row: without torchao it is skipped with the reason, not failed."""
@@ -298,7 +326,8 @@ class Suite:
         # early loses the least. The best-configured row of each model is profiled (where the time goes).
         if self.cuda:
             gpt2 = GPT2
-            self.step_throughput("gpt2-plain", "gpt2-124m", gpt2 + ["train.loss_chunk=0"], 300, reference=True)
+            self.step_throughput("gpt2-plain", "gpt2-124m", gpt2 + ["train.compile=false", "train.loss_chunk=0"], 300,
+                                 reference=True)
             self.step_throughput("gpt2-loss_chunk", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=4096"],
                                  420, reference=False, profile=True)
             self.step_throughput("llama-1b", "llama-1b", ["train.micro_batch_size=4", "train.global_batch_size=16",
@@ -307,6 +336,7 @@ class Suite:
                                  profile=True)
             self.step_throughput("gpt2-compile", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=0"], 420,
                                  reference=False)
+            self.check_compile_choice()
             self.step_fp8()
         else:  # the mechanics of the throughput step (and its profile), on the CPU
             self.step_throughput("throughput-quick", "tiny", [], 300, reference=True, profile=True)

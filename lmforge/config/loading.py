@@ -76,7 +76,7 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
             return None
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
-        errors = []
+        errors, wanted = [], []
         for arg in args:
             if arg is type(None):
                 continue
@@ -84,6 +84,9 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
                 return _check_type(key, value, arg)
             except ConfigError as exc:
                 errors.append(str(exc))
+                wanted.append(_wanted(arg))
+        if len(errors) > 1:  # e.g. `bool | Literal["auto"]`: name every allowed kind of value
+            raise ConfigError(f"{key} = {value!r} must be {', or '.join(wanted)}.")
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}.")
     if tp is bool:
         if isinstance(value, bool):
@@ -104,6 +107,14 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
             return value
         raise ConfigError(f"{key} = {value!r} must be a string.")
     raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+def _wanted(tp: Any) -> str:
+    """What a value of the annotated type `tp` is, in words (an error's "must be ...")."""
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        return repr(choices[0]) if len(choices) == 1 else f"one of {', '.join(map(repr, choices))}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
 def build_dataclass(cls: type, raw: dict[str, Any], prefix: str) -> Any:

@@ -257,3 +257,53 @@ def resolve_loss_chunk(cfg: "Config", device_type: str, precision: str) -> int:
     if p.tp > 1 or p.pp > 1 or (device_type, precision) in FUSED_HEAD_SLOWER:
         return 0
     return AUTO_LOSS_CHUNK if cfg.model.vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0
+
+
+# train.compile = "auto": the device types where per-block torch.compile was measured faster over a
+# run. CUDA: GPT-2 124M, bf16, 16 x 1024 tokens x 4 micro-batches, fused AdamW, on one H100 80GB
+# (torch 2.11; benchmarks/train_throughput.py, benchmarks/RESULTS.md): 331,801 tokens/s compiled
+# against 278,865 eager (1.19x); the GPU suite's gpt2-compile row measures it again against
+# gpt2-plain. CPU (inductor's C++ backend): off. On a loaded 2-core AMD EPYC (avx512_bf16), tiny
+# preset, 1 thread, 32 x 128 tokens per step (benchmarks/train_throughput.py): compiled steps took
+# 5-9% less CPU time (fp32 and bf16 autocast; dim 256: 9% in fp32, none in bf16), after a cold
+# compile of ~19 CPU-s (37-47 s of wall time there) in the first steps: ~130-350 steps to earn it
+# back (never where nothing is gained), more than most CPU runs and every test train
+# (benchmarks/RESULTS.md).
+COMPILE_FASTER_ON: frozenset[str] = frozenset({"cuda"})
+COMPILE_MIN_CAPABILITY = (7, 0)  # Triton (inductor's GPU backend) needs a Volta or newer GPU
+
+
+def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None) -> tuple[bool, str]:
+    """train.compile as the layout applies it, and why (one phrase for the run's log): the configured
+    true / false, or for "auto" on where per-block torch.compile was measured faster
+    (COMPILE_FASTER_ON: CUDA) and can run (Triton installed; `capability`, the GPU's compute
+    capability where known, at least COMPILE_MIN_CAPABILITY), off with tensor parallelism (torch
+    2.13 on CPU: the backward of the compiled blocks fails in DTensor's redistribute, "'Tensor'
+    object has no attribute '_local_tensor'"; benchmarks/parity_layouts.py --case tp2-compile), off
+    for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's fake-tensor rule of
+    torch._grouped_mm wants bf16 inputs, so the first compiled step raises; and the routed experts'
+    shapes depend on the data: graph breaks, recompiles) and everywhere else. PP and FSDP2 with
+    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile)."""
+    t = cfg.train
+    if t.compile != "auto":
+        return t.compile, f"train.compile = {str(t.compile).lower()}"
+    if device_type not in COMPILE_FASTER_ON:
+        return False, (f"auto: off on {device_type}: a compile of tens of seconds for a few % per step, "
+                       f"benchmarks/RESULTS.md; set train.compile = true for a long run")
+    if cfg.parallel.tp > 1:
+        return False, ("auto: off with parallel.tp > 1 (compiled blocks fail in DTensor's backward: "
+                       "benchmarks/parity_layouts.py --case tp2-compile); set train.compile = true to try it")
+    if cfg.model.moe.num_experts > 0:
+        return False, ("auto: off for Mixture-of-Experts models (compiled MoE blocks fail in torch._grouped_mm's "
+                       "tracing on CPU and have data-dependent shapes); set train.compile = true to try it")
+    if not triton_installed():
+        return False, f"auto: off on {device_type}: torch.compile's GPU backend needs the triton package"
+    if capability is not None and tuple(capability) < COMPILE_MIN_CAPABILITY:
+        return False, (f"auto: off on a GPU of compute capability {capability[0]}.{capability[1]} (Triton "
+                       f"needs {COMPILE_MIN_CAPABILITY[0]}.{COMPILE_MIN_CAPABILITY[1]} or newer)")
+    return True, f"auto: on on {device_type} (per-block compile measured 1.19x tokens/s on an H100: benchmarks/RESULTS.md)"
+
+
+def triton_installed() -> bool:
+    """Whether torch.compile's GPU backend (Triton) can be imported here."""
+    return importlib.util.find_spec("triton") is not None

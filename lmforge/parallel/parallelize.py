@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from lmforge.config import Config
+from lmforge.config.rules import resolve_compile
 from lmforge.model.materialise import Source, materialise
 from lmforge.parallel.expert_parallel import wire_moe
 from lmforge.model.transformer import Transformer
@@ -53,11 +56,11 @@ log = logging.getLogger("lmforge.parallel")
 
 
 def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision: str, source: Source) -> Layout:
-    """Apply `cfg.parallel` (and train.activation_checkpoint / train.compile) to `model`, built on the
-    meta device, in place, in the order of the module docstring, and materialise this rank's part of
-    it from `source` (lmforge.model.init's initialisation, or pre-trained weights); returns the
-    Layout the trainer drives. `precision` is the resolved train.precision (FSDP2 gathers parameters
-    in it)."""
+    """Apply `cfg.parallel` (and train.activation_checkpoint / train.compile, the latter resolved by
+    lmforge.config.rules.resolve_compile) to `model`, built on the meta device, in place, in the
+    order of the module docstring, and materialise this rank's part of it from `source`
+    (lmforge.model.init's initialisation, or pre-trained weights); returns the Layout the trainer
+    drives. `precision` is the resolved train.precision (FSDP2 gathers parameters in it)."""
     p, t = cfg.parallel, cfg.train
     if p.async_sgd:
         raise ValueError("parallel.async_sgd = true is not a layout of one synchronous step: it runs in "
@@ -67,7 +70,8 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
         apply_tensor_parallel(model, dist_info.sub_mesh("tp"), p.sequence_parallel)  # 2
     wire_moe(model, cfg, dist_info)  # 2b: MoE layers' groups; experts split over parallel.ep (expert_parallel)
     apply_activation_checkpointing(model.blocks, t.activation_checkpoint, t.ac_every)  # 3
-    if t.compile:  # 4
+    compiled, why = compile_choice(cfg, dist_info.device)
+    if compiled:  # 4
         for block in model.blocks.values():
             block.compile()
     if stage_ids is not None:  # 5
@@ -85,7 +89,7 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     layout = kind(model, cfg, dist_info, precision, *extra)
     if kind.shards_parameters:  # 6 (FSDP2 / TP / PP have split and sharded the model on meta)
         materialise(model, dist_info.device, source)
-    lines = list(layout.describe())
+    lines = [f"compile: per-block torch.compile {'on' if compiled else 'off'} ({why})"] + list(layout.describe())
     if p.ep > 1:
         e = cfg.model.moe.num_experts
         lines.append(f"expert parallel: {e} experts per MoE layer over ep = {p.ep} ranks ({e // p.ep} each), "
@@ -96,3 +100,10 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     for line in lines:
         log.info("%s", line)
     return layout
+
+
+def compile_choice(cfg: Config, device: torch.device) -> tuple[bool, str]:
+    """Whether step 4 compiles the blocks on `device`, and why: train.compile resolved by
+    lmforge.config.rules.resolve_compile (with the CUDA GPU's compute capability for "auto")."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return resolve_compile(cfg, device.type, capability)
