@@ -349,11 +349,8 @@ def run(args: argparse.Namespace) -> dict:
     results["paired_ratios"] = ratios
     if distributed:
         results["note"] = "under torchrun: per-rank numbers of rank 0; the single-process reference is not run"
-    trainer.ckpt.close()
-    if distributed:
-        from lmforge.parallel.mesh import destroy_distributed
-
-        destroy_distributed()
+    trainer.end_together()
+    trainer.close()  # (the prefetch thread, the checkpoint writer, the process groups)
     return results
 
 

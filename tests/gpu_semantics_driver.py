@@ -60,7 +60,8 @@ def count_weight_copies(corpus: str, out: str, pairs: list[str]) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         trainer.forward_backward(batches)
     result = {"copies": len(seen), "weights": n_weights, "micro_batches": len(batches), "layout": trainer.layout.name}
-    trainer.ckpt.close()
+    trainer.end_together()  # (no rank tears its groups down while a peer is still in a collective)
+    trainer.close()
     return result
 
 
@@ -111,7 +112,8 @@ def count_weight_casts(corpus: str, out: str, pairs: list[str]) -> dict:
     batches = trainer.next_micro_batches()
     with CountCasts():
         trainer.forward_backward(batches)
-    trainer.ckpt.close()
+    trainer.end_together()  # (no rank tears its groups down while a peer is still in a collective)
+    trainer.close()
     return {"casts": casts, "micro_batches": len(batches)}
 
 
@@ -164,7 +166,8 @@ def decide_precision(corpus: str, out: str, pairs: list[str]) -> dict:
     result = {"precision": trainer.precision.name, "told": precision.detect_hardware_precision(trainer.device).name,
               "peak": trainer.peak.flops, "loss": float(loss),
               "copied": len(list(precision.copied_parameters([trainer.layout.module])))}
-    trainer.ckpt.close()
+    trainer.end_together()  # (no rank tears its groups down while a peer is still in a collective)
+    trainer.close()
     return result
 
 

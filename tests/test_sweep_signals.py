@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 80
+# Long enough that the trials cannot finish between the poll that sees both at step 2 and the
+# signal, even on a loaded CI box (80 did once: the sweep ended 0 with both trials done).
+STEPS = 300
 BASE = ["--train.steps", str(STEPS), "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
         "--data.seq_len", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
         "--train.eval_every", "0", "--train.eval_sequences", "8", "--train.sample_tokens", "0",

@@ -302,13 +302,21 @@ class Trainer:
                 log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
             raise
         finally:
-            if isinstance(getattr(self, "loader", None), Prefetcher):
-                self.loader.close()  # (the prefetch thread ends with the run, whatever ended it)
-            if getattr(self, "ckpt", None) is not None:
-                self.ckpt.close()  # never leave a save half-written behind an exception
-            if getattr(self, "dist", None) is not None and self.dist.distributed:
-                destroy_distributed()
-            self.preemption.uninstall()
+            self.close()
+
+    def close(self) -> None:
+        """Release what `setup()` started, whatever ended the run (`fit` calls it; a caller that drives
+        `setup()` and the steps itself calls it when done): the prefetch thread, the checkpoint
+        writer (never a save half-written behind an exception), the process groups (a process that
+        exits with its gloo/NCCL groups alive can abort in their destructors: "terminate called
+        without an active exception"), the signal handlers."""
+        if isinstance(getattr(self, "loader", None), Prefetcher):
+            self.loader.close()
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.close()
+        if getattr(self, "dist", None) is not None and self.dist.distributed:
+            destroy_distributed()
+        self.preemption.uninstall()
 
     def end_together(self) -> None:
         """Every rank waits here for the others before any tears its process groups down. A rank
