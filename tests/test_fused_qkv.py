@@ -17,8 +17,9 @@ from lmforge.model.transformer import build_model
 from tests.test_parallel_dp import corpus  # noqa: F401  (module-scoped prepared corpus fixture)
 
 # GQA (3 query heads per kv head), q/k/v biases and QK-norm: every part the fused layout touches
+# (the separate layout, set explicitly: model.fused_qkv is on by default)
 CFG = ModelConfig(vocab_size=96, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=32, qkv_bias=True,
-                  qk_norm=True, tie_embeddings=False)
+                  qk_norm=True, tie_embeddings=False, fused_qkv=False)
 FUSED = replace(CFG, fused_qkv=True)
 PARTS = ("wq", "wk", "wv")
 
@@ -313,7 +314,7 @@ def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layou
     shared = {"model.n_layers": 2, "model.n_kv_heads": 2, "model.qkv_bias": "true", "model.qk_norm": "true",
               "checkpoint.every_steps": 5, "checkpoint.async_save": "false", **FAMILY_STEPS}
     ref, fused = tmp_path / "separate", tmp_path / "fused"
-    proc = train_runs(corpus, {ref: {}, fused: {"model.fused_qkv": "true"}}, **shared)
+    proc = train_runs(corpus, {ref: {"model.fused_qkv": "false"}, fused: {"model.fused_qkv": "true"}}, **shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert_runs_match(fused, ref, "fused vs separate, one process", tol=TOL)
     # and the separate layout's step-5 checkpoint resumed by the TP=2 fused run: each rank's shard of
@@ -373,7 +374,7 @@ def test_mixtral_conversion_maps_the_fused_weight_bit_equal():
     from lmforge.interop.hf_moe import from_mixtral_state_dict, to_mixtral_state_dict
 
     cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=64,
-                      tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2))
+                      tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2), fused_qkv=False)
     sep = randomised(build_model(cfg, seed=3))
     fused_cfg = replace(cfg, fused_qkv=True)
     fused_state = as_fused(cfg, sep.state_dict())
