@@ -414,3 +414,21 @@ def test_lora_on_some_of_q_k_v_of_the_fused_layer_under_tensor_and_sequence_para
         assert want.keys() == have.keys() and not any("lora" in k for k in have)  # merged on save
         for key in want:
             torch.testing.assert_close(have[key], want[key], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [{}, {"qk_norm": True}, {"pos_emb": "learned", "n_kv_heads": None}],
+                         ids=["rope", "rope-qk-norm", "no-rope"])
+def test_the_fused_layout_saves_the_activation_bytes_of_the_separate_one(extra):
+    """What autograd keeps for backward (unique storages, weights excluded) is the same in both layouts:
+    with RoPE, v is copied out of the fused output so that the v attention saves does not keep the
+    whole q/k/v output alive; with QK-norm the q norm runs on q's view (it saves its input), not on a
+    reshaped copy of it (GQA)."""
+    from lmforge.parallel.activation_ckpt import saved_activation_bytes
+
+    tokens = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    saved = []
+    over = {"qk_norm": False, **extra}
+    for cfg in (replace(CFG, **over), replace(CFG, fused_qkv=True, **over)):
+        model = build_model(cfg, seed=0)
+        saved.append(saved_activation_bytes(lambda m=model: m(tokens).sum(), exclude=list(model.parameters())))
+    assert saved[1] == saved[0], saved
