@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from lmforge.config import ModelConfig
 from lmforge.data.instruct import InstructLoader, tokenize_examples
-from lmforge.model.lora import LoRALinear, apply_lora, lora_parameters, merge_lora, merged_state_dict
+from lmforge.model.lora import (ADAPTED_MODULES, FusedQKVLoRA, LoRALinear, apply_lora, lora_parameters, merge_lora,
+                                merged_state_dict)
 from lmforge.model.transformer import build_model
 from lmforge.train.finetune import checkpoint_model_config, load_pretrained
 from tests.tiny_lm import MODEL, tiny_tokenizer, write_run
@@ -147,14 +148,17 @@ def test_prompt_tokens_contribute_no_gradient(tok, data):
 # ---- LoRA ------------------------------------------------------------------------------------
 
 
-def test_lora_starts_as_the_base_model_trains_only_adapters_and_merges_exactly(tok, data):
-    model = _model()
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["separate-qkv", "fused-qkv"])
+def test_lora_starts_as_the_base_model_trains_only_adapters_and_merges_exactly(tok, data, fused_qkv):
+    model = _model(fused_qkv=fused_qkv)
     tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base_logits = model(tokens)
     base_state = {k: v.clone() for k, v in model.state_dict().items()}
     adapted = apply_lora(model, "wq,wk,wv,wo,mlp.up", rank=4, alpha=8, seed=0)
-    assert len(adapted) == 2 * 5 and all(isinstance(model.get_submodule(n), LoRALinear) for n in adapted)
+    # (fused: one FusedQKVLoRA with an adapter per part of q, k, v instead of three LoRALinear)
+    assert len(adapted) == 2 * (3 if fused_qkv else 5)
+    assert all(isinstance(model.get_submodule(n), FusedQKVLoRA if n.endswith("wqkv") else LoRALinear) for n in adapted)
     with torch.no_grad():
         assert torch.equal(model(tokens), base_logits)  # B = 0
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -176,17 +180,17 @@ def test_lora_starts_as_the_base_model_trains_only_adapters_and_merges_exactly(t
     with torch.no_grad():
         tuned = model(tokens)
         assert (tuned - base_logits).abs().max() > 1e-3
-        from_tensors = merged_state_dict(model.state_dict(), rank=4, alpha=8)  # e.g. gathered from FSDP
+        from_tensors = merged_state_dict(model.state_dict(), rank=4, alpha=8, cfg=model.cfg)  # e.g. gathered from FSDP
         merge_lora(model)
         assert all(torch.equal(from_tensors[k], v) for k, v in model.state_dict().items())
         assert (model(tokens) - tuned).abs().max() < 1e-5
     assert set(model.state_dict()) == set(base_state)  # plain base names again: save/export as usual
-    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert not any(isinstance(m, ADAPTED_MODULES) for m in model.modules())
 
 
 def test_lora_rejects_unknown_targets_and_tied_head():
     with pytest.raises(ValueError, match="'wqkv' matches no linear layer; available: .*wq"):
-        apply_lora(_model(), "wqkv")
+        apply_lora(_model(fused_qkv=False), "wqkv")  # (the separate layout has no wqkv)
     with pytest.raises(ValueError, match="shares its weight with the token embedding"):
         apply_lora(_model(tie_embeddings=True), "lm_head")
     with pytest.raises(ValueError, match="rank = 0"):

@@ -17,17 +17,18 @@ from lmforge.model.transformer import build_model
 from tests.test_parallel_dp import corpus  # noqa: F401  (module-scoped prepared corpus fixture)
 
 # GQA (3 query heads per kv head), q/k/v biases and QK-norm: every part the fused layout touches
+# (the separate layout, set explicitly: model.fused_qkv is on by default)
 CFG = ModelConfig(vocab_size=96, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=32, qkv_bias=True,
-                  qk_norm=True, tie_embeddings=False)
+                  qk_norm=True, tie_embeddings=False, fused_qkv=False)
 FUSED = replace(CFG, fused_qkv=True)
 PARTS = ("wq", "wk", "wv")
 
 
 def as_fused(cfg: ModelConfig, state: dict) -> dict:
-    """A separate-layout state dict in the fused layout."""
-    out = {k: v for k, v in state.items() if not any(f"attn.{w}." in k for w in PARTS)}
+    """A separate-layout state dict in the fused layout (LoRA adapters as they are)."""
+    out = {k: v for k, v in state.items() if "lora" in k or not any(f"attn.{w}." in k for w in PARTS)}
     for k in state:
-        if "attn.wq." in k:
+        if "attn.wq." in k and "lora" not in k:
             out[k.replace("attn.wq.", "attn.wqkv.")] = fuse_qkv(cfg, *(state[k.replace("attn.wq.", f"attn.{w}.")]
                                                                       for w in PARTS))
     return out
@@ -135,17 +136,23 @@ SMALL = {
 }
 
 
+LORA = {"finetune.lora_rank": 4, "finetune.lora_targets": "wq,wv,wo", "finetune.merge_lora": False}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-wq-wv"])
 @pytest.mark.parametrize("saved_fused", [False, True], ids=["old-separate-checkpoint", "fused-checkpoint"])
-def test_a_checkpoint_of_either_layout_resumes_in_the_other(small_data, tmp_path, saved_fused):
+def test_a_checkpoint_of_either_layout_resumes_in_the_other(small_data, tmp_path, saved_fused, lora):
     """A run saved with one q/k/v layout (False: the separate wq/wk/wv keys every checkpoint before
     model.fused_qkv has) resumes at step 4 with the other: weights and AdamW moments are converted on
-    load, and steps 5-8 give the straight run's losses and gradient norms, and its final weights."""
+    load, and steps 5-8 give the straight run's losses and gradient norms, and its final weights.
+    With LoRA on some of q/k/v (wq, wv) the adapters and their moments carry over under the other
+    layout's names (attn.wq.lora_a <-> attn.wqkv.lora.wq.lora_a)."""
     from lmforge.train.trainer import Trainer
     from tests.test_parallel_dp import assert_runs_match
 
     def run(out, fused: bool, **extra):
-        trainer = Trainer(load_config("tiny", {**SMALL, "model.fused_qkv": fused, **extra}), out_dir=out,
-                          data=small_data)
+        trainer = Trainer(load_config("tiny", {**SMALL, "model.fused_qkv": fused, **(LORA if lora else {}), **extra}),
+                          out_dir=out, data=small_data)
         trainer.fit()
         return trainer
 
@@ -156,32 +163,132 @@ def test_a_checkpoint_of_either_layout_resumes_in_the_other(small_data, tmp_path
     assert resumed.resumed_from.name == "step_00000004"
     assert_runs_match(out, tmp_path / "straight", "resumed in the other q/k/v layout", steps=list(range(5, 9)))
     cfg = straight.model.cfg
-    want, got = straight.model.state_dict(), resumed.model.state_dict()
+    want, got = (as_separate_adapters(m.state_dict()) for m in (straight.model, resumed.model))
     if not saved_fused:
         want = as_fused(cfg, want)
     else:
         got = as_fused(cfg, got)
+    assert got.keys() == want.keys() and any("lora" in k for k in got) == lora
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
 
 
-def test_lora_on_the_fused_layer_keeps_the_target_names_users_type():
-    """wq,wk,wv (the default targets) put one adapter on attn.wqkv, which starts as the base model
-    and trains; naming only some of q/k/v is a ValueError naming the fix."""
+def as_separate_adapters(state: dict) -> dict:
+    """A fused model's state dict with its q/k/v part adapters (attn.wqkv.lora.<part>.lora_a) under the
+    separate layout's names (attn.<part>.lora_a); other names as they are."""
+    return {k.replace("attn.wqkv.lora.", "attn."): v for k, v in state.items()}
+
+
+def trained_pair(targets: str, steps: int = 4, rank: int = 4, alpha: float = 8.0):
+    """A separate-layout model and the fused one with the same weights (converted with fuse_qkv) and the
+    same LoRA targets (adapters drawn with the same seed), both trained `steps` AdamW steps on the same
+    batch in fp32; returns them and each step's (loss, gradient norm) per model."""
     from lmforge.model.lora import apply_lora
 
-    model = build_model(FUSED, seed=0)
+    sep = randomised(build_model(CFG, seed=3))
+    fused = build_model(FUSED, seed=4)
+    fused.load_state_dict(as_fused(CFG, sep.state_dict()))
+    for model in (sep, fused):
+        apply_lora(model, targets, rank=rank, alpha=alpha, seed=7)
+    tokens = torch.randint(0, CFG.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1))
+    history: dict = {"sep": [], "fused": []}
+    for key, model in (("sep", sep), ("fused", fused)):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for _ in range(steps):
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e9)
+            opt.step()
+            history[key].append((loss.item(), norm.item()))
+    return sep, fused, history
+
+
+@pytest.mark.parametrize("targets", ["wq,wv", "wq,wk,wv,wo", "attn.wk,up"])
+def test_lora_on_some_or_all_of_q_k_v_of_the_fused_layer_trains_as_the_separate_layout(targets):
+    """LoRA targets naming some of q/k/v (the common wq,wv) or all of them on the fused wqkv: one
+    adapter per named part, the separate projection's (same shapes, same initial values, same names
+    under attn.wqkv.lora), so the trainable parameter count, every step's loss and gradient norm
+    (fp32, 4 AdamW steps), the trained adapters and the merged weights are those of the separate
+    layout with the same targets."""
+    from lmforge.model.lora import FusedQKVLoRA, lora_parameters, merge_lora, merged_state_dict
+
+    with torch.no_grad():  # (the adapters start alike: A by the separate names, B = 0)
+        sep, fused, _ = trained_pair(targets, steps=0)
+        assert as_separate_adapters(lora_parameters(fused)).keys() == lora_parameters(sep).keys()
+        assert all(torch.equal(p, lora_parameters(sep)[k]) for k, p in as_separate_adapters(lora_parameters(fused)).items())
+    sep, fused, history = trained_pair(targets)
+    assert isinstance(fused.blocks["0"].attn.wqkv, FusedQKVLoRA)
+    count = [sum(p.numel() for p in m.parameters() if p.requires_grad) for m in (sep, fused)]
+    assert count[0] == count[1] > 0
+    for (loss, norm), (want_loss, want_norm) in zip(history["fused"], history["sep"], strict=True):
+        assert abs(loss - want_loss) <= 1e-6 * want_loss and abs(norm - want_norm) <= 1e-5 * want_norm, history
+    assert history["sep"][-1][0] < history["sep"][0][0]  # (the adapters did train)
+    want = lora_parameters(sep)
+    for k, p in as_separate_adapters(lora_parameters(fused)).items():
+        torch.testing.assert_close(p, want[k], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        from_tensors = merged_state_dict(fused.state_dict(), rank=4, alpha=8, cfg=FUSED)  # (as a saved file)
+        merge_lora(sep)
+        merge_lora(fused)
+        got, want = fused.state_dict(), as_fused(CFG, sep.state_dict())
+    assert got.keys() == want.keys() == from_tensors.keys()
+    for k in got:
+        assert torch.equal(from_tensors[k], got[k]), k
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_lora_on_the_fused_layer_keeps_dropout_the_whole_layer_target_and_names_conflicts():
+    """Adapter dropout applies on the fused layer (train mode differs, eval mode is exact); 'wqkv' still
+    puts one adapter over all its rows; naming both 'wqkv' and a part of it is a ValueError; the
+    model starts as the base model either way."""
+    from lmforge.model.lora import LoRALinear, apply_lora
+
     tokens = torch.randint(0, FUSED.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    model = build_model(FUSED, seed=0)
     before = model(tokens).detach()
-    adapted = apply_lora(model, "wq,wk,wv,wo", rank=4, alpha=8, seed=0)
-    assert adapted == [f"blocks.{i}.attn.{n}" for i in range(2) for n in ("wqkv", "wo")]
-    assert apply_lora(build_model(FUSED, seed=0), "attn.wqkv", rank=4, seed=0) == ["blocks.0.attn.wqkv",
-                                                                                  "blocks.1.attn.wqkv"]
-    assert torch.equal(model(tokens), before)
-    model(tokens).sum().backward()
-    assert model.blocks["0"].attn.wqkv.lora_b.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="wq, wv but not all of wq, wk, wv.*model.fused_qkv = false"):
-        apply_lora(build_model(FUSED, seed=0), "wq,wv,down")
+    assert apply_lora(model, "wq,wv,wo", rank=4, alpha=8, dropout=0.5, seed=0) == [
+        f"blocks.{i}.attn.{n}" for i in range(2) for n in ("wqkv", "wo")]
+    assert torch.equal(model(tokens), before)  # B = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    model.eval()
+    evaluated = model(tokens)
+    model.train()
+    torch.manual_seed(0)
+    trained = model(tokens)
+    assert not torch.allclose(trained, evaluated) and not torch.allclose(evaluated, before)
+    trained.sum().backward()
+    assert model.blocks["0"].attn.wqkv.lora["wv"].lora_b.grad.abs().sum() > 0
+    assert model.blocks["0"].attn.wqkv.weight.grad is None  # (frozen)
+    whole = build_model(FUSED, seed=0)
+    assert apply_lora(whole, "attn.wqkv", rank=4, seed=0) == ["blocks.0.attn.wqkv", "blocks.1.attn.wqkv"]
+    assert isinstance(whole.blocks["0"].attn.wqkv, LoRALinear)
+    with pytest.raises(ValueError, match="both one adapter on all of blocks.0.attn.wqkv.*wq"):
+        apply_lora(build_model(FUSED, seed=0), "wqkv,wq")
+
+
+def test_fused_part_adapters_materialise_with_the_separate_adapters_values():
+    """On the meta device (how training builds a model) the part adapters get the initial values the
+    separate projections' adapters get: the same seed gives the same A."""
+    from lmforge.model.init import init_source
+    from lmforge.model.lora import apply_lora
+    from lmforge.model.transformer import Transformer
+
+    with torch.device("meta"):
+        sep, fused = Transformer(CFG), Transformer(FUSED)
+    for model in (sep, fused):
+        apply_lora(model, "wk,wv", rank=4, seed=0)
+    fused_a = dict(fused.named_modules())["blocks.1.attn.wqkv.lora.wv"]
+    sep_a = dict(sep.named_modules())["blocks.1.attn.wv"]
+    got = init_source(FUSED, 5)("blocks.1.attn.wqkv.lora.wv.lora_a", fused_a, "blocks.1.attn.wqkv.lora.wv", "lora_a",
+                                (4, CFG.dim), (None, None), torch.float32)
+    want = init_source(CFG, 5)("blocks.1.attn.wv.lora_a", sep_a, "blocks.1.attn.wv", "lora_a", (4, CFG.dim),
+                               (None, None), torch.float32)
+    assert torch.equal(got, want) and got.abs().max() > 0
 
 
 def test_the_planner_counts_the_fused_weight_as_the_model_holds_it():
@@ -207,7 +314,7 @@ def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layou
     shared = {"model.n_layers": 2, "model.n_kv_heads": 2, "model.qkv_bias": "true", "model.qk_norm": "true",
               "checkpoint.every_steps": 5, "checkpoint.async_save": "false", **FAMILY_STEPS}
     ref, fused = tmp_path / "separate", tmp_path / "fused"
-    proc = train_runs(corpus, {ref: {}, fused: {"model.fused_qkv": "true"}}, **shared)
+    proc = train_runs(corpus, {ref: {"model.fused_qkv": "false"}, fused: {"model.fused_qkv": "true"}}, **shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert_runs_match(fused, ref, "fused vs separate, one process", tol=TOL)
     # and the separate layout's step-5 checkpoint resumed by the TP=2 fused run: each rank's shard of
@@ -267,7 +374,7 @@ def test_mixtral_conversion_maps_the_fused_weight_bit_equal():
     from lmforge.interop.hf_moe import from_mixtral_state_dict, to_mixtral_state_dict
 
     cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=64,
-                      tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2))
+                      tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2), fused_qkv=False)
     sep = randomised(build_model(cfg, seed=3))
     fused_cfg = replace(cfg, fused_qkv=True)
     fused_state = as_fused(cfg, sep.state_dict())
@@ -276,3 +383,52 @@ def test_mixtral_conversion_maps_the_fused_weight_bit_equal():
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     back = from_mixtral_state_dict(fused_cfg, want)
     assert all(torch.equal(back[k], fused_state[k]) for k in back) and "blocks.0.attn.wqkv.weight" in back
+
+
+@pytest.mark.slow
+def test_lora_on_some_of_q_k_v_of_the_fused_layer_under_tensor_and_sequence_parallel(corpus, tmp_path):  # noqa: F811
+    """LoRA wq,wv (+ wo, up) through `lmforge train`: the fused model in one process and under TP=2 + SP
+    (each part adapter's B split by rows: the rank's kv groups) against the separate layout in one
+    process: the same per-step losses and gradient norms, and the same merged weights saved."""
+    from safetensors.torch import load_file
+
+    from tests.test_parallel_dp import assert_runs_match, train_runs
+    from tests.test_parallel_mp import TOL
+
+    shared = {"model.n_layers": 2, "model.n_kv_heads": 2, "finetune.lora_rank": 4,
+              "finetune.lora_targets": "wq,wv,wo,up", "train.steps": 6, "schedule.warmup_steps": 2,
+              "train.log_every": 1}
+    ref, fused, tp = tmp_path / "separate", tmp_path / "fused", tmp_path / "fused-tp2-sp"
+    proc = train_runs(corpus, {ref: {"model.fused_qkv": "false"}, fused: {"model.fused_qkv": "true"}}, **shared)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = train_runs(corpus, {tp: {"model.fused_qkv": "true", "parallel.tp": 2, "parallel.sequence_parallel": "true"}},
+                      nproc=2, timeout=300, **shared)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for out in (fused, tp):
+        assert_runs_match(out, ref, f"LoRA wq,wv: {out.name} vs separate in one process", tol=TOL)
+    want = load_file(str(ref / "model.safetensors"))
+    cfg = load_config(ref / "config.toml").model
+    want = as_fused(cfg, want)
+    for out in (fused, tp):
+        have = load_file(str(out / "model.safetensors"))
+        assert want.keys() == have.keys() and not any("lora" in k for k in have)  # merged on save
+        for key in want:
+            torch.testing.assert_close(have[key], want[key], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [{}, {"qk_norm": True}, {"pos_emb": "learned", "n_kv_heads": None}],
+                         ids=["rope", "rope-qk-norm", "no-rope"])
+def test_the_fused_layout_saves_the_activation_bytes_of_the_separate_one(extra):
+    """What autograd keeps for backward (unique storages, weights excluded) is the same in both layouts:
+    with RoPE, v is copied out of the fused output so that the v attention saves does not keep the
+    whole q/k/v output alive; with QK-norm the q norm runs on q's view (it saves its input), not on a
+    reshaped copy of it (GQA)."""
+    from lmforge.parallel.activation_ckpt import saved_activation_bytes
+
+    tokens = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    saved = []
+    over = {"qk_norm": False, **extra}
+    for cfg in (replace(CFG, **over), replace(CFG, fused_qkv=True, **over)):
+        model = build_model(cfg, seed=0)
+        saved.append(saved_activation_bytes(lambda m=model: m(tokens).sum(), exclude=list(model.parameters())))
+    assert saved[1] == saved[0], saved

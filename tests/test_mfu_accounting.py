@@ -33,8 +33,10 @@ def trainable(model: torch.nn.Module) -> dict[str, int]:
     ({}, "gate,up,down"),                              # first block's attention entirely frozen
     (GPT2ISH, "fc,proj,lm_head"),                      # biases, LayerNorm, a LoRA head
     ({"model.fused_qkv": True, "model.n_kv_heads": 2, "model.qkv_bias": True}, ""),  # one wqkv matmul
-    ({"model.fused_qkv": True, "model.n_kv_heads": 2}, "wq,wk,wv,wo"),               # its one adapter
-], ids=["full", "lora-attn", "lora-gqa-kv", "lora-mlp", "lora-gelu-head", "fused-qkv", "lora-fused-qkv"])
+    ({"model.fused_qkv": True, "model.n_kv_heads": 2}, "wq,wk,wv,wo"),               # an adapter per part
+    ({"model.fused_qkv": True, "model.n_kv_heads": 2}, "wq,wv"),                     # on some of the parts
+], ids=["full", "lora-attn", "lora-gqa-kv", "lora-mlp", "lora-gelu-head", "fused-qkv", "lora-fused-qkv",
+        "lora-fused-q-v"])
 def test_matmul_flops_equal_what_torch_counts(over, lora):
     """torch's FlopCounterMode counts every mm/addmm of one forward + backward; the accounting's
     matmul part must equal it exactly (attention runs in SDPA, which the counter does not see on

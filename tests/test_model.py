@@ -63,8 +63,8 @@ def test_causal_future_tokens_do_not_change_past_logits(name):
 
 
 def test_gqa_equals_mha_with_repeated_kv_heads():
-    gqa_cfg = ModelConfig(**{**LLAMA, "n_kv_heads": 2})
-    mha_cfg = ModelConfig(**LLAMA)
+    gqa_cfg = ModelConfig(**{**LLAMA, "n_kv_heads": 2, "fused_qkv": False})  # (separate wk, wv to repeat)
+    mha_cfg = ModelConfig(**{**LLAMA, "fused_qkv": False})
     gqa, mha = build_model(gqa_cfg, seed=0), build_model(mha_cfg, seed=1)
     state = gqa.state_dict()
     hd = gqa_cfg.head_dim

@@ -38,7 +38,10 @@ def _train(steps: int, seed: int):
 
     tok = tiny_tokenizer()
     ids = torch.tensor(tok.encode(TEXT))
-    model = build_model(ModelConfig(**MODEL), seed=seed)
+    # (the separate q/k/v layout, as before model.fused_qkv was the default: 150 steps at lr 1e-2 amplify
+    # the fused matmul's different rounding into another trained model, and the tests that read this
+    # one were written against it; runs built from MODEL get the fused default and load it converted)
+    model = build_model(ModelConfig(**MODEL, fused_qkv=False), seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):

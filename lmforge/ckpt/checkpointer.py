@@ -148,15 +148,24 @@ def load_states(manager: CheckpointManager, path: Path, states: Mapping[str, Sta
 
 
 _QKV = re.compile(r"(.*\battn\.)(wqkv|wq|wk|wv)(\.(?:weight|bias)(?:/.*)?)")
+# a LoRA adapter of q, k or v: `attn.wq.lora_a` (separate) is `attn.wqkv.lora.wq.lora_a` (fused), the same tensor
+_QKV_ADAPTER = re.compile(r"(.*\battn\.)(wqkv\.lora\.)?(wq|wk|wv)(\.lora_[ab](?:/.*)?)")
 
 
 def _qkv_conversions(wanted: Mapping[str, torch.Tensor], stored: Mapping[str, Any],
                      model: ModelConfig) -> dict[str, list[str]]:
     """For each q/k/v tensor this run needs (`wanted`: weights and their optimizer state) that the
     checkpoint holds in the other layout (model.fused_qkv): the checkpoint keys it is made of (the
-    separate wq, wk, wv ones for a fused `attn.wqkv`; the fused one for each of wq, wk, wv)."""
+    separate wq, wk, wv ones for a fused `attn.wqkv`; the fused one for each of wq, wk, wv; a LoRA
+    adapter of q, k or v under its other name: lmforge.model.lora.FusedQKVLoRA)."""
     out = {}
     for key in wanted:
+        a = _QKV_ADAPTER.fullmatch(key)
+        if a is not None:  # (renamed only: the adapters are the same in both layouts)
+            other = f"{a[1]}{a[3]}{a[4]}" if a[2] else f"{a[1]}wqkv.lora.{a[3]}{a[4]}"
+            if other in stored:
+                out[key] = [other]
+            continue
         m = _QKV.fullmatch(key)
         if m is None:
             continue
@@ -170,7 +179,7 @@ def _qkv_conversions(wanted: Mapping[str, torch.Tensor], stored: Mapping[str, An
 def _convert_qkv(model: ModelConfig, key: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """The whole tensor `key` of this run's q/k/v layout from the checkpoint's `parts` (_qkv_conversions):
     fused rows by lmforge.model.layers.qkv_layout. A 0-d state (an optimizer's step) is shared."""
-    if parts[0].dim() == 0:
+    if parts[0].dim() == 0 or _QKV_ADAPTER.fullmatch(key):
         return parts[0]
     rows = {"wq": model.n_heads, "wk": model.kv_heads, "wv": model.kv_heads, "wqkv": model.n_heads + 2 * model.kv_heads}
     name = _QKV.fullmatch(key)[2]

@@ -117,7 +117,9 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
             b_trains = trains(prefix + ".bias")
             total["elementwise"] += cost(n_out, x_grad, b_trains)
             out_grad = out_grad or b_trains
-        n_a, n_b = trainable.get(prefix + ".lora_a", 0), trainable.get(prefix + ".lora_b", 0)
+        # (a fused attn.wqkv's part adapters, prefix.lora.<part>.lora_a: their sizes add up)
+        n_a, n_b = (sum(n for k, n in trainable.items() if k == prefix + f".{ab}" or (
+            k.startswith(prefix + ".lora.") and k.endswith(f".{ab}"))) for ab in ("lora_a", "lora_b"))
         if n_a or n_b:  # h = x A^T, then h B^T
             h_grad = x_grad or n_a > 0
             total["matmul"] += cost(n_a, x_grad, n_a > 0) + cost(n_b, h_grad, n_b > 0)

@@ -19,7 +19,8 @@ The rules (GPT-2 / nanoGPT style; `init_rule`):
   draws exactly their blocks) and routers N(0, init_std);
 * biases 0; norm weights 1 (norm biases 0);
 * LoRA adapters (lmforge.model.lora): A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's Kaiming uniform),
-  B = 0, so the adapted model starts as the base model.
+  B = 0, so the adapted model starts as the base model; the q/k/v part adapters of a fused attn.wqkv
+  draw the values of the separate projections' adapters (by the separate names).
 
 Hand-written because torch has no counter-based random generator whose values can be drawn for an
 arbitrary slice of a tensor: DTensor's own random ops give each shard values of its own, so the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,6 +107,17 @@ def init_values(rule: InitRule, name: str, shape: Sequence[int], index: Index, s
     return out.to(dtype)
 
 
+_FUSED_ADAPTER = re.compile(r"(.*\battn\.)wqkv\.lora\.(wq|wk|wv)(\..*)?")
+
+
+def separate_adapter_name(name: str) -> str:
+    """The name a LoRA adapter on one part of a fused attn.wqkv (``..attn.wqkv.lora.wq[.lora_a]``,
+    lmforge.model.lora.FusedQKVLoRA) has in the separate layout (``..attn.wq[.lora_a]``); other names
+    as they are."""
+    m = _FUSED_ADAPTER.fullmatch(name)
+    return f"{m[1]}{m[2]}{m[3] or ''}" if m else name
+
+
 def init_source(cfg: ModelConfig, seed: int):
     """A `lmforge.model.materialise` source: the initial values of any parameter's part."""
 
@@ -118,6 +131,7 @@ def init_source(cfg: ModelConfig, seed: int):
                 return init_values(rule, name.replace("attn.wqkv.", f"attn.{QKV_PARTS[p]}."), shape, index, seed, dtype)
 
             return read_fused_qkv(cfg, part, shape, index)
-        return init_values(rule, name, shape, index, seed, dtype)
+        # (a fused layer's q/k/v part adapters start as the separate projections' adapters)
+        return init_values(rule, separate_adapter_name(name), shape, index, seed, dtype)
 
     return values

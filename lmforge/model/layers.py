@@ -235,13 +235,16 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv_heads
             # (split, not indexing: its backward is one concatenation, not a zero-filled tensor per part)
             q, k, v = self.wqkv(x).view(bsz, seq, -1, rep + 2, self.head_dim).split([rep, 1, 1], dim=3)
-            q, k, v = q.reshape(bsz, seq, -1, self.head_dim), k.squeeze(3), v.squeeze(3)
+            k, v = k.squeeze(3), v.squeeze(3)
+            if self.q_norm is not None:  # (on q's view: the norm saves the view, not a reshaped copy of q)
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q.reshape(bsz, seq, -1, self.head_dim)
         else:
             q = self.wq(x).view(bsz, seq, -1, self.head_dim)
             k = self.wk(x).view(bsz, seq, -1, self.head_dim)
             v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -252,6 +255,15 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope[0][start:start + seq], rope[1][start:start + seq]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.fused and self.q_norm is None and torch.is_grad_enabled():
+                # q and k now live in RoPE's outputs; v alone would still be a view of the fused
+                # projection's output, and the v attention saves for backward would keep all of its
+                # q/k/v bytes alive ((n_heads + kv_heads) * head_dim more per token and layer than
+                # the separate layout). A copy of v's own keeps v's. (With QK-norm the norms save
+                # their inputs, views of the q/k/v output, as the separate layout's norms save its
+                # q and k outputs; without RoPE SDPA saves q, k and v, the whole output, in both;
+                # tests/test_fused_qkv.py measures it.)
+                v = v.contiguous()
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
         # New tokens after cached ones (a chunk of seq > 1 appended to a cache of `start`): query i

@@ -22,6 +22,8 @@ LoRA adapters (`lmforge.model.lora.LoRALinear`) follow their layer's split: on a
 layer A (rank x in) is replicated and B (out x rank) split by output rows like W; on a row-parallel
 layer A is split by input columns like W and B replicated, so x A^T is a partial sum that the
 layer's own all-reduce (or reduce-scatter) completes together with x W^T. No extra communication.
+The q/k/v part adapters of a fused wqkv (`FusedQKVLoRA`) split like the separate projections' (B by
+rows: each part's rows are in kv-group order, so a rank gets the rows of its own kv groups).
 
 Applied by `lmforge.parallel.parallelize` before activation checkpointing / compile (the plan
 names the modules) and before FSDP. `TensorParallel` is the layout: FSDP2 on the data-parallel
@@ -114,7 +116,7 @@ def _lora_aware_styles() -> tuple[type, type]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from lmforge.model.lora import LoRALinear
+    from lmforge.model.lora import FusedQKVLoRA, LoRALinear, QKVAdapter
 
     def split(module: nn.Module, mesh, placements: dict[str, object]) -> None:
         for name, placement in placements.items():
@@ -128,6 +130,10 @@ def _lora_aware_styles() -> tuple[type, type]:
             if isinstance(module, LoRALinear):
                 split(module, device_mesh, {"weight": Shard(0), "bias": Shard(0), "lora_a": Replicate(),
                                             "lora_b": Shard(0)})
+            elif isinstance(module, FusedQKVLoRA):  # (its part adapters: the QKVAdapter submodules)
+                split(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
+            elif isinstance(module, QKVAdapter):  # each part's rows in kv-group order: the rank's groups
+                split(module, device_mesh, {"lora_a": Replicate(), "lora_b": Shard(0)})
             elif not list(module.parameters(recurse=False)):
                 return  # a parameter-free submodule (the adapter's dropout)
             else:

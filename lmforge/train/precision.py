@@ -42,7 +42,7 @@ replace the single-process, DDP and ZeRO-1 layouts rather than serve them. Where
 policy gathers the parameters directly in 16 bits, so `step` leaves every module under an
 `FSDPModule` alone.
 
-What is copied: the fp32 parameters of `nn.Linear` and lmforge's `LoRALinear` (their forward is
+What is copied: the fp32 parameters of `nn.Linear` and lmforge's LoRA modules (their forward is
 `F.linear` over their own parameters, which autocast would cast). TP's DTensor parameters give
 DTensor copies with the same placements. The chunked loss (train.loss_chunk) reads the head's
 copy too, and its weight gradient returns through it in 16 bits, as the plain head's does. Left
@@ -63,12 +63,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmforge.model.lora import LoRALinear
+from lmforge.model.lora import FusedQKVLoRA, LoRALinear, QKVAdapter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # modules whose forward is F.linear over their own parameters: their 16-bit copies are made per step
-COPIED_MODULES = (nn.Linear, LoRALinear)
+# (a QKVAdapter's parameters: F.linear in its FusedQKVLoRA's forward)
+COPIED_MODULES = (nn.Linear, LoRALinear, FusedQKVLoRA, QKVAdapter)
 
 
 @dataclass

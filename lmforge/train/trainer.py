@@ -789,7 +789,7 @@ class Trainer:
         (a full disk: the bytes free and needed), on every rank, or None; rank 0 then still drains the
         layout's gathers so that no rank is left in a collective."""
         from lmforge.ckpt.manager import describe_write_error, free_bytes
-        from lmforge.model.lora import is_adapter, merged_weight
+        from lmforge.model.lora import is_adapter, merge_adapters
 
         ft = self.cfg.finetune
         merge = bool(ft.lora_rank and ft.merge_lora)
@@ -812,10 +812,8 @@ class Trainer:
             if merge and is_adapter(name):
                 adapters[name] = tensor
                 continue
-            module = name.removesuffix(".weight")
-            if merge and f"{module}.lora_a" in adapters:
-                tensor = merged_weight(tensor, adapters.pop(f"{module}.lora_a"), adapters.pop(f"{module}.lora_b"),
-                                       ft.lora_rank, ft.lora_alpha)
+            if merge:  # (its adapters came first: weight_specs' order)
+                tensor = merge_adapters(name, tensor, adapters, ft.lora_rank, ft.lora_alpha, self.cfg.model)
             try:
                 write(name, tensor)
             except OSError as e:
