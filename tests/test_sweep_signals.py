@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Long enough that the trials cannot finish between the poll that sees both at step 2 and the
-# signal, even on a loaded CI box (80 did once: the sweep ended 0 with both trials done).
-STEPS = 300
+STEPS = 80
 BASE = ["--train.steps", str(STEPS), "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
         "--data.seq_len", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
         "--train.eval_every", "0", "--train.eval_sequences", "8", "--train.sample_tokens", "0",
@@ -60,7 +58,11 @@ def signal_the_sweep(tmp_path: Path, sig: signal.Signals) -> tuple[list[str], di
            "--threads", "1", "--out", str(out), *BASE]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "sweep.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # (SIGINT as a terminal's foreground job has it: a test run started in the background of a
+    # non-interactive shell, `pytest &`, hands its children SIGINT ignored, and Python then keeps
+    # ignoring it: the sweep rightly ran on, as under nohup, and this test failed)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 180
         while not (len(runs := sorted(out.glob("t*-*"))) == 2 and all(steps_logged(r) >= 2 for r in runs)):
