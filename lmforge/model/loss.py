@@ -55,6 +55,8 @@ Targets equal to -100 are ignored (zero loss, zero gradient).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -103,13 +105,10 @@ def chunk_nll_and_grad(logits: torch.Tensor, safe: torch.Tensor, valid: torch.Te
     return nll, (torch.exp(lf - lse) - hit.to(lf.dtype)).to(logits.dtype)
 
 
-_COMPILED: list = []  # the compiled chunk_nll_and_grad, made at its first use
-
-
+@functools.cache
 def _compiled_chunk_fn():
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(chunk_nll_and_grad, dynamic=False, fullgraph=True))
-    return _COMPILED[0]
+    """The compiled chunk_nll_and_grad, made at its first use."""
+    return torch.compile(chunk_nll_and_grad, dynamic=False, fullgraph=True)
 
 
 def use_compiled_chunk(device: torch.device) -> bool:
