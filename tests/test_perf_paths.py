@@ -143,6 +143,26 @@ def test_trainer_loss_chunk_equals_plain_loss_and_grads(small_data, tmp_path, ti
         torch.testing.assert_close(g_c[name], g_p[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_evaluation_runs_the_chunked_loss_and_equals_the_plain_one(small_data, tmp_path, monkeypatch):
+    """With train.loss_chunk the validation loss goes through the chunked loss too (no [B, T, vocab]
+    logits: the planner's validation term), and equals the plain logits' loss (fp32: summation
+    order only)."""
+    import lmforge.model.loss as loss_module
+
+    plain = make_trainer(small_data, tmp_path)
+    chunked = make_trainer(small_data, tmp_path, **{"train.loss_chunk": 24})
+    calls = []
+    real = loss_module._chunked_nll_sum
+    monkeypatch.setattr(loss_module, "_chunked_nll_sum", lambda *a: calls.append(a[-1]) or real(*a))
+    got = chunked.evaluate()
+    assert calls and set(calls) == {24}
+    calls.clear()
+    want = plain.evaluate()
+    assert not calls
+    assert got["tokens"] == want["tokens"] > 0
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
 def test_trainer_loss_chunk_bf16_close_to_plain(small_data, tmp_path):
     plain = make_trainer(small_data, tmp_path, **{"train.precision": "bf16"})
     chunked = make_trainer(small_data, tmp_path, **{"train.precision": "bf16", "train.loss_chunk": 64})

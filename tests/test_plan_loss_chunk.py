@@ -31,15 +31,15 @@ def _gpt2(b=16, s=1024, **kw):
 def test_chunked_loss_follows_the_formula_and_shrinks_the_plan():
     """GPT-2 124M, micro-batch 16 x 1024 in bf16 (the H100 run of issue 33): the chunked loss keeps
     grad_hidden (fp32, n d) and grad_weight (fp32, V d) instead of the head input's bf16 copy, the fp32
-    log-softmax (4nV) and nll_loss's total weight; its transient is chunk 2's logits and gradient
-    with chunk 1's gradient and masked hidden rows still bound; the plain path's is 8nV."""
+    log-softmax (4nV) and nll_loss's total weight; its transient is one chunk's logits and gradient
+    (the previous chunk's are freed first); the plain path's is 8nV."""
     cfg, plain = _gpt2()
     _, chunked = _gpt2(loss_chunk=4096)
     n, V, d, c = 16 * 1024, cfg.vocab_size, cfg.dim, 4096
     kept_plain = 2 * n * d + 4 * n * V + 4
     kept_chunked = 4 * n * d + 4 * V * d
     assert plain.activations - chunked.activations == kept_plain - kept_chunked
-    transient = c * 2 * (V + d) + c * (2 * 2 * V + 2 * d)
+    transient = c * (2 * 2 * V + 2 * d)
     assert chunked.detail["loss_transient"] == transient
     assert plain.detail["loss_transient"] == 8 * n * V
     # the planned peak shrinks by the log-softmax and the plain backward's two fp32 gradients (12nV)
@@ -50,13 +50,15 @@ def test_chunked_loss_follows_the_formula_and_shrinks_the_plan():
     for key in ("weights", "gradients", "optimizer_states"):
         assert getattr(plain, key) == getattr(chunked, key)
     assert plain.detail["activations_blocks"] == chunked.detail["activations_blocks"]
-    # the evaluation's plain logits (16-bit logits, fp32 copy, fp32 log-softmax) whatever the chunk
-    work = {m.phases["validation_working_set"] for m in (plain, chunked)}
-    assert len(work) == 1 and work.pop() > 10 * n * V
+    # evaluation's logits (16-bit logits, fp32 copy, fp32 log-softmax): the micro-batch's, or one chunk's
+    # and its hidden rows cast to 16 bits
+    work_plain, work_chunked = (m.phases["validation_working_set"] for m in (plain, chunked))
+    assert work_plain - work_chunked == pytest.approx(10 * (n - c) * V - 2 * c * d)
 
 
 def test_chunk_transient_cases():
-    """One chunk (n <= c): its logits and gradient; a short second chunk; fp32 runs (no 16-bit cast of
+    """One chunk's logits and gradient, whatever the number of chunks (a chunk's buffers are freed
+    before the next one's logits: the second chunk adds nothing); fp32 runs (no 16-bit cast of
     the hidden rows, grad_weight accumulated in place); and in bf16 with tiny chunks the weight
     gradient's 16-bit products [V, d] take over."""
     cfg = load_config("gpt2-124m").model
@@ -66,11 +68,9 @@ def test_chunk_transient_cases():
         return lmforge_loss_bytes(cfg, Layout(**kw), 1024)[1]
 
     assert transient(micro_batch=2, loss_chunk=4096) == 2048 * (2 * 2 * V + 2 * d)
-    # a short second chunk: the first chunk's moment is the larger
-    assert transient(micro_batch=5, loss_chunk=4096) == 4096 * (2 * 2 * V + 2 * d) > \
-        4096 * 2 * (V + d) + 1024 * (2 * 2 * V + 2 * d)
-    assert transient(micro_batch=6, loss_chunk=4096) == 4096 * 2 * (V + d) + 2048 * (2 * 2 * V + 2 * d)
-    assert transient(micro_batch=8, loss_chunk=4096, precision="fp32") == 4096 * 4 * (V + d) + 4096 * 2 * 4 * V
+    for b in (4, 5, 6, 16):  # one chunk, a short second one, two, four
+        assert transient(micro_batch=b, loss_chunk=4096) == 4096 * (2 * 2 * V + 2 * d)
+    assert transient(micro_batch=8, loss_chunk=4096, precision="fp32") == 4096 * 2 * 4 * V
     assert transient(micro_batch=8, loss_chunk=1) == 2 * V + 4 * d + 2 * V * d  # (g^T h in 16 bits)
     # context parallelism: the rank's s / cp tokens
     assert lmforge_loss_bytes(cfg, Layout(micro_batch=4, cp=2, loss_chunk=8192), 1024)[0] == \
@@ -152,8 +152,8 @@ def test_loss_peak_bytes_equal_the_plan_fp32(chunk):
     op by op: the planned kept + transient bytes exactly, plus what the planner leaves out (the chunk's
     target mask and indices, 9 bytes a token, and fp32 scalars). fp32 is where this is comparable:
     the CPU's eager chunked path (log_softmax into a new fp32 buffer, exp_ in place) then holds the
-    same [chunk, V] buffers as CUDA's compiled one (logits, gradient, and the previous chunk's
-    gradient); in bf16 the CPU path holds fp32 [chunk, V] buffers that CUDA does not."""
+    same [chunk, V] buffers as CUDA's compiled one (logits and gradient; the previous chunk's are
+    freed before); in bf16 the CPU path holds fp32 [chunk, V] buffers that CUDA does not."""
     n, d, V = 300, 48, 1000
     cfg = load_config("tiny", {"model.dim": d, "model.n_heads": 4, "model.vocab_size": V,
                                "data.tokenizer_vocab_size": 512}).model
@@ -169,6 +169,30 @@ def test_loss_peak_bytes_equal_the_plan_fp32(chunk):
             F.cross_entropy((h @ w.t()).float(), y, reduction="sum").backward()
     left_out = 9 * min(chunk, n) + 4 if chunk else 8
     assert live.peak == kept + transient + left_out
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 300])
+def test_evaluation_loss_holds_one_chunk_of_logits(chunk):
+    """Under no_grad (evaluation) the chunked loss computes the NLL alone, the same sum as the plain
+    logits, and holds one chunk's logits and fp32 log-softmax at a time (fp32: 8 bytes a logit, as
+    the planner's validation term), plus the chunk's target mask (a byte a token) and the fp32 total:
+    no gradient buffers."""
+    n, d, V = 300, 48, 1000
+    torch.manual_seed(0)
+    h, w = torch.randn(n, d, requires_grad=True), torch.randn(V, d, requires_grad=True)
+    y = torch.randint(0, V, (n,))
+    y[::7] = -100
+    with torch.no_grad(), _LiveBytes(h, w, y) as live:
+        nll = linear_cross_entropy_sum(h, w, y, chunk)
+    assert live.peak == 8 * chunk * V + chunk + 4
+    with torch.no_grad():
+        plain = F.cross_entropy(h @ w.t(), y, reduction="sum", ignore_index=-100)
+    torch.testing.assert_close(nll, plain, rtol=1e-6, atol=0)
+    cfg = load_config("tiny", {"model.dim": d, "model.n_heads": 4, "model.vocab_size": V,
+                               "data.tokenizer_vocab_size": 512}).model
+    work = {c: estimate_memory(cfg, Layout(micro_batch=n, precision="fp32", loss_chunk=c), "adamw", 1,
+                               weights="lmforge").phases["validation_working_set"] for c in (0, chunk)}
+    assert work[0] - work[chunk] == pytest.approx(8 * (n - chunk) * V)
 
 
 # Peak torch.cuda.max_memory_allocated over the timed steps, one H100 80GB, torch 2.11, bf16, fused

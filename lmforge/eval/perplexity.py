@@ -13,10 +13,14 @@ from lmforge.model.loss import IGNORE_INDEX, count_targets, token_nll_sum
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], autocast,
-                  device: torch.device) -> dict[str, float]:
+                  device: torch.device, loss_chunk: int = 0) -> dict[str, float]:
     """Token-weighted mean cross-entropy (nats) over `batches`, and its exp (perplexity).
 
     Targets equal to -100 are ignored, and every token counts once however batches are sized.
+    `loss_chunk` > 0 (train.loss_chunk as the layout runs it): the model's forward takes the targets
+    and computes the loss over that many tokens at a time (lmforge.model.loss), so the micro-batch's
+    [B, T, vocab] logits never exist (they would be the evaluation's largest buffers); 0: the plain
+    logits (a model that takes no targets: tensor- and pipeline-parallel inference).
     """
     was_training = model.training
     model.eval()
@@ -25,8 +29,8 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast():
-            logits = model(x)
-        total_nll += token_nll_sum(logits, y).double()
+            out = model(x, targets=y, loss_chunk=loss_chunk) if loss_chunk else model(x)
+        total_nll += (out if loss_chunk else token_nll_sum(out, y)).double()
         total_tokens += int(count_targets(y))
     model.train(was_training)
     if total_tokens == 0:

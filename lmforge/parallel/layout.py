@@ -96,13 +96,18 @@ class Layout:
             out = {k: v for part in parts for k, v in part.items()}
         return out
 
-    def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
-        """Summed token NLL (fp32) of one micro-batch. train.loss_chunk: fused with the output
-        projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits); "auto"
-        resolved by lmforge.config.rules.resolve_loss_chunk (0 where the layout cannot use it)."""
+    def loss_chunk(self, precision) -> int:
+        """train.loss_chunk as this layout runs it in `precision` (training and evaluation alike): "auto"
+        resolved by lmforge.config.rules.resolve_loss_chunk, 0 where the layout cannot use it (tp or
+        pp > 1: `inference_model` is then not the model, and takes no targets)."""
         from lmforge.config.rules import resolve_loss_chunk
 
-        chunk = resolve_loss_chunk(self.cfg, self.dist.device.type, precision.name)
+        return resolve_loss_chunk(self.cfg, self.dist.device.type, precision.name)
+
+    def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
+        """Summed token NLL (fp32) of one micro-batch. train.loss_chunk (`loss_chunk`): fused with the
+        output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits)."""
+        chunk = self.loss_chunk(precision)
         with precision.autocast():
             if chunk:
                 return self.module(x, targets=y, loss_chunk=chunk)

@@ -120,12 +120,11 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
     - chunked (loss_chunk = c > 0; `lmforge.model.loss.linear_cross_entropy_sum`, on CUDA with
       its compiled per-chunk elementwise part, no fp32 [c, V] buffer): no logits are kept and the
       head's input is not copied; kept are grad_hidden, the size of the head's fp32 input (4nd),
-      and grad_weight in fp32 (4Vd). Transient: the worst of (a) chunk 1: its 16-bit logits and
-      gradient, c(2 half V + half d) (half d: its hidden rows cast to 16 bits; a view in fp32);
-      (b) chunk 2 (n > c), while chunk 1's gradient and masked hidden rows are still bound in the
-      loop: c half (V + d) + c2 (2 half V + half d), c2 = min(c, n - c); and in 16-bit runs (c)
+      and grad_weight in fp32 (4Vd). Transient: the worst of (a) a chunk's 16-bit logits and
+      gradient, c(2 half V + half d) (half d: its hidden rows cast to 16 bits; a view in fp32; a
+      chunk's buffers are freed before the next chunk's logits are made); and in 16-bit runs (b)
       the weight-gradient product g^T h made in 16 bits before it is added to the fp32
-      grad_weight, c(half V + 2 half d) + half Vd, and (d) backward's 16-bit weight gradient
+      grad_weight, c(half V + 2 half d) + half Vd, and (c) backward's 16-bit weight gradient
       (the head's 16-bit copy) beside its fp32 cast, 2Vd. The fp32 eager path that CPUs run
       holds the same buffers (tests/test_plan_loss_chunk.py measures them); CPU bf16 runs hold
       fp32 [c, V] buffers the planner does not plan for.
@@ -845,10 +844,7 @@ def lmforge_loss_bytes(cfg: ModelConfig, layout: Layout, seq_len: int) -> tuple[
     c = min(layout.loss_chunk, n)
     kept = 4 * n * d + 4 * V * d  # grad_hidden (the fp32 norm output's size) and the fp32 grad_weight
     cast = half * d if half == 2 else 0  # a chunk's hidden rows in the compute dtype (fp32: a view)
-    moments = [c * (2 * half * V + cast)]  # chunk 1: its logits + its gradient (softmax - one_hot)
-    if n > c:  # chunk 2: chunk 1's gradient and masked hidden rows are still bound while it runs
-        c2 = min(c, n - c)
-        moments.append(c * half * (V + d) + c2 * (2 * half * V + cast))
+    moments = [c * (2 * half * V + cast)]  # a chunk: its logits + its gradient (softmax - one_hot)
     if half == 2:
         # g.T @ hidden in 16 bits before it is added into the fp32 grad_weight; and in backward the
         # weight gradient returned in 16 bits (the head's 16-bit copy) beside its fp32 cast
@@ -970,9 +966,11 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     - ``validation``: what persists between steps (weights, optimizer state; gradients only where
       they are DDP's buckets: elsewhere the step frees them), the FSDP2 blocks gathered at a time
       (weights gathered in the run's precision), and a forward without autograd: one layer's
-      temporaries (at most what the layer saves for backward) and the plain cross-entropy of one
-      micro-batch (evaluation does not chunk it): its logits in 16 bits, their fp32 copy and the
-      fp32 log-softmax, 10 bytes a logit (fp32 runs: 8), split over the vocabulary under TP;
+      temporaries (at most what the layer saves for backward) and the cross-entropy of one
+      micro-batch: its logits in 16 bits, their fp32 copy and the fp32 log-softmax, 10 bytes a logit
+      (fp32 runs: 8), split over the vocabulary under TP; with the chunked loss (layout loss_chunk =
+      c, as training runs it: lmforge.eval.perplexity) only c tokens' logits at a time, plus the
+      chunk's hidden rows cast to 16 bits;
     - ``final_save``: what persists, plus one whole parameter gathered on every rank of its shard
       group (the largest, fp32; rank 0's copy of it goes to host memory, then to the file)."""
     specs = stage_specs(cfg, layout.pp, stage)
@@ -981,12 +979,14 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     persistent = comp["weights"] + comp["master_weights"] + comp["optimizer_states"] + \
         (comp["gradients"] if keeps_grads else 0.0) + buffers.get("rope_tables", 0.0)
     half = 4 if layout.precision == "fp32" else 2
-    # evaluation runs the plain logits whatever train.loss_chunk (lmforge.eval.perplexity): the 16-bit
-    # logits, token_nll_sum's fp32 copy of them (fp32 runs: the logits themselves) and the fp32
-    # log-softmax inside F.cross_entropy, all alive at once
+    # evaluation's loss (lmforge.eval.perplexity): the 16-bit logits, their fp32 copy (fp32 runs: the
+    # logits themselves) and the fp32 log-softmax, all alive at once, of the micro-batch's tokens or,
+    # with the chunked loss, of one chunk's (and the chunk's hidden rows cast to the compute dtype)
     per_logit = half + (4 if half == 2 else 0) + 4
-    logits = per_logit * layout.micro_batch * (seq_len // layout.cp) * cfg.vocab_size / layout.tp \
-        if stage == layout.pp - 1 else 0.0
+    n = layout.micro_batch * (seq_len // layout.cp)
+    rows = min(layout.loss_chunk, n) if layout.loss_chunk else n
+    cast = rows * half * cfg.dim if layout.loss_chunk and half == 2 else 0
+    logits = per_logit * rows * cfg.vocab_size / layout.tp + cast if stage == layout.pp - 1 else 0.0
     layer = _lmforge_activation_per_layer(cfg, layout, seq_len // layout.cp, "none")
     working = buffers.get("fsdp_gathered_weights", 0.0) + layer + logits
     return {"startup": comp["weights"] + (comp["gradients"] if keeps_grads else 0.0), "startup_host": 2 * largest,

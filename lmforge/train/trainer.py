@@ -627,7 +627,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         return evaluate_loss(self.layout.inference_model(), self.val_batches(), self.precision.autocast,
-                             self.device)
+                             self.device, loss_chunk=self.layout.loss_chunk(self.precision))
 
     def val_batches(self):
         """The first train.eval_sequences validation sequences, micro_batch_size at a time."""
