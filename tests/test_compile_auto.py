@@ -49,6 +49,25 @@ def test_auto_is_off_where_compile_cannot_run_or_is_not_known_to_pay(monkeypatch
     assert not off and "triton" in why
 
 
+def test_the_chunked_loss_compiles_where_compile_can(monkeypatch):
+    """The chunked loss's compiled elementwise part (lmforge.model.loss.use_compiled_chunk) follows the
+    same check as train.compile = "auto" (rules.gpu_compile_blocker): a CUDA device, Triton, and a
+    compute capability of at least 7.0; never on the CPU."""
+    import torch
+
+    from lmforge.model.loss import use_compiled_chunk
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(rules, "triton_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert use_compiled_chunk(cuda) and not use_compiled_chunk(cpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    assert not use_compiled_chunk(cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(rules, "triton_installed", lambda: False)
+    assert not use_compiled_chunk(cuda)
+
+
 @pytest.mark.parametrize("value", [True, False])
 def test_an_explicit_value_is_kept(monkeypatch, value):
     monkeypatch.setattr(rules, "triton_installed", lambda: True)

@@ -296,12 +296,23 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     if cfg.model.moe.num_experts > 0:
         return False, ("auto: off for Mixture-of-Experts models (compiled MoE blocks fail in torch._grouped_mm's "
                        "tracing on CPU and have data-dependent shapes); set train.compile = true to try it")
-    if not triton_installed():
-        return False, f"auto: off on {device_type}: torch.compile's GPU backend needs the triton package"
-    if capability is not None and tuple(capability) < COMPILE_MIN_CAPABILITY:
-        return False, (f"auto: off on a GPU of compute capability {capability[0]}.{capability[1]} (Triton "
-                       f"needs {COMPILE_MIN_CAPABILITY[0]}.{COMPILE_MIN_CAPABILITY[1]} or newer)")
+    blocker = gpu_compile_blocker(capability)
+    if blocker:
+        return False, f"auto: off on {device_type}: {blocker}"
     return True, f"auto: on on {device_type} (per-block compile measured 1.19x tokens/s on an H100: benchmarks/RESULTS.md)"
+
+
+def gpu_compile_blocker(capability: tuple[int, int] | None = None) -> str | None:
+    """Why torch.compile cannot make GPU kernels here (one phrase), or None where it can: Triton
+    installed and `capability` (the GPU's compute capability, where known) at least
+    COMPILE_MIN_CAPABILITY. The one check behind every compiled GPU path: train.compile = "auto" and
+    the chunked loss's compiled elementwise part (lmforge.model.loss.use_compiled_chunk)."""
+    if not triton_installed():
+        return "torch.compile's GPU backend needs the triton package"
+    if capability is not None and tuple(capability) < COMPILE_MIN_CAPABILITY:
+        return (f"a GPU of compute capability {capability[0]}.{capability[1]} (Triton needs "
+                f"{COMPILE_MIN_CAPABILITY[0]}.{COMPILE_MIN_CAPABILITY[1]} or newer)")
+    return None
 
 
 def triton_installed() -> bool:

@@ -60,6 +60,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from lmforge.config.rules import gpu_compile_blocker
+
 IGNORE_INDEX = -100
 
 
@@ -112,13 +114,12 @@ def _compiled_chunk_fn():
 
 
 def use_compiled_chunk(device: torch.device) -> bool:
-    """Whether the chunked loss compiles its elementwise part by default on `device`: on CUDA with
-    Triton (module docstring)."""
+    """Whether the chunked loss compiles its elementwise part by default on `device`: on a CUDA GPU
+    where torch.compile can make kernels (lmforge.config.rules.gpu_compile_blocker: Triton, compute
+    capability; module docstring)."""
     if device.type != "cuda":
         return False
-    from torch.utils._triton import has_triton
-
-    return has_triton()
+    return gpu_compile_blocker(torch.cuda.get_device_capability(device)) is None
 
 
 def _chunk_forward(hc: torch.Tensor, yc: torch.Tensor, w: torch.Tensor, grad_h: torch.Tensor | None,
