@@ -139,19 +139,56 @@ SMALL = {
 LORA = {"finetune.lora_rank": 4, "finetune.lora_targets": "wq,wv,wo", "finetune.merge_lora": False}
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-wq-wv"])
+def test_muon_orthogonalises_q_k_v_of_the_fused_weight_apart_bit_equal_to_the_separate_layout():
+    """Muon on the fused wqkv (its own Muon group, with qkv_heads) takes the steps it takes on the separate
+    wq, wk, wv: each orthogonalised and scaled on its own. Given the same gradients, three steps leave
+    the weights bit-equal to the separate model's (fused). Orthogonalising the fused matrix as one
+    (the group without qkv_heads) gives other weights."""
+    from lmforge.optim.muon import build
+
+    cfg = load_config("tiny", {"optim.name": "muon", "optim.muon_lr": 0.05}).optim
+    sep = randomised(build_model(CFG, seed=3))
+    fused, whole = build_model(FUSED, seed=4), build_model(FUSED, seed=4)
+    for m in (fused, whole):
+        m.load_state_dict(as_fused(CFG, sep.state_dict()))
+    opts = [build(m, cfg, {}) for m in (sep, fused, whole)]
+    qkv = [g for g in opts[1].param_groups if g["qkv_heads"] is not None]
+    assert len(qkv) == 1 and qkv[0]["qkv_heads"] == (3, CFG.head_dim) and qkv[0]["group"] == "muon"
+    assert all(n.endswith("attn.wqkv.weight") for n in qkv[0]["param_names"]) and len(qkv[0]["param_names"]) == 2
+    for g in opts[2].param_groups:
+        g["qkv_heads"] = None  # (as before: the fused matrix orthogonalised as one)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in sep.named_parameters()}
+        for model, opt in zip((sep, fused, whole), opts, strict=True):
+            given = grads if model is sep else as_fused(CFG, grads)
+            for n, p in model.named_parameters():
+                p.grad = given[n].clone()
+            opt.step()
+    want, got, other = as_fused(CFG, sep.state_dict()), fused.state_dict(), whole.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert not torch.equal(other["blocks.0.attn.wqkv.weight"], want["blocks.0.attn.wqkv.weight"])
+
+
+@pytest.mark.parametrize("lora,optim", [(False, "adamw"), (True, "adamw"), (False, "muon")],
+                         ids=["full", "lora-wq-wv", "muon"])
 @pytest.mark.parametrize("saved_fused", [False, True], ids=["old-separate-checkpoint", "fused-checkpoint"])
-def test_a_checkpoint_of_either_layout_resumes_in_the_other(small_data, tmp_path, saved_fused, lora):
+def test_a_checkpoint_of_either_layout_resumes_in_the_other(small_data, tmp_path, saved_fused, lora, optim):
     """A run saved with one q/k/v layout (False: the separate wq/wk/wv keys every checkpoint before
     model.fused_qkv has) resumes at step 4 with the other: weights and AdamW moments are converted on
     load, and steps 5-8 give the straight run's losses and gradient norms, and its final weights.
     With LoRA on some of q/k/v (wq, wv) the adapters and their moments carry over under the other
-    layout's names (attn.wq.lora_a <-> attn.wqkv.lora.wq.lora_a)."""
+    layout's names (attn.wq.lora_a <-> attn.wqkv.lora.wq.lora_a). With Muon the momentum buffers
+    convert, the fused layout's q/k/v group keeps its qkv_heads whatever the checkpoint's groups,
+    and q, k and v are orthogonalised apart in either layout (else the runs would part)."""
     from lmforge.train.trainer import Trainer
     from tests.test_parallel_dp import assert_runs_match
 
     def run(out, fused: bool, **extra):
-        trainer = Trainer(load_config("tiny", {**SMALL, "model.fused_qkv": fused, **(LORA if lora else {}), **extra}),
+        trainer = Trainer(load_config("tiny", {**SMALL, "model.fused_qkv": fused, "optim.name": optim,
+                                               **(LORA if lora else {}), **extra}),
                           out_dir=out, data=small_data)
         trainer.fit()
         return trainer

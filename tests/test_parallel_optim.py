@@ -32,9 +32,12 @@ from tests.test_parallel_dp import (SGD, TINY, assert_runs_match, corpus,  # noq
 
 pytestmark = pytest.mark.slow
 
-STATEFUL = ("adam8bit", "adafactor", "lamb", "muon")  # trained sharded, then resumed in one process
+STATEFUL = ("adam8bit", "adafactor", "lamb", "muon", "muon_fused_qkv")  # trained sharded, then resumed in one process
 OPTIMIZERS = (*STATEFUL, "sgd")
-OWN = {"sgd": {**SGD, "checkpoint.every_steps": 0}}  # plain SGD, no clipping: scale-sensitive; no state to resume
+OWN = {"sgd": {**SGD, "checkpoint.every_steps": 0},  # plain SGD, no clipping: scale-sensitive; no state to resume
+       # Muon on the fused q/k/v weight (GQA: 2 query heads per kv head), q, k and v orthogonalised apart: the
+       # sharded weight (FSDP2 x TP rows) is gathered for it and each rank keeps its shard of the update
+       "muon_fused_qkv": {"optim.name": "muon", "model.fused_qkv": "true", "model.n_kv_heads": 2}}
 TOL = {"adam8bit": {"losses": 2e-4, "grad_norms": 2e-3}}  # per optimizer (and metric); else 1e-5
 SETTINGS = {**TINY, "train.steps": 6, "train.log_every": 1, "schedule.warmup_steps": 2,
             "checkpoint.every_steps": 3, "checkpoint.keep_every": 3, "checkpoint.every_minutes": 0,
@@ -43,7 +46,7 @@ SETTINGS = {**TINY, "train.steps": 6, "train.log_every": 1, "schedule.warmup_ste
 
 def drive(corpus: Path, out: Path, nproc: int, names: tuple[str, ...] = OPTIMIZERS, **extra) -> None:
     """Each optimizer of `names`, one after another in one launch: OUT/<name>/."""
-    runs = {out / name: {"optim.name": name, **OWN.get(name, {})} for name in names}
+    runs = {out / name: {"optim.name": name, **OWN.get(name, {})} for name in names}  # (OWN may name the optimizer)
     proc = train_runs(corpus, runs, nproc=nproc, timeout=600, **{**SETTINGS, **extra})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

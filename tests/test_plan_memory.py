@@ -345,8 +345,12 @@ def test_pipeline_stage_params():
 # bf16 matmuls are emulated (slow) on CPUs without bf16 units.
 _SMALL = {"model.dim": 64, "model.n_heads": 4, "model.vocab_size": 512, "model.max_seq_len": 64, "data.seq_len": 64,
           "data.tokenizer_vocab_size": 512}
-_SMALL_CASES = [("tiny", {**_SMALL, "model.n_layers": 4}),
-                ("gpt2-124m", {**_SMALL, "model.n_layers": 2, "model.ffn_hidden": None, "data.tokenizer": "bpe"})]
+_SMALL_CASES = [("tiny", {**_SMALL, "model.n_layers": 4, "model.fused_qkv": False}),
+                ("gpt2-124m", {**_SMALL, "model.n_layers": 2, "model.ffn_hidden": None, "data.tokenizer": "bpe",
+                               "model.fused_qkv": False}),
+                # one wqkv matmul (GQA): the norm output is cast to 16 bits once for it, not three times
+                ("tiny", {**_SMALL, "model.n_layers": 2, "model.n_kv_heads": 2, "model.fused_qkv": True})]
+_SMALL_IDS = ["tiny", "gpt2-124m", "tiny-fused-qkv"]
 
 
 def _small_model(preset: str, overrides: dict):
@@ -372,7 +376,7 @@ def _step_bytes(model, batches, loss_chunk: int = 0):
     return sys.modules[name].step_bytes(model, batches, loss_chunk=loss_chunk)
 
 
-@pytest.mark.parametrize("preset,overrides", _SMALL_CASES, ids=[c[0] for c in _SMALL_CASES])
+@pytest.mark.parametrize("preset,overrides", _SMALL_CASES, ids=_SMALL_IDS)
 @pytest.mark.parametrize("ac", ["none", "full", "every_k"])
 def test_lmforge_step_memory_equals_saved_tensors_and_autocast_copies(preset, overrides, ac):
     """Issue 16 §2: the trainer runs a step's micro-batches inside one autocast context, so autocast
@@ -405,7 +409,7 @@ def test_lmforge_step_memory_equals_saved_tensors_and_autocast_copies(preset, ov
         2 * math.prod(sp.shape) for sp in stage_specs(cfg.model, 2, piped.stage) if sp.matmul)
 
 
-@pytest.mark.parametrize("preset,overrides", _SMALL_CASES, ids=[c[0] for c in _SMALL_CASES])
+@pytest.mark.parametrize("preset,overrides", _SMALL_CASES, ids=_SMALL_IDS)
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_chunked_step_saves_exactly_the_planned_activations(preset, overrides, ac):
     """The trainer's bf16 step on CPU with train.loss_chunk: what autograd saves (the blocks, the

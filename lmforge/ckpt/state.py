@@ -171,6 +171,14 @@ class ModelOptimizerState:
                 group.update(by_name.get(group.get("group"), own[i]))
             else:
                 group.update(saved[i])
+            # what the group is, as this run built it, is not a hyperparameter: groups of one name may
+            # differ in it (Muon's fused q/k/v group, `qkv_heads`), and the checkpoint's layout may too
+            group.update({k: own[i][k] for k in _STRUCTURAL_GROUP_KEYS if k in own[i]})
+
+
+# param-group keys that say what a group holds rather than how it trains: kept from the run's own
+# optimizer when a checkpoint's hyperparameters are loaded
+_STRUCTURAL_GROUP_KEYS = ("group", "use_muon", "qkv_heads")
 
 
 def _number_tensor(value: Any) -> Any:

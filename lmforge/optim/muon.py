@@ -15,6 +15,11 @@ a model would need two optimizers (and two schedulers, two checkpoints). This cl
 optimizer: param groups flagged `use_muon=True` get the update above; groups flagged
 `use_muon=False` (embeddings, lm_head, norms, biases) run AdamW through torch's own functional
 AdamW (`torch.optim.adam.adam` with decoupled weight decay), so that half is torch's code.
+
+A fused q/k/v projection (model.fused_qkv: `attn.wqkv`, rows grouped by kv head) is three matrices
+in one parameter: its Muon group carries `qkv_heads = (query heads per kv head, head_dim)`, and q,
+k and v are orthogonalised and scaled apart, exactly as the separate `wq`, `wk`, `wv` would be
+(bit-equal on one process; tests/test_fused_qkv.py).
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ def zeropower_via_newtonschulz5(
 class Muon(torch.optim.Optimizer):
     """Muon for matrices (`use_muon=True` groups) + AdamW for the rest (`use_muon=False` groups).
 
-    Muon-group keys: lr, momentum, nesterov, ns_steps, ns_dtype, weight_decay.
+    Muon-group keys: lr, momentum, nesterov, ns_steps, ns_dtype, weight_decay, and qkv_heads (None, or
+    (rep, head_dim) for a group of fused q/k/v weights: each q, k and v orthogonalised apart).
     AdamW-group keys: lr, betas, eps, weight_decay. A group without `use_muon` defaults to True.
     State: `momentum_buffer` for Muon params; `step`, `exp_avg`, `exp_avg_sq` (torch's AdamW
     layout) for the others. Parameters with more than 2 dims are flattened to (dim0, rest).
@@ -92,7 +98,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"ns_steps={ns_steps} must be >= 1 (default 5)")
         defaults = {
             "use_muon": True, "lr": lr, "momentum": momentum, "nesterov": nesterov,
-            "ns_steps": ns_steps, "ns_dtype": ns_dtype, "weight_decay": weight_decay,
+            "ns_steps": ns_steps, "ns_dtype": ns_dtype, "weight_decay": weight_decay, "qkv_heads": None,
             "betas": tuple(betas), "eps": eps, "foreach": foreach,
         }
         super().__init__(params, defaults)
@@ -136,6 +142,9 @@ class Muon(torch.optim.Optimizer):
             # None: bf16 on accelerators (as in the Muon paper), fp32 on CPUs, most of which emulate bf16
             # matmuls (~1-2% of fp32 speed on this AVX2 machine)
             ns_dtype = group["ns_dtype"] or (torch.float32 if matrix.device.type == "cpu" else torch.bfloat16)
+            if group["qkv_heads"] is not None:
+                _fused_qkv_update(p, matrix, group["qkv_heads"], group["ns_steps"], ns_dtype, lr, wd)
+                continue
             ortho = zeropower_via_newtonschulz5(matrix, group["ns_steps"], ns_dtype)
             rows, cols = matrix.shape
             scale = max(1.0, rows / cols) ** 0.5
@@ -170,8 +179,65 @@ class Muon(torch.optim.Optimizer):
         )
 
 
+def _qkv_parts(rows: int, rep: int, head_dim: int) -> tuple[int, list[slice]]:
+    """(kv groups, the slices of q, k and v along the second dim of the rows viewed as
+    [groups, rep + 2, head_dim]): lmforge.model.layers.qkv_layout's order."""
+    groups = rows // ((rep + 2) * head_dim)
+    assert groups * (rep + 2) * head_dim == rows, (rows, rep, head_dim)
+    return groups, [slice(0, rep), slice(rep, rep + 1), slice(rep + 1, rep + 2)]
+
+
+def _fused_qkv_update(p: torch.Tensor, matrix: torch.Tensor, heads: tuple[int, int], steps: int,
+                      ns_dtype: torch.dtype, lr: float, wd: float) -> None:
+    """Muon's step for a fused q/k/v weight (`qkv_heads` = (rep, head_dim)): q, k and v orthogonalised
+    and scaled apart, as three separate matrices would be. A plain tensor is updated in place part by
+    part (the same operations as on the separate matrices: bit-equal). A sharded one (DTensor: FSDP2,
+    TP) is gathered first (its rows split by kv group across ranks: no rank holds all of a part), and
+    each rank adds its own shard of the update."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    rep, hd = heads
+    sharded = isinstance(matrix, DTensor)
+    full = matrix.full_tensor() if sharded else matrix
+    rows, cols = full.shape
+    groups, parts = _qkv_parts(rows, rep, hd)
+    u4 = full.view(groups, rep + 2, hd, cols)
+    if wd != 0:
+        p.mul_(1.0 - lr * wd)
+    if sharded:
+        delta = torch.empty(full.shape, dtype=p.dtype, device=full.device)
+        d4 = delta.view(groups, rep + 2, hd, cols)
+    else:
+        d4 = p.view(groups, rep + 2, hd, cols)
+    for part in parts:
+        piece = u4[:, part].reshape(-1, cols)
+        ortho = zeropower_via_newtonschulz5(piece, steps, ns_dtype).view(groups, -1, hd, cols)
+        scale = max(1.0, piece.size(0) / cols) ** 0.5
+        if sharded:
+            d4[:, part] = ortho.to(p.dtype) * scale
+        else:
+            d4[:, part].add_(ortho.to(p.dtype), alpha=-lr * scale)
+    if sharded:
+        mesh = p.device_mesh
+        replicated = DTensor.from_local(delta, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        p.add_(replicated.redistribute(mesh, p.placements).view_as(p), alpha=-lr)
+
+
+def qkv_heads_of(model: nn.Module, name: str) -> tuple[int, int] | None:
+    """(query heads per kv head, head_dim) when `name` is a fused q/k/v weight (`...attn.wqkv.weight`,
+    model.fused_qkv), else None: read from its attention module."""
+    suffix = ".wqkv.weight"
+    if not name.endswith(suffix):
+        return None
+    attn = model.get_submodule(name[:-len(suffix)])
+    return attn.n_heads // attn.n_kv_heads, attn.head_dim
+
+
 def muon_groups(model: nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> list[dict[str, Any]]:
-    """Muon groups: decay-group matrices not named in `muon_exclude` go to Muon, the rest to AdamW."""
+    """Muon groups: decay-group matrices not named in `muon_exclude` go to Muon, the rest to AdamW.
+    Fused q/k/v weights (model.fused_qkv) go to a second Muon group of the same name and settings,
+    with `qkv_heads` (its q, k and v orthogonalised apart; a group key, so ZeRO-1's per-rank
+    rebuild and TP's split of groups keep it)."""
     lr, weight_decay = cfg.lr, cfg.weight_decay
     exclude = tuple(extra.pop("muon_exclude", ("lm_head",)))
     muon_group: dict[str, Any] = {
@@ -186,14 +252,19 @@ def muon_groups(model: nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> 
     decay, no_decay = param_groups(model, weight_decay, cfg.decay_embeddings)
     adamw_decay: dict[str, Any] = {"params": [], "param_names": []}
     embeddings = embedding_ids(model)
+    qkv_groups: dict[tuple[int, int], dict[str, Any]] = {}
     for name, p in zip(decay["param_names"], decay["params"], strict=True):
         to_muon = id(p) not in embeddings and not any(key in name for key in exclude)
-        target = muon_group if to_muon else adamw_decay
+        heads = qkv_heads_of(model, name) if to_muon else None
+        if heads is not None:
+            target = qkv_groups.setdefault(heads, {**muon_group, "params": [], "param_names": [], "qkv_heads": heads})
+        else:
+            target = muon_group if to_muon else adamw_decay
         target["params"].append(p)
         target["param_names"].append(name)
     adamw_decay.update(group="adamw_decay", use_muon=False, lr=lr, weight_decay=weight_decay)
     no_decay.update(group="adamw_no_decay", use_muon=False, lr=lr)
-    return [muon_group, adamw_decay, no_decay]
+    return [muon_group, *qkv_groups.values(), adamw_decay, no_decay]
 
 
 

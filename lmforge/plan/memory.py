@@ -96,7 +96,7 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
     - fp32 runs: no 16-bit copies (FSDP2 gathers fp32 weights instead).
     Activations are counted tensor by tensor from what autograd saves under bf16 autocast with
     `scaled_dot_product_attention` (no s^2 term, no dropout): per layer
-    sbh(8 [fp32 inputs of the two norms] + 6 [16-bit copies fed to q/k/v] + 4 + 4r [q, k, v,
+    sbh(8 [fp32 inputs of the two norms] + 6 [16-bit copies fed to q/k/v; 2 for a fused wqkv] + 4 + 4r [q, k, v,
     attention output] + 8 if RMSNorm [its fp32 outputs] + 2 if RoPE [wo input copy] + MLP),
     (fp32 runs: every 2 is a 4, and the casts fed to the projections are the two norm outputs
     themselves, 8 in all),
@@ -734,8 +734,8 @@ def _lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int
     normed = 8 if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its fp32 output for the weight grad
     if layout.precision == "fp32":  # each norm's output feeds its projections as it is: 2 tensors
         casts = 8
-    else:  # autocast casts the norm output once per projection: q, k, v and fc1 (gate and up)
-        casts = half * (3 + (2 if cfg.activation == "swiglu" else 1))
+    else:  # autocast casts the norm output once per projection: q, k, v (one fused wqkv: once) and fc1 (gate and up)
+        casts = half * ((1 if cfg.fused_qkv else 3) + (2 if cfg.activation == "swiglu" else 1))
     attn = half * (1 + 2 * r + 1) / t           # q, k, v, attention output
     wo_in = half / t if cfg.pos_emb == "rope" else 0.0
     mlp = half * (4 * F if cfg.activation == "swiglu" else 2 * F) / t
