@@ -30,7 +30,7 @@ SHAPES = {  # name: ModelConfig keys of the attention
 
 
 def layers(shape: dict, max_seq: int) -> tuple[Attention, Attention]:
-    cfg = ModelConfig(vocab_size=64, n_layers=1, max_seq_len=max_seq, **shape)
+    cfg = ModelConfig(vocab_size=64, n_layers=1, max_seq_len=max_seq, fused_qkv=False, **shape)
     sep, fused = Attention(cfg), Attention(replace(cfg, fused_qkv=True))
     state = sep.state_dict()
     with torch.no_grad():

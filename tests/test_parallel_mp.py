@@ -26,7 +26,13 @@ from lmforge.config import ConfigError, load_config
 from tests.test_parallel_dp import (SGD, assert_runs_match, corpus,  # noqa: F401  (module-scoped corpus fixture)
                                     losses, train, train_runs)
 
-MP = {"model.n_layers": 4, "model.tie_embeddings": "false"}
+# The separate q/k/v projections (model.fused_qkv = false): at this seed the fused layout's one
+# larger matmul rounds differently in one process and in TP's halves, and step 7's gradient-norm
+# spike (4.8, twice its neighbours) amplifies that to 1.2e-5 relative in TP=2's gradient norm
+# (steps 4-13, back to ~1e-7 by step 14; losses within 7e-7; seeds 1 and 2: 4.5e-7, as separate).
+# The fused layout under TP, SP, CP and FSDP2 x TP is held to the same tolerance against one
+# process in tests/test_fused_qkv.py.
+MP = {"model.n_layers": 4, "model.tie_embeddings": "false", "model.fused_qkv": "false"}
 TOL = 1e-5  # relative, per step
 
 

@@ -242,11 +242,12 @@ def test_fp8_filter_selects_block_linears_only():
     from lmforge.model.transformer import build_model
     from lmforge.train.fp8 import fp8_filter, fp8_supported
 
-    cfg = load_config("tiny", {"model.dim": 64, "model.n_heads": 4, "model.n_layers": 2})
-    model = build_model(cfg.model, seed=0)
-    chosen = [n for n, m in model.named_modules() if fp8_filter(m, n)]
-    assert len(chosen) == 2 * 7  # wq wk wv wo gate up down per block
-    assert "lm_head" not in chosen and all(n.startswith("blocks.") for n in chosen)
+    for fused, per_block in ((True, 5), (False, 7)):  # wqkv (or wq wk wv) wo gate up down per block
+        cfg = load_config("tiny", {"model.dim": 64, "model.n_heads": 4, "model.n_layers": 2, "model.fused_qkv": fused})
+        model = build_model(cfg.model, seed=0)
+        chosen = [n for n, m in model.named_modules() if fp8_filter(m, n)]
+        assert len(chosen) == 2 * per_block
+        assert "lm_head" not in chosen and all(n.startswith("blocks.") for n in chosen)
     assert fp8_supported(torch.device("cpu"))[0] is False
 
 
