@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -83,7 +84,7 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
     assert proc.returncode == 0, table + proc.stderr[-2000:]
     rows = {line.split("|")[1].strip(): (line.split("|")[2].strip(), line.split("|")[3].strip())
             for line in table.splitlines() if line.startswith("| ") and not line.startswith("| step")}
-    assert list(rows) == ["env", "head-loss", "tiny-bf16", "ddp-1", "fsdp-1", "async-2", "optim",
+    assert list(rows) == ["env", "head-loss", "tiny-bf16", "ddp-1", "fsdp-1", "async-2", "optim", "ckpt-save",
                           "throughput-quick", "fp8-config"], rows
     # the optional row that needs torchao is skipped with the reason; every other row ran and passed
     assert rows.pop("fp8-config") == ("skipped (optional)", "torchao is not installed: pass its wheel with --wheels "
@@ -92,6 +93,7 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
     assert "all 21 torch APIs present" in table and "ddp: val loss" in table and "fsdp: val loss" in table
     assert "train.loss_chunk = auto picks fused (4096-token chunks)" in rows["head-loss"][1]
     assert "default group gloo, parameter server messages on gloo" in rows["async-2"][1]
+    assert re.search(r"tiny, [\d,.]+ MB a save; async \(.+\): blocks [\d.]+ s, validated [\d.]+ s; sync", rows["ckpt-save"][1])
     assert not (home / ".cache" / "lmforge").exists()  # the corpus came from --cache
     profile = (out / "throughput-quick-profile.md").read_text()  # where the step's time goes
     assert "# profile: 2 steps" in profile and "aten::mm" in profile

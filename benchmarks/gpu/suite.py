@@ -27,6 +27,9 @@ and says so):
   async-2    asynchronous SGD, 2 processes (server + worker) on the one GPU: NCCL refuses two
              ranks on one device, so their default group is gloo (lmforge.parallel.mesh)
   optim      tests/test_optim_cuda.py (fused / foreach optimizers on CUDA)
+  ckpt-save  benchmarks/checkpoint_save.py on GPT-2 124M (CPU smoke: tiny), 3 saves a mode: how long
+             the training loop blocks per save (async: staging into reused pinned host buffers;
+             async-per-save; sync) and until the checkpoint is validated
   gpt2-*     GPT-2 124M tokens/s and MFU (benchmarks/train_throughput.py): plain, then compile +
              loss_chunk (with a profile of where the step's time goes: gpt2-loss_chunk-profile.md);
              peak CUDA memory against `lmforge plan --weights lmforge`
@@ -322,6 +325,7 @@ class Suite:
             "--parallel.dp_replicate", "2", "--parallel.async_sgd", "true", "--train.global_batch_size", "8",
             "--train.micro_batch_size", "4", "--checkpoint.every_steps", "0"], 240)
         self.step_optim()
+        self.step_ckpt_save()
         # the throughput rows last, the targets' rows before the optional fp8 one: a budget spent
         # early loses the least. The best-configured row of each model is profiled (where the time goes).
         if self.cuda:
@@ -350,6 +354,31 @@ class Suite:
             row.result = (proc.stdout.strip().splitlines() or [""])[-1][:160]
             if "skipped" in row.result and self.cuda:
                 row.status = "failed"  # on a GPU nothing may be skipped
+
+    def step_ckpt_save(self) -> None:
+        """Checkpoint saves from the device (benchmarks/checkpoint_save.py): the median, over saves 2-3
+        (the first allocates the staging buffers), of the time the loop blocks and of the time to a
+        validated checkpoint, per mode, and the staging the manager chose (torch 2.11's one-shot
+        DefaultStager: "pinned", lmforge.ckpt.manager.device_stager)."""
+        out = self.out / "ckpt-save.json"
+        preset, device = ("gpt2-124m", "cuda") if self.cuda else ("tiny", "cpu")
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "checkpoint_save.py"), "--preset", preset, "--reps", "3",
+               "--device", device, "--json", str(out)]
+        row, proc = self.run("ckpt-save", cmd, 300)
+        if proc is None or proc.returncode != 0 or not out.is_file():
+            return
+        saves = [r for r in json.loads(out.read_text()) if r["rep"] > 0]
+        parts, row.detail = [], {}
+        for mode in dict.fromkeys(r["mode"] for r in saves):
+            sel = [r for r in saves if r["mode"] == mode]
+            blocking = sorted(r["blocking_s"] for r in sel)[len(sel) // 2]
+            total = sorted(r["total_s"] for r in sel)[len(sel) // 2]
+            # (host tensors, as in the CPU smoke run, are copied by the manager itself: no DCP stager)
+            staging = sel[0]["staging"] or "host copy"
+            row.detail[mode] = {"blocking_s": blocking, "total_s": total, "staging": staging}
+            how = f" ({staging})" if mode.startswith("async") else ""
+            parts.append(f"{mode}{how}: blocks {blocking:.3f} s, validated {total:.2f} s")
+        row.result = f"{preset}, {saves[0]['bytes'] / 1e6:,.1f} MB a save; " + "; ".join(parts)
 
     def save(self) -> None:
         """Write the table and the JSON as they stand (after every row and at the end)."""
