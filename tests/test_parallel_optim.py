@@ -34,10 +34,14 @@ pytestmark = pytest.mark.slow
 
 STATEFUL = ("adam8bit", "adafactor", "lamb", "muon", "muon_fused_qkv")  # trained sharded, then resumed in one process
 OPTIMIZERS = (*STATEFUL, "sgd")
+DEALT = ("muon", "muon_fused_qkv")  # also trained under FSDP2 alone
 OWN = {"sgd": {**SGD, "checkpoint.every_steps": 0},  # plain SGD, no clipping: scale-sensitive; no state to resume
-       # Muon on the fused q/k/v weight (GQA: 2 query heads per kv head), q, k and v orthogonalised apart: the
-       # sharded weight (FSDP2 x TP rows) is gathered for it and each rank keeps its shard of the update
-       "muon_fused_qkv": {"optim.name": "muon", "model.fused_qkv": "true", "model.n_kv_heads": 2}}
+       # Muon on the separate q/k/v projections, and on the fused q/k/v weight (GQA: 2 query heads per kv
+       # head), q, k and v orthogonalised apart: under FSDP2 x TP the fused weight is gathered for it and each
+       # rank keeps its shard of the update; under FSDP2 alone the matrices are dealt over the ranks
+       "muon": {"model.fused_qkv": "false"},
+       "muon_fused_qkv": {"optim.name": "muon", "model.fused_qkv": "true", "model.n_kv_heads": 2,
+                          "model.ffn_hidden": 102}}  # (102 rows: uneven FSDP2 shards of 26, 26, 26, 24)
 TOL = {"adam8bit": {"losses": 2e-4, "grad_norms": 2e-3}}  # per optimizer (and metric); else 1e-5
 SETTINGS = {**TINY, "train.steps": 6, "train.log_every": 1, "schedule.warmup_steps": 2,
             "checkpoint.every_steps": 3, "checkpoint.keep_every": 3, "checkpoint.every_minutes": 0,
@@ -60,6 +64,8 @@ def runs(corpus, tmp_path_factory) -> Path:  # noqa: F811
         ckpt = Path("checkpoints") / "step_00000003"
         shutil.copytree(root / "sharded" / name / ckpt, root / "resumed" / name / ckpt)
     drive(corpus, root / "resumed", 1, STATEFUL, **{"train.micro_batch_size": 4, "checkpoint.every_steps": 0})
+    # FSDP2 alone (a 1-D mesh of 4): Muon deals the matrices over the ranks (lmforge.optim.muon._dealt_updates)
+    drive(corpus, root / "fsdp4", 4, DEALT, **{"parallel.dp_shard": 4, "train.micro_batch_size": 2})
     return root
 
 
@@ -78,3 +84,12 @@ def test_sharded_optimizer_state_resumes_in_one_process(runs, name):
     step-3 checkpoint, not from scratch)."""
     assert_runs_match(runs / "resumed" / name, runs / "sharded" / name,
                       f"{name}: resumed in one process vs the sharded run", steps=[4, 5, 6], tol=TOL.get(name, 1e-5))
+
+
+@pytest.mark.parametrize("name", DEALT)
+def test_muon_under_fsdp2_deals_its_matrices_over_the_ranks_and_trains_like_one_process(runs, name):
+    """Under FSDP2 alone each rank gathers a quarter of the matrices' updates whole, orthogonalises them
+    (q, k and v apart for a fused wqkv), and scatters the shards back: the steps of one process."""
+    fsdp = runs / "fsdp4" / name
+    assert_runs_match(fsdp, runs / "single" / name, f"{name}: dp_shard 4 vs one process", steps=list(range(1, 7)),
+                      tol=1e-5)

@@ -20,6 +20,11 @@ A fused q/k/v projection (model.fused_qkv: `attn.wqkv`, rows grouped by kv head)
 in one parameter: its Muon group carries `qkv_heads = (query heads per kv head, head_dim)`, and q,
 k and v are orthogonalised and scaled apart, exactly as the separate `wq`, `wk`, `wv` would be
 (bit-equal on one process; tests/test_fused_qkv.py).
+
+Sharded parameters: under FSDP2 alone (rows sharded over a 1-D mesh) the matrices are dealt over the
+ranks (`_dealt_updates`: one gather and one scatter per matrix, each rank orthogonalising 1/N of
+them); on other meshes (tensor parallelism, HSDP) DTensor runs Newton-Schulz on the shards itself,
+gathering inside each product (a fused q/k/v weight there is gathered whole on every rank).
 """
 
 from __future__ import annotations
@@ -127,7 +132,8 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_group(self, group: dict[str, Any]) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        lr, wd, mu, heads, steps = group["lr"], group["weight_decay"], group["momentum"], group["qkv_heads"], group["ns_steps"]
+        dealt: dict[Any, list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]] = {}  # FSDP2 mesh -> its matrices
         for p in group["params"]:
             g = grad_of(p, "Muon")
             if g is None:
@@ -142,15 +148,18 @@ class Muon(torch.optim.Optimizer):
             # None: bf16 on accelerators (as in the Muon paper), fp32 on CPUs, most of which emulate bf16
             # matmuls (~1-2% of fp32 speed on this AVX2 machine)
             ns_dtype = group["ns_dtype"] or (torch.float32 if matrix.device.type == "cpu" else torch.bfloat16)
-            if group["qkv_heads"] is not None:
-                _fused_qkv_update(p, matrix, group["qkv_heads"], group["ns_steps"], ns_dtype, lr, wd)
-                continue
-            ortho = zeropower_via_newtonschulz5(matrix, group["ns_steps"], ns_dtype)
-            rows, cols = matrix.shape
-            scale = max(1.0, rows / cols) ** 0.5
             if wd != 0:
                 p.mul_(1.0 - lr * wd)
-            p.add_(ortho.view_as(p).to(p.dtype), alpha=-lr * scale)
+            if _row_sharded(p):
+                dealt.setdefault(p.device_mesh, []).append((p, matrix, ns_dtype))
+            elif heads is not None:
+                _fused_qkv_update(p, matrix, heads, steps, ns_dtype, lr)
+            else:
+                ortho = zeropower_via_newtonschulz5(matrix, steps, ns_dtype)
+                rows, cols = matrix.shape
+                p.add_(ortho.view_as(p).to(p.dtype), alpha=-lr * max(1.0, rows / cols) ** 0.5)
+        for mesh, items in dealt.items():
+            _dealt_updates(mesh, items, heads, steps, lr)
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -187,40 +196,106 @@ def _qkv_parts(rows: int, rep: int, head_dim: int) -> tuple[int, list[slice]]:
     return groups, [slice(0, rep), slice(rep, rep + 1), slice(rep + 1, rep + 2)]
 
 
-def _fused_qkv_update(p: torch.Tensor, matrix: torch.Tensor, heads: tuple[int, int], steps: int,
-                      ns_dtype: torch.dtype, lr: float, wd: float) -> None:
-    """Muon's step for a fused q/k/v weight (`qkv_heads` = (rep, head_dim)): q, k and v orthogonalised
-    and scaled apart, as three separate matrices would be. A plain tensor is updated in place part by
-    part (the same operations as on the separate matrices: bit-equal). A sharded one (DTensor: FSDP2,
-    TP) is gathered first (its rows split by kv group across ranks: no rank holds all of a part), and
-    each rank adds its own shard of the update."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    rep, hd = heads
-    sharded = isinstance(matrix, DTensor)
-    full = matrix.full_tensor() if sharded else matrix
+def _orthogonalised(full: torch.Tensor, heads: tuple[int, int] | None, steps: int, ns_dtype: torch.dtype) -> torch.Tensor:
+    """Muon's update direction for a whole matrix, in `ns_dtype`: NewtonSchulz5(update) x sqrt(max(1,
+    rows / cols)), or for a fused q/k/v weight (`heads` = (rep, head_dim)) that of q, k and v apart."""
     rows, cols = full.shape
+    if heads is None:
+        return zeropower_via_newtonschulz5(full, steps, ns_dtype) * max(1.0, rows / cols) ** 0.5
+    rep, hd = heads
     groups, parts = _qkv_parts(rows, rep, hd)
     u4 = full.view(groups, rep + 2, hd, cols)
-    if wd != 0:
-        p.mul_(1.0 - lr * wd)
-    if sharded:
-        delta = torch.empty(full.shape, dtype=p.dtype, device=full.device)
-        d4 = delta.view(groups, rep + 2, hd, cols)
-    else:
-        d4 = p.view(groups, rep + 2, hd, cols)
+    out = torch.empty(full.shape, dtype=ns_dtype, device=full.device)
+    o4 = out.view(groups, rep + 2, hd, cols)
     for part in parts:
         piece = u4[:, part].reshape(-1, cols)
-        ortho = zeropower_via_newtonschulz5(piece, steps, ns_dtype).view(groups, -1, hd, cols)
         scale = max(1.0, piece.size(0) / cols) ** 0.5
-        if sharded:
-            d4[:, part] = ortho.to(p.dtype) * scale
-        else:
-            d4[:, part].add_(ortho.to(p.dtype), alpha=-lr * scale)
-    if sharded:
+        o4[:, part] = zeropower_via_newtonschulz5(piece, steps, ns_dtype).view(groups, -1, hd, cols) * scale
+    return out
+
+
+def _fused_qkv_update(p: torch.Tensor, matrix: torch.Tensor, heads: tuple[int, int], steps: int,
+                      ns_dtype: torch.dtype, lr: float) -> None:
+    """Muon's step (weight decay already applied) for a fused q/k/v weight (`qkv_heads` = (rep,
+    head_dim)): q, k and v orthogonalised and scaled apart, as three separate matrices would be. A
+    plain tensor is updated in place part by part (the same operations as on the separate matrices:
+    bit-equal). A DTensor that `_dealt_updates` does not take (tensor parallelism, HSDP) is gathered
+    on every rank (its rows are split by kv group: no rank holds all of a part), and each rank adds
+    its own shard of the update."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(matrix, DTensor):
+        delta = _orthogonalised(matrix.full_tensor(), heads, steps, ns_dtype).to(p.dtype)
         mesh = p.device_mesh
         replicated = DTensor.from_local(delta, mesh, [Replicate()] * mesh.ndim, run_check=False)
         p.add_(replicated.redistribute(mesh, p.placements).view_as(p), alpha=-lr)
+        return
+    rep, hd = heads
+    rows, cols = matrix.shape
+    groups, parts = _qkv_parts(rows, rep, hd)
+    u4, p4 = matrix.view(groups, rep + 2, hd, cols), p.view(groups, rep + 2, hd, cols)
+    for part in parts:
+        piece = u4[:, part].reshape(-1, cols)
+        ortho = zeropower_via_newtonschulz5(piece, steps, ns_dtype).view(groups, -1, hd, cols)
+        p4[:, part].add_(ortho.to(p.dtype), alpha=-lr * max(1.0, piece.size(0) / cols) ** 0.5)
+
+
+def _row_sharded(p: torch.Tensor) -> bool:
+    """A matrix sharded by rows over a 1-D mesh of several ranks (FSDP2's `fully_shard`: torch.chunk
+    pieces of dim 0), which `_dealt_updates` orthogonalises."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (isinstance(p, DTensor) and p.ndim == 2 and p.device_mesh.ndim == 1 and p.device_mesh.size() > 1
+            and tuple(p.placements) == (Shard(0),))
+
+
+def _dealt_updates(mesh, items: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]], heads: tuple[int, int] | None,
+                   steps: int, lr: float) -> None:
+    """Muon's step for FSDP2-sharded matrices (`_row_sharded`; weight decay already applied), the
+    matrices dealt round-robin over the mesh's W ranks: in each round of W, every rank gathers one
+    matrix's update from all shards (`dist.gather`), orthogonalises it (`_orthogonalised`) while the
+    others do theirs, and scatters the shards back (`dist.scatter`). One gather and one scatter per
+    matrix, and 1/W of the Newton-Schulz work per rank, where DTensor's own ops on the shards would
+    all-gather inside every Newton-Schulz product. The result is the one-process update, to rounding
+    (the owner's matrix is the whole update). Hand-written: torch has no sharded Muon (torch.optim.Muon
+    takes plain 2-D tensors). Shards are padded to ceil(rows / W) rows for the collectives."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    pg, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    for first in range(0, len(items), world):
+        batch = items[first:first + world]  # matrix k of the round is rank k's
+        pads = [-(-m.shape[0] // world) for _, m, _ in batch]
+        works, gathered = [], []
+        for k, ((_, m, _), per) in enumerate(zip(batch, pads, strict=True)):
+            local = m.to_local()
+            send = local.new_zeros((per, m.shape[1]))
+            send[:local.shape[0]] = local
+            recv = [torch.empty_like(send) for _ in range(world)] if me == k else None
+            works.append(dist.gather(send, recv, group=pg, group_dst=k, async_op=True))
+            gathered.append(recv)
+        for work in works:
+            work.wait()
+        pieces = None
+        if me < len(batch):
+            p, m, ns_dtype = batch[me]
+            padded = torch.cat(gathered[me])  # (the padding rows follow the last rows: torch.chunk order)
+            delta = _orthogonalised(padded[:m.shape[0]], heads, steps, ns_dtype).to(p.dtype)
+            out = delta.new_zeros((pads[me] * world, m.shape[1]))
+            out[:m.shape[0]] = delta
+            pieces = list(out.chunk(world))
+        works, received = [], []
+        for k, ((p, m, _), per) in enumerate(zip(batch, pads, strict=True)):
+            recv_piece = torch.empty((per, m.shape[1]), dtype=p.dtype, device=m.to_local().device)
+            works.append(dist.scatter(recv_piece, pieces if me == k else None, group=pg, group_src=k, async_op=True))
+            received.append(recv_piece)
+        for work in works:
+            work.wait()
+        for (p, _, _), piece in zip(batch, received, strict=True):
+            local = p.to_local()
+            shard = DTensor.from_local(piece[:local.shape[0]], mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride())
+            p.add_(shard, alpha=-lr)
 
 
 def qkv_heads_of(model: nn.Module, name: str) -> tuple[int, int] | None:
