@@ -64,8 +64,11 @@ def runs(corpus, tmp_path_factory) -> Path:  # noqa: F811
         ckpt = Path("checkpoints") / "step_00000003"
         shutil.copytree(root / "sharded" / name / ckpt, root / "resumed" / name / ckpt)
     drive(corpus, root / "resumed", 1, STATEFUL, **{"train.micro_batch_size": 4, "checkpoint.every_steps": 0})
-    # FSDP2 alone (a 1-D mesh of 4): Muon deals the matrices over the ranks (lmforge.optim.muon._dealt_updates)
+    # FSDP2 alone (a 1-D mesh of 4) and HSDP (2 replicas x 2 shards): Muon deals the matrices over the shard
+    # ranks (lmforge.optim.muon._dealt_updates)
     drive(corpus, root / "fsdp4", 4, DEALT, **{"parallel.dp_shard": 4, "train.micro_batch_size": 2})
+    drive(corpus, root / "hsdp2x2", 4, DEALT, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 2,
+                                                  "train.micro_batch_size": 2})
     return root
 
 
@@ -86,10 +89,11 @@ def test_sharded_optimizer_state_resumes_in_one_process(runs, name):
                       f"{name}: resumed in one process vs the sharded run", steps=[4, 5, 6], tol=TOL.get(name, 1e-5))
 
 
+@pytest.mark.parametrize("layout", ["fsdp4", "hsdp2x2"])
 @pytest.mark.parametrize("name", DEALT)
-def test_muon_under_fsdp2_deals_its_matrices_over_the_ranks_and_trains_like_one_process(runs, name):
-    """Under FSDP2 alone each rank gathers a quarter of the matrices' updates whole, orthogonalises them
-    (q, k and v apart for a fused wqkv), and scatters the shards back: the steps of one process."""
-    fsdp = runs / "fsdp4" / name
-    assert_runs_match(fsdp, runs / "single" / name, f"{name}: dp_shard 4 vs one process", steps=list(range(1, 7)),
-                      tol=1e-5)
+def test_muon_under_fsdp2_deals_its_matrices_over_the_ranks_and_trains_like_one_process(runs, name, layout):
+    """Under FSDP2 (4 shards; HSDP: 2 replicas of 2 shards) each shard rank gathers its share of the
+    matrices' updates whole, orthogonalises them (q, k and v apart for a fused wqkv), and scatters the
+    shards back: the steps of one process."""
+    assert_runs_match(runs / layout / name, runs / "single" / name, f"{name}: {layout} vs one process",
+                      steps=list(range(1, 7)), tol=1e-5)

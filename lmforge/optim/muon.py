@@ -21,10 +21,10 @@ in one parameter: its Muon group carries `qkv_heads = (query heads per kv head, 
 k and v are orthogonalised and scaled apart, exactly as the separate `wq`, `wk`, `wv` would be
 (bit-equal on one process; tests/test_fused_qkv.py).
 
-Sharded parameters: under FSDP2 alone (rows sharded over a 1-D mesh) the matrices are dealt over the
-ranks (`_dealt_updates`: one gather and one scatter per matrix, each rank orthogonalising 1/N of
-them); on other meshes (tensor parallelism, HSDP) DTensor runs Newton-Schulz on the shards itself,
-gathering inside each product (a fused q/k/v weight there is gathered whole on every rank).
+Sharded parameters: under FSDP2 (rows sharded over one mesh dim; HSDP's replicas alike) the matrices
+are dealt over the shard ranks (`_dealt_updates`: one gather and one scatter per matrix, each rank
+orthogonalising 1/N of them); with tensor parallelism DTensor runs Newton-Schulz on the shards
+itself, gathering inside each product (a fused q/k/v weight there is gathered whole on every rank).
 """
 
 from __future__ import annotations
@@ -150,16 +150,17 @@ class Muon(torch.optim.Optimizer):
             ns_dtype = group["ns_dtype"] or (torch.float32 if matrix.device.type == "cpu" else torch.bfloat16)
             if wd != 0:
                 p.mul_(1.0 - lr * wd)
-            if _row_sharded(p):
-                dealt.setdefault(p.device_mesh, []).append((p, matrix, ns_dtype))
+            shard_dim = _row_shard_dim(p)
+            if shard_dim is not None:
+                dealt.setdefault((p.device_mesh, shard_dim), []).append((p, matrix, ns_dtype))
             elif heads is not None:
                 _fused_qkv_update(p, matrix, heads, steps, ns_dtype, lr)
             else:
                 ortho = zeropower_via_newtonschulz5(matrix, steps, ns_dtype)
                 rows, cols = matrix.shape
                 p.add_(ortho.view_as(p).to(p.dtype), alpha=-lr * max(1.0, rows / cols) ** 0.5)
-        for mesh, items in dealt.items():
-            _dealt_updates(mesh, items, heads, steps, lr)
+        for (mesh, shard_dim), items in dealt.items():
+            _dealt_updates(mesh, shard_dim, items, heads, steps, lr)
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -240,19 +241,26 @@ def _fused_qkv_update(p: torch.Tensor, matrix: torch.Tensor, heads: tuple[int, i
         p4[:, part].add_(ortho.to(p.dtype), alpha=-lr * max(1.0, piece.size(0) / cols) ** 0.5)
 
 
-def _row_sharded(p: torch.Tensor) -> bool:
-    """A matrix sharded by rows over a 1-D mesh of several ranks (FSDP2's `fully_shard`: torch.chunk
-    pieces of dim 0), which `_dealt_updates` orthogonalises."""
-    from torch.distributed.tensor import DTensor, Shard
+def _row_shard_dim(p: torch.Tensor) -> int | None:
+    """The mesh dim over which `p` is a matrix sharded by rows (FSDP2's `fully_shard`: torch.chunk
+    pieces of dim 0) and replicated over every other mesh dim (HSDP's replicas), or None: what
+    `_dealt_updates` orthogonalises."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return (isinstance(p, DTensor) and p.ndim == 2 and p.device_mesh.ndim == 1 and p.device_mesh.size() > 1
-            and tuple(p.placements) == (Shard(0),))
+    if not isinstance(p, DTensor) or p.ndim != 2:
+        return None
+    sharded = [i for i, pl in enumerate(p.placements) if pl == Shard(0)]
+    rest_replicated = all(pl == Replicate() for i, pl in enumerate(p.placements) if i not in sharded)
+    if len(sharded) != 1 or not rest_replicated or p.device_mesh.size(sharded[0]) < 2:
+        return None
+    return sharded[0]
 
 
-def _dealt_updates(mesh, items: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]], heads: tuple[int, int] | None,
-                   steps: int, lr: float) -> None:
-    """Muon's step for FSDP2-sharded matrices (`_row_sharded`; weight decay already applied), the
-    matrices dealt round-robin over the mesh's W ranks: in each round of W, every rank gathers one
+def _dealt_updates(mesh, shard_dim: int, items: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
+                   heads: tuple[int, int] | None, steps: int, lr: float) -> None:
+    """Muon's step for FSDP2-sharded matrices (`_row_shard_dim`; weight decay already applied), the
+    matrices dealt round-robin over the W ranks of the mesh dim `shard_dim` (HSDP: each replica group
+    does the same, on the same values): in each round of W, every rank gathers one
     matrix's update from all shards (`dist.gather`), orthogonalises it (`_orthogonalised`) while the
     others do theirs, and scatters the shards back (`dist.scatter`). One gather and one scatter per
     matrix, and 1/W of the Newton-Schulz work per rank, where DTensor's own ops on the shards would
@@ -262,7 +270,7 @@ def _dealt_updates(mesh, items: list[tuple[torch.Tensor, torch.Tensor, torch.dty
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    pg, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    pg, world, me = mesh.get_group(shard_dim), mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     for first in range(0, len(items), world):
         batch = items[first:first + world]  # matrix k of the round is rank k's
         pads = [-(-m.shape[0] // world) for _, m, _ in batch]
