@@ -42,12 +42,15 @@ def test_perplexity_is_exp_of_mean_token_nll_when_the_text_fits(model):
     assert abs(math.exp(nll / count) - math.exp(sum(by_hand) / 39)) < 1e-3 * math.exp(nll / count)
 
 
+@pytest.mark.parametrize("loss_chunk", [0, 5], ids=["logits", "chunked"])
 @pytest.mark.parametrize("window,stride", [(8, 1), (8, 3), (8, 8)])
-def test_sliding_window_scores_each_token_once_with_its_window_context(model, window, stride):
+def test_sliding_window_scores_each_token_once_with_its_window_context(model, window, stride, loss_chunk):
     """Each target is scored once, by the first window that reaches it, from that window's
-    tokens only: recomputed here one target (one forward pass) at a time."""
+    tokens only: recomputed here one target (one forward pass) at a time. With `loss_chunk` (what
+    `lmforge eval` passes for vocabularies of 8192 and more) the model's chunked loss scores them,
+    a few tokens at a time, ignored targets included."""
     tokens = _tokens(30)
-    nll, count = sliding_window_nll(model, tokens, window, stride, batch_size=3)
+    nll, count = sliding_window_nll(model, tokens, window, stride, batch_size=3, loss_chunk=loss_chunk)
     expected, scored, begin = 0.0, 0, 0
     while scored < 29:
         end = min(begin + window, 29)
@@ -151,3 +154,32 @@ def test_kv_cache_in_chunks_equals_one_full_pass(model):
         caches = [KVCache() for _ in range(model.cfg.n_layers)]
         parts = [model(tokens[:, a:b], caches) for a, b in ((0, 5), (5, 11), (11, 12))]
     assert (torch.cat(parts, 1) - full).abs().max() < 1e-5
+
+
+def test_eval_command_scores_a_large_vocabulary_with_the_chunked_loss(tmp_path, monkeypatch):
+    """`lmforge eval` on a run whose vocabulary is 8192 or more computes the perplexity with the chunked
+    loss (4096 tokens at a time: no [batch, window, vocab] logits), with the plain logits' result."""
+    from safetensors.torch import save_file
+
+    import lmforge.eval.cli_eval as cli_eval
+    import lmforge.eval.perplexity as perplexity
+    from lmforge.config import load_config, to_toml
+    from lmforge.folders import CONFIG, WEIGHTS
+
+    cfg = load_config("tiny", {"model.vocab_size": 8192, "model.dim": 32, "model.n_layers": 1, "model.n_heads": 4,
+                               "model.max_seq_len": 64, "data.seq_len": 64, "model.tie_embeddings": False})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CONFIG).write_text(to_toml(cfg))
+    save_file(build_model(cfg.model, seed=0).state_dict(), str(run / WEIGHTS))
+    tokens = torch.randint(0, 8192, (300,), generator=torch.Generator().manual_seed(0)).numpy()
+    monkeypatch.setattr(cli_eval, "_stream_tokens", lambda opts, cfg, tok: ("given tokens", tokens))
+    calls = []
+    real = perplexity.sliding_window_nll
+    monkeypatch.setattr(perplexity, "sliding_window_nll", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    res = cli_eval.run_eval(cli_eval.EvalOptions(ckpt=str(run), samples=0, window=64, stride=32))
+    assert [kw["loss_chunk"] for kw in calls] == [4096]
+    model = build_model(cfg.model, seed=0).eval()
+    plain, count = real(model, tokens, 64, 32)
+    assert res["perplexity"]["tokens"] == count == 299
+    assert res["perplexity"]["loss"] == pytest.approx(plain / count, rel=1e-6)

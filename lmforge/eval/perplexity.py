@@ -40,7 +40,7 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
 
 @torch.no_grad()
 def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int, batch_size: int = 8,
-                       device: torch.device | str = "cpu") -> tuple[float, int]:
+                       device: torch.device | str = "cpu", loss_chunk: int = 0) -> tuple[float, int]:
     """(summed NLL in nats, number of scored tokens) of a token stream under a sliding window.
 
     Token 0 has no context and is not scored; every later token is scored exactly once. A
@@ -48,6 +48,8 @@ def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int,
     previous window did not, so after the first window each token is predicted from at least
     `window - stride` tokens of context (stride = window: disjoint windows, the fastest and the
     least context). When the stream fits in one window, this is the plain full-context NLL.
+    `loss_chunk` > 0: the model's forward computes the loss over that many tokens at a time
+    (lmforge.model.loss; as `evaluate_loss`), so a batch's [B, window, vocab] logits never exist.
     """
     if window < 1 or not 1 <= stride <= window:
         raise ValueError(f"window = {window} and stride = {stride} must satisfy 1 <= stride <= window.")
@@ -74,8 +76,9 @@ def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int,
             x[row, :e - b] = tokens[b:e]
             y[row, :e - b] = tokens[b + 1:e + 1]
             y[row, :done - b] = IGNORE_INDEX  # targets b+1..done were scored by an earlier window
-        y = y.to(device)
-        total += token_nll_sum(model(x.to(device)), y).double().cpu()
+        x, y = x.to(device), y.to(device)
+        nll = model(x, targets=y, loss_chunk=loss_chunk) if loss_chunk else token_nll_sum(model(x), y)
+        total += nll.double().cpu()
         count += int(count_targets(y))
     model.train(was_training)
     assert count == n - 1, (count, n)
