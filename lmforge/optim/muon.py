@@ -132,8 +132,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_group(self, group: dict[str, Any]) -> None:
-        lr, wd, mu, heads, steps = group["lr"], group["weight_decay"], group["momentum"], group["qkv_heads"], group["ns_steps"]
-        dealt: dict[Any, list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]] = {}  # FSDP2 mesh -> its matrices
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        heads, steps = group["qkv_heads"], group["ns_steps"]
+        dealt: dict[Any, list[tuple[torch.Tensor, torch.Tensor, torch.dtype]]] = {}  # (mesh, shard dim) -> matrices
         for p in group["params"]:
             g = grad_of(p, "Muon")
             if g is None:
@@ -197,7 +198,8 @@ def _qkv_parts(rows: int, rep: int, head_dim: int) -> tuple[int, list[slice]]:
     return groups, [slice(0, rep), slice(rep, rep + 1), slice(rep + 1, rep + 2)]
 
 
-def _orthogonalised(full: torch.Tensor, heads: tuple[int, int] | None, steps: int, ns_dtype: torch.dtype) -> torch.Tensor:
+def _orthogonalised(full: torch.Tensor, heads: tuple[int, int] | None, steps: int,
+                    ns_dtype: torch.dtype) -> torch.Tensor:
     """Muon's update direction for a whole matrix, in `ns_dtype`: NewtonSchulz5(update) x sqrt(max(1,
     rows / cols)), or for a fused q/k/v weight (`heads` = (rep, head_dim)) that of q, k and v apart."""
     rows, cols = full.shape
@@ -220,7 +222,7 @@ def _fused_qkv_update(p: torch.Tensor, matrix: torch.Tensor, heads: tuple[int, i
     """Muon's step (weight decay already applied) for a fused q/k/v weight (`qkv_heads` = (rep,
     head_dim)): q, k and v orthogonalised and scaled apart, as three separate matrices would be. A
     plain tensor is updated in place part by part (the same operations as on the separate matrices:
-    bit-equal). A DTensor that `_dealt_updates` does not take (tensor parallelism, HSDP) is gathered
+    bit-equal). A DTensor that `_dealt_updates` does not take (tensor parallelism) is gathered
     on every rank (its rows are split by kv group: no rank holds all of a part), and each rank adds
     its own shard of the update."""
     from torch.distributed.tensor import DTensor, Replicate
