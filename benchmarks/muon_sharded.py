@@ -71,9 +71,9 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
     mesh = init_device_mesh("cpu", (world,))
     counter = _count_collectives()
     results, finals = {}, {}
-    real_dim = muon._row_shard_dim
+    real_dims = muon._shard_dims
     for arm in ("dealt", "dtensor-ops"):
-        muon._row_shard_dim = real_dim if arm == "dealt" else (lambda p: None)
+        muon._shard_dims = real_dims if arm == "dealt" else (lambda p: None)
         model = build_model(cfg.model, seed=0)
         for block in model.blocks.values():
             fully_shard(block, mesh=mesh)
@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
         results[arm] = {"step_s": statistics.median(times), "collectives": calls[-1], "bytes": moved[-1],
                         "matrices": len(params)}
         finals[arm] = [p.detach().full_tensor() for p in params]
-    muon._row_shard_dim = real_dim
+    muon._shard_dims = real_dims
     worst = max(float((a - b).abs().max() / b.abs().max())
                 for a, b in zip(finals["dealt"], finals["dtensor-ops"], strict=True))
     if rank == 0:

@@ -69,6 +69,8 @@ def runs(corpus, tmp_path_factory) -> Path:  # noqa: F811
     drive(corpus, root / "fsdp4", 4, DEALT, **{"parallel.dp_shard": 4, "train.micro_batch_size": 2})
     drive(corpus, root / "hsdp2x2", 4, DEALT, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 2,
                                                   "train.micro_batch_size": 2})
+    # tensor parallelism alone: column-wise layers sharded by rows, row-wise ones (wo, down) by columns
+    drive(corpus, root / "tp2", 2, DEALT, **{"parallel.tp": 2, "train.micro_batch_size": 4})
     return root
 
 
@@ -89,11 +91,11 @@ def test_sharded_optimizer_state_resumes_in_one_process(runs, name):
                       f"{name}: resumed in one process vs the sharded run", steps=[4, 5, 6], tol=TOL.get(name, 1e-5))
 
 
-@pytest.mark.parametrize("layout", ["fsdp4", "hsdp2x2"])
+@pytest.mark.parametrize("layout", ["fsdp4", "hsdp2x2", "tp2"])
 @pytest.mark.parametrize("name", DEALT)
-def test_muon_under_fsdp2_deals_its_matrices_over_the_ranks_and_trains_like_one_process(runs, name, layout):
-    """Under FSDP2 (4 shards; HSDP: 2 replicas of 2 shards) each shard rank gathers its share of the
-    matrices' updates whole, orthogonalises them (q, k and v apart for a fused wqkv), and scatters the
-    shards back: the steps of one process."""
+def test_muon_deals_its_sharded_matrices_over_the_ranks_and_trains_like_one_process(runs, name, layout):
+    """Under FSDP2 (4 shards; HSDP: 2 replicas of 2 shards) and under tensor parallelism alone (rows and
+    columns) each shard rank gathers its share of the matrices' updates whole, orthogonalises them (q,
+    k and v apart for a fused wqkv), and scatters the shards back: the steps of one process."""
     assert_runs_match(runs / layout / name, runs / "single" / name, f"{name}: {layout} vs one process",
                       steps=list(range(1, 7)), tol=1e-5)

@@ -21,10 +21,11 @@ in one parameter: its Muon group carries `qkv_heads = (query heads per kv head, 
 k and v are orthogonalised and scaled apart, exactly as the separate `wq`, `wk`, `wv` would be
 (bit-equal on one process; tests/test_fused_qkv.py).
 
-Sharded parameters: under FSDP2 (rows sharded over one mesh dim; HSDP's replicas alike) the matrices
-are dealt over the shard ranks (`_dealt_updates`: one gather and one scatter per matrix, each rank
-orthogonalising 1/N of them); with tensor parallelism DTensor runs Newton-Schulz on the shards
-itself, gathering inside each product (a fused q/k/v weight there is gathered whole on every rank).
+Sharded parameters: under FSDP2 (rows sharded over one mesh dim; HSDP's replicas alike) and under
+tensor parallelism alone (rows or columns) the matrices are dealt over the shard ranks
+(`_dealt_updates`: one gather and one scatter per matrix, each rank orthogonalising 1/N of them);
+under FSDP2 x TP (a shard of a shard) DTensor runs Newton-Schulz on the shards itself, gathering
+inside each product (a fused q/k/v weight there is gathered whole on every rank).
 """
 
 from __future__ import annotations
@@ -151,17 +152,17 @@ class Muon(torch.optim.Optimizer):
             ns_dtype = group["ns_dtype"] or (torch.float32 if matrix.device.type == "cpu" else torch.bfloat16)
             if wd != 0:
                 p.mul_(1.0 - lr * wd)
-            shard_dim = _row_shard_dim(p)
-            if shard_dim is not None:
-                dealt.setdefault((p.device_mesh, shard_dim), []).append((p, matrix, ns_dtype))
+            dims = _shard_dims(p)
+            if dims is not None:
+                dealt.setdefault((p.device_mesh, *dims), []).append((p, matrix, ns_dtype))
             elif heads is not None:
                 _fused_qkv_update(p, matrix, heads, steps, ns_dtype, lr)
             else:
                 ortho = zeropower_via_newtonschulz5(matrix, steps, ns_dtype)
                 rows, cols = matrix.shape
                 p.add_(ortho.view_as(p).to(p.dtype), alpha=-lr * max(1.0, rows / cols) ** 0.5)
-        for (mesh, shard_dim), items in dealt.items():
-            _dealt_updates(mesh, shard_dim, items, heads, steps, lr)
+        for (mesh, mesh_dim, dim), items in dealt.items():
+            _dealt_updates(mesh, mesh_dim, dim, items, heads, steps, lr)
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -222,7 +223,7 @@ def _fused_qkv_update(p: torch.Tensor, matrix: torch.Tensor, heads: tuple[int, i
     """Muon's step (weight decay already applied) for a fused q/k/v weight (`qkv_heads` = (rep,
     head_dim)): q, k and v orthogonalised and scaled apart, as three separate matrices would be. A
     plain tensor is updated in place part by part (the same operations as on the separate matrices:
-    bit-equal). A DTensor that `_dealt_updates` does not take (tensor parallelism) is gathered
+    bit-equal). A DTensor that `_dealt_updates` does not take (FSDP2 x TP) is gathered
     on every rank (its rows are split by kv group: no rank holds all of a part), and each rank adds
     its own shard of the update."""
     from torch.distributed.tensor import DTensor, Replicate
@@ -243,43 +244,48 @@ def _fused_qkv_update(p: torch.Tensor, matrix: torch.Tensor, heads: tuple[int, i
         p4[:, part].add_(ortho.to(p.dtype), alpha=-lr * max(1.0, piece.size(0) / cols) ** 0.5)
 
 
-def _row_shard_dim(p: torch.Tensor) -> int | None:
-    """The mesh dim over which `p` is a matrix sharded by rows (FSDP2's `fully_shard`: torch.chunk
-    pieces of dim 0) and replicated over every other mesh dim (HSDP's replicas), or None: what
-    `_dealt_updates` orthogonalises."""
+def _shard_dims(p: torch.Tensor) -> tuple[int, int] | None:
+    """(mesh dim, tensor dim) when `p` is a matrix sharded along one tensor dim over one mesh dim in
+    torch.chunk pieces and replicated over every other mesh dim, else None: what `_dealt_updates`
+    orthogonalises. FSDP2's `fully_shard` (rows; HSDP's replicas alike), and tensor parallelism on a
+    mesh of its own (column-wise layers: rows; row-wise layers: columns). FSDP2 x TP shards a
+    shard (2-D placements): not dealt."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(p, DTensor) or p.ndim != 2:
         return None
-    sharded = [i for i, pl in enumerate(p.placements) if pl == Shard(0)]
-    rest_replicated = all(pl == Replicate() for i, pl in enumerate(p.placements) if i not in sharded)
-    if len(sharded) != 1 or not rest_replicated or p.device_mesh.size(sharded[0]) < 2:
+    sharded = [(i, pl.dim) for i, pl in enumerate(p.placements) if type(pl) is Shard]
+    rest_replicated = all(pl == Replicate() for pl in p.placements if type(pl) is not Shard)
+    if len(sharded) != 1 or not rest_replicated or p.device_mesh.size(sharded[0][0]) < 2:
         return None
     return sharded[0]
 
 
-def _dealt_updates(mesh, shard_dim: int, items: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
+def _dealt_updates(mesh, mesh_dim: int, dim: int, items: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
                    heads: tuple[int, int] | None, steps: int, lr: float) -> None:
-    """Muon's step for FSDP2-sharded matrices (`_row_shard_dim`; weight decay already applied), the
-    matrices dealt round-robin over the W ranks of the mesh dim `shard_dim` (HSDP: each replica group
-    does the same, on the same values): in each round of W, every rank gathers one
+    """Muon's step for matrices sharded along tensor dim `dim` over mesh dim `mesh_dim` (`_shard_dims`;
+    weight decay already applied), the matrices dealt round-robin over that mesh dim's W ranks (other
+    mesh dims, e.g. HSDP's replicas, do the same on the same values): in each round of W, every rank gathers one
     matrix's update from all shards (`dist.gather`), orthogonalises it (`_orthogonalised`) while the
     others do theirs, and scatters the shards back (`dist.scatter`). One gather and one scatter per
     matrix, and 1/W of the Newton-Schulz work per rank, where DTensor's own ops on the shards would
     all-gather inside every Newton-Schulz product. The result is the one-process update, to rounding
     (the owner's matrix is the whole update). Hand-written: torch has no sharded Muon (torch.optim.Muon
-    takes plain 2-D tensors). Shards are padded to ceil(rows / W) rows for the collectives."""
+    takes plain 2-D tensors). Shards are padded to ceil(size / W) along `dim` for the collectives, and
+handled with `dim` first (a column shard transposed: the collectives take contiguous rows)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    pg, world, me = mesh.get_group(shard_dim), mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    pg, world, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    lead = (lambda t: t) if dim == 0 else (lambda t: t.t())  # the sharded dim first  # noqa: E731
     for first in range(0, len(items), world):
         batch = items[first:first + world]  # matrix k of the round is rank k's
-        pads = [-(-m.shape[0] // world) for _, m, _ in batch]
+        shapes = [tuple(lead(m).shape) for _, m, _ in batch]  # (sharded size, other size)
+        pads = [-(-n // world) for n, _ in shapes]
         works, gathered = [], []
-        for k, ((_, m, _), per) in enumerate(zip(batch, pads, strict=True)):
-            local = m.to_local()
-            send = local.new_zeros((per, m.shape[1]))
+        for k, ((_, m, _), (_, other), per) in enumerate(zip(batch, shapes, pads, strict=True)):
+            local = lead(m.to_local())
+            send = local.new_zeros((per, other))
             send[:local.shape[0]] = local
             recv = [torch.empty_like(send) for _ in range(world)] if me == k else None
             works.append(dist.gather(send, recv, group=pg, group_dst=k, async_op=True))
@@ -289,21 +295,23 @@ def _dealt_updates(mesh, shard_dim: int, items: list[tuple[torch.Tensor, torch.T
         pieces = None
         if me < len(batch):
             p, m, ns_dtype = batch[me]
-            padded = torch.cat(gathered[me])  # (the padding rows follow the last rows: torch.chunk order)
-            delta = _orthogonalised(padded[:m.shape[0]], heads, steps, ns_dtype).to(p.dtype)
-            out = delta.new_zeros((pads[me] * world, m.shape[1]))
-            out[:m.shape[0]] = delta
+            n, other = shapes[me]
+            padded = torch.cat(gathered[me])  # (the padding follows the last rows: torch.chunk order)
+            delta = lead(_orthogonalised(lead(padded[:n]).contiguous(), heads, steps, ns_dtype).to(p.dtype))
+            out = delta.new_zeros((pads[me] * world, other))
+            out[:n] = delta
             pieces = list(out.chunk(world))
         works, received = [], []
-        for k, ((p, m, _), per) in enumerate(zip(batch, pads, strict=True)):
-            recv_piece = torch.empty((per, m.shape[1]), dtype=p.dtype, device=m.to_local().device)
+        for k, ((p, m, _), (_, other), per) in enumerate(zip(batch, shapes, pads, strict=True)):
+            recv_piece = torch.empty((per, other), dtype=p.dtype, device=m.to_local().device)
             works.append(dist.scatter(recv_piece, pieces if me == k else None, group=pg, group_src=k, async_op=True))
             received.append(recv_piece)
         for work in works:
             work.wait()
         for (p, _, _), piece in zip(batch, received, strict=True):
             local = p.to_local()
-            shard = DTensor.from_local(piece[:local.shape[0]], mesh, p.placements, run_check=False, shape=p.shape,
+            mine = lead(piece[:lead(local).shape[0]])
+            shard = DTensor.from_local(mine.contiguous(), mesh, p.placements, run_check=False, shape=p.shape,
                                        stride=p.stride())
             p.add_(shard, alpha=-lr)
 
