@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
-from lmforge.model.loss import IGNORE_INDEX, count_targets, token_nll_sum
+from lmforge.model.loss import IGNORE_INDEX, count_targets, model_nll_sum
 
 
 @torch.no_grad()
@@ -28,9 +28,7 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
     total_tokens = 0
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast():
-            out = model(x, targets=y, loss_chunk=loss_chunk) if loss_chunk else model(x)
-        total_nll += (out if loss_chunk else token_nll_sum(out, y)).double()
+        total_nll += model_nll_sum(model, x, y, loss_chunk, autocast).double()
         total_tokens += int(count_targets(y))
     model.train(was_training)
     if total_tokens == 0:
@@ -77,8 +75,7 @@ def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int,
             y[row, :e - b] = tokens[b + 1:e + 1]
             y[row, :done - b] = IGNORE_INDEX  # targets b+1..done were scored by an earlier window
         x, y = x.to(device), y.to(device)
-        nll = model(x, targets=y, loss_chunk=loss_chunk) if loss_chunk else token_nll_sum(model(x), y)
-        total += nll.double().cpu()
+        total += model_nll_sum(model, x, y, loss_chunk).double().cpu()
         count += int(count_targets(y))
     model.train(was_training)
     assert count == n - 1, (count, n)

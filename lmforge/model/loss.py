@@ -55,6 +55,7 @@ Targets equal to -100 are ignored (zero loss, zero gradient).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -71,6 +72,17 @@ def token_nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     run inside `loss_parallel()`."""
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+def model_nll_sum(model, x: torch.Tensor, y: torch.Tensor, loss_chunk: int = 0,
+                  autocast=contextlib.nullcontext) -> torch.Tensor:
+    """Summed token NLL (fp32) of `model` (a Transformer, or what wraps one) on tokens x, targets y: with
+    `loss_chunk` > 0 computed inside its forward by the chunked loss (`linear_cross_entropy_sum`: no
+    [B, T, vocab] logits), else `token_nll_sum` of its logits, outside `autocast` (a callable giving
+    the precision's context, entered around the forward)."""
+    with autocast():
+        out = model(x, targets=y, loss_chunk=loss_chunk) if loss_chunk else model(x)
+    return out if loss_chunk else token_nll_sum(out, y)
 
 
 def count_targets(targets: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

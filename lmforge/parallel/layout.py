@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import Config
-from lmforge.model.loss import count_targets, normalise, token_nll_sum
+from lmforge.model.loss import count_targets, model_nll_sum, normalise
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.clip import clip_grad_norm_, clip_grad_norm_sharded_
 from lmforge.parallel.context_parallel import SequenceSharding
@@ -107,12 +107,7 @@ class Layout:
     def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
         """Summed token NLL (fp32) of one micro-batch. train.loss_chunk (`loss_chunk`): fused with the
         output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits)."""
-        chunk = self.loss_chunk(precision)
-        with precision.autocast():
-            if chunk:
-                return self.module(x, targets=y, loss_chunk=chunk)
-            logits = self.module(x)
-        return token_nll_sum(logits, y)
+        return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.autocast)
 
     def local_sequences(self, micro_batches: list[Batch]) -> tuple[list[Batch], contextlib.AbstractContextManager]:
         """Context parallelism: this rank's two chunks of every sequence of the step (tokens and
