@@ -256,7 +256,13 @@ def resolve_loss_chunk(cfg: "Config", device_type: str, precision: str) -> int:
         return t.loss_chunk
     if p.tp > 1 or p.pp > 1 or (device_type, precision) in FUSED_HEAD_SLOWER:
         return 0
-    return AUTO_LOSS_CHUNK if cfg.model.vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0
+    return auto_loss_chunk(cfg.model.vocab_size)
+
+
+def auto_loss_chunk(vocab_size: int) -> int:
+    """The chunk of train.loss_chunk = "auto" where the layout, device and precision allow it: 4096
+    tokens for a vocabulary of at least 8192, else 0 (the plain logits)."""
+    return AUTO_LOSS_CHUNK if vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0
 
 
 # train.compile = "auto": the device types where per-block torch.compile was measured faster over a

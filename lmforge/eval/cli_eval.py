@@ -87,7 +87,7 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
         if path and not Path(path).exists():
             raise ValueError(f"{flag} {path!r} does not exist.")
     from lmforge.ckpt.export import load_run
-    from lmforge.config.rules import AUTO_LOSS_CHUNK, AUTO_LOSS_CHUNK_MIN_VOCAB
+    from lmforge.config.rules import auto_loss_chunk
     from lmforge.data.tokenizer import Tokenizer
     from lmforge.eval.bleu import bleu_chrf, hypothesis, load_bleu_items
     from lmforge.eval.fluency import fluency_report
@@ -112,8 +112,8 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
         stride = opts.stride or max(1, window // 2)
         # the whole model in fp32 in one process: the chunked loss as train.loss_chunk = "auto" picks it
         # there (vocabularies of 8192 and more), so a large vocabulary's logits are never held whole
-        chunk = AUTO_LOSS_CHUNK if cfg.model.vocab_size >= AUTO_LOSS_CHUNK_MIN_VOCAB else 0
-        nll, count = sliding_window_nll(model, tokens, window, stride, opts.batch_size, opts.device, loss_chunk=chunk)
+        nll, count = sliding_window_nll(model, tokens, window, stride, opts.batch_size, opts.device,
+                                        loss_chunk=auto_loss_chunk(cfg.model.vocab_size))
         results["perplexity"] = {"source": source, **perplexity_report(nll, count), "window": window,
                                  "stride": stride}
     if opts.bleu:
