@@ -191,12 +191,26 @@ class Muon(torch.optim.Optimizer):
         )
 
 
-def _qkv_parts(rows: int, rep: int, head_dim: int) -> tuple[int, list[slice]]:
-    """(kv groups, the slices of q, k and v along the second dim of the rows viewed as
-    [groups, rep + 2, head_dim]): lmforge.model.layers.qkv_layout's order."""
-    groups = rows // ((rep + 2) * head_dim)
-    assert groups * (rep + 2) * head_dim == rows, (rows, rep, head_dim)
-    return groups, [slice(0, rep), slice(rep, rep + 1), slice(rep + 1, rep + 2)]
+def _qkv_view(shape: tuple[int, int], heads: tuple[int, int]) -> tuple[tuple[int, int, int, int], list[slice]]:
+    """A fused q/k/v matrix of `shape` (rows, cols) with `heads` = (rep, head_dim) viewed as [kv groups,
+    rep + 2, head_dim, cols] (lmforge.model.layers.qkv_layout's order), and the slices of q, k and v
+    along its second dim."""
+    (rows, cols), (rep, hd) = shape, heads
+    groups = rows // ((rep + 2) * hd)
+    assert groups * (rep + 2) * hd == rows, (rows, rep, hd)
+    return (groups, rep + 2, hd, cols), [slice(0, rep), slice(rep, rep + 1), slice(rep + 1, rep + 2)]
+
+
+def _qkv_orthogonalised_parts(matrix: torch.Tensor, heads: tuple[int, int], steps: int, ns_dtype: torch.dtype):
+    """(slice, NewtonSchulz5 of that part in `_qkv_view`'s 4-D shape, the part's scale sqrt(max(1,
+    rows / cols))) for q, k and v of a fused q/k/v matrix: each orthogonalised as the separate
+    matrix would be (the same contiguous values)."""
+    shape, parts = _qkv_view(tuple(matrix.shape), heads)
+    u4 = matrix.view(shape)
+    for part in parts:
+        piece = u4[:, part].reshape(-1, shape[-1])
+        ortho = zeropower_via_newtonschulz5(piece, steps, ns_dtype).view(shape[0], -1, *shape[2:])
+        yield part, ortho, max(1.0, piece.size(0) / shape[-1]) ** 0.5
 
 
 def _orthogonalised(full: torch.Tensor, heads: tuple[int, int] | None, steps: int,
@@ -206,15 +220,10 @@ def _orthogonalised(full: torch.Tensor, heads: tuple[int, int] | None, steps: in
     rows, cols = full.shape
     if heads is None:
         return zeropower_via_newtonschulz5(full, steps, ns_dtype) * max(1.0, rows / cols) ** 0.5
-    rep, hd = heads
-    groups, parts = _qkv_parts(rows, rep, hd)
-    u4 = full.view(groups, rep + 2, hd, cols)
     out = torch.empty(full.shape, dtype=ns_dtype, device=full.device)
-    o4 = out.view(groups, rep + 2, hd, cols)
-    for part in parts:
-        piece = u4[:, part].reshape(-1, cols)
-        scale = max(1.0, piece.size(0) / cols) ** 0.5
-        o4[:, part] = zeropower_via_newtonschulz5(piece, steps, ns_dtype).view(groups, -1, hd, cols) * scale
+    o4 = out.view(_qkv_view((rows, cols), heads)[0])
+    for part, ortho, scale in _qkv_orthogonalised_parts(full, heads, steps, ns_dtype):
+        o4[:, part] = ortho * scale
     return out
 
 
@@ -234,14 +243,9 @@ def _fused_qkv_update(p: torch.Tensor, matrix: torch.Tensor, heads: tuple[int, i
         replicated = DTensor.from_local(delta, mesh, [Replicate()] * mesh.ndim, run_check=False)
         p.add_(replicated.redistribute(mesh, p.placements).view_as(p), alpha=-lr)
         return
-    rep, hd = heads
-    rows, cols = matrix.shape
-    groups, parts = _qkv_parts(rows, rep, hd)
-    u4, p4 = matrix.view(groups, rep + 2, hd, cols), p.view(groups, rep + 2, hd, cols)
-    for part in parts:
-        piece = u4[:, part].reshape(-1, cols)
-        ortho = zeropower_via_newtonschulz5(piece, steps, ns_dtype).view(groups, -1, hd, cols)
-        p4[:, part].add_(ortho.to(p.dtype), alpha=-lr * max(1.0, piece.size(0) / cols) ** 0.5)
+    p4 = p.view(_qkv_view(tuple(matrix.shape), heads)[0])
+    for part, ortho, scale in _qkv_orthogonalised_parts(matrix, heads, steps, ns_dtype):
+        p4[:, part].add_(ortho.to(p.dtype), alpha=-lr * scale)
 
 
 def _shard_dims(p: torch.Tensor) -> tuple[int, int] | None:
