@@ -69,6 +69,23 @@ def test_checkpoint_precision_kept_under_auto_and_overridden_explicitly(monkeypa
     assert same.name == "fp32" and not same.changed and same.reason == "as configured"
 
 
+def test_bf16_pure_is_chosen_explicitly_and_kept_on_resume(monkeypatch):
+    """`auto` never picks bf16-pure (on CUDA not until a GPU measures it faster; on the CPU it was
+    measured slower: benchmarks/RESULTS.md); an explicit bf16-pure is used, flagged where bf16 is
+    emulated; a checkpoint trained in it is resumed in it under `auto`, or in bf16 autocast (its
+    fp32 masters are the same state) when that is asked for."""
+    for flags in (SAPPHIRE_RAPIDS, ZEN4, AVX2_ONLY):
+        tell_cpu(monkeypatch, flags)
+        assert resolve_precision("auto", CPU).name != "bf16-pure"
+        got = resolve_precision("bf16-pure", CPU)
+        assert got.name == "bf16-pure" and got.slow == (flags == AVX2_ONLY)
+    assert hardware_precision("cuda", cuda_bf16=True).name == "bf16"
+    kept = resolve_precision("auto", CPU, saved="bf16-pure")
+    assert kept.name == "bf16-pure" and not kept.changed
+    other = resolve_precision("bf16", CPU, saved="bf16-pure")
+    assert other.name == "bf16" and other.changed and "overrides the bf16-pure" in other.reason
+
+
 def test_fp16_rule_checks_the_resolved_precision(monkeypatch):
     """`auto` on a V100 resolves to fp16, which TP / PP refuse: a config rule cannot see that, so it
     is checked once resolved (the trainer's decide_precision), naming the key, the value and the fix."""

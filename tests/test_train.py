@@ -46,7 +46,7 @@ def test_accumulation_equals_one_large_batch(small_data, tmp_path):
         torch.testing.assert_close(g_acc[name], g_big[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16-pure"])
 def test_mixed_precision_paths_train(small_data, tmp_path, precision):
     trainer = make_trainer(small_data, tmp_path, **{"train.precision": precision})
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights

@@ -245,6 +245,16 @@ AUTO_LOSS_CHUNK_MIN_VOCAB = 8192
 FUSED_HEAD_SLOWER: frozenset[tuple[str, str]] = frozenset({("cpu", "bf16")})
 
 
+# train.precision -> the precision its matmuls compute in (bf16-pure: bf16, without autocast)
+COMPUTE_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16"}
+
+
+def compute_precision(precision: str) -> str:
+    """The matmul precision of a resolved train.precision ('fp32' | 'bf16' | 'fp16'): what peaks,
+    byte counts and the rules measured per dtype are looked up by."""
+    return COMPUTE_PRECISION[precision]
+
+
 def resolve_loss_chunk(cfg: "Config", device_type: str, precision: str) -> int:
     """train.loss_chunk as the layout uses it: the configured number, or for "auto" 4096-token chunks
     wherever the fused, chunked cross-entropy is not slower than the plain logits (every device and
@@ -254,7 +264,7 @@ def resolve_loss_chunk(cfg: "Config", device_type: str, precision: str) -> int:
     t, p = cfg.train, cfg.parallel
     if t.loss_chunk != "auto":
         return t.loss_chunk
-    if p.tp > 1 or p.pp > 1 or (device_type, precision) in FUSED_HEAD_SLOWER:
+    if p.tp > 1 or p.pp > 1 or (device_type, compute_precision(precision)) in FUSED_HEAD_SLOWER:
         return 0
     return auto_loss_chunk(cfg.model.vocab_size)
 

@@ -37,7 +37,7 @@ from lmforge.parallel.expert_parallel import shard_experts
 from lmforge.parallel.layout import ShardedLayout
 from lmforge.parallel.mesh import DistInfo
 
-LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}
 
 
 class FullyShard(ShardedLayout):
@@ -103,7 +103,9 @@ def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str) ->
     shard = "dp_shard_cp" if p.cp > 1 else "dp_shard"
     mesh = info.sub_mesh("dp_replicate", shard) if p.dp_replicate > 1 else info.sub_mesh(shard)
     kw: dict = {"mesh": mesh}
-    if precision in LOW_PRECISION:  # 16-bit gathers, fp32 gradient reduction into the fp32 shards
+    # 16-bit gathers of every parameter (embeddings and norms too), fp32 gradient reduction into the fp32
+    # shards; bf16-pure then runs the forward without autocast, in what was gathered (lmforge.train.precision)
+    if precision in LOW_PRECISION:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[precision], reduce_dtype=torch.float32)
     if p.cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()

@@ -107,7 +107,7 @@ class Layout:
     def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
         """Summed token NLL (fp32) of one micro-batch. train.loss_chunk (`loss_chunk`): fused with the
         output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits)."""
-        return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.autocast)
+        return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.training_forward)
 
     def local_sequences(self, micro_batches: list[Batch]) -> tuple[list[Batch], contextlib.AbstractContextManager]:
         """Context parallelism: this rank's two chunks of every sequence of the step (tokens and

@@ -40,7 +40,7 @@ import logging
 import torch
 
 from lmforge.config import Config
-from lmforge.config.rules import resolve_compile
+from lmforge.config.rules import compute_precision, resolve_compile
 from lmforge.model.materialise import Source, materialise
 from lmforge.parallel.expert_parallel import wire_moe
 from lmforge.model.transformer import Transformer
@@ -96,7 +96,7 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
                      f"all-to-all dispatch; experts FSDP2-sharded over dp_shard / ep = {p.dp_shard // p.ep} ranks")
     if layout.cp is not None:  # context parallelism runs inside every layout (lmforge.parallel.layout)
         layout.name += "+cp"
-        lines += layout.cp.describe(cfg, 2 if precision in ("bf16", "fp16") else 4)
+        lines += layout.cp.describe(cfg, 2 if compute_precision(precision) in ("bf16", "fp16") else 4)
     for line in lines:
         log.info("%s", line)
     return layout

@@ -139,7 +139,7 @@ class Pipelined(ShardedLayout):
     def forward_backward(self, micro_batches: list[Batch], precision) -> torch.Tensor:
         """Forward + backward of the step's micro-batches through the schedule (the schedule's
         micro-batch i is exactly the trainer's micro-batch i); returns the step's mean token loss,
-        the same value on every rank. One autocast context and `precision.step` span the schedule, so
+        the same value on every rank. One autocast context (none in bf16-pure) and `precision.step` span the schedule, so
         each weight is cast to 16 bits once per step however many micro-batches are in flight."""
         assert len(micro_batches) == self.microbatches, (len(micro_batches), self.microbatches)
         micro_batches, sharded = self.local_sequences(micro_batches)  # (context parallel: this rank's chunks)
@@ -147,7 +147,7 @@ class Pipelined(ShardedLayout):
         losses: list[torch.Tensor] = []  # the schedule's per-micro-batch loss_fn outputs (last stage)
         x = torch.cat([mb[0] for mb in micro_batches])
         y = torch.cat([mb[1] for mb in micro_batches])
-        with loss_parallel_context(self.cfg.parallel.tp), precision.step(*self.chunks), precision.autocast(), sharded, \
+        with loss_parallel_context(self.cfg.parallel.tp), precision.step(*self.chunks), precision.training_forward(), sharded, \
                 self.moe_step(len(micro_batches)):
             if self.first:
                 self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None)

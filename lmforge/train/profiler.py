@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from lmforge.config.rules import compute_precision
 from lmforge.plan.hardware import get_device
 
 log = logging.getLogger("lmforge.train")
@@ -143,7 +144,9 @@ def cpu_name() -> str:
 
 
 def device_peak(device: torch.device, precision: str) -> Peak:
-    """The MFU denominator for this device and precision ('fp32', 'bf16', 'fp16'), with its source."""
+    """The MFU denominator for this device and precision ('fp32', 'bf16', 'fp16'; 'bf16-pure' computes
+    in bf16), with its source."""
+    precision = compute_precision(precision)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

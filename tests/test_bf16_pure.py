@@ -1,0 +1,163 @@
+"""train.precision = "bf16-pure" (lmforge.train.precision): every parameter cast to bf16 once per
+step, the forward without autocast, so activations and the residual stream are bf16; fp32 master
+weights whose fp32 gradients accumulate the micro-batches' bf16 gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lmforge.config import load_config
+from lmforge.model.lora import apply_lora
+from lmforge.model.transformer import build_model
+from lmforge.parallel.activation_ckpt import apply_activation_checkpointing
+from lmforge.train.precision import make_precision
+
+CPU = torch.device("cpu")
+SMALL = {"model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
+         "data.seq_len": 32, "data.tokenizer_vocab_size": 320}
+GPT2_STYLE = {"model.pos_emb": "learned", "model.norm": "layernorm", "model.activation": "gelu", "model.bias": True}
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def batches(vocab: int, n: int = 2) -> list[torch.Tensor]:
+    return [torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().logsumexp(-1).mean()
+
+
+def pure_step(model: nn.Module, xs: list[torch.Tensor]) -> list[float]:
+    """One bf16-pure step over the micro-batches `xs` (as a layout runs it)."""
+    p = make_precision("bf16-pure", CPU)
+    losses = []
+    with p.step(model), p.training_forward():
+        assert not torch.is_autocast_enabled("cpu")
+        for x in xs:
+            loss = loss_of(model(x))
+            loss.backward()
+            losses.append(loss.item())
+    return losses
+
+
+def small_model(style: dict, lora: bool = False) -> nn.Module:
+    model = build_model(load_config("tiny", {**SMALL, **style}).model, "cpu", seed=0)
+    if lora:
+        apply_lora(model, "wq,wv,fc,proj" if style else "wq,wv,gate,up,down", rank=4, alpha=8, seed=0)
+        for p in model.parameters():  # (B starts at 0: move the adapters so every gradient path counts)
+            if p.requires_grad:
+                p.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
+    return model
+
+
+@pytest.mark.parametrize("style", [{}, GPT2_STYLE], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_every_parameter_computes_in_bf16_and_the_masters_stay_fp32(style, lora):
+    """Inside the step every floating parameter but the embeddings' is a bf16 copy (norms, biases,
+    the tied head, LoRA adapters and their frozen base weights), every module's output is bf16 (the
+    residual stream: each block's output), the embedding reads its fp32 rows and returns bf16. The
+    numbers equal a forward through the same bf16 values given explicitly
+    (`torch.func.functional_call`), bit for bit, loss and fp32 gradients; afterwards the modules
+    hold their fp32 `nn.Parameter`s again."""
+    model = small_model(style, lora)
+    ref = copy.deepcopy(model)
+    outputs: dict[str, torch.dtype] = {}
+    hooks = [m.register_forward_hook(lambda m, a, out, name=name: outputs.__setitem__(name, out.dtype))
+             for name, m in model.named_modules() if name and not isinstance(m, (nn.ModuleDict, nn.Dropout))]
+    got = pure_step(model, batches(320))
+    for h in hooks:
+        h.remove()
+    assert outputs and all(dtype == torch.bfloat16 for name, dtype in outputs.items() if "emb" not in name), outputs
+    assert {outputs[n] for n in outputs if "emb" in n} == {torch.float32}  # (observed before the step's cast)
+
+    def explicit(x: torch.Tensor) -> torch.Tensor:
+        """The forward through bf16 casts of every parameter but the embeddings' (the tied head's
+        entry: its own cast of the shared weight), with bf16 embedding outputs."""
+        values = {n: p if n.split(".")[0] in ("tok_emb", "pos_emb") else p.to(torch.bfloat16)
+                  for n, p in ref.named_parameters(remove_duplicate=False)}
+        hooks = [m.register_forward_hook(lambda m, a, out: out.to(torch.bfloat16))
+                 for m in ref.modules() if isinstance(m, nn.Embedding)]
+        try:
+            return torch.func.functional_call(ref, values, (x,), tie_weights=False)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    want = []
+    for x in batches(320):
+        loss = loss_of(explicit(x))
+        loss.backward()
+        want.append(loss.item())
+    assert got == want
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in model.parameters())
+    g_got, g_want = grads(model), grads(ref)
+    assert g_got.keys() == g_want.keys() and g_got
+    for name in g_got:
+        assert g_got[name].dtype == torch.float32 and torch.equal(g_got[name], g_want[name]), name
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_activation_checkpoint_recompute_reads_the_steps_copies(ac):
+    """Recomputed blocks run on the same bf16 copies as the forward: the same loss and gradients as
+    without activation checkpointing, bit for bit."""
+    model = small_model({})
+    ref = copy.deepcopy(model)
+    apply_activation_checkpointing(model.blocks, ac)
+    assert pure_step(model, batches(320)) == pure_step(ref, batches(320))
+    strip = lambda n: n.replace("_checkpoint_wrapped_module.", "")  # noqa: E731
+    g, g_ref = {strip(n): t for n, t in grads(model).items()}, grads(ref)
+    assert g.keys() == g_ref.keys() and all(torch.equal(g[n], g_ref[n]) for n in g)
+
+
+def test_micro_batch_gradients_accumulate_in_fp32():
+    """Each micro-batch's bf16 gradient is added to the fp32 `.grad` in fp32 (Megatron's main
+    gradients): the step's gradient of two micro-batches equals the two one-micro-batch steps'
+    gradients added in fp32, bit for bit, and differs from adding them in bf16."""
+    model = small_model({})
+    xs = batches(320)
+    parts = []
+    for x in xs:
+        model.zero_grad(set_to_none=True)
+        pure_step(model, [x])
+        parts.append(grads(model))
+    model.zero_grad(set_to_none=True)
+    pure_step(model, xs)
+    both = grads(model)
+    assert all(torch.equal(both[n], parts[0][n] + parts[1][n]) for n in both)
+    in_bf16 = {n: (parts[0][n].bfloat16() + parts[1][n].bfloat16()).float() for n in both}
+    assert any(not torch.equal(both[n], in_bf16[n]) for n in both)
+
+
+def test_embedding_gradients_accumulate_in_fp32():
+    """A token seen many times in a batch: the embedding reads its fp32 master row, so its
+    gradient adds every occurrence in fp32 (the CPU's bf16 embedding backward would add them in
+    bf16, several % off here)."""
+    emb = nn.Embedding(8, 16)
+    x = torch.zeros(1, 4096, dtype=torch.long)  # token 0, 4096 times
+    g = torch.randn(1, 4096, 16, generator=torch.Generator().manual_seed(0)) * 1e-2
+    with make_precision("bf16-pure", CPU).step(emb):
+        out = emb(x)
+        assert out.dtype == torch.bfloat16
+        out.backward(g.bfloat16())
+    want = g.bfloat16().float().sum(1)[0]
+    torch.testing.assert_close(emb.weight.grad[0], want, rtol=1e-5, atol=1e-6)
+    bf16_emb = emb.weight.detach().bfloat16().requires_grad_()
+    nn.functional.embedding(x, bf16_emb).backward(g.bfloat16())
+    assert (bf16_emb.grad[0].float() - want).abs().max() > 100 * (emb.weight.grad[0] - want).abs().max()
+
+
+def test_evaluation_outside_a_step_runs_under_autocast_over_the_fp32_masters():
+    p = make_precision("bf16-pure", CPU)
+    assert p.pure and p.dtype == torch.bfloat16 and not p.scaler.is_enabled()
+    with p.autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    for name in ("bf16", "fp16"):
+        with make_precision(name, CPU).training_forward():
+            assert torch.is_autocast_enabled("cpu")
