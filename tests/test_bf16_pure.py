@@ -161,3 +161,44 @@ def test_evaluation_outside_a_step_runs_under_autocast_over_the_fp32_masters():
     for name in ("bf16", "fp16"):
         with make_precision(name, CPU).training_forward():
             assert torch.is_autocast_enabled("cpu")
+
+
+def test_final_weights_and_the_export_are_written_in_the_dtype_asked_for(small_data, tmp_path):
+    """checkpoint.weights_dtype = bf16: model.safetensors holds the fp32 masters each rounded once to
+    bf16 (the checkpoint keeps fp32), loads into an fp32 model for eval / generate, and `lmforge
+    export` writes it as a bf16 transformers folder (config.json's dtype says so); `--dtype fp32`
+    (`export_hf(dtype=...)`) converts back."""
+    from safetensors.torch import load_file
+
+    from lmforge.ckpt.export import load_run
+    from lmforge.interop.cli import export_main
+    from lmforge.train.trainer import Trainer
+
+    cfg = load_config("tiny", {**SMALL, "train.global_batch_size": 4, "train.micro_batch_size": 4, "train.steps": 2,
+                               "train.eval_every": 0, "train.eval_sequences": 4, "train.sample_tokens": 0,
+                               "train.precision": "bf16-pure", "train.plot": False, "train.tensorboard": False,
+                               "checkpoint.async_save": False, "checkpoint.weights_dtype": "bf16"})
+    run = tmp_path / "run"
+    trainer = Trainer(cfg, out_dir=run, data=small_data)
+    trainer.fit()
+    saved = load_file(str(run / "model.safetensors"))
+    masters = dict(trainer.model.named_parameters())
+    assert saved.keys() == masters.keys() - {"lm_head.weight"}  # (tied: stored once)
+    for name, tensor in saved.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, masters[name].detach().bfloat16()), name
+    _, model = load_run(run)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert torch.equal(model.tok_emb.weight, saved["tok_emb.weight"].float())
+
+    pytest.importorskip("transformers")
+    import json
+
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "hf")]) == 0
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert {t.dtype for t in hf.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert export_main(["--run", str(run), "--out", str(tmp_path / "hf32"), "--dtype", "fp32"]) == 0
+    hf32 = load_file(str(tmp_path / "hf32" / "model.safetensors"))
+    assert {t.dtype for t in hf32.values()} == {torch.float32}
+    assert all(torch.equal(hf32[k], hf[k].float()) for k in hf)
+    assert json.loads((tmp_path / "hf32" / "config.json").read_text())["dtype"] == "float32"

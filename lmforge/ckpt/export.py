@@ -16,6 +16,16 @@ from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer, build_model
 
 
+# checkpoint.weights_dtype / `lmforge export --dtype`: the dtype written for floating-point tensors
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def written_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of `dtype` is written in when weights are asked for in `target` (None: as
+    they are): floating-point tensors take `target`, others (integer buffers) keep theirs."""
+    return target if target is not None and dtype.is_floating_point else dtype
+
+
 def _unwrap_name(name: str) -> str:
     # activation-checkpoint / compile wrappers insert these prefixes into parameter names
     for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
@@ -141,6 +151,14 @@ class WeightReader:
 
     def __init__(self, shapes: dict[str, tuple], dtypes: dict[str, torch.dtype], read):
         self.shapes, self.dtypes, self.read = shapes, dtypes, read
+
+    def in_dtype(self, target: torch.dtype | None) -> "WeightReader":
+        """These weights with their floating-point tensors cast to `target` as they are read (None: as
+        stored)."""
+        if target is None:
+            return self
+        dtypes = {k: written_dtype(d, target) for k, d in self.dtypes.items()}
+        return WeightReader(self.shapes, dtypes, lambda name: self.read(name).to(dtypes[name]))
 
     @classmethod
     def of_model(cls, model: torch.nn.Module) -> "WeightReader":

@@ -1,6 +1,6 @@
 """`lmforge export` and `lmforge import`: run folders to and from Hugging Face transformers folders.
 
-    lmforge export --run RUN_DIR --out HF_DIR     # config.json + model.safetensors + tokenizer files
+    lmforge export --run RUN_DIR --out HF_DIR [--dtype bf16]   # config.json + model.safetensors + tokenizer files
     lmforge import --hf HF_DIR --out RUN_DIR      # config.toml + model.safetensors + tokenizer.json
 """
 
@@ -17,9 +17,13 @@ def _run(argv: list[str], prog: str, description: str, source: str, source_help:
                    metavar="RUN_DIR" if source == "run" else "HF_DIR", help=source_help)
     p.add_argument("--out", required=True, help="output folder (new or empty)")
     p.add_argument("--force", action="store_true", help="replace files already in --out")
+    if source == "run":
+        p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                       help="dtype of the exported floating-point weights (default: as the run's model.safetensors)")
     args = p.parse_args(argv)
     try:
-        out = convert(getattr(args, source), args.out, overwrite=args.force)
+        extra = {"dtype": args.dtype} if source == "run" else {}
+        out = convert(getattr(args, source), args.out, overwrite=args.force, **extra)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -28,13 +32,13 @@ def _run(argv: list[str], prog: str, description: str, source: str, source_help:
 
 
 def export_main(argv: list[str]) -> int:
-    def export(run, out, overwrite):
+    def export(run, out, overwrite, dtype):
         from lmforge.folders import CHECKPOINTS, check_run_folder
 
         check_run_folder(run, has_checkpoint=lambda d: (d / CHECKPOINTS).is_dir())  # before torch; verified later
         from lmforge.interop.hf import export_hf
 
-        return export_hf(run, out, overwrite=overwrite)
+        return export_hf(run, out, overwrite=overwrite, dtype=dtype)
 
     return _run(argv, "lmforge export", "Write a run as a transformers folder (Llama, Qwen2, Qwen3, Mistral, "
                 "Mixtral, Qwen3-MoE or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.", "run",

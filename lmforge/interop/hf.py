@@ -43,7 +43,7 @@ import torch
 from lmforge.config import Config, ModelConfig, to_toml
 from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, atomic_path,
                              atomic_write, check_target)
-from lmforge.ckpt.export import WeightReader, model_state, run_weights, save_streaming
+from lmforge.ckpt.export import WEIGHT_DTYPES, WeightReader, model_state, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
 from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
 from lmforge.interop.hf_moe import MOE_DECODERS, import_moe, model_config_from_moe, moe_hf_config, save_moe
@@ -447,11 +447,13 @@ HF_FILES = (HF_CONFIG, "generation_config.json", WEIGHTS, TOKENIZER, TOKENIZER_C
 
 
 def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, tokenizer=None,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, dtype: str | None = None) -> Path:
     """Write a transformers folder (config.json, generation_config.json, model.safetensors, and
     tokenizer.json + tokenizer_config.json when a tokenizer is known) for an lmforge run folder or
     model. `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained`
     then load it offline. `tokenizer`: an lmforge Tokenizer (default: the run's tokenizer.json).
+    `dtype` ('fp32' | 'bf16' | 'fp16'; None: as the run's model.safetensors holds them, its
+    checkpoint.weights_dtype): the floating-point weights' dtype, recorded as config.json's `dtype`.
     Existing files are replaced only with `overwrite`; a run folder is never written into."""
     from lmforge.data.tokenizer import Tokenizer
 
@@ -465,12 +467,14 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
         cfg, weights = run_weights(run_dir)
         if tokenizer is None and (run_dir / TOKENIZER).is_file():
             tokenizer = Tokenizer.load(run_dir / TOKENIZER)
+    weights = weights.in_dtype(WEIGHT_DTYPES[dtype] if dtype else None)
     ids = {}
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = {cfg.vocab_size}.")
         ids = {"eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id}
     hf_cfg = moe_hf_config(cfg, **ids) if cfg.moe.enabled else hf_config(cfg, **ids)
+    hf_cfg.dtype = str(next(d for d in weights.dtypes.values() if d.is_floating_point)).removeprefix("torch.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.moe.enabled:  # (Mixtral / Qwen3-MoE: the whole model in memory, through transformers)

@@ -788,12 +788,15 @@ class Trainer:
         embedding). A collective: every rank calls this. Returns why the file could not be written
         (a full disk: the bytes free and needed), on every rank, or None; rank 0 then still drains the
         layout's gathers so that no rank is left in a collective."""
+        from lmforge.ckpt.export import WEIGHT_DTYPES, written_dtype
         from lmforge.ckpt.manager import describe_write_error, free_bytes
         from lmforge.model.lora import is_adapter, merge_adapters
 
         ft = self.cfg.finetune
         merge = bool(ft.lora_rank and ft.merge_lora)
-        specs = [s for s in self.layout.weight_specs() if not (merge and is_adapter(s[0]))]
+        target = WEIGHT_DTYPES[self.cfg.checkpoint.weights_dtype]  # (checkpoint.weights_dtype)
+        specs = [(name, written_dtype(dtype, target), shape) for name, dtype, shape in self.layout.weight_specs()
+                 if not (merge and is_adapter(name))]
         rank0 = is_rank0()
         adapters: dict[str, torch.Tensor] = {}
         needed = sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in specs)
@@ -815,7 +818,7 @@ class Trainer:
             if merge:  # (its adapters came first: weight_specs' order)
                 tensor = merge_adapters(name, tensor, adapters, ft.lora_rank, ft.lora_alpha, self.cfg.model)
             try:
-                write(name, tensor)
+                write(name, tensor.to(written_dtype(tensor.dtype, target)))
             except OSError as e:
                 error = e
         try:
