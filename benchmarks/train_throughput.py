@@ -73,8 +73,8 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from lmforge.config import Config, load_config, parse_override_value  # noqa: E402
-from lmforge.config.rules import resolve_loss_chunk  # noqa: E402
-from lmforge.parallel.parallelize import compile_choice  # noqa: E402
+from lmforge.config.rules import compute_precision, resolve_loss_chunk  # noqa: E402
+from lmforge.parallel.parallelize import compile_choice, compile_mode  # noqa: E402
 from lmforge.data.prepare import PreparedData  # noqa: E402
 from lmforge.data.shards import write_token_shards  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
@@ -132,9 +132,11 @@ class Reference:
         t, o = cfg.train, cfg.optim
         self.model = build_model(cfg.model, device, seed=t.seed)
         apply_activation_checkpointing(self.model.blocks, t.activation_checkpoint, t.ac_every)
-        if compile_choice(cfg, device)[0]:  # (as lmforge's arm: train.compile resolved)
+        compiled = compile_choice(cfg, device)[0]  # (as lmforge's arm: train.compile resolved)
+        mode = compile_mode(cfg)
+        if compiled == "blocks":
             for block in self.model.blocks.values():
-                block.compile()
+                block.compile(mode=mode)
         params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
@@ -142,18 +144,25 @@ class Reference:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **extra)
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        # bf16-pure: the reference is the plain loop under bf16 autocast (what bf16-pure gains over it)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute_precision(precision))
         self.device = device
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.clip = o.grad_clip if o.grad_clip > 0 else math.inf
         self.batches = batches
+        self.loss = self.forward_loss
+        if compiled == "model":  # the whole forward and its cross-entropy as one graph, as lmforge's arm
+            self.loss = torch.compile(self.forward_loss, mode=mode, fullgraph=True, dynamic=False)
+
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext():
+            logits = self.model(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
 
     def step(self) -> torch.Tensor:
         accum = len(self.batches)
         for x, y in self.batches:
-            with torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext():
-                logits = self.model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100) / accum
+            loss = self.loss(x, y) / accum
             self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -173,6 +182,7 @@ def measure_peaks(device: torch.device, precision: str) -> dict:
         return {"run": peak.flops, "run_label": precision, "source": peak.source, "device_name": peak.device_name}
     out = {"device_name": profiler.cpu_name(), "source": f"measured best n^3 matmul on {torch.get_num_threads()} threads"}
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    precision = compute_precision(precision)
     for name in dict.fromkeys(("fp32", precision)):
         profiler._MEASURED.pop((str(device), dtypes[name], torch.get_num_threads()), None)  # re-measure each call
         out[name] = profiler.measure_matmul_flops(device, dtypes[name], n=1024, reps=5, budget_s=1.0)
@@ -285,7 +295,8 @@ def run(args: argparse.Namespace) -> dict:
         if key in peaks_before:
             peaks[key] = max(peaks_before[key], peaks_after[key])
     if device.type == "cpu":  # the better of before/after, in the dtype the run's peak comes from
-        peaks["run_label"] = max((k for k in ("fp32", precision) if k in peaks), key=lambda k: peaks[k])
+        labels = ("fp32", compute_precision(precision))
+        peaks["run_label"] = max((k for k in labels if k in peaks), key=lambda k: peaks[k])
         peaks["run"] = peaks[peaks["run_label"]]
 
     fpt = trainer.flops_per_token

@@ -200,8 +200,15 @@ def check_pipeline(cfg: "Config") -> None:
 
 
 def check_features(cfg: "Config") -> None:
-    """Training features against the layout: loss_chunk, fp16, fp8, periodic checkpoints of async SGD."""
+    """Training features against the layout: loss_chunk, fp16, fp8, CUDA graphs, periodic checkpoints of
+    async SGD."""
     t, p = cfg.train, cfg.parallel
+    if t.compile_mode == "reduce-overhead" and cfg.grad_accum_steps > 1:
+        raise ConfigError(
+            f"train.compile_mode = 'reduce-overhead' (CUDA graphs) with {cfg.grad_accum_steps} micro-batches per step: "
+            f"torch's CUDA-graph trees hand a compiled region's gradient outputs to .grad and overwrite them at the "
+            f"next micro-batch's replay (pytorch/pytorch#169545). Set train.micro_batch_size so that one micro-batch "
+            f"makes the step (global_batch_size / dp = {t.global_batch_size // p.dp}), or another train.compile_mode.")
     if t.loss_chunk != "auto" and t.loss_chunk and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"train.loss_chunk = {t.loss_chunk} is not supported with parallel.tp = {p.tp} / "
                           f"parallel.pp = {p.pp} yet; set train.loss_chunk = 0 (or 'auto').")
@@ -289,23 +296,33 @@ COMPILE_FASTER_ON: frozenset[str] = frozenset({"cuda"})
 COMPILE_MIN_CAPABILITY = (7, 0)  # Triton (inductor's GPU backend) needs a Volta or newer GPU
 
 
-def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None) -> tuple[bool, str]:
-    """train.compile as the layout applies it, and why (one phrase for the run's log): the configured
-    true / false, or for "auto" on where per-block torch.compile was measured faster
-    (COMPILE_FASTER_ON: CUDA) and can run (Triton installed; `capability`, the GPU's compute
-    capability where known, at least COMPILE_MIN_CAPABILITY), off with tensor parallelism (torch
-    2.13 on CPU: the backward of the compiled blocks fails in DTensor's redistribute, "'Tensor'
-    object has no attribute '_local_tensor'"; benchmarks/parity_layouts.py --case tp2-compile), off
-    for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's fake-tensor rule of
-    torch._grouped_mm wants bf16 inputs, so the first compiled step raises; and the routed experts'
-    shapes depend on the data: graph breaks, recompiles) and everywhere else. PP and FSDP2 with
-    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile)."""
+def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None) -> tuple[str | bool, str]:
+    """train.compile as the layout applies it: False (eager), "blocks" (each transformer block
+    compiled) or "model" (the whole training forward and its loss as one graph), and why (one
+    phrase for the run's log). true = "blocks". "model" where the layout runs the whole model in one
+    call it can trace (`whole_model_blocker`), else "blocks" with the reason. "auto": "blocks" where
+    per-block torch.compile was measured faster (COMPILE_FASTER_ON: CUDA) and can run (Triton
+    installed; `capability`, the GPU's compute capability where known, at least
+    COMPILE_MIN_CAPABILITY), off with tensor parallelism (torch 2.13 on CPU: the backward of the
+    compiled blocks fails in DTensor's redistribute, "'Tensor' object has no attribute
+    '_local_tensor'"; benchmarks/parity_layouts.py --case tp2-compile), off for Mixture-of-Experts
+    models (fp32 on CPU, torch 2.13: dynamo's fake-tensor rule of torch._grouped_mm wants bf16
+    inputs, so the first compiled step raises; and the routed experts' shapes depend on the data:
+    graph breaks, recompiles) and everywhere else. PP and FSDP2 with compile match one process
+    (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile). "auto" never picks "model" until a
+    GPU measures it against per-block compile (the GPU suite's compile rows)."""
     t = cfg.train
-    if t.compile != "auto":
-        return t.compile, f"train.compile = {str(t.compile).lower()}"
+    if t.compile == "model":
+        blocker = whole_model_blocker(cfg)
+        return ("blocks", f"train.compile = model, per block instead: {blocker}") if blocker else \
+            ("model", "train.compile = model: the whole forward and loss as one graph")
+    if t.compile in (True, "blocks"):
+        return "blocks", f"train.compile = {str(t.compile).lower()}"
+    if t.compile is False:
+        return False, "train.compile = false"
     if device_type not in COMPILE_FASTER_ON:
         return False, (f"auto: off on {device_type}: a compile of tens of seconds for a few % per step, "
-                       f"benchmarks/RESULTS.md; set train.compile = true for a long run")
+                       f"benchmarks/RESULTS.md; set train.compile = blocks or model for a long run")
     if cfg.parallel.tp > 1:
         return False, ("auto: off with parallel.tp > 1 (compiled blocks fail in DTensor's backward: "
                        "benchmarks/parity_layouts.py --case tp2-compile); set train.compile = true to try it")
@@ -315,7 +332,25 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     blocker = gpu_compile_blocker(capability)
     if blocker:
         return False, f"auto: off on {device_type}: {blocker}"
-    return True, f"auto: on on {device_type} (per-block compile measured 1.19x tokens/s on an H100: benchmarks/RESULTS.md)"
+    return "blocks", (f"auto: per block on {device_type} (measured 1.19x tokens/s on an H100: "
+                      f"benchmarks/RESULTS.md; train.compile = model is not measured on a GPU yet)")
+
+
+def whole_model_blocker(cfg: "Config") -> str | None:
+    """Why the layout cannot run the whole model as one compiled graph (train.compile = model), or
+    None: one process and DDP / ZeRO-1 can (torch.compile splits DDP's graph at its buckets). FSDP2
+    gathers and frees each block's parameters in hooks around the block, which a whole-model graph
+    would have to trace (torch's compiled autograd, not used); a pipeline schedule calls each stage
+    per micro-batch (each stage's blocks compile); tensor parallelism's DTensor modules compile per
+    block (train.compile = true)."""
+    p = cfg.parallel
+    if p.pp > 1:
+        return "a pipeline schedule runs each stage's module per micro-batch (parallel.pp > 1)"
+    if p.tp > 1:
+        return "tensor parallelism's DTensor modules (parallel.tp > 1)"
+    if p.fsdp:
+        return "FSDP2 gathers and frees each block's parameters in hooks around it"
+    return None
 
 
 def gpu_compile_blocker(capability: tuple[int, int] | None = None) -> str | None:

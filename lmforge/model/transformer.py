@@ -66,8 +66,9 @@ class Transformer(nn.Module):
 
         With `targets` (batch, seq; -100 = ignored): the summed token NLL instead (fp32 scalar),
         computed by `lmforge.model.loss.linear_cross_entropy_sum` over `loss_chunk` tokens at a
-        time, fused with the output projection, so the full logits never exist (train.loss_chunk).
-        Inside forward so DDP/FSDP hooks see the output projection's use as usual.
+        time, fused with the output projection, so the full logits never exist (train.loss_chunk);
+        loss_chunk = 0: the plain logits' `token_nll_sum` (what a whole-model compile traces with
+        the forward). Inside forward so DDP/FSDP hooks see the output projection's use as usual.
         """
         start = kv_caches[0].length if kv_caches else 0
         seq = tokens.shape[1]
@@ -83,7 +84,7 @@ class Transformer(nn.Module):
             x = block(x, rope, kv_caches[i] if kv_caches else None)
         if targets is not None:
             h = self.norm(x)
-            if type(self.lm_head) is nn.Linear:  # a LoRA (or other wrapped) head runs its own forward
+            if loss_chunk and type(self.lm_head) is nn.Linear:  # a LoRA (or other wrapped) head runs its own forward
                 return linear_cross_entropy_sum(h, self.lm_head.weight, targets, loss_chunk)
             return token_nll_sum(self.lm_head(h), targets)
         return self.lm_head(self.norm(x))

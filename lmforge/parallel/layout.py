@@ -60,6 +60,8 @@ class Layout:
         self.cp = SequenceSharding(dist_info.group("cp"), dist_info.cp_rank, dist_info.cp_size, dist_info.device) \
             if dist_info.cp_size > 1 else None
         self.moe_stats: dict = {}  # the last step's MoE statistics by block index (lmforge.model.moe.MoEStats)
+        self.compiled_nll = None  # the whole training forward + loss as one compiled graph (`compile_model`)
+        self.cuda_graphs = False  # (train.compile_mode = reduce-overhead: a step boundary marked per step)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -106,8 +108,30 @@ class Layout:
 
     def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
         """Summed token NLL (fp32) of one micro-batch. train.loss_chunk (`loss_chunk`): fused with the
-        output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits)."""
+        output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits). Under
+        train.compile = model the forward and its loss (chunked or plain) run as one compiled graph."""
+        if self.compiled_nll is not None:
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with precision.training_forward():
+                return self.compiled_nll(x, y, self.loss_chunk(precision))
         return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.training_forward)
+
+    def compile_model(self, mode: str | None) -> None:
+        """train.compile = model: the training forward with its loss inside (`Transformer.forward`'s
+        `targets`), through what this layout runs (`self.module`: DDP's wrapper, whose graph
+        torch.compile splits at the buckets), compiled as one graph of static shapes. Evaluation and
+        sampling (`inference_model`) stay eager: they run other shapes (KV caches grow per token)."""
+        module = self.module
+
+        def forward_with_loss(x: torch.Tensor, y: torch.Tensor, loss_chunk: int) -> torch.Tensor:
+            return module(x, targets=y, loss_chunk=loss_chunk)
+
+        # fullgraph (an error, not a silent graph break) for the model alone; DDP's wrapper and context
+        # parallelism's collectives leave torch.compile its breaks
+        whole = module is self.model and self.cp is None
+        self.compiled_nll = torch.compile(forward_with_loss, mode=mode, fullgraph=whole, dynamic=False)
+        self.cuda_graphs = mode == "reduce-overhead"
 
     def local_sequences(self, micro_batches: list[Batch]) -> tuple[list[Batch], contextlib.AbstractContextManager]:
         """Context parallelism: this rank's two chunks of every sequence of the step (tokens and

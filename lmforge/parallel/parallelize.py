@@ -10,8 +10,11 @@ The parallel layout is applied in one fixed order, each step on what the previou
                       sent by all-to-all (lmforge.parallel.expert_parallel); FSDP2 in step 5 then
                       shards them over the ranks holding the same experts
   3. activation ckpt  wraps blocks (after TP: checkpointing recomputes the sharded modules)
-  4. compile          per block (after AC: the compiled region includes the checkpoint wrapper, as
-                      in torchtitan)
+  4. compile          per block (train.compile = true / blocks; after AC: the compiled region
+                      includes the checkpoint wrapper, as in torchtitan); the whole model
+                      (train.compile = model) is compiled after step 5 instead, by the Layout:
+                      its training forward and loss through what the layout runs (DDP's wrapper:
+                      torch.compile splits the graph at DDP's buckets)
   5. data parallel    FSDP2 `fully_shard` per block then the root (after TP: FSDP shards the TP
                       DTensors over the dp sub-mesh; last of the per-block wrappers, so it wraps
                       what actually runs) or DDP (wraps the whole module, so it comes last); done by
@@ -71,9 +74,9 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     wire_moe(model, cfg, dist_info)  # 2b: MoE layers' groups; experts split over parallel.ep (expert_parallel)
     apply_activation_checkpointing(model.blocks, t.activation_checkpoint, t.ac_every)  # 3
     compiled, why = compile_choice(cfg, dist_info.device)
-    if compiled:  # 4
+    if compiled == "blocks":  # 4
         for block in model.blocks.values():
-            block.compile()
+            block.compile(mode=compile_mode(cfg))
     if stage_ids is not None:  # 5
         kind, extra = Pipelined, (stage_ids,)
     elif p.tp > 1:
@@ -89,7 +92,11 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     layout = kind(model, cfg, dist_info, precision, *extra)
     if kind.shards_parameters:  # 6 (FSDP2 / TP / PP have split and sharded the model on meta)
         materialise(model, dist_info.device, source)
-    lines = [f"compile: per-block torch.compile {'on' if compiled else 'off'} ({why})"] + list(layout.describe())
+    if compiled == "model":  # 4, on what the layout runs (after step 5's wrapper)
+        layout.compile_model(compile_mode(cfg))
+    what = {False: "off", "blocks": "per-block torch.compile", "model": "whole-model torch.compile"}[compiled]
+    lines = [f"compile: {what} ({why}" + (f"; mode {cfg.train.compile_mode}" if compiled else "") + ")"]
+    lines += list(layout.describe())
     if p.ep > 1:
         e = cfg.model.moe.num_experts
         lines.append(f"expert parallel: {e} experts per MoE layer over ep = {p.ep} ranks ({e // p.ep} each), "
@@ -102,8 +109,13 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     return layout
 
 
-def compile_choice(cfg: Config, device: torch.device) -> tuple[bool, str]:
-    """Whether step 4 compiles the blocks on `device`, and why: train.compile resolved by
-    lmforge.config.rules.resolve_compile (with the CUDA GPU's compute capability for "auto")."""
+def compile_choice(cfg: Config, device: torch.device) -> tuple[str | bool, str]:
+    """What step 4 compiles on `device` (False, "blocks" or "model"), and why: train.compile resolved
+    by lmforge.config.rules.resolve_compile (with the CUDA GPU's compute capability for "auto")."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return resolve_compile(cfg, device.type, capability)
+
+
+def compile_mode(cfg: Config) -> str | None:
+    """torch.compile's `mode` for train.compile_mode (None: torch's default)."""
+    return None if cfg.train.compile_mode == "default" else cfg.train.compile_mode
