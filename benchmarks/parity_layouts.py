@@ -67,6 +67,11 @@ CASES: dict[str, tuple[str, int, dict, dict]] = {
     # per-block compile under the other layouts (train.compile = "auto" turns it on on CUDA whatever
     # the layout but MoE): both runs compiled, 6 steps
     "tp2-compile": ("test_parallel_mp", 2, {"parallel.tp": 2}, {**MP, **COMPILED}),
+    "tp2-sp-compile": ("test_parallel_mp", 2, {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+                       {**MP, **COMPILED}),
+    # the whole model as one graph (train.compile = model) under DDP: torch.compile splits it at the buckets
+    "ddp-compile-model": ("test_parallel_dp", 2, {"parallel.dp_replicate": 2},
+                          {**COMPILED, "train.compile": "model"}),
     "pp2-1f1b-compile": ("test_parallel_mp", 2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"},
                          {**MP, **COMPILED}),
     "fsdp2-compile": ("test_parallel_dp", 2, {"parallel.dp_shard": 2}, COMPILED),

@@ -79,15 +79,16 @@ def test_an_explicit_value_is_kept(monkeypatch, value, want):
 
 def test_the_whole_model_compiles_where_the_layout_runs_it_in_one_call():
     """train.compile = model: one process and DDP / ZeRO-1 compile the whole forward and loss; FSDP2
-    (per-block gathers), tensor and pipeline parallelism compile per block, and say why."""
+    (per-block gathers), tensor and pipeline parallelism and MoE models compile per block, and say why."""
     for ok in ({}, {"parallel.dp_replicate": 2, "train.micro_batch_size": 4},
                {"parallel.dp_shard": 2, "parallel.zero_stage": 1, "train.micro_batch_size": 4},
-               {"parallel.cp": 2, "train.micro_batch_size": 4}, MOE):
+               {"parallel.cp": 2, "train.micro_batch_size": 4}):
         assert resolve_compile(load_config("tiny", {**SMALL, **ok, "train.compile": "model"}), "cpu") == \
             ("model", "train.compile = model: the whole forward and loss as one graph")
     for layout, says in (({"parallel.dp_shard": 2, "train.micro_batch_size": 4}, "FSDP2"),
                          ({"parallel.tp": 2}, "tensor parallelism"),
-                         ({"parallel.pp": 2, "model.tie_embeddings": False, "train.micro_batch_size": 4}, "pipeline")):
+                         ({"parallel.pp": 2, "model.tie_embeddings": False, "train.micro_batch_size": 4}, "pipeline"),
+                         (MOE, "Mixture-of-Experts")):
         what, why = resolve_compile(load_config("tiny", {**SMALL, **layout, "train.compile": "model"}), "cuda")
         assert what == "blocks" and why.startswith("train.compile = model, per block instead: ") and says in why
 

@@ -53,7 +53,7 @@ from lmforge.parallel.fsdp import FullyShard
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import DistInfo
 from lmforge.parallel.pipeline import Pipelined, split_model
-from lmforge.parallel.tensor_parallel import TensorParallel, apply_tensor_parallel
+from lmforge.parallel.tensor_parallel import TensorParallel, apply_tensor_parallel, unalias_embedding_output
 
 log = logging.getLogger("lmforge.parallel")
 
@@ -75,6 +75,8 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     apply_activation_checkpointing(model.blocks, t.activation_checkpoint, t.ac_every)  # 3
     compiled, why = compile_choice(cfg, dist_info.device)
     if compiled == "blocks":  # 4
+        if p.tp > 1:  # (the first compiled block's input must not be a view of a DTensor's local tensor)
+            unalias_embedding_output(model)
         for block in model.blocks.values():
             block.compile(mode=compile_mode(cfg))
     if stage_ids is not None:  # 5

@@ -169,6 +169,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool, lo
     return model
 
 
+def unalias_embedding_output(model: nn.Module) -> None:
+    """Before the blocks of a tensor-parallel `model` are compiled one by one (train.compile = true):
+    the vocab-parallel embedding's output becomes a copy of its own (a forward hook), [batch, seq, dim]
+    once per forward. Its plan hands the first block DTensor's `to_local()` result, a view of the
+    DTensor's local tensor; a compiled block whose input is that view gives `to_local`'s backward a
+    plain tensor where a DTensor gradient belongs, and the backward fails in DTensor's redistribute
+    ("'Tensor' object has no attribute '_local_tensor'", torch 2.13 on CPU, every precision but
+    bf16-pure, whose embedding output is already a cast copy). The same class of failure as
+    pytorch/pytorch#173123 (a DTensor op's gradient arriving as a plain tensor under torch.compile)."""
+    if getattr(model, "tok_emb", None) is not None:
+        model.tok_emb.register_forward_hook(lambda module, args, output: output.clone())
+
+
 def loss_parallel_context(tp: int):
     """`loss_parallel()` for vocab-sharded DTensor logits, else a no-op context."""
     if tp > 1:
