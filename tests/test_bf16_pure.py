@@ -335,3 +335,19 @@ def test_every_layout_in_bf16_pure_matches_one_process(corpus, tmp_path):  # noq
     for out in mine:
         want = ref / ("moe" if out.name == "ep2" else "dense")
         assert_runs_match(out, want, f"bf16-pure {out.name} vs one process", tol=PURE_TOL)
+
+
+def test_float8_linears_keep_their_own_cast():
+    """torchao's Float8Linear casts its fp32 weight to fp8 itself (with its scales): bf16-pure copies
+    every other parameter but leaves its weight and bias fp32 (torchao is optional: a stand-in class
+    of that name)."""
+    from lmforge.train.precision import copied_parameters
+
+    class Float8Linear(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), Float8Linear(4, 4), nn.LayerNorm(4))
+    copied = {(id(m), name) for m, name, _ in copied_parameters([model], every=True)}
+    assert copied == {(id(model[0]), "weight"), (id(model[0]), "bias"), (id(model[2]), "weight"), (id(model[2]), "bias")}
+    with make_precision("bf16-pure", CPU).step(model):
+        assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16

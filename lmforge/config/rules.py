@@ -303,14 +303,14 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     call it can trace (`whole_model_blocker`), else "blocks" with the reason. "auto": "blocks" where
     per-block torch.compile was measured faster (COMPILE_FASTER_ON: CUDA) and can run (Triton
     installed; `capability`, the GPU's compute capability where known, at least
-    COMPILE_MIN_CAPABILITY), off with tensor parallelism (torch 2.13 on CPU: the backward of the
-    compiled blocks fails in DTensor's redistribute, "'Tensor' object has no attribute
-    '_local_tensor'"; benchmarks/parity_layouts.py --case tp2-compile), off for Mixture-of-Experts
-    models (fp32 on CPU, torch 2.13: dynamo's fake-tensor rule of torch._grouped_mm wants bf16
-    inputs, so the first compiled step raises; and the routed experts' shapes depend on the data:
-    graph breaks, recompiles) and everywhere else. PP and FSDP2 with compile match one process
-    (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile). "auto" never picks "model" until a
-    GPU measures it against per-block compile (the GPU suite's compile rows)."""
+    COMPILE_MIN_CAPABILITY), off for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's
+    fake-tensor rule of torch._grouped_mm wants bf16 inputs, so the first compiled step raises; and
+    the routed experts' shapes depend on the data: graph breaks, recompiles) and everywhere else.
+    PP, FSDP2 and TP (+ SP) with per-block compile match one process (benchmarks/parity_layouts.py
+    --case pp2-1f1b-compile / fsdp2-compile / tp2-compile / tp2-sp-compile; TP once the embedding's
+    output is its own tensor: lmforge.parallel.tensor_parallel.unalias_embedding_output). "auto"
+    never picks "model" until a GPU measures it against per-block compile (the GPU suite's compile
+    rows)."""
     t = cfg.train
     if t.compile == "model":
         blocker = whole_model_blocker(cfg)
@@ -323,9 +323,6 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     if device_type not in COMPILE_FASTER_ON:
         return False, (f"auto: off on {device_type}: a compile of tens of seconds for a few % per step, "
                        f"benchmarks/RESULTS.md; set train.compile = blocks or model for a long run")
-    if cfg.parallel.tp > 1:
-        return False, ("auto: off with parallel.tp > 1 (compiled blocks fail in DTensor's backward: "
-                       "benchmarks/parity_layouts.py --case tp2-compile); set train.compile = true to try it")
     if cfg.model.moe.num_experts > 0:
         return False, ("auto: off for Mixture-of-Experts models (compiled MoE blocks fail in torch._grouped_mm's "
                        "tracing on CPU and have data-dependent shapes); set train.compile = true to try it")
