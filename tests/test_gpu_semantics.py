@@ -107,17 +107,20 @@ def test_one_bf16_weight_copy_per_step_under_accumulation(corpus, tmp_path, monk
     assert old["copies"] == 4 * got["copies"], (old, got)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
 @pytest.mark.parametrize("ac", ["full", "selective"])
-def test_one_16_bit_cast_per_weight_per_step_with_backward_on_another_thread(corpus, tmp_path, monkeypatch, ac):  # noqa: F811
+def test_one_16_bit_cast_per_weight_per_step_with_backward_on_another_thread(corpus, tmp_path, monkeypatch, ac,  # noqa: F811
+                                                                             precision):
     """CUDA runs backward on the autograd engine's device thread, where an activation-checkpoint
     recompute enters and leaves autocast. With autocast's weight-cast cache (the old mechanism) that
     emptied the step's cache: each of the 4 micro-batches cast every weight again (and recomputed
-    blocks more). With the step's managed 16-bit copies each weight is cast exactly once per step."""
+    blocks more). With the step's managed 16-bit copies each weight is cast exactly once per step
+    (bf16-pure, without autocast, too)."""
     from lmforge.train.precision import Precision
     from tests.gpu_semantics_driver import count_weight_casts
 
     monkeypatch.setattr(Precision, "backward", Precision.backward)  # (the driver replaces it: restored after)
-    pairs = [f"{k}={v}" for k, v in {**TINY, **BF16, "checkpoint.resume": "none",
+    pairs = [f"{k}={v}" for k, v in {**TINY, **BF16, "checkpoint.resume": "none", "train.precision": precision,
                                       "train.activation_checkpoint": ac}.items()]
     got = count_weight_casts(str(corpus), str(tmp_path), pairs)
     assert got["micro_batches"] == 4 and got["casts"] and set(got["casts"].values()) == {1}, got
