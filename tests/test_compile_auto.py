@@ -78,8 +78,9 @@ def test_an_explicit_value_is_kept(monkeypatch, value, want):
 
 
 def test_the_whole_model_compiles_where_the_layout_runs_it_in_one_call():
-    """train.compile = model: one process and DDP / ZeRO-1 compile the whole forward and loss; FSDP2
-    (per-block gathers), tensor and pipeline parallelism and MoE models compile per block, and say why."""
+    """train.compile = model: one process and DDP / ZeRO-1 compile the whole forward and loss, a
+    pipeline each stage; FSDP2 (per-block gathers, also a pipeline's data-parallel chunks), tensor
+    parallelism and MoE models compile per block, and say why."""
     for ok in ({}, {"parallel.dp_replicate": 2, "train.micro_batch_size": 4},
                {"parallel.dp_shard": 2, "parallel.zero_stage": 1, "train.micro_batch_size": 4},
                {"parallel.cp": 2, "train.micro_batch_size": 4}):
@@ -87,10 +88,14 @@ def test_the_whole_model_compiles_where_the_layout_runs_it_in_one_call():
             ("model", "train.compile = model: the whole forward and loss as one graph")
     for layout, says in (({"parallel.dp_shard": 2, "train.micro_batch_size": 4}, "FSDP2"),
                          ({"parallel.tp": 2}, "tensor parallelism"),
-                         ({"parallel.pp": 2, "model.tie_embeddings": False, "train.micro_batch_size": 4}, "pipeline"),
+                         ({"parallel.pp": 2, "parallel.dp_replicate": 2, "model.tie_embeddings": False,
+                           "train.micro_batch_size": 2}, "FSDP2"),
                          (MOE, "Mixture-of-Experts")):
         what, why = resolve_compile(load_config("tiny", {**SMALL, **layout, "train.compile": "model"}), "cuda")
         assert what == "blocks" and why.startswith("train.compile = model, per block instead: ") and says in why
+    pp = load_config("tiny", {**SMALL, "parallel.pp": 2, "model.tie_embeddings": False, "train.micro_batch_size": 4,
+                              "train.compile": "model"})
+    assert resolve_compile(pp, "cuda") == ("model", "train.compile = model: each pipeline stage's forward as one graph")
 
 
 def test_cuda_graphs_need_one_micro_batch_per_step():
@@ -125,12 +130,13 @@ def test_a_cpu_run_with_the_default_compiles_no_block(small_data, tmp_path, capl
 
 
 @pytest.mark.slow
-def test_tensor_parallel_blocks_compile_and_match_one_process(corpus, tmp_path):  # noqa: F811
-    """TP = 2 + SP with per-block compile (what `auto` now turns on on CUDA) trains like one eager
-    process: 3 steps, loss and gradient norm within 1e-4 (fp32; the compiled kernels reassociate:
+def test_tensor_and_pipeline_parallel_compile_and_match_one_process(corpus, tmp_path):  # noqa: F811
+    """TP = 2 + SP with per-block compile (what `auto` now turns on on CUDA) and PP = 2 (1F1B) with each
+    stage compiled as one graph (train.compile = model) train like one eager process: 3 steps, loss
+    and gradient norm within 1e-4 (fp32; the compiled kernels reassociate: measured below 1e-6;
     benchmarks/parity_layouts.py --case tp2-sp-compile measured 4.9e-7 / 5.8e-6 with both runs
-    compiled). Without `unalias_embedding_output` the first backward failed in DTensor's
-    redistribute ("'Tensor' object has no attribute '_local_tensor'")."""
+    compiled). Without `unalias_embedding_output` TP's first backward failed in DTensor's
+    redistribute ("'Tensor' object has no attribute '_local_tensor'"). One 2-process launch."""
     from tests.test_parallel_dp import assert_runs_match, train_runs
     from tests.test_parallel_mp import MP
 
@@ -138,8 +144,11 @@ def test_tensor_parallel_blocks_compile_and_match_one_process(corpus, tmp_path):
               "train.sample_tokens": 0}
     proc = train_runs(corpus, {tmp_path / "eager": {}}, **shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    proc = train_runs(corpus, {tmp_path / "tp": {"parallel.tp": 2, "parallel.sequence_parallel": "true",
-                                                 "train.compile": "true"}}, nproc=2, timeout=600, **shared)
+    runs = {tmp_path / "tp": {"parallel.tp": 2, "parallel.sequence_parallel": "true", "train.compile": "true"},
+            tmp_path / "pp": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.compile": "model"}}
+    proc = train_runs(corpus, runs, nproc=2, timeout=900, **shared)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compile: per-block torch.compile" in proc.stdout + proc.stderr
-    assert_runs_match(tmp_path / "tp", tmp_path / "eager", "tp2-sp compiled per block vs one eager process", tol=1e-4)
+    log = proc.stdout + proc.stderr
+    assert "compile: per-block torch.compile" in log and "each pipeline stage's forward as one graph" in log
+    for out in runs:
+        assert_runs_match(out, tmp_path / "eager", f"{out.name} compiled vs one eager process", tol=1e-4)

@@ -314,8 +314,10 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     t = cfg.train
     if t.compile == "model":
         blocker = whole_model_blocker(cfg)
+        whole = "each pipeline stage's forward as one graph" if cfg.parallel.pp > 1 else \
+            "the whole forward and loss as one graph"
         return ("blocks", f"train.compile = model, per block instead: {blocker}") if blocker else \
-            ("model", "train.compile = model: the whole forward and loss as one graph")
+            ("model", f"train.compile = model: {whole}")
     if t.compile in (True, "blocks"):
         return "blocks", f"train.compile = {str(t.compile).lower()}"
     if t.compile is False:
@@ -334,12 +336,13 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
 
 
 def whole_model_blocker(cfg: "Config") -> str | None:
-    """Why the layout cannot run the whole model as one compiled graph (train.compile = model), or
-    None: one process and DDP / ZeRO-1 can (torch.compile splits DDP's graph at its buckets). FSDP2
-    gathers and frees each block's parameters in hooks around the block, which a whole-model graph
-    would have to trace (torch's compiled autograd, not used); a pipeline schedule calls each stage
-    per micro-batch (each stage's blocks compile); tensor parallelism's DTensor modules compile per
-    block (train.compile = true). A Mixture-of-Experts model does not trace as one graph yet (torch
+    """Why the layout cannot run the whole model (a pipeline: each stage's forward) as one compiled
+    graph (train.compile = model), or None: one process and DDP / ZeRO-1 can (torch.compile splits
+    DDP's graph at its buckets), and so can a pipeline's stages, each its own graph (the schedule
+    calls a stage per micro-batch; the loss is the schedule's, outside). FSDP2 gathers and frees each
+    block's parameters in hooks around the block, which a whole-model graph would have to trace
+    (torch's compiled autograd, not used); tensor parallelism's DTensor modules compile per block
+    (train.compile = true). A Mixture-of-Experts model does not trace as one graph yet (torch
     2.13, bf16-pure, CPU): `torch.bincount`'s output size depends on the data (dynamo: "Could not
     guard on data-dependent expression"), and with counts of a static shape the load statistics'
     `torch._C._current_graph_task_id()` (activation-checkpoint recompute detection) is an
@@ -348,11 +351,9 @@ def whole_model_blocker(cfg: "Config") -> str | None:
     if cfg.model.moe.num_experts > 0:
         return ("a Mixture-of-Experts model's routing has data-dependent shapes (torch.bincount) and reads "
                 "autograd's graph task in its statistics, which one graph cannot trace")
-    if p.pp > 1:
-        return "a pipeline schedule runs each stage's module per micro-batch (parallel.pp > 1)"
     if p.tp > 1:
         return "tensor parallelism's DTensor modules (parallel.tp > 1)"
-    if p.fsdp:
+    if p.fsdp or (p.pp > 1 and p.dp * p.cp > 1):  # (a pipeline's data-parallel stages are FSDP2 chunks)
         return "FSDP2 gathers and frees each block's parameters in hooks around it"
     return None
 

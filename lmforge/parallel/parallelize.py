@@ -14,7 +14,7 @@ The parallel layout is applied in one fixed order, each step on what the previou
                       includes the checkpoint wrapper, as in torchtitan); the whole model
                       (train.compile = model) is compiled after step 5 instead, by the Layout:
                       its training forward and loss through what the layout runs (DDP's wrapper:
-                      torch.compile splits the graph at DDP's buckets)
+                      torch.compile splits the graph at DDP's buckets; a pipeline: each stage)
   5. data parallel    FSDP2 `fully_shard` per block then the root (after TP: FSDP shards the TP
                       DTensors over the dp sub-mesh; last of the per-block wrappers, so it wraps
                       what actually runs) or DDP (wraps the whole module, so it comes last); done by

@@ -168,6 +168,14 @@ class Pipelined(ShardedLayout):
         """Evaluation and sampling through the stages where they lie (lmforge.parallel.inference)."""
         return ShardedInference(self)
 
+    def compile_model(self, mode: str | None) -> None:
+        """train.compile = model under a pipeline: each of this rank's stages (its embedding, blocks,
+        norm and head) compiled as one graph of static shapes, what the schedule calls per micro-batch
+        (the loss is the schedule's, outside). Evaluation and sampling run the stages' eager modules
+        (`self.chunks`: other shapes, KV caches that grow per token)."""
+        for stage, chunk in zip(self.stages, self.chunks):
+            stage.submod = torch.compile(chunk, mode=mode, fullgraph=self.cp is None, dynamic=False)
+
     def describe(self) -> Iterator[str]:
         p = self.cfg.parallel
         yield (f"pipeline: {p.pp_schedule} schedule, {p.pp} ranks x {self.v} stage(s) each = {p.pp * self.v} "
