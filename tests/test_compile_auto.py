@@ -82,12 +82,12 @@ def test_the_whole_model_compiles_where_the_layout_runs_it_in_one_call():
     pipeline each stage; FSDP2 (per-block gathers, also a pipeline's data-parallel chunks), tensor
     parallelism and MoE models compile per block, and say why."""
     for ok in ({}, {"parallel.dp_replicate": 2, "train.micro_batch_size": 4},
-               {"parallel.dp_shard": 2, "parallel.zero_stage": 1, "train.micro_batch_size": 4},
-               {"parallel.cp": 2, "train.micro_batch_size": 4}):
+               {"parallel.dp_shard": 2, "parallel.zero_stage": 1, "train.micro_batch_size": 4}):
         assert resolve_compile(load_config("tiny", {**SMALL, **ok, "train.compile": "model"}), "cpu") == \
             ("model", "train.compile = model: the whole forward and loss as one graph")
     for layout, says in (({"parallel.dp_shard": 2, "train.micro_batch_size": 4}, "FSDP2"),
                          ({"parallel.tp": 2}, "tensor parallelism"),
+                         ({"parallel.cp": 2, "train.micro_batch_size": 4}, "context parallelism"),
                          ({"parallel.pp": 2, "parallel.dp_replicate": 2, "model.tie_embeddings": False,
                            "train.micro_batch_size": 2}, "FSDP2"),
                          (MOE, "Mixture-of-Experts")):

@@ -342,7 +342,7 @@ def whole_model_blocker(cfg: "Config") -> str | None:
     calls a stage per micro-batch; the loss is the schedule's, outside). FSDP2 gathers and frees each
     block's parameters in hooks around the block, which a whole-model graph would have to trace
     (torch's compiled autograd, not used); tensor parallelism's DTensor modules compile per block
-    (train.compile = true). A Mixture-of-Experts model does not trace as one graph yet (torch
+    (train.compile = true), and so does context parallelism (its attention's collectives). A Mixture-of-Experts model does not trace as one graph yet (torch
     2.13, bf16-pure, CPU): `torch.bincount`'s output size depends on the data (dynamo: "Could not
     guard on data-dependent expression"), and with counts of a static shape the load statistics'
     `torch._C._current_graph_task_id()` (activation-checkpoint recompute detection) is an
@@ -353,6 +353,8 @@ def whole_model_blocker(cfg: "Config") -> str | None:
                 "autograd's graph task in its statistics, which one graph cannot trace")
     if p.tp > 1:
         return "tensor parallelism's DTensor modules (parallel.tp > 1)"
+    if p.cp > 1:  # (per block, context parallelism matches one process: parity_layouts.py --case cp2-compile)
+        return "context parallelism's K/V collectives inside attention (one graph not tried with them)"
     if p.fsdp or (p.pp > 1 and p.dp * p.cp > 1):  # (a pipeline's data-parallel stages are FSDP2 chunks)
         return "FSDP2 gathers and frees each block's parameters in hooks around it"
     return None

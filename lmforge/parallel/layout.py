@@ -127,10 +127,9 @@ class Layout:
         def forward_with_loss(x: torch.Tensor, y: torch.Tensor, loss_chunk: int) -> torch.Tensor:
             return module(x, targets=y, loss_chunk=loss_chunk)
 
-        # fullgraph (an error, not a silent graph break) for the model alone; DDP's wrapper and context
-        # parallelism's collectives leave torch.compile its breaks
-        whole = module is self.model and self.cp is None
-        self.compiled_nll = torch.compile(forward_with_loss, mode=mode, fullgraph=whole, dynamic=False)
+        # fullgraph (an error, not a silent graph break) for the model alone; DDP's wrapper leaves
+        # torch.compile its breaks (at the buckets)
+        self.compiled_nll = torch.compile(forward_with_loss, mode=mode, fullgraph=module is self.model, dynamic=False)
         self.cuda_graphs = mode == "reduce-overhead"
 
     def local_sequences(self, micro_batches: list[Batch]) -> tuple[list[Batch], contextlib.AbstractContextManager]:

@@ -174,7 +174,7 @@ class Pipelined(ShardedLayout):
         (the loss is the schedule's, outside). Evaluation and sampling run the stages' eager modules
         (`self.chunks`: other shapes, KV caches that grow per token)."""
         for stage, chunk in zip(self.stages, self.chunks):
-            stage.submod = torch.compile(chunk, mode=mode, fullgraph=self.cp is None, dynamic=False)
+            stage.submod = torch.compile(chunk, mode=mode, fullgraph=True, dynamic=False)
 
     def describe(self) -> Iterator[str]:
         p = self.cfg.parallel
