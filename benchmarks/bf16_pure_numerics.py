@@ -36,7 +36,11 @@ COMMON = {"train.eval_every": 100, "train.sample_tokens": 0, "train.log_every": 
           "checkpoint.resume": "none", "checkpoint.save_final": "false", "checkpoint.every_minutes": 0}
 
 
-def run(out: Path, steps: int, overrides: dict) -> Path:
+def run(out: Path, steps: int, overrides: dict, reuse: bool = False) -> Path:
+    """One `lmforge train` run into `out` (with `reuse`: a run already finished there is read instead)."""
+    if reuse and (out / "metrics.jsonl").is_file() and len(records(out)[0]) == steps:
+        print(f"  {out.name}: reused", flush=True)
+        return out
     args = {**COMMON, "train.steps": steps, "train.out_dir": str(out), **overrides}
     cmd = [sys.executable, "-m", "lmforge", "train", "--config", "tiny"] + [a for k, v in args.items()
                                                                            for a in (f"--{k}", str(v))]
@@ -76,14 +80,16 @@ def main() -> None:
     p.add_argument("--models", default="tiny,gpt2-style")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bf16-pure-numerics")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--reuse", action="store_true", help="read runs already finished in --out instead of training them")
     args = p.parse_args()
     results = {"command": " ".join(sys.argv), "steps": args.steps, "models": {}}
     for name in args.models.split(","):
         print(f"{name}:", flush=True)
         root, model, s = args.out / name, MODELS[name], args.seed
-        auto_a = run(root / "bf16-a", args.steps, {**model, "train.precision": "bf16", "train.seed": s})
-        auto_b = run(root / "bf16-b", args.steps, {**model, "train.precision": "bf16", "train.seed": s + 1})
-        pure = run(root / "bf16-pure-a", args.steps, {**model, "train.precision": "bf16-pure", "train.seed": s})
+        auto_a = run(root / "bf16-a", args.steps, {**model, "train.precision": "bf16", "train.seed": s}, args.reuse)
+        auto_b = run(root / "bf16-b", args.steps, {**model, "train.precision": "bf16", "train.seed": s + 1}, args.reuse)
+        pure = run(root / "bf16-pure-a", args.steps, {**model, "train.precision": "bf16-pure", "train.seed": s},
+                   args.reuse)
         results["models"][name] = {"autocast seed vs seed (noise floor)": compare(auto_b, auto_a),
                                    "bf16-pure vs autocast, same seed": compare(pure, auto_a)}
         for what, r in results["models"][name].items():
