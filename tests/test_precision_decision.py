@@ -71,7 +71,7 @@ def test_checkpoint_precision_kept_under_auto_and_overridden_explicitly(monkeypa
 
 def test_bf16_pure_is_chosen_explicitly_and_kept_on_resume(monkeypatch):
     """`auto` never picks bf16-pure (on CUDA not until a GPU measures it faster; on the CPU it was
-    measured slower: benchmarks/RESULTS.md); an explicit bf16-pure is used, flagged where bf16 is
+    measured no faster than autocast: benchmarks/RESULTS.md); an explicit bf16-pure is used, flagged where bf16 is
     emulated; a checkpoint trained in it is resumed in it under `auto`, or in bf16 autocast (its
     fp32 masters are the same state) when that is asked for."""
     for flags in (SAPPHIRE_RAPIDS, ZEN4, AVX2_ONLY):
