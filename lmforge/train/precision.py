@@ -46,7 +46,8 @@ dtypes fail, e.g. gloo's "Received data size doesn't match expected size").
   by `auto` on CUDA until a GPU measures it faster than autocast (the GPU suite's bf16-pure rows).
   A CPU gives bf16 only where it has native bf16 matmul units (`cpu_bf16_units`: AMX-BF16 or
   AVX512-BF16 in /proc/cpuinfo's flags; oneDNN runs bf16 2-6x faster than fp32 there), else fp32
-  (bf16-pure measured against both on such a CPU: benchmarks/RESULTS.md, "bf16-pure on the CPU").
+  (bf16-pure measured no faster than autocast on such a CPU: benchmarks/RESULTS.md, "Step time per
+  precision mode").
 - A checkpoint records the precision its run trained in (meta "precision"). Under `auto` a resumed
   run keeps it, whatever this machine's hardware would choose; an explicit train.precision wins,
   with a warning that the precision changed.
