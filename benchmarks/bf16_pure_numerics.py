@@ -68,8 +68,8 @@ def compare(a: Path, b: Path) -> dict:
     (la, va), (lb, vb) = records(a), records(b)
     ma, mb = moving(la), moving(lb)
     rel = lambda x, y: abs(x - y) / abs(y)  # noqa: E731
-    return {"loss_max_rel": max(rel(la[s], lb[s]) for s in la),
-            "loss_ma20_max_rel": max(rel(ma[s], mb[s]) for s in ma),
+    return {"loss_max_rel": max(rel(la[s], lb[s]) for s in la.keys() & lb.keys()),
+            "loss_ma20_max_rel": max(rel(ma[s], mb[s]) for s in ma.keys() & mb.keys()),
             "final_val_loss": [va, vb], "val_loss_rel": rel(va, vb)}
 
 
