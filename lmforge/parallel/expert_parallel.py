@@ -19,9 +19,13 @@ data-parallel ranks, each reading its own micro-batches.
   `set_gradient_divide_factor` would say the same, but its PREMUL_SUM reduction does not exist on gloo.)
 * **Dispatch / combine** (`EPDispatcher`): the (token, expert) rows, sorted by expert on each rank,
   go to the rank holding their expert (`all_to_all_single` with uneven splits, after an all-to-all of
-  the per-expert counts), are re-ordered expert-major, run through the local experts' grouped GEMM,
-  and return the same way; backward is the reverse all-to-all (`_AllToAll`). gloo and NCCL both
-  implement it.
+  the per-expert counts), are re-ordered expert-major, run through the local experts' grouped GEMM
+  (`GroupedExperts.sorted_rows`: aligned on the device where the grouped GEMM runs), and return the
+  same way; backward is the reverse all-to-all (`_AllToAll`). gloo and NCCL both implement it. This
+  is the one MoE path that syncs with the host (once per layer, plus the boolean index of a capacity
+  drop): all_to_all_single takes uneven split sizes as host integers, so the counts are read there,
+  as torchtitan's dispatcher does; the routed path of one process or of data parallelism without EP
+  reads nothing on the host (lmforge.model.moe).
 * **Other dimensions.** TP shards attention only (an MoE block's feed-forward is computed whole on
   each TP rank, which hold the same tokens); pipeline stages keep their blocks' experts; the
   gradient-norm clip counts an expert shard once (lmforge.parallel.clip: its mesh dims
@@ -70,7 +74,9 @@ class _AllToAll(torch.autograd.Function):
 
 class EPDispatcher:
     """Runs a MoE layer's experts where they live: `__call__(rows, counts, experts)` with this rank's
-    expert-sorted rows and per-expert counts (all E experts) -> the rows' expert outputs, same order."""
+    expert-sorted rows and per-expert counts (all E experts) -> the rows' expert outputs, same order.
+    It reads the split sizes on the host once per call (all_to_all_single's uneven splits are host
+    integers: inherent to it)."""
 
     def __init__(self, group, ep: int):
         self.group, self.ep = group, ep
@@ -80,23 +86,22 @@ class EPDispatcher:
         per_rank = counts.view(ep, -1)  # (destination rank, its local expert)
         received = torch.empty_like(per_rank)  # (source rank, my local expert)
         dist.all_to_all_single(received, per_rank.contiguous(), group=self.group)
-        send, recv = per_rank.sum(1).tolist(), received.sum(1).tolist()  # (one host sync, as torchtitan's)
+        send, recv = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()  # (the host sync all_to_all_single needs)
         x = _AllToAll.apply(rows, recv, send, self.group)  # grouped by source rank, then local expert
-        perm = expert_major(received)
+        perm = expert_major(received, sum(recv))
         y = experts(x[perm], received.sum(0))
         y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to source-rank order
         return _AllToAll.apply(y, send, recv, self.group)
 
 
-def expert_major(counts: torch.Tensor) -> torch.Tensor:
-    """Rows laid out by (source rank, expert) segments of sizes `counts` (ranks x experts) -> the row
-    indices in (expert, source rank) order."""
+def expert_major(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows laid out by (source rank, expert) segments of sizes `counts` (ranks x experts; `total`
+    rows in all, known on the host) -> the row indices in (expert, source rank) order."""
     ranks, experts = counts.shape
     sizes = counts.reshape(-1)
     starts = torch.cumsum(sizes, 0) - sizes
     seg = torch.arange(ranks * experts, device=counts.device).view(ranks, experts).t().reshape(-1)
     lengths, seg_starts = sizes[seg], starts[seg]
-    total = int(lengths.sum())
     offset = torch.repeat_interleave(seg_starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
     return offset + torch.arange(total, device=counts.device)
 
