@@ -2,10 +2,12 @@
 
 Nothing here imports torch. Modules:
   hardware  Device, CATALOGUE, load_devices(extra_toml), get_device, parse_cluster -> Cluster
-  memory    Layout, estimate_memory(model_cfg, layout, optimizer, seq_len, weights=...) -> MemoryBreakdown
+  layout    Layout (the parallel layout a plan is for), planned_loss_chunk
+  memory    estimate_memory(model_cfg, layout, optimizer, seq_len, weights=...) -> MemoryBreakdown
             in one of CONVENTIONS: "lmforge" (what lmforge allocates), "megatron" (Megatron-LM's
-            estimator: 18 B/param, its activation formula), "zero-paper" (the ZeRO paper's 16 B/param); model_state_bytes_per_param,
-            activation_bytes_per_layer, param_specs
+            estimator: 18 B/param, its activation formula), "zero-paper" (the ZeRO paper's 16 B/param);
+            its parts: conventions, params (param_specs), model_states (model_state_bytes_per_param),
+            activations (activation_bytes_per_layer), loss_memory, buffers
   flops     flops_per_token, estimate_step -> StepEstimate (MFU and HFU), pipeline_bubble,
             simple_training_estimate, config_train_tokens
   search    search_layouts(model_cfg, cluster, global_batch, seq_len, ...) -> SearchResult of Candidate

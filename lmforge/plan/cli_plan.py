@@ -29,7 +29,9 @@ import sys
 
 from lmforge.plan.flops import config_train_tokens, estimate_step
 from lmforge.plan.hardware import load_devices, parse_cluster
-from lmforge.plan.memory import CONVENTIONS, Layout, estimate_memory, planned_loss_chunk
+from lmforge.plan.conventions import CONVENTIONS
+from lmforge.plan.layout import Layout, planned_loss_chunk
+from lmforge.plan.memory import estimate_memory
 from lmforge.plan.report import candidates_table, memory_table, step_table, to_json
 from lmforge.plan.search import search_layouts
 

@@ -78,8 +78,10 @@ from lmforge.config import Config, ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
 from lmforge.parallel.formulas import cp_comm_bytes, pipeline_bubble, recomputed_layers  # noqa: F401 (re-exported)
 from lmforge.plan.hardware import Cluster, Device
-from lmforge.plan.memory import (Layout, cfg_key, check_convention, cp_kv_layer_bytes, stage_specs, total_params,
-                                 tp_shape)
+from lmforge.plan.activations import cp_kv_layer_bytes
+from lmforge.plan.conventions import check_convention
+from lmforge.plan.layout import Layout
+from lmforge.plan.params import cfg_key, stage_specs, total_params, tp_shape
 
 _CACHE: dict[tuple, tuple[float, int]] = {}
 

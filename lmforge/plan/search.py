@@ -36,7 +36,9 @@ from typing import Any
 from lmforge.config import Config, ConfigError, ModelConfig
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
-from lmforge.plan.memory import Layout, MemoryBreakdown, check_convention, estimate_memory, planned_loss_chunk
+from lmforge.plan.conventions import check_convention
+from lmforge.plan.layout import Layout, planned_loss_chunk
+from lmforge.plan.memory import MemoryBreakdown, estimate_memory
 
 SIMPLER_MARGIN = 0.03
 CP_MIN_TOKENS_PER_RANK = 4096  # the search tries context parallelism down to this many tokens per rank
