@@ -279,7 +279,8 @@ COMPILE_FASTER_ON: frozenset[str] = frozenset({"cuda"})
 COMPILE_MIN_CAPABILITY = (7, 0)  # Triton (inductor's GPU backend) needs a Volta or newer GPU
 
 
-def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None) -> tuple[bool, str]:
+def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None,
+                    gpu_compiles: bool | None = None) -> tuple[bool, str]:
     """train.compile as the layout applies it, and why (one phrase for the run's log): the configured
     true / false, or for "auto" on where per-block torch.compile was measured faster
     (COMPILE_FASTER_ON: CUDA) and can run (Triton installed; `capability`, the GPU's compute
@@ -289,7 +290,9 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's fake-tensor rule of
     torch._grouped_mm wants bf16 inputs, so the first compiled step raises; and the routed experts'
     shapes depend on the data: graph breaks, recompiles) and everywhere else. PP and FSDP2 with
-    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile)."""
+    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile).
+    `gpu_compiles` (lmforge plan, which plans for a GPU it does not run on): whether the GPU can
+    compile, instead of looking for Triton here."""
     t = cfg.train
     if t.compile != "auto":
         return t.compile, f"train.compile = {str(t.compile).lower()}"
@@ -302,7 +305,8 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     if cfg.model.moe.num_experts > 0:
         return False, ("auto: off for Mixture-of-Experts models (compiled MoE blocks fail in torch._grouped_mm's "
                        "tracing on CPU and have data-dependent shapes); set train.compile = true to try it")
-    blocker = gpu_compile_blocker(capability)
+    blocker = gpu_compile_blocker(capability) if gpu_compiles is None else (
+        None if gpu_compiles else "the GPU cannot compile")
     if blocker:
         return False, f"auto: off on {device_type}: {blocker}"
     return True, f"auto: on on {device_type} (per-block compile measured 1.19x tokens/s on an H100: benchmarks/RESULTS.md)"

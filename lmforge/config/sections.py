@@ -490,6 +490,8 @@ class Config:
 
     # what load_config adapted to the layout (log lines; not a config key)
     adjustments: ClassVar[tuple[str, ...]] = ()
+    # the dotted keys the user chose (command line, their own TOML file), as load_config saw them; not a config key
+    explicit_keys: ClassVar[frozenset[str]] = frozenset()
     # the overrides typed on `lmforge train`'s command line, (dotted key, value) in order: they name
     # the auto run folder (lmforge.train.components.run_folder); not a config key
     named_by: ClassVar[tuple[tuple[str, Any], ...]] = ()

@@ -65,24 +65,33 @@ def _megatron_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: in
     return sbh * (10 + 24 / t) + scores
 
 
+def residual_bytes(layout: Layout) -> int:
+    """Bytes of a residual-stream element: fp32 under autocast (fp32 weights) and in fp32 runs, bf16 in
+    bf16-pure runs (bf16 weights and activations)."""
+    return 2 if layout.precision == "bf16-pure" else 4
+
+
 def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str) -> float:
-    """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring)."""
+    """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring). bf16-pure
+    (an estimate, not yet measured: the mode is built apart): the residual stream, the norms' inputs and
+    outputs are bf16, and each norm's output feeds its projections as it is (no casts)."""
     s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
     sbh = s * b * h
     half = 4 if layout.precision == "fp32" else 2
+    res = residual_bytes(layout)
     r = cfg.kv_heads / cfg.n_heads
     F = mlp_activation_width(cfg) / h  # (MoE: the routed and shared experts' width per token)
     if ac == "full":
-        return 4 * sbh  # the fp32 residual-stream input of the block
+        return res * sbh  # the residual-stream input of the block
     norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * 2
     lse = 4 * b * a * s / t
     if ac == "selective":  # outputs of the matmuls and attention, plus the block input
         mlp_out = (2 * F + 1) if cfg.activation == "swiglu" else (F + 1)
-        return sbh * (4 + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
-    resid = 8                                   # fp32 inputs of the two norms (block in, mid)
-    normed = 8 if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its fp32 output for the weight grad
-    if layout.precision == "fp32":  # each norm's output feeds its projections as it is: 2 tensors
-        casts = 8
+        return sbh * (res + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
+    resid = 2 * res                             # the inputs of the two norms (block in, mid)
+    normed = 2 * res if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its output for the weight grad
+    if layout.precision in ("fp32", "bf16-pure"):  # each norm's output feeds its projections as it is: 2 tensors
+        casts = 2 * res
     else:  # autocast casts the norm output once per projection: q, k, v (one fused wqkv: once) and fc1 (gate and up)
         casts = half * ((1 if cfg.fused_qkv else 3) + (2 if cfg.activation == "swiglu" else 1))
     attn = half * (1 + 2 * r + 1) / t           # q, k, v, attention output
@@ -157,21 +166,22 @@ def outside_blocks(cfg: ModelConfig, layout: Layout, seq_len: int, convention: s
         if stage == layout.pp - 1:
             out["output"] = 4 * sbh / sp_div + 4 * s * b * V / t  # final norm + head input, fp32 logits
         return out
-    half = 4 if layout.precision == "fp32" else 2
+    half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)
     if stage == 0:
         out["embedding"] = 8 * s * b + (8 * s if cfg.pos_emb == "learned" else 0)  # int64 ids, positions
     layers = cfg.n_layers // layout.pp
     if layout.cp > 1 and cfg.pos_emb == "rope" and checkpointed_layers(layout, layers) < layers:
         out["positions"] = 2 * s * (cfg.head_dim // 2) * 4  # this rank's rows of the cos / sin tables
     if stage == layout.pp - 1:
-        normed = 4 if cfg.norm == "rmsnorm" else 0
+        normed = res if cfg.norm == "rmsnorm" else 0
         stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b
         targets = 8 * s * b if layout.cp > 1 else 0  # (one process: a view of the ids' storage)
         kept, _ = lmforge_loss_bytes(cfg, layout, seq_len)
         if layout.loss_chunk:  # the head's input is read by the loss itself: no 16-bit copy saved
-            out["output"] = sbh * (4 + normed) + stats + kept + targets
+            out["output"] = sbh * (res + normed) + stats + kept + targets
         else:  # + the head input's 16-bit copy, the fp32 log-softmax (kept) and nll_loss's fp32 total weight
-            out["output"] = sbh * (4 + normed + half) + stats + kept + 4 + targets
+            copy = 0 if layout.precision == "bf16-pure" else half  # (bf16-pure: the norm output is the head input)
+            out["output"] = sbh * (res + normed + copy) + stats + kept + 4 + targets
     return out
 
 

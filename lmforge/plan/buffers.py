@@ -30,7 +30,7 @@ def lmforge_buffers(cfg: ModelConfig, layout: Layout, states: StageStates, seq_l
     out: dict[str, float] = {}
     if not layout.fsdp:
         # (DDP and ZeRO-1: the gradients are the fp32 all-reduce buckets, through accumulation too)
-        if mixed:  # the step's 16-bit copy of each matmul weight (lmforge.train.precision)
+        if mixed and layout.precision != "bf16-pure":  # the step's 16-bit copy of each matmul weight (lmforge.train.precision)
             out["autocast_weight_copies"] = states.matmul_16bit
     else:
         half = 2 if mixed else 4  # FSDP2 gathers in param_dtype (16-bit), fp32 runs in fp32

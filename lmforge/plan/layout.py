@@ -9,12 +9,12 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.config.base import divisors
-from lmforge.config.rules import resolve_loss_chunk
+from lmforge.config.rules import resolve_compile, resolve_loss_chunk
 
 
 AC_MODES = ("none", "full", "every_k", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "bf16-pure")
 
 
 @dataclass
@@ -37,11 +37,13 @@ class Layout:
     ac: str = "none"              # none | full | every_k | selective
     ac_every: int = 2
     cpu_offload: bool = False
-    precision: str = "bf16"       # bf16 | fp16 | fp32 | fp8
+    precision: str = "bf16"       # bf16 | fp16 | fp32 | fp8 (autocast over fp32 weights) | bf16-pure (bf16
+    #                               weights and activations, fp32 master weights and gradients in the optimizer)
     fsdp_reduce_every_micro_batch: bool = False  # FSDP2: reduce-scatter after every micro-batch (not pp > 1)
     ep: int = 1                   # expert parallelism (MoE): experts split over ep of the dp ranks
     loss_chunk: int = 0           # train.loss_chunk as resolved (`planned_loss_chunk`): 0 = plain logits +
     #                               F.cross_entropy, N = the head fused with the loss over N-token chunks
+    compile: bool = True          # train.compile as resolved (`planned_compile`): per-block torch.compile
 
     @property
     def world_size(self) -> int:
@@ -138,6 +140,10 @@ class Layout:
             s += f",ep={self.ep}"
         if self.loss_chunk:
             s += f",loss_chunk={self.loss_chunk}"
+        if self.precision == "bf16-pure":
+            s += ",precision=bf16-pure"
+        if not self.compile:
+            s += ",compile=0"
         return s
 
     _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
@@ -147,12 +153,12 @@ class Layout:
              "ac_every": "ac_every", "offload": "cpu_offload", "cpu_offload": "cpu_offload",
              "precision": "precision", "dtype": "precision", "reduce_every": "fsdp_reduce_every_micro_batch",
              "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch", "ep": "ep",
-             "loss_chunk": "loss_chunk"}
+             "loss_chunk": "loss_chunk", "compile": "compile"}
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
         """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
-        ac_every offload precision reduce_every ep loss_chunk); unknown keys or bad values raise
+        ac_every offload precision reduce_every ep loss_chunk compile); unknown keys or bad values raise
         ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
@@ -162,7 +168,7 @@ class Layout:
             field_name = cls._KEYS.get(key.lower())
             if field_name is None:
                 raise ValueError(f"unknown layout key {key!r}; valid: {', '.join(sorted(set(cls._KEYS)))}")
-            if field_name in ("sp", "cpu_offload", "fsdp_reduce_every_micro_batch"):
+            if field_name in ("sp", "cpu_offload", "fsdp_reduce_every_micro_batch", "compile"):
                 if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
                     raise ValueError(f"layout {key} = {value!r} must be 0/1/true/false")
                 kw[field_name] = value.lower() in ("1", "true", "yes")
@@ -184,3 +190,11 @@ def planned_loss_chunk(config, precision: str, tp: int = 1, pp: int = 1) -> int:
     if tp > 1 or pp > 1:
         return 0
     return resolve_loss_chunk(config, "cuda", precision)
+
+
+def planned_compile(config, tp: int = 1) -> bool:
+    """`Layout.compile` for a run of `config` on CUDA GPUs (with Triton) under tensor-parallel degree
+    `tp`: train.compile as lmforge resolves it there (`lmforge.config.rules.resolve_compile`: "auto"
+    = on, but off with tp > 1 or a Mixture-of-Experts model)."""
+    cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=tp))
+    return resolve_compile(cfg, "cuda", gpu_compiles=True)[0]

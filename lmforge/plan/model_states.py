@@ -46,6 +46,8 @@ def literature_parts(convention: str, precision: str, state_bytes: float) -> tup
     """Model-state bytes per parameter of a literature convention, as (component, bytes, the
     lowest ZeRO stage that shards it); `state_bytes` = the optimizer's fp32 state per parameter
     (Adam: 8). See the module docstring."""
+    if precision in ("bf16-pure", "fp8"):  # (bf16 weights, fp32 main gradients and master: the bf16 figures)
+        precision = "bf16"
     if precision == "fp32":  # no 16-bit copy, no separate master: 4 + 4 + state in both
         return (("weights", 4, 3), ("gradients", 4, 2), ("optimizer_states", state_bytes, 1))
     if convention == "zero-paper":
@@ -103,6 +105,7 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
     specs = stage_specs(cfg, layout.pp, stage)
     first_layer = stage * (cfg.n_layers // layout.pp)
     all_dp = n_dp
+    pure = layout.precision == "bf16-pure"
     for spec in specs:
         local = tp_shape(spec, layout.tp, layout.ep)
         full_n = math.prod(local)
@@ -126,9 +129,11 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
             continue
         # lmforge: FSDP2 shards every tensor along dim 0; ZeroRedundancyOptimizer the state only
         shard_n = math.prod(fsdp_shard_shape(local, n_dp))
-        comp["weights"] += 4 * (shard_n if layout.fsdp else full_n)
-        comp["gradients"] += 4 * (shard_n if layout.fsdp else full_n)
         state_shape = fsdp_shard_shape(local, n_dp) if (layout.zero >= 1 and n_dp > 1) else local
+        # bf16-pure: bf16 weights, fp32 main gradients, fp32 master weights with the optimizer state
+        comp["weights"] += (2 if pure else 4) * (shard_n if layout.fsdp else full_n)
+        comp["gradients"] += 4 * (shard_n if layout.fsdp else full_n)
+        comp["master_weights"] += 4 * math.prod(state_shape) if pure else 0.0
         comp["optimizer_states"] += lmforge_state_bytes(opt, spec, state_shape)
     if cfg.tie_embeddings and layout.pp == 1:
         # the tied embedding is also the head: its matmul uses a 16-bit cast of the embedding
