@@ -24,14 +24,17 @@ run), else with the first one named, and says which.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
 from lmforge.plan.flops import config_train_tokens, estimate_step
 from lmforge.plan.hardware import load_devices, parse_cluster
+from lmforge.config.rules import pipeline_micro_batches
 from lmforge.plan.conventions import CONVENTIONS
 from lmforge.plan.layout import Layout, planned_compile, planned_loss_chunk
 from lmforge.plan.memory import estimate_memory
+from lmforge.plan.micro_batch import AUTO_HEADROOM, largest_fitting
 from lmforge.plan.report import candidates_table, memory_table, step_table, to_json
 from lmforge.plan.search import search_layouts
 
@@ -153,11 +156,13 @@ def _check_args(args: argparse.Namespace) -> None:
 def _default_layout(cfg, cluster, seq_sequences: int, precision: str, layout_text: str | None,
                     seq_len: int, optimizer: str) -> tuple[Layout, list[str]]:
     """The layout to plan, from `--layout` over the config's settings, and notes on what was derived:
-    dp fills the cluster; the micro-batch is the config's lowered to a divisor of the per-replica batch; compile and
+    dp fills the cluster; the micro-batch is the config's lowered to a divisor of the per-replica batch
+    ("auto": the largest the memory plan fits in `AUTO_HEADROOM` of the device); compile and
     loss_chunk as lmforge resolves them on CUDA; a flag of the config's that does not apply to the
     layout is dropped, with a note, unless the user chose it."""
     par, tr = cfg.parallel, cfg.train
-    base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": tr.micro_batch_size,
+    auto_mb = tr.micro_batch_size == "auto"
+    base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": 1 if auto_mb else tr.micro_batch_size,
             "ac": tr.activation_checkpoint, "ac_every": tr.ac_every, "precision": precision,
             "zero": 3 if par.dp_shard > 1 else 0}
     explicit = {item.split("=", 1)[0].strip().lower() for item in (layout_text or "").split(",") if "=" in item}
@@ -182,10 +187,13 @@ def _default_layout(cfg, cluster, seq_sequences: int, precision: str, layout_tex
     if given.zero and given.shard_ranks == 1:
         given.zero = 0
     _inherit_reduce_every(cfg, given, explicit, notes)
-    if not ({"mb", "micro_batch"} & explicit) and seq_sequences % given.dp == 0:
-        # the config's micro-batch, lowered to the largest divisor of the per-replica batch
+    typed_mb = {"mb", "micro_batch"} & explicit
+    if not typed_mb and seq_sequences % given.dp == 0:
         per_dp = seq_sequences // given.dp
-        given.micro_batch = max(k for k in range(1, min(given.micro_batch, per_dp) + 1) if per_dp % k == 0)
+        if auto_mb:
+            notes.append(_auto_micro_batch(cfg, cluster, given, per_dp, seq_len, optimizer))
+        else:  # the config's micro-batch, lowered to the largest divisor of the per-replica batch
+            given.micro_batch = max(k for k in range(1, min(given.micro_batch, per_dp) + 1) if per_dp % k == 0)
     if not ({"ga", "grad_accum", "m"} & explicit):
         per = given.micro_batch * given.dp
         if seq_sequences % per:
@@ -212,6 +220,22 @@ def _inherit_reduce_every(cfg, given: Layout, typed: set[str], notes: list[str])
         raise ValueError(f"{key} = true does not apply to the layout {given.short()}: {why}; set it to false "
                          f"(--set {key}=false) or plan an FSDP layout without a pipeline")
     notes.append(f"{key} = true (the preset's) dropped: it applies to FSDP without a pipeline, and {why}")
+
+
+def _auto_micro_batch(cfg, cluster, given: Layout, per_dp: int, seq_len: int, optimizer: str) -> str:
+    """train.micro_batch_size = "auto": the largest size the layout can run whose lmforge-convention
+    peak fits in AUTO_HEADROOM of the device's memory (lmforge.plan.micro_batch); sets it, returns a note."""
+    sizes = pipeline_micro_batches(per_dp, given.pp, given.pp_schedule == "interleaved")
+    if not sizes:
+        raise ValueError(f"train.micro_batch_size = 'auto': no micro-batch leaves >= pp = {given.pp} micro-batches of "
+                         f"the {per_dp} sequences per data-parallel rank; change --global-batch-tokens or type mb=")
+    budget = AUTO_HEADROOM * cluster.device.memory_bytes
+    m, planned, refused = largest_fitting(
+        sizes, lambda k: dataclasses.replace(given, micro_batch=k, grad_accum=per_dp // k), cfg.model, optimizer,
+        seq_len, budget)
+    given.micro_batch = m
+    return (f"train.micro_batch_size = auto -> {m}: the largest of {sizes} whose planned peak (lmforge) fits in "
+            f"{AUTO_HEADROOM:.0%} of {cluster.device.memory_gb:g} GB: {planned / 1e9:.2f} GB{refused}")
 
 
 def _resolve_precision(precision: str, device) -> str:
@@ -252,7 +276,7 @@ def plan_main(argv: list[str]) -> int:
         precision = _resolve_precision(args.precision or cfg.train.precision, cluster.device)
         optimizer = args.optimizer or cfg.optim.name
         layout, notes = _default_layout(cfg, cluster, sequences, precision, args.layout, seq_len, optimizer)
-        train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg))
+        train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg, layout.micro_batch))
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
                              price_per_gpu_hour=args.price, flops_convention=args.flops, ideal=args.ideal,

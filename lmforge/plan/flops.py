@@ -361,16 +361,19 @@ def _with_totals(est: StepEstimate, train_tokens: float | None, price_per_gpu_ho
     return est
 
 
-def config_train_tokens(config: Config) -> int:
+def config_train_tokens(config: Config, micro_batch: int | None = None) -> int:
     """Tokens the config's run trains on: `train.steps` optimizer steps of `train.global_batch_size`
     sequences of `data.seq_len` tokens, the batch ramp-up (`schedule.batch_rampup_*`) included as
     the trainer applies it (`lmforge.optim.schedules.BatchRampup`, restated here without torch: the
-    batch grows from the start batch in whole increments, linearly in the tokens seen)."""
+    batch grows from the start batch in whole increments, linearly in the tokens seen). `micro_batch`:
+    the run's micro-batch where train.micro_batch_size is "auto" (the ramp-up's default increment)."""
     t, s, seq = config.train, config.schedule, config.data.seq_len
     full = t.global_batch_size * seq
     if not s.batch_rampup_start or s.batch_rampup_tokens <= 0:
         return t.steps * full
-    increment = s.batch_rampup_increment or t.micro_batch_size * config.parallel.dp
+    micro = micro_batch if micro_batch is not None else t.micro_batch_size
+    assert micro != "auto", "train.micro_batch_size = 'auto': pass the run's micro_batch"
+    increment = s.batch_rampup_increment or micro * config.parallel.dp
     n_increments = (t.global_batch_size - s.batch_rampup_start) // increment
     seen = steps = 0
     while steps < t.steps and seen < s.batch_rampup_tokens:
