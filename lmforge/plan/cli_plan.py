@@ -2,7 +2,7 @@
 
     lmforge plan --model PRESET_OR_TOML [--set KEY=VALUE ...] --gpus 8xA100-80GB [--nodes N]
                  [--layout dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full] [--global-batch-tokens T]
-                 [--seq-len S] [--tokens D] [--mfu 0.4] [--flops palm|6N] [--ideal] [--price 2.0]
+                 [--seq-len S] [--tokens D] [--flops palm|6N] [--ideal --mfu 0.4] [--price 2.0]
                  [--optimizer adamw] [--precision bf16] [--weights lmforge,megatron,zero-paper|all]
                  [--devices extra.toml] [--usable 0.9]
                  [--search [--allow-offload [--host-memory-gb 2048]] [--top 10]] [--json]
@@ -10,7 +10,8 @@
 Defaults come from the model's config: sequence length `data.seq_len`, global batch
 `train.global_batch_size` x seq_len tokens, training tokens those of the config's run
 (`train.steps` steps, the batch ramp-up included),
-optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device has it, else fp16, else fp32), micro-batch `train.micro_batch_size`,
+optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device has it, else fp16, else fp32), micro-batch `train.micro_batch_size`
+("auto": the largest whose planned peak fits in 85% of the GPU), compile `train.compile` (as resolved on CUDA),
 activation checkpointing `train.activation_checkpoint`, the chunked loss `train.loss_chunk` (as resolved on
 CUDA; 0 under tp or pp > 1; layout key loss_chunk=N overrides it), tp/pp/cp from `[parallel]`; the default
 layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
@@ -18,7 +19,9 @@ layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_
 Memory is shown under each convention asked for (`--weights`, default all three: "lmforge" =
 what lmforge allocates, "megatron" = Megatron-LM's estimator (18 B/param), "zero-paper" = the
 ZeRO paper's 16 B/param); the search fit-checks with "lmforge" whenever it is among them (planning an lmforge
-run), else with the first one named, and says which.
+run), else with the first one named, and says which. The step time is the model per op kind of
+`lmforge.plan.op_time` (its constants: `lmforge.plan.hardware.H100_CALIBRATION`); `--ideal --mfu X`
+is the back-of-envelope estimate at an end-to-end MFU instead.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ Conventions (stated once, used everywhere in `lmforge.plan`):
 - `host_memory_gb` is the host RAM of one node (the reference system's: DGX-1 / DGX A100 / DGX
   H100 ...), which CPU offload of a whole node's GPUs must fit in; `None` where no reference system
   fixes it (the CLI's `--host-memory-gb` then supplies it).
+- `hbm_gbps` is the device memory's bandwidth (GB/s); the step-time model needs it (its elementwise,
+  loss and optimizer kernels move bytes at a measured fraction of it: `Calibration`).
+- The step-time model's constants (`Calibration`) were measured on one H100; every device takes the
+  same fractions of its own dense peak and memory bandwidth, and the same latencies (a GEMM's fixed
+  cost, the host's time per launch): an estimate for devices not measured, stated as such.
 - Bandwidths are GB/s per device, *one direction*: `intra_node_gbps` is the NVLink/ICI (or PCIe)
   bandwidth to the other devices of the same node, `inter_node_gbps` is the network bandwidth per
   device across nodes (one NIC per GPU: 100/200/400 Gb/s InfiniBand = 12.5/25/50 GB/s).
@@ -23,6 +28,7 @@ Extra devices come from a TOML file, one table per device:
     fp16_tflops = 1307
     fp32_tflops = 163
     fp8_tflops = 2615
+    hbm_gbps = 5300
     intra_node_gbps = 448
     inter_node_gbps = 50
     gpus_per_node = 8

@@ -17,7 +17,9 @@ Each kernel group is (kind, name, kernels per step, device seconds per kernel):
 - ``loss``: the cross-entropy's elementwise passes over the logits (bytes per logit below).
 - ``casts``: autocast's one 16-bit copy of each matmul weight per step, the gradients' cast to
   fp32 and their accumulation over micro-batches, the chunked loss's fp32 weight-gradient sums, the
-  embedding's dense gradient.
+  embedding's dense gradient; under FSDP2 the copy of each all-gather's output into the parameters
+  (2 x 2 bytes a parameter per gather; ZeRO-3 gathers twice a micro-batch) and of the gradients into
+  each reduce-scatter's fp32 input (2 x 4 bytes).
 - ``optimizer``: the optimizer step and the gradient clipping over the parameters this rank
   updates, at the bandwidth fused optimizer kernels reach.
 
@@ -334,6 +336,15 @@ def _casts_and_optimizer(cfg: ModelConfig, layout: Layout, rates: Rates, stage: 
     grad_bytes = (first + later * (m - 1)) * matmul
     if grad_bytes:
         groups.append(KernelGroup("casts", "gradient casts and accumulation", m * tensors, grad_bytes / (m * tensors) / bw))
+    if layout.fsdp:  # FSDP2's copies around its collectives, per block
+        w = 4 if layout.precision == "fp32" else 2
+        gathers = m * (2 if layout.zero == 3 else 1)  # (lmforge's ZeRO-2 keeps the gathered weights until backward)
+        reductions = m if layout.fsdp_reduce_every_micro_batch else 1
+        blocks = cfg.n_layers // layout.pp + 1
+        # each all-gather's output copied out into the parameters (read + write), each reduce-scatter's
+        # fp32 input copied in from the gradients (read + write)
+        groups.append(KernelGroup("casts", "FSDP copy-out", gathers * blocks, 2 * w * params / blocks / bw))
+        groups.append(KernelGroup("casts", "FSDP copy-in", reductions * blocks, 8 * params / blocks / bw))
     shard = layout.shard_ranks if layout.zero >= 1 else 1
     updated = params / shard
     # AdamW-style: read p, g and the state, write p and the state; bf16-pure also writes the 16-bit
