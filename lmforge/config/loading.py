@@ -210,6 +210,7 @@ def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = 
     raw = apply_overrides(raw, overrides or {})
     _upgrade(raw)
     cfg = build_dataclass(Config, raw, "")
+    cfg.explicit_keys = frozenset(explicit)
     if validate:
         from lmforge.config.rules import adapt_defaults
 

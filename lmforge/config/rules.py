@@ -29,16 +29,12 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
     """
     t, s, p = cfg.train, cfg.schedule, cfg.parallel
     notes = []
-    if "train.micro_batch_size" not in explicit and t.global_batch_size % p.dp == 0 and not s.batch_rampup_start:
-        per_rank = t.global_batch_size // p.dp
-        need = p.pp if p.pp > 1 else 1
-
-        def fits(m: int) -> bool:
-            accum = per_rank // m
-            return accum >= need and (p.pp_schedule != "interleaved" or p.pp == 1 or accum % p.pp == 0)
-
-        ok = [m for m in divisors(per_rank) if m <= t.micro_batch_size and fits(m)]
+    auto = t.micro_batch_size == "auto"  # (chosen at run start: lmforge.plan.micro_batch)
+    if "train.micro_batch_size" not in explicit and not auto and t.global_batch_size % p.dp == 0 \
+            and not s.batch_rampup_start:
+        ok = [m for m in valid_micro_batches(cfg) if m <= t.micro_batch_size]
         if ok and ok[-1] != t.micro_batch_size:
+            per_rank, need = t.global_batch_size // p.dp, p.pp if p.pp > 1 else 1
             notes.append(f"train.micro_batch_size {t.micro_batch_size} -> {ok[-1]}: the global batch of "
                          f"{t.global_batch_size} sequences is {per_rank} per data-parallel rank (dp {p.dp})"
                          + (f", in >= {need} micro-batches for {p.pp} pipeline stages" if p.pp > 1 else ""))
@@ -52,6 +48,34 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
                      "reduces the gradients once per step")
         p.fsdp_reduce_every_micro_batch = False
     return notes
+
+
+def valid_micro_batches(cfg: "Config") -> list[int]:
+    """The micro-batch sizes the layout can run, smallest first: divisors of the global batch per
+    data-parallel rank (global / dp; async SGD: any divisor of the global batch, one worker's
+    gradient per update) that leave >= pp micro-batches per step under a pipeline (a multiple of pp
+    for interleaved 1F1B) and keep a batch ramp-up's start and increments multiples of micro x dp."""
+    t, s, p = cfg.train, cfg.schedule, cfg.parallel
+    if p.async_sgd:
+        return divisors(t.global_batch_size)
+    if t.global_batch_size % p.dp:
+        return []
+
+    def ramp_whole(m: int) -> bool:
+        inc = s.batch_rampup_increment or m * p.dp
+        return (s.batch_rampup_start % (m * p.dp) == 0 and inc % (m * p.dp) == 0
+                and 0 < s.batch_rampup_start <= t.global_batch_size
+                and (t.global_batch_size - s.batch_rampup_start) % inc == 0)
+
+    sizes = pipeline_micro_batches(t.global_batch_size // p.dp, p.pp, p.pp_schedule == "interleaved")
+    return [m for m in sizes if not s.batch_rampup_start or ramp_whole(m)]
+
+
+def pipeline_micro_batches(per_rank: int, pp: int, interleaved: bool) -> list[int]:
+    """The divisors m of a rank's `per_rank` sequences that leave >= pp micro-batches per step under a
+    pipeline (pp > 1; a multiple of pp for interleaved 1F1B), smallest first."""
+    return [m for m in divisors(per_rank)
+            if pp == 1 or (per_rank // m >= pp and (not interleaved or (per_rank // m) % pp == 0))]
 
 
 def check_cross_section(cfg: "Config") -> None:
@@ -93,6 +117,19 @@ def check_batch(cfg: "Config") -> None:
     if s.warmup_steps >= t.steps:
         raise ConfigError(f"schedule.warmup_steps = {s.warmup_steps} must be < train.steps = {t.steps}; lower the "
                           f"warmup or train longer.")
+    if s.batch_rampup_start and (p.pp > 1 or p.async_sgd):
+        raise ConfigError(f"schedule.batch_rampup_start with parallel.{'pp > 1' if p.pp > 1 else 'async_sgd'}: "
+                          "the pipeline schedule / parameter server has a fixed batch; turn the batch ramp-up off.")
+    if t.micro_batch_size == "auto":  # chosen at run start among the sizes the layout can run
+        if not valid_micro_batches(cfg):
+            raise ConfigError(
+                f"train.micro_batch_size = 'auto': no micro-batch fits the layout: train.global_batch_size = "
+                f"{t.global_batch_size} must be divisible by the data-parallel degree ({p.dp} = parallel.dp_replicate "
+                f"x parallel.dp_shard)" + (f", leave >= parallel.pp = {p.pp} micro-batches per step" if p.pp > 1
+                                           else "") + (", and keep schedule.batch_rampup_start and its increment "
+                                                       "multiples of micro-batch x dp" if s.batch_rampup_start else "")
+                + "; change train.global_batch_size or set train.micro_batch_size to a number.")
+        return
     per_step = t.micro_batch_size * p.dp
     if s.batch_rampup_start:
         inc = s.batch_rampup_increment or per_step
@@ -104,9 +141,6 @@ def check_batch(cfg: "Config") -> None:
             raise ConfigError(
                 f"schedule.batch_rampup_start = {s.batch_rampup_start} must be <= train.global_batch_size = "
                 f"{t.global_batch_size}, and their difference a multiple of the increment {inc}.")
-        if p.pp > 1 or p.async_sgd:
-            raise ConfigError(f"schedule.batch_rampup_start with parallel.{'pp > 1' if p.pp > 1 else 'async_sgd'}: "
-                              "the pipeline schedule / parameter server has a fixed batch; turn the batch ramp-up off.")
     if p.async_sgd:  # each server update is one worker's micro-batch: the global batch does not apply
         return
     if t.global_batch_size % per_step:
@@ -182,7 +216,7 @@ def check_pipeline(cfg: "Config") -> None:
                                           if p.pp > 1 and v > 1 else "")
         raise ConfigError(f"{what} must divide model.n_layers = {m.n_layers}; "
                           f"choose a divisor of {m.n_layers} or change n_layers.")
-    if p.pp == 1:
+    if p.pp == 1 or t.micro_batch_size == "auto":  # (auto: only sizes that fill the pipeline are chosen)
         return
     accum = cfg.grad_accum_steps
     if accum < p.pp:
@@ -279,7 +313,8 @@ COMPILE_FASTER_ON: frozenset[str] = frozenset({"cuda"})
 COMPILE_MIN_CAPABILITY = (7, 0)  # Triton (inductor's GPU backend) needs a Volta or newer GPU
 
 
-def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None) -> tuple[bool, str]:
+def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None,
+                    gpu_compiles: bool | None = None) -> tuple[bool, str]:
     """train.compile as the layout applies it, and why (one phrase for the run's log): the configured
     true / false, or for "auto" on where per-block torch.compile was measured faster
     (COMPILE_FASTER_ON: CUDA) and can run (Triton installed; `capability`, the GPU's compute
@@ -289,7 +324,9 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's fake-tensor rule of
     torch._grouped_mm wants bf16 inputs, so the first compiled step raises; and the routed experts'
     shapes depend on the data: graph breaks, recompiles) and everywhere else. PP and FSDP2 with
-    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile)."""
+    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile).
+    `gpu_compiles` (lmforge plan, which plans for a GPU it does not run on): whether the GPU can
+    compile, instead of looking for Triton here."""
     t = cfg.train
     if t.compile != "auto":
         return t.compile, f"train.compile = {str(t.compile).lower()}"
@@ -302,7 +339,8 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     if cfg.model.moe.num_experts > 0:
         return False, ("auto: off for Mixture-of-Experts models (compiled MoE blocks fail in torch._grouped_mm's "
                        "tracing on CPU and have data-dependent shapes); set train.compile = true to try it")
-    blocker = gpu_compile_blocker(capability)
+    blocker = gpu_compile_blocker(capability) if gpu_compiles is None else (
+        None if gpu_compiles else "the GPU cannot compile")
     if blocker:
         return False, f"auto: off on {device_type}: {blocker}"
     return True, f"auto: on on {device_type} (per-block compile measured 1.19x tokens/s on an H100: benchmarks/RESULTS.md)"

@@ -258,7 +258,7 @@ class TrainConfig:
 
     steps: int = _f(600, "Optimizer steps to run.")
     global_batch_size: int = _f(32, "Sequences per optimizer step across all data-parallel ranks.")
-    micro_batch_size: int = _f(16, "Sequences per forward/backward on one rank; the rest is gradient accumulation.")
+    micro_batch_size: int | Literal["auto"] = _f(16, "Sequences per forward/backward on one rank; the rest is gradient accumulation. 'auto': chosen at run start (rule: lmforge.plan.micro_batch.choose_micro_batch; the run's log says what it chose and why): the largest micro-batch that divides the global batch per data-parallel rank (leaving >= pp micro-batches per step under a pipeline, a multiple of pp for interleaved 1F1B, and the batch ramp-up's steps whole) and that `lmforge plan`'s memory model (lmforge convention) fits in 85% of the memory free at run start (the rest: the plan's error, cuBLAS / cuDNN workspaces, allocator fragmentation); on a CPU at most 16, fitted in 85% of the RAM available. Larger micro-batches mean fewer, larger kernels and fewer launches per step.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Compute precision: bf16 autocast (fp32 master weights), fp16 autocast with GradScaler, fp32, or auto: decided once, by rank 0 for every rank, from the hardware (bf16 on GPUs with bf16 tensor cores and on CPUs with AMX-BF16 / AVX512-BF16 units, else fp16 on older GPUs and fp32 on CPUs); a resumed auto run keeps the precision its checkpoint records.")
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
@@ -284,9 +284,9 @@ class TrainConfig:
     plot: bool = _f(True, "At the end of training, write loss/LR/grad-norm/throughput plots (PNG) into <out_dir>/report when matplotlib is installed.")
 
     def check(self) -> None:
-        at_least(1, "train", steps=self.steps, global_batch_size=self.global_batch_size,
-                  micro_batch_size=self.micro_batch_size, ac_every=self.ac_every, log_every=self.log_every,
-                  eval_sequences=self.eval_sequences)
+        at_least(1, "train", steps=self.steps, global_batch_size=self.global_batch_size, ac_every=self.ac_every,
+                  log_every=self.log_every, eval_sequences=self.eval_sequences,
+                  **({} if self.micro_batch_size == "auto" else {"micro_batch_size": self.micro_batch_size}))
         at_least(0, "train", eval_every=self.eval_every, sample_tokens=self.sample_tokens, threads=self.threads,
                   **({} if self.loss_chunk == "auto" else {"loss_chunk": self.loss_chunk}))
         if self.fp8 and self.device == "cpu":
@@ -490,6 +490,8 @@ class Config:
 
     # what load_config adapted to the layout (log lines; not a config key)
     adjustments: ClassVar[tuple[str, ...]] = ()
+    # the dotted keys the user chose (command line, their own TOML file), as load_config saw them; not a config key
+    explicit_keys: ClassVar[frozenset[str]] = frozenset()
     # the overrides typed on `lmforge train`'s command line, (dotted key, value) in order: they name
     # the auto run folder (lmforge.train.components.run_folder); not a config key
     named_by: ClassVar[tuple[tuple[str, Any], ...]] = ()
@@ -499,6 +501,7 @@ class Config:
 
     @property
     def grad_accum_steps(self) -> int:
+        assert self.train.micro_batch_size != "auto", "train.micro_batch_size = 'auto' is resolved at run start"
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
 
     @property

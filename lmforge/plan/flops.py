@@ -13,15 +13,18 @@ Conventions:
   the FLOPs the GPUs really execute, recomputation included: HFU = MFU x recompute factor (full
   recompute re-runs the forward: 4/3; selective ~1.03, a documented estimate; every_k in
   proportion to the blocks checkpointed). The planner prints both.
-- The assumed MFU (`mfu=`, `--mfu`):
-  - `ideal=True` (`--ideal`): the run's end-to-end MFU, applied as is: training time =
-    D x FLOPs/token / (GPUs x peak x MFU). Bubble, communication and recompute are inside it (a
-    run with full recompute at this MFU has HFU = 4/3 MFU, which must not exceed 1).
-  - otherwise (the layout model, used by the search): the MFU that a layout with large matmuls and
-    no recompute reaches before bubble and exposed communication. The GPUs then execute at that
-    rate (HFU = MFU there), scaled by the matmul-shape heuristic; recomputation is extra hardware
-    work at the same rate; the pipeline bubble and exposed communication stretch the step. The
-    layout's resulting end-to-end MFU and HFU are reported.
+- Step time (the layout model, used by the search; `lmforge.plan.op_time`): the device time of the
+  kernels one rank runs in a step, per op kind (matmuls by their FLOPs and a fixed cost per GEMM,
+  attention at its measured rate, elementwise, loss, cast and optimizer bytes at the device's
+  bandwidth), plus the host gaps between kernels shorter than the host's time per launch; the
+  constants are the device's calibration (`lmforge.plan.hardware.H100_CALIBRATION`, fitted to an
+  H100's profile; other devices: the same fractions of their spec sheets). Recomputation runs its
+  kernels again; the pipeline bubble and exposed communication stretch the step. The layout's
+  resulting end-to-end MFU and HFU are reported, with the time per op kind.
+- `ideal=True` (`--ideal`, with `mfu=` / `--mfu`): the back-of-envelope estimate instead, the run's
+  end-to-end MFU applied as is: training time = D x FLOPs/token / (GPUs x peak x MFU). Bubble,
+  communication and recompute are inside it (a run with full recompute at this MFU has HFU = 4/3
+  MFU, which must not exceed 1).
 - Training time = D / tokens per second. GPU-hours = time x GPUs; cost = GPU-hours x price.
 - Pipeline bubble (fraction of the step spent idle) = (p-1)/v / (m + (p-1)/v) for p stages, m
   micro-batches, v virtual stages per rank (interleaved 1F1B; v = 1 otherwise): (p-1)/(m+p-1).
@@ -62,10 +65,6 @@ Conventions:
   - CPU offload: 8 bytes/param of the rank's shard over PCIe (25 GB/s) plus a host optimizer step
     streaming 16 bytes/param at 50 GB/s, exposed.
   These are first-order estimates for ranking layouts, not a network simulator.
-- `shape_efficiency` (used to rank layouts): matmuls shrink with a small micro-batch or a large
-  TP degree; the assumed MFU applies to large matmuls and is scaled by
-  (T/(T+128)) x ((h/t)/((h/t)+128)) / (h/(h+128)), T = micro_batch x seq_len / cp tokens. A heuristic,
-  stated so it can be checked against measurements.
 """
 
 from __future__ import annotations
@@ -78,8 +77,12 @@ from lmforge.config import Config, ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
 from lmforge.parallel.formulas import cp_comm_bytes, pipeline_bubble, recomputed_layers  # noqa: F401 (re-exported)
 from lmforge.plan.hardware import Cluster, Device
-from lmforge.plan.memory import (Layout, cfg_key, check_convention, cp_kv_layer_bytes, stage_specs, total_params,
-                                 tp_shape)
+from lmforge.plan.activations import cp_kv_layer_bytes
+from lmforge.plan.conventions import check_convention
+from lmforge.plan.layout import Layout
+from lmforge.plan.model_states import literature_state_bytes_per_param
+from lmforge.plan.op_time import op_times
+from lmforge.plan.params import cfg_key, stage_specs, total_params, tp_shape
 
 _CACHE: dict[tuple, tuple[float, int]] = {}
 
@@ -146,12 +149,6 @@ def training_time_seconds(total_flops: float, n_gpus: int, peak_flops: float, mf
     if n_gpus < 1:
         raise ValueError(f"GPU count {n_gpus} must be >= 1")
     return total_flops / (n_gpus * peak_flops * mfu)
-
-
-def shape_efficiency(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> float:
-    tokens = layout.micro_batch * seq_len // layout.cp  # a CP rank's matmuls see its seq_len / cp tokens
-    h, ht = model_cfg.dim, model_cfg.dim / layout.tp
-    return (tokens / (tokens + 128)) * (ht / (ht + 128)) / (h / (h + 128))
 
 
 @dataclass(frozen=True)
@@ -240,6 +237,8 @@ class StepEstimate:
     step_s: float = 0.0
     tokens_per_s: float = 0.0
     tokens_per_s_per_gpu: float = 0.0
+    time_by_kind: dict[str, float] = field(default_factory=dict)  # device seconds per op kind, "host" gaps
+    launches: float = 0.0             # kernels one rank launches per step
     mfu: float = 0.0                  # model FLOPs utilisation (PaLM): recompute not counted
     hfu: float = 0.0                  # hardware FLOPs utilisation: recompute counted
     recompute_factor: float = 1.0
@@ -259,18 +258,24 @@ class StepEstimate:
         return d
 
 
-def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, mfu: float = 0.4,
+def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, mfu: float | None = None,
                   train_tokens: float | None = None, price_per_gpu_hour: float | None = None,
-                  flops_convention: str = "palm", use_shape_efficiency: bool = True, ideal: bool = False,
-                  convention: str = "lmforge") -> StepEstimate:
-    """Step time of `layout` on `cluster`. `ideal`: `mfu` is the run's end-to-end MFU, applied as
-    is. Otherwise `mfu` is the MFU of large matmuls without recompute (scaled, when
-    `use_shape_efficiency`, by the matmul-shape heuristic); recompute is extra hardware work at that
-    rate, and the pipeline bubble and exposed communication (DP bytes as `convention` sends them)
-    stretch the step. The returned `mfu` / `hfu` are the resulting end-to-end figures."""
+                  flops_convention: str = "palm", ideal: bool = False, convention: str = "lmforge",
+                  optimizer: str = "adamw", chunk_loss_compiled: bool = True) -> StepEstimate:
+    """Step time of `layout` on `cluster`: the kernels of one rank's step per op kind
+    (`lmforge.plan.op_time`; `optimizer` sets the optimizer step's bytes, `chunk_loss_compiled` whether
+    the chunked loss's elementwise part is one compiled kernel, as lmforge runs it on CUDA GPUs with
+    Triton), stretched by the pipeline bubble and the exposed communication (DP bytes as
+    `convention` sends them). `ideal`: `mfu` is the run's end-to-end MFU, applied as is. The
+    returned `mfu` / `hfu` are the resulting end-to-end figures."""
     layout.validate(model_cfg, seq_len)
     check_convention(convention)
-    if not 0 < mfu <= 1:
+    if ideal and mfu is None:
+        raise ValueError("ideal=True applies an end-to-end MFU as is: give mfu")
+    if mfu is not None and not ideal:
+        raise ValueError(f"mfu = {mfu} is the end-to-end MFU of the back-of-envelope estimate (ideal=True); the "
+                         f"layout model times each op kind from the device's calibration")
+    if mfu is not None and not 0 < mfu <= 1:
         raise ValueError(f"mfu = {mfu} must be in (0, 1]")
     if layout.world_size > cluster.world_size:
         raise ValueError(f"layout needs {layout.world_size} GPUs (dp x cp x tp x pp) but the cluster "
@@ -293,8 +298,9 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
                            step_s=step, tokens_per_s=tokens / step, tokens_per_s_per_gpu=tokens / step / n_gpus,
                            mfu=mfu, hfu=mfu * rf, recompute_factor=rf, ideal=True, n_gpus=n_gpus)
         return _with_totals(est, train_tokens, price_per_gpu_hour)
-    rate = mfu * (shape_efficiency(model_cfg, layout, seq_len) if use_shape_efficiency else 1.0)
-    compute = hardware_flops / (n_gpus * peak * rate)  # (CP ranks' attention work is balanced: docstring)
+    ops = op_times(model_cfg, layout, seq_len, dev, optimizer_state_bytes=literature_state_bytes_per_param(optimizer),
+                   chunk_loss_compiled=chunk_loss_compiled)
+    compute = ops.total_s  # one rank's kernels (CP ranks' attention work is balanced: docstring)
     m = layout.grad_accum
     bubble = pipeline_bubble(layout.pp, m, layout.virtual_stages) if layout.pp > 1 else 0.0
     busy = compute / (1 - bubble)
@@ -339,7 +345,8 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
                        hardware_flops_per_step=hardware_flops, compute_s=compute, bubble_fraction=bubble,
                        comm_s=comm, exposed_comm_s=exposed, step_s=step, tokens_per_s=tokens / step,
                        tokens_per_s_per_gpu=tokens / step / n_gpus, mfu=model_flops / (step * n_gpus * peak),
-                       hfu=hardware_flops / (step * n_gpus * peak), recompute_factor=rf, n_gpus=n_gpus)
+                       hfu=hardware_flops / (step * n_gpus * peak), recompute_factor=rf, n_gpus=n_gpus,
+                       time_by_kind=ops.by_kind(), launches=ops.launches)
     return _with_totals(est, train_tokens, price_per_gpu_hour)
 
 
@@ -354,16 +361,19 @@ def _with_totals(est: StepEstimate, train_tokens: float | None, price_per_gpu_ho
     return est
 
 
-def config_train_tokens(config: Config) -> int:
+def config_train_tokens(config: Config, micro_batch: int | None = None) -> int:
     """Tokens the config's run trains on: `train.steps` optimizer steps of `train.global_batch_size`
     sequences of `data.seq_len` tokens, the batch ramp-up (`schedule.batch_rampup_*`) included as
     the trainer applies it (`lmforge.optim.schedules.BatchRampup`, restated here without torch: the
-    batch grows from the start batch in whole increments, linearly in the tokens seen)."""
+    batch grows from the start batch in whole increments, linearly in the tokens seen). `micro_batch`:
+    the run's micro-batch where train.micro_batch_size is "auto" (the ramp-up's default increment)."""
     t, s, seq = config.train, config.schedule, config.data.seq_len
     full = t.global_batch_size * seq
     if not s.batch_rampup_start or s.batch_rampup_tokens <= 0:
         return t.steps * full
-    increment = s.batch_rampup_increment or t.micro_batch_size * config.parallel.dp
+    micro = micro_batch if micro_batch is not None else t.micro_batch_size
+    assert micro != "auto", "train.micro_batch_size = 'auto': pass the run's micro_batch"
+    increment = s.batch_rampup_increment or micro * config.parallel.dp
     n_increments = (t.global_batch_size - s.batch_rampup_start) // increment
     seen = steps = 0
     while steps < t.steps and seen < s.batch_rampup_tokens:

@@ -36,7 +36,9 @@ from typing import Any
 from lmforge.config import Config, ConfigError, ModelConfig
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
-from lmforge.plan.memory import Layout, MemoryBreakdown, check_convention, estimate_memory, planned_loss_chunk
+from lmforge.plan.conventions import check_convention
+from lmforge.plan.layout import Layout, planned_compile, planned_loss_chunk
+from lmforge.plan.memory import MemoryBreakdown, estimate_memory
 
 SIMPLER_MARGIN = 0.03
 CP_MIN_TOKENS_PER_RANK = 4096  # the search tries context parallelism down to this many tokens per rank
@@ -176,7 +178,8 @@ def lmforge_config_for(config: Config, layout: Layout, seq_len: int) -> Config:
         zero_stage=zero if sharded else 0, sequence_parallel=layout.sp, pp_schedule=layout.pp_schedule,
         pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload,
         fsdp_reduce_every_micro_batch=layout.fsdp_reduce_every_micro_batch, ep=layout.ep)
-    precision = "bf16" if layout.precision == "fp8" else layout.precision
+    # (fp8 is train.fp8 over bf16; bf16-pure's layout rules are bf16's)
+    precision = "bf16" if layout.precision in ("fp8", "bf16-pure") else layout.precision
     train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch, precision=precision,
                                 global_batch_size=layout.sequences_per_step, activation_checkpoint=layout.ac,
                                 ac_every=layout.ac_every)
@@ -256,7 +259,7 @@ def _reason(c: Candidate, cluster: Cluster) -> str:
 
 
 def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, *,
-                   optimizer: str = "adamw", mfu: float = 0.4, precision: str = "bf16",
+                   optimizer: str = "adamw", precision: str = "bf16",
                    weights: str = "lmforge", show: tuple[str, ...] = (), usable_fraction: float = 0.9,
                    top: int | None = 10, include_unfit: bool = False, model_name: str = "model",
                    config: Config | None = None, margin: float = SIMPLER_MARGIN,
@@ -284,6 +287,10 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
     if config is not None:  # the run's train.loss_chunk, as lmforge resolves it on GPUs
         enum_kw.setdefault("loss_chunk", planned_loss_chunk(config, precision))
     layouts = enumerate_layouts(model_cfg, cluster, global_batch, precision=precision, seq_len=seq_len, **enum_kw)
+    run = config if config is not None else Config(model=model_cfg)
+    compiles = {tp: planned_compile(run, tp) for tp in {lay.tp for lay in layouts}}
+    for lay in layouts:  # train.compile as the run resolves it on CUDA (auto: off with TP and for MoE)
+        lay.compile = compiles[lay.tp]
     if not layouts:
         raise ValueError(f"no layout of {cluster.world_size} GPUs divides the global batch of {global_batch} "
                          f"sequences; use a multiple of the GPU count")
@@ -311,7 +318,7 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
         fits = mem.total <= budget and host <= host_budget
         if not fits and not include_unfit:
             continue
-        step = estimate_step(model_cfg, lay, cluster, seq_len, mfu=mfu, convention=weights)
+        step = estimate_step(model_cfg, lay, cluster, seq_len, convention=weights, optimizer=optimizer)
         cands.append(Candidate(lay, mem, step, fits, host_bytes_per_node=host))
     ranked = _rank(cands, margin)
     shown = ranked if top is None else ranked[:top]

@@ -56,6 +56,7 @@ from lmforge.train.components import (build_loaders, build_training_model, cache
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
+from lmforge.train.micro_batch import decide_micro_batch
 from lmforge.train.precision import Resolved, make_precision, resolve_precision
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
@@ -154,6 +155,10 @@ class Trainer:
         if self.resumed_from is not None:
             check_compatible(read_meta(self.resumed_from), cfg, self.resumed_from)
 
+        # the precision, then the micro-batch it fits (train.micro_batch_size = "auto"), before the loaders
+        precision = self.decide_precision()
+        self.resolve_micro_batch(precision.name)
+
         # data
         self.data = self._data or self.prepare_data()
         if self.data.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -173,7 +178,6 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, trainable)
         self.flops_rule = "6N + 12*L*d*s" if len(trainable) == len(list(model.parameters())) else \
             "forward + input gradients of all weights, weight gradients of the trainable ones only"
-        precision = self.decide_precision()
         self.layout = self.build_layout(model, precision.name)
         self.model = self.layout.model
         self.optimizer = self.layout.prepare_optimizer(build_optimizer(cfg.optim, self.model))
@@ -261,6 +265,18 @@ class Trainer:
                 "precision: %s (%s)",
                 resolved.name, resolved.reason)
         return resolved
+
+    def resolve_micro_batch(self, precision: str) -> None:
+        """train.micro_batch_size = "auto" resolved once, by rank 0 for every rank, from the memory free on
+        its device (lmforge.train.micro_batch: the planner's rule, lmforge.plan.micro_batch); logged."""
+        t = self.cfg.train
+        if t.micro_batch_size != "auto":
+            return
+        choice = self.rank0_decides(decide_micro_batch(self.cfg, precision, self.device) if is_rank0() else None)
+        t.micro_batch_size = choice.size
+        self.cfg.validate()
+        log.log(logging.INFO if choice.budget_bytes is None or choice.planned_bytes <= choice.budget_bytes
+                else logging.WARNING, "train.micro_batch_size: %s", choice.reason)
 
     def build_layout(self, model, precision: str) -> Layout:
         """The parallel layout the loop drives, with this rank's part of the model materialised

@@ -1,0 +1,190 @@
+"""Activation bytes: per layer in each convention (Korthikanti et al., Megatron's estimator, what
+lmforge's autograd saves), outside the blocks, under context parallelism, and the micro-batches a
+pipeline stage holds in flight (lmforge.plan.memory's docstring states the formulas)."""
+
+from __future__ import annotations
+
+from lmforge.config import ModelConfig
+from lmforge.model.accounting import mlp_activation_width
+from lmforge.parallel.formulas import cp_activation_bytes, cp_kv_bytes, cp_score_elements, recomputed_layers
+from lmforge.plan.conventions import LITERATURE, check_convention
+from lmforge.plan.layout import Layout
+from lmforge.plan.loss_memory import lmforge_loss_bytes
+
+
+def micro_batches_in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations a pipeline stage holds at its peak."""
+    p, m = layout.pp, layout.grad_accum
+    if p == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return float(m)
+    k = min(p - stage, m)  # 1F1B: stage i warms up with p - i forwards
+    if layout.pp_schedule == "interleaved":
+        return min(p * (1 + (p - 1) / (p * layout.virtual_stages)), float(m)) if stage == 0 else float(k)
+    return float(k)
+
+
+def _literature_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str,
+                                     fused_attention: bool) -> float:
+    """Korthikanti et al.'s per-layer bytes, generalised to GQA and the MLP type (module docstring)."""
+    s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
+    sbh = s * b * h
+    sp_div = t if layout.sp else 1
+    if ac == "full":
+        return 2 * sbh / sp_div
+    r = cfg.kv_heads / cfg.n_heads
+    k_mlp = 6 if cfg.activation == "swiglu" else 4
+    replicated = 10.0
+    split = 4 + 4 * r + k_mlp * mlp_activation_width(cfg) / h
+    core = 0.0 if (fused_attention or ac == "selective") else 5 * a * s / h
+    if layout.sp or t == 1:
+        return sbh / t * (replicated + split + core)
+    return sbh * (replicated + (split + core) / t)
+
+
+def megatron_sp_formula(layout: Layout, ac: str | None = None) -> bool:
+    """Whether Megatron's report uses its sequence-parallel activation formula: only with SP and
+    selective recompute (`ac`: the layer's mode, default the layout's); any other layout gets its
+    formula "without SP"."""
+    return layout.sp and (layout.ac if ac is None else ac) == "selective"
+
+
+def _megatron_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str,
+                                   fused_attention: bool) -> float:
+    """Megatron-LM's per-layer bytes as its `theoretical_memory_usage.py` computes them (module
+    docstring): sbh(18 + 4 ffn/h)/t with SP and selective recompute, else sbh(10 + 24/t), whatever
+    the MLP type or the query groups; a fully recomputed layer keeps its input, 2sbh (/t with SP)."""
+    s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
+    sbh = s * b * h
+    if ac == "full":
+        return 2 * sbh / (t if layout.sp else 1)
+    if megatron_sp_formula(layout, ac):
+        return sbh * (18 + 4 * mlp_activation_width(cfg) / h) / t
+    scores = 0.0 if (fused_attention or ac == "selective") else 5 * a * s * s * b / t
+    return sbh * (10 + 24 / t) + scores
+
+
+def residual_bytes(layout: Layout) -> int:
+    """Bytes of a residual-stream element: fp32 under autocast (fp32 weights) and in fp32 runs, bf16 in
+    bf16-pure runs (bf16 weights and activations)."""
+    return 2 if layout.precision == "bf16-pure" else 4
+
+
+def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str) -> float:
+    """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring). bf16-pure
+    (an estimate, not yet measured: the mode is built apart): the residual stream, the norms' inputs and
+    outputs are bf16, and each norm's output feeds its projections as it is (no casts)."""
+    s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
+    sbh = s * b * h
+    half = 4 if layout.precision == "fp32" else 2
+    res = residual_bytes(layout)
+    r = cfg.kv_heads / cfg.n_heads
+    F = mlp_activation_width(cfg) / h  # (MoE: the routed and shared experts' width per token)
+    if ac == "full":
+        return res * sbh  # the residual-stream input of the block
+    norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * 2
+    lse = 4 * b * a * s / t
+    if ac == "selective":  # outputs of the matmuls and attention, plus the block input
+        mlp_out = (2 * F + 1) if cfg.activation == "swiglu" else (F + 1)
+        return sbh * (res + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
+    resid = 2 * res                             # the inputs of the two norms (block in, mid)
+    normed = 2 * res if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its output for the weight grad
+    if layout.precision in ("fp32", "bf16-pure"):  # each norm's output feeds its projections as it is: 2 tensors
+        casts = 2 * res
+    else:  # autocast casts the norm output once per projection: q, k, v (one fused wqkv: once) and fc1 (gate and up)
+        casts = half * ((1 if cfg.fused_qkv else 3) + (2 if cfg.activation == "swiglu" else 1))
+    attn = half * (1 + 2 * r + 1) / t           # q, k, v, attention output
+    wo_in = half / t if cfg.pos_emb == "rope" else 0.0
+    mlp = half * (4 * F if cfg.activation == "swiglu" else 2 * F) / t
+    return sbh * (resid + normed + casts + attn + wo_in + mlp) + norm_stats + lse
+
+
+def attention_dtype_bytes(layout: Layout) -> int:
+    """Bytes of an element of q, k, v in lmforge's attention: 16-bit under autocast (fp8 runs keep
+    attention in bf16), 4 in fp32 runs."""
+    return 4 if layout.precision == "fp32" else 2
+
+
+def cp_kv_layer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int) -> int:
+    """The K and V of one layer for the whole sequences of a micro-batch, on one (TP) rank: what a
+    context-parallel rank all-gathers and saves (`lmforge.parallel.formulas.cp_kv_bytes`)."""
+    return cp_kv_bytes(layout.micro_batch, seq_len, cfg.kv_heads, cfg.head_dim, attention_dtype_bytes(layout),
+                       layout.tp)
+
+
+def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str,
+                               checkpointed: bool | None = None, fused_attention: bool = True) -> float:
+    """Activation bytes of one transformer layer for one micro-batch on one GPU. `checkpointed`
+    overrides the layout's mode (True = full recompute, False = none); `fused_attention=False`
+    gives the literature's unfused formula (with the 5as/h score term).
+
+    Context parallelism (cp > 1): the rank holds 1/cp of every sequence's tokens but the K and V of
+    the whole sequence (all-gathered, saved for backward): (A - KV) / cp + KV with A the layer's
+    bytes for the whole sequence and KV its K/V (`lmforge.parallel.formulas.cp_activation_bytes`;
+    every term of A is linear in the sequence length once attention is fused). Full recompute keeps
+    only the block input of the rank's tokens, A / cp. The literature conventions count the same
+    all-gather design (Llama 3's, Megatron's `--cp-comm-type allgather`) with their 16-bit K/V; their
+    unfused [s, s] score term becomes the rank's c^2 (2cp + 1) scores per head (`cp_score_elements`)."""
+    ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
+    if check_convention(convention) == "lmforge":
+        whole = lmforge_activation_per_layer(cfg, layout, seq_len, ac)
+        kv = cp_kv_layer_bytes(cfg, layout, seq_len)
+        scores = 0.0
+    else:
+        per = _megatron_activation_per_layer if convention == "megatron" else _literature_activation_per_layer
+        whole = per(cfg, layout, seq_len, ac, fused_attention=True)
+        kv = cp_kv_bytes(layout.micro_batch, seq_len, cfg.kv_heads, cfg.head_dim, 2, layout.tp)
+        scores = per(cfg, layout, seq_len, ac, fused_attention) - whole
+    if layout.cp == 1:
+        return whole + scores
+    if ac == "full":
+        return whole / layout.cp
+    return cp_activation_bytes(whole, kv, layout.cp) + scores * cp_score_elements(seq_len, layout.cp) / seq_len**2
+
+
+def outside_blocks(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, stage: int) -> dict[str, float]:
+    """Activations outside the blocks: embedding output on the first stage, final norm + logits on
+    the last (one micro-batch). Under context parallelism a rank holds seq_len / cp tokens of each
+    sequence; in lmforge its token ids and targets are then separate tensors (the chunks, cut from
+    the loader's rows), and every stage indexes the RoPE rows of its positions (fp32 cos and sin,
+    shared by the blocks: 'positions', saved by the blocks that run without full recompute)."""
+    s, b, h, V, t = seq_len // layout.cp, layout.micro_batch, cfg.dim, cfg.vocab_size, layout.tp
+    sbh = s * b * h
+    out: dict[str, float] = {}
+    if convention == "megatron":  # token ids (int64) and the embedding's dropout mask; output-layer inputs
+        sp = megatron_sp_formula(layout)
+        if stage == 0:
+            out["embedding"] = (8 * s * b + sbh) / (t if sp else 1)
+        if stage == layout.pp - 1:
+            out["output"] = 4 * (sbh + s * b * V) / t if sp else 2 * (s * b * V / t + sbh)
+        return out
+    if convention in LITERATURE:
+        sp_div = t if layout.sp else 1
+        if stage == 0:
+            out["embedding"] = sbh / sp_div  # dropout mask
+        if stage == layout.pp - 1:
+            out["output"] = 4 * sbh / sp_div + 4 * s * b * V / t  # final norm + head input, fp32 logits
+        return out
+    half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)
+    if stage == 0:
+        out["embedding"] = 8 * s * b + (8 * s if cfg.pos_emb == "learned" else 0)  # int64 ids, positions
+    layers = cfg.n_layers // layout.pp
+    if layout.cp > 1 and cfg.pos_emb == "rope" and checkpointed_layers(layout, layers) < layers:
+        out["positions"] = 2 * s * (cfg.head_dim // 2) * 4  # this rank's rows of the cos / sin tables
+    if stage == layout.pp - 1:
+        normed = res if cfg.norm == "rmsnorm" else 0
+        stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b
+        targets = 8 * s * b if layout.cp > 1 else 0  # (one process: a view of the ids' storage)
+        kept, _ = lmforge_loss_bytes(cfg, layout, seq_len)
+        if layout.loss_chunk:  # the head's input is read by the loss itself: no 16-bit copy saved
+            out["output"] = sbh * (res + normed) + stats + kept + targets
+        else:  # + the head input's 16-bit copy, the fp32 log-softmax (kept) and nll_loss's fp32 total weight
+            copy = 0 if layout.precision == "bf16-pure" else half  # (bf16-pure: the norm output is the head input)
+            out["output"] = sbh * (res + normed + copy) + stats + kept + 4 + targets
+    return out
+
+
+def checkpointed_layers(layout: Layout, layers: int) -> int:
+    """Layers that keep only their input (selective recompute keeps more: its own per-layer formula)."""
+    return 0 if layout.ac == "selective" else recomputed_layers(layout.ac, layers, layout.ac_every)
