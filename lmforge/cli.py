@@ -11,6 +11,7 @@
     lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
     lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/interop/cli.py)
     lmforge import   --hf HF_DIR --out RUN_DIR     (lmforge/interop/cli.py)
+    lmforge launch   [torchrun options] train ...  (lmforge/launch.py: torchrun, exit statuses mapped)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from lmforge import __version__
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
+from lmforge.config.launch import current_launch
 from lmforge.folders import CONFIG, TOKENIZER, check_run_folder, check_writable
 
 
@@ -96,7 +98,8 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     extra = shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
     try:  # validate before the heavy imports; under torchrun every rank reads the same config
         typed = parse_cli_overrides(rest)
-        cfg = load_config(train_config_source(args.config, typed), {**typed, **parse_cli_overrides(extra)})
+        cfg = load_config(train_config_source(args.config, typed), {**typed, **parse_cli_overrides(extra)},
+                          launch=current_launch())
         check_writable(cfg.train.out_dir.format(preset=cfg.preset), "train.out_dir")
     except ValueError as exc:  # (ConfigError included)
         return report_on_one_rank(f"config error: {exc}")
@@ -266,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("presets", help="list the presets")
     p.set_defaults(func=cmd_presets)
+    sub.add_parser("launch", help="torchrun with exit statuses a scheduler can act on (lmforge launch --help)",
+                   add_help=False)
     for name, (_, _, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -286,6 +291,14 @@ DELEGATED = {
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":  # torchrun as the engine, exit statuses mapped (lmforge/launch.py)
+        from lmforge.launch import launch_main
+
+        try:
+            return launch_main(argv[1:], set(DELEGATED) | {"train", "generate", "config", "presets"})
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if argv and argv[0] in DELEGATED:
         import importlib
 

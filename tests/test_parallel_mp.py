@@ -202,7 +202,7 @@ def test_valid_model_parallel_configs_and_degenerate_cases(monkeypatch):
         cfg = load_config("tiny", {**BATCH, **ok})
         check_layout(cfg, cfg.parallel.world_size, cuda=False)
     cfg = load_config("tiny", {**BATCH, "parallel.tp": 2, "parallel.pp": 2, "model.tie_embeddings": False})
-    with pytest.raises(ConfigError, match="parallel.tp \\(2\\) x parallel.pp \\(2\\) = 4 processes"):
+    with pytest.raises(ConfigError, match=r"needs 4 processes \(dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 x pp 2\)"):
         check_layout(cfg, 2, cuda=False)
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)

@@ -7,6 +7,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from lmforge.config.base import ConfigError, divisors
+from lmforge.config.launch import launcher_command
 
 if TYPE_CHECKING:
     from lmforge.config.sections import Config
@@ -52,6 +53,68 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
                      "reduces the gradients once per step")
         p.fsdp_reduce_every_micro_batch = False
     return notes
+
+
+MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the degrees whose product is the world size
+PLAINEST = ("dp_shard", "dp_replicate", "tp", "pp", "cp")  # a suggested layout adds these first
+
+
+def check_process_count(cfg: "Config", world: int, launch: str) -> None:
+    """The first layout rule: the product of the parallel degrees against the processes started
+    (`world`; `launch` says who started them: "torchrun started 2 processes" or "a single process,
+    not launched by torchrun"). It runs before any model or batch rule, so a wrong process count is
+    named first instead of a rule of a degree that was never going to run. The message lists each
+    degree, what was started, and layouts of `world` processes that this model and data allow."""
+    p = cfg.parallel
+    if p.world_size == world:
+        return
+    product = " x ".join(f"{d} {getattr(p, d)}" for d in MESH_DEGREES)
+    typed = [f"parallel.{d} = {getattr(p, d)}" for d in MESH_DEGREES if getattr(p, d) > 1] or ["no parallel degree"]
+    fits = fitting_layouts(cfg, world)
+    options = "; ".join(" ".join(f"--parallel.{d} {v}" for d, v in f.items()) for f in fits if f)
+    if world == 1:
+        other = "or set every parallel degree to 1 to train in this one process."
+    elif options:
+        other = f"or use a layout of {world} processes: {options}."
+    else:
+        other = f"or change the degrees so that their product is {world}."
+    raise ConfigError(
+        f"{', '.join(typed)} needs {p.world_size} processes ({product}), but {launch}; launch "
+        f"`{launcher_command(p.world_size)}`, {other}")
+
+
+def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, int]]:
+    """Up to `most` layouts of exactly `world` processes that pass this model's and data's layout
+    rules (TP degrees, pipeline stages of whole layers, CP chunks), as {degree: value} of the
+    degrees > 1; those closest to what was typed first (the most typed degrees kept, then the
+    fewest degrees changed)."""
+    p, m, d = cfg.parallel, cfg.model, cfg.data
+    tp_ok = set(valid_tp_degrees(cfg))
+    found = []
+
+    def walk(i: int, left: int, chosen: dict[str, int]) -> None:
+        if i == len(MESH_DEGREES):
+            if left == 1:
+                found.append(dict(chosen))
+            return
+        for v in divisors(left):
+            walk(i + 1, left // v, {**chosen, MESH_DEGREES[i]: v})
+
+    walk(0, world, {})
+
+    def allowed(c: dict[str, int]) -> bool:
+        stages = c["pp"] * (p.pp_virtual_stages if c["pp"] > 1 else 1)
+        return (c["tp"] in tp_ok and m.n_layers % stages == 0 and (c["cp"] == 1 or d.seq_len % (2 * c["cp"]) == 0)
+                and c["dp_shard"] % p.ep == 0 and (c["pp"] == 1 or not m.tie_embeddings))
+
+    def closeness(c: dict[str, int]) -> tuple[int, int, int]:
+        kept = sum(1 for k in MESH_DEGREES if getattr(p, k) > 1 and c[k] > 1)
+        changed = sum(1 for k in MESH_DEGREES if c[k] != getattr(p, k))
+        plainest = sum(PLAINEST.index(k) for k in MESH_DEGREES if c[k] > 1)  # data parallel before cp / pp
+        return (-kept, changed, plainest)
+
+    ranked = sorted((c for c in found if allowed(c)), key=closeness)
+    return [{k: v for k, v in c.items() if v > 1} for c in ranked[:most]]
 
 
 def check_cross_section(cfg: "Config") -> None:
