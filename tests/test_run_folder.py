@@ -108,3 +108,53 @@ def test_a_refused_resume_answers_before_any_data_or_hardware_work(finished, mon
     monkeypatch.setattr(trainer_module, "build_loaders", too_early)
     with pytest.raises(ConfigError, match="incompatible with this config .*model.n_layers"):
         Trainer(load_config("tiny", {**SMALL, "model.n_layers": 3}), out_dir=finished).fit()
+
+
+def test_a_summary_counts_the_whole_run_across_resumes(small_data, tmp_path, monkeypatch):
+    """Issue 50 item 2: a run stopped twice (a preemption after steps 16 and 18 of 20) and resumed
+    reports what the uninterrupted run reports: the same steps, tokens, losses and initial
+    validation loss (the run's first, not the last leg's), and its time and tokens/s over all legs.
+    Before, the last leg's 2 steps' time made tokens/s ~10x too high and the initial loss was the
+    resumed leg's. Fields that describe the last process (its checkpoints, memory, hardware) are
+    listed and checked as such."""
+    import json
+
+    from lmforge.train.preempt import Preempted, Preemption
+
+    cfg = {**SMALL, "train.steps": 20, "train.log_every": 2, "train.eval_every": 0}
+    straight = Trainer(load_config("tiny", cfg), out_dir=tmp_path / "straight", data=small_data).fit()
+    stops = iter([16, 18])
+    stop_at = [next(stops)]
+
+    def requested(self):  # a scheduler's signal, seen after step `stop_at` (every rank alike: one process)
+        return self_trainer[0].state.step == stop_at[0]
+
+    monkeypatch.setattr(Preemption, "requested", requested)
+    self_trainer = [None]
+    for leg in range(3):
+        trainer = Trainer(load_config("tiny", cfg), out_dir=tmp_path / "resumed", data=small_data)
+        self_trainer[0] = trainer
+        if leg < 2:
+            with pytest.raises(Preempted):
+                trainer.fit()
+            stop_at[0] = next(stops, -1)
+        else:
+            resumed = trainer.fit()
+    a = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    b = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    for key in ("steps", "tokens", "train_loss", "val_loss", "val_perplexity", "initial_val_loss", "unigram_entropy",
+                "flops_per_token", "n_params", "layout", "loss_spikes", "grad_norm_warnings", "skipped_updates",
+                "rollbacks", "peak_flops", "peak_source", "sample"):
+        assert b[key] == a[key], key
+    # rates and times: over the whole run (the bug: the last leg's 2 of 20 steps' time, ~10x the rate)
+    for key in ("seconds", "tokens_per_second"):
+        assert 1 / 3 < b[key] / a[key] < 3, (key, a[key], b[key])
+    assert resumed.seconds == b["seconds"] and straight.initial_val_loss == resumed.initial_val_loss
+    # what the last process did, by definition its own
+    assert b["checkpoints"]["resumed_from"] and a["checkpoints"]["resumed_from"] is None
+    per_process = {"mfu", "data_share", "checkpoint_s", "peak_mem_gb", "hardware", "checkpoints", "out_dir"}
+    assert set(a) == set(b) and set(a) - per_process - {"steps", "tokens", "train_loss", "val_loss", "val_perplexity",
+                                                       "initial_val_loss", "unigram_entropy", "flops_per_token",
+                                                       "n_params", "layout", "loss_spikes", "grad_norm_warnings",
+                                                       "skipped_updates", "rollbacks", "peak_flops", "peak_source",
+                                                       "sample", "seconds", "tokens_per_second"} == set()

@@ -348,6 +348,7 @@ class Trainer:
         pending: list[tuple] = []  # steps since the last log line: read (host sync) only when logging
         window = ThroughputWindow(self.flops_per_token, self.peak, cfg.parallel.world_size, self.device,
                                   self.timers)
+        self.start_clock(window.start)
         start_step, last_save_time = st.step, time.time()
 
         while st.step < t.steps:
@@ -389,7 +390,7 @@ class Trainer:
 
         progress.close()
         self.profiler.close()
-        return self.finish(initial, history, time.perf_counter() - window.start, start_step)
+        return self.finish(initial, history, self.run_seconds(), start_step)
 
     # ------------------------------------------------------------------------------------------
     # one optimizer step
@@ -567,9 +568,20 @@ class Trainer:
             return bool(due.item())
         return False
 
+    def start_clock(self, t0: float) -> None:
+        """This leg's training starts at `t0` (time.perf_counter), after the legs the state has counted."""
+        self._clock = (self.state.seconds, t0)
+
+    def run_seconds(self) -> float:
+        """Training seconds of the whole run so far: the legs before this one (up to the checkpoint it
+        resumed) and this one's since its first step."""
+        before, t0 = getattr(self, "_clock", (self.state.seconds, time.perf_counter()))
+        return before + time.perf_counter() - t0
+
     def save_checkpoint(self) -> None:
         """Checkpoint `self.states` at the current step (every rank calls this)."""
         self.book_guard()  # (the guard state saved is the one after this step's verdict)
+        self.state.seconds = self.run_seconds()
         meta = {"loss": self.state.last_loss, "tokens_seen": self.state.tokens_seen, "config": self.cfg.to_dict(),
                 "layout": self.layout.name, "optimizer": self.cfg.optim.name, "precision": self.precision.name}
         with self.timers("checkpoint"):
@@ -641,8 +653,11 @@ class Trainer:
             done += take
 
     def validate(self, progress: Progress | None = None) -> dict[str, float]:
-        """Validation loss and perplexity, recorded in the metrics and shown."""
+        """Validation loss and perplexity, recorded in the metrics and shown. The run's first is kept
+        (TrainState.initial_val_loss) across resumes."""
         val = self.evaluate()
+        if math.isnan(self.state.initial_val_loss) and self.state.step == 0:
+            self.state.initial_val_loss = val["loss"]
         self.metrics.write({"step": self.state.step, "val_loss": val["loss"], "val_perplexity": val["perplexity"]})
         self.metrics.flush()
         line = f"step {self.state.step}: val loss {val['loss']:.4f}, perplexity {val['perplexity']:.1f}"
@@ -735,11 +750,12 @@ class Trainer:
         summary.json, plots. Every rank of a synchronous run calls it (sharded forwards and the
         weight gathering are collective)."""
         cfg, t, st = self.cfg, self.cfg.train, self.state
+        first_val = st.initial_val_loss if math.isfinite(st.initial_val_loss) else initial["loss"]
         final = self.evaluate()
         self.metrics.write({"step": st.step, "val_loss": final["loss"], "val_perplexity": final["perplexity"]})
         baseline = "" if math.isnan(self.entropy) else f"; unigram entropy {self.entropy:.3f}"
         log.info("final: val loss %.4f (started at %.4f%s), perplexity %.1f, %s tokens in %s", final["loss"],
-                 initial["loss"], baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
+                 first_val, baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
         sample = ""
         if t.sample_tokens:  # every rank runs it (sharded forwards are collective); same seed -> same text
             sample = generate_text(self.layout.inference_model(), self.data.tokenizer, t.sample_prompt,
@@ -763,7 +779,7 @@ class Trainer:
 
         result = TrainResult(
             steps=st.step, tokens=st.tokens_seen, train_loss=st.last_loss, val_loss=final["loss"],
-            val_perplexity=final["perplexity"], initial_val_loss=initial["loss"], unigram_entropy=self.entropy,
+            val_perplexity=final["perplexity"], initial_val_loss=first_val, unigram_entropy=self.entropy,
             sample=sample, out_dir=str(self.out_dir), seconds=elapsed,
             tokens_per_second=st.tokens_seen / max(elapsed, 1e-9), history=history)
         summary = {k: v for k, v in result.__dict__.items() if k != "history"}
