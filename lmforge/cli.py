@@ -106,6 +106,14 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     # what the user typed names the auto run folder (not LMFORGE_TRAIN_ARGS, a test's shortening)
     cfg.named_by = tuple(typed.items())
     cfg.command = train_command(args.config, rest)
+    if os.environ.get("RANK", "0") == "0":  # a folder in use is refused before the heavy imports
+        from lmforge.train.run_folder import check_folder_free, run_folder
+
+        try:
+            check_folder_free(run_folder(cfg, say=False))
+        except ValueError as exc:  # (rank 0 alone: under torchrun its exit ends the others)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
     from lmforge.ckpt.manager import EXIT_CHECKPOINT_FAILED, CheckpointFailure
     from lmforge.train import trainer_for
     from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted

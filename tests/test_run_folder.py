@@ -60,7 +60,7 @@ def test_a_changed_command_gets_its_own_default_folder(small_data, tmp_path, mon
 
 
 def test_the_auto_folder_name_carries_every_typed_override_layout_keys_included():
-    from lmforge.train.components import auto_folder_name
+    from lmforge.train.run_folder import auto_folder_name
 
     assert auto_folder_name("tiny", ()) == "tiny"
     assert auto_folder_name("tiny", (("parallel.dp_replicate", 2),)) == "tiny-dp_replicate2"
@@ -158,3 +158,71 @@ def test_a_summary_counts_the_whole_run_across_resumes(small_data, tmp_path, mon
                                                        "n_params", "layout", "loss_spikes", "grad_norm_warnings",
                                                        "skipped_updates", "rollbacks", "peak_flops", "peak_source",
                                                        "sample", "seconds", "tokens_per_second"} == set()
+
+
+def test_one_trainer_per_run_folder(small_data, tmp_path):
+    """Issue 50 item 3: a second trainer on a folder in use stops at start-up with one line naming
+    the holder (pid, host), the command line says it before torch is imported, the first run is
+    undisturbed (its weights equal an undisturbed run's), and the lock of a dead process never
+    blocks (the kernel drops it: SIGKILL of the holder)."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from lmforge.folders import TRAIN_LOCK
+    from lmforge.train.run_folder import RunFolderInUse, RunLock
+
+    folder = tmp_path / "run"
+    cfg = {**SMALL, "train.steps": 6}
+    holder_code = ("import sys, time; from lmforge.train.run_folder import RunLock; RunLock(sys.argv[1]).acquire(); "
+                   "print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", holder_code, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderInUse, match=f"in use by another trainer \\(pid {holder.pid} on host "
+                                                 f"{socket.gethostname()}"):
+            Trainer(load_config("tiny", cfg), out_dir=folder, data=small_data).fit()
+        assert sorted(p.name for p in folder.iterdir()) == [TRAIN_LOCK]  # the refused trainer wrote nothing
+        # the command line refuses it before the heavy imports
+        code = ("import sys; from lmforge.cli import main; rc = main(['train', '--train.out_dir', sys.argv[1]]); "
+                "print(rc, 'torch' in sys.modules)")
+        proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120)
+        assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+        assert proc.stderr.strip().count("\n") == 0 and f"pid {holder.pid}" in proc.stderr
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the holder died without releasing: its file remains, its lock does not
+    assert json.loads((folder / TRAIN_LOCK).read_text())["pid"] == holder.pid
+    Trainer(load_config("tiny", cfg), out_dir=folder, data=small_data).fit()
+    assert not (folder / TRAIN_LOCK).exists()  # released (and removed) at the end
+    # a run in progress is not disturbed by a second trainer: the lock holds while the first trains
+    undisturbed = tmp_path / "undisturbed"
+    Trainer(load_config("tiny", cfg), out_dir=undisturbed, data=small_data).fit()
+    first = Trainer(load_config("tiny", cfg), out_dir=tmp_path / "first", data=small_data)
+    real_step = first.train_step
+    refusals = []
+
+    def step_and_intrude(batches):
+        out = real_step(batches)
+        if first.state.step == 2:  # mid-run, a second trainer on the same folder
+            with pytest.raises(RunFolderInUse, match=f"pid {os.getpid()}"):
+                Trainer(load_config("tiny", cfg), out_dir=tmp_path / "first", data=small_data).fit()
+            refusals.append(first.state.step)
+        return out
+
+    first.train_step = step_and_intrude
+    first.fit()
+    assert refusals == [2]
+    from safetensors.torch import load_file
+
+    a, b = load_file(undisturbed / "model.safetensors"), load_file(tmp_path / "first" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    # a refused new folder leaves no folder behind
+    with RunLock(tmp_path / "held"):
+        with pytest.raises(RunFolderInUse):
+            RunLock(tmp_path / "held").acquire()
+    assert not (tmp_path / "held").exists()

@@ -51,12 +51,12 @@ from lmforge.optim.schedules import BatchRampup, build_scheduler
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import destroy_distributed, folder_is_shared, init_distributed
 from lmforge.parallel.parallelize import parallelize
-from lmforge.train.components import (build_loaders, build_training_model, cache_dir, check_out_dir,
-                                      config_differences, prepare_data, run_folder, seed_everything)
+from lmforge.train.components import build_loaders, build_training_model, cache_dir, prepare_data, seed_everything
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
 from lmforge.train.precision import Resolved, make_precision, resolve_precision
+from lmforge.train.run_folder import RunFolderInUse, RunLock, check_out_dir, config_differences, run_folder
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
@@ -137,11 +137,12 @@ class Trainer:
         self.device = self.dist.device
         for note in cfg.adjustments:  # (what load_config fitted to the layout)
             log.info("config: %s", note)
-        seed_everything(t.seed)
         if self.out_dir is None:  # rank 0 decides which sibling folder; each rank keeps its own expansion
             chosen = run_folder(cfg)
             self.out_dir = chosen.with_name(self.rank0_decides(chosen.name))
         check_out_dir(self.out_dir)
+        self.hold_run_folder()
+        seed_everything(t.seed)
 
         # the checkpoint to resume (rank 0's choice), checked against this config before any data work
         # or hardware probing (a refused resume answers at once); before the precision: it records
@@ -236,6 +237,20 @@ class Trainer:
                 f"without protecting its work: {failed.get('error')}")})
         self.ckpt.prepare()
 
+    def hold_run_folder(self) -> None:
+        """Rank 0 takes the run folder's lock for the run's life (lmforge.train.run_folder.RunLock): a
+        second trainer on the folder stops here, every rank with the same one-line error."""
+        self.run_lock = RunLock(self.out_dir)
+        refused = None
+        if is_rank0():
+            try:
+                self.run_lock.acquire()
+            except RunFolderInUse as e:
+                refused = str(e)
+        refused = self.rank0_decides(refused)
+        if refused:
+            raise RunFolderInUse(refused)
+
     def finish_decides(self, value):
         """Rank 0's value on every rank that runs `finish` (a synchronous run: all of them)."""
         return self.rank0_decides(value)
@@ -316,6 +331,8 @@ class Trainer:
             self.ckpt.close()
         if getattr(self, "dist", None) is not None and self.dist.distributed:
             destroy_distributed()
+        if getattr(self, "run_lock", None) is not None:
+            self.run_lock.release()
         self.preemption.uninstall()
 
     def end_together(self) -> None:
