@@ -146,8 +146,14 @@ def test_async_sgd_parameter_server_learns_and_reports_staleness(corpus, tmp_pat
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     updates = [r for r in recs if "loss" in r]
     assert all(0 <= r["staleness"] <= 1 for r in updates)  # applied gradients respect the bound
-    stats = json.loads((out / "summary.json").read_text())["async_sgd"]
+    summary = json.loads((out / "summary.json").read_text())
+    stats = summary["async_sgd"]
     assert stats["workers"] == 2 and stats["received"] == 20 + stats["dropped"]
+    # its own layout and MFU (were "single" and 0.0: the synchronous loop's windows): the workers'
+    # model FLOPs over the 3 processes' peak and the run's time
+    assert summary["layout"] == "async-sgd (parameter server + 2 workers)"
+    expected = summary["tokens"] * summary["flops_per_token"] / (3 * summary["peak_flops"] * summary["seconds"])
+    assert summary["mfu"] == pytest.approx(expected, rel=0.05) and summary["mfu"] > 0
     assert stats["staleness_max"] >= stats["staleness_mean"] >= 0
     val = val_losses(out)
     assert val[-1] < val[0] - 1.0, val
