@@ -98,8 +98,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     extra = shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
     try:  # validate before the heavy imports; under torchrun every rank reads the same config
         typed = parse_cli_overrides(rest)
-        cfg = load_config(train_config_source(args.config, typed), {**typed, **parse_cli_overrides(extra)},
-                          launch=current_launch())
+        source = train_config_source(args.config, typed)
+        if args.run is not None:  # that run's own config, in that folder
+            source, typed = continued_run(args.run, args.config, typed)
+        cfg = load_config(source, {**typed, **parse_cli_overrides(extra)}, launch=current_launch())
         check_writable(cfg.train.out_dir.format(preset=cfg.preset), "train.out_dir")
     except ValueError as exc:  # (ConfigError included)
         return report_on_one_rank(f"config error: {exc}")
@@ -157,6 +159,20 @@ def train_config_source(config: str | None, overrides: dict) -> str:
     if init_from and (Path(init_from) / CONFIG).is_file():
         return str(Path(init_from) / CONFIG)
     return "tiny"
+
+
+def continued_run(run: str, config: str | None, typed: dict) -> tuple[str, dict]:
+    """`lmforge train --run RUN_DIR`: the config source (RUN_DIR's config.toml) and the overrides
+    (RUN_DIR as train.out_dir). Checked before torch is imported."""
+    if config is not None:
+        raise ConfigError(f"--run {run} continues that run with its own config.toml; drop --config {config} (or "
+                          f"start a new run with --config and --train.out_dir).")
+    if "train.out_dir" in typed and Path(typed["train.out_dir"]) != Path(run):
+        raise ConfigError(f"--run {run} trains in that folder; drop --train.out_dir {typed['train.out_dir']}.")
+    folder = Path(run)
+    if not (folder / CONFIG).is_file():
+        check_run_folder(folder, has_checkpoint=lambda d: True)  # names what the path is instead
+    return str(folder / CONFIG), {**typed, "train.out_dir": str(folder)}
 
 
 def train_command(config: str | None, rest: list[str]) -> str:
@@ -256,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "line.", epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="preset name or path to a TOML file (default: tiny, or with "
                    "--finetune.init_from RUN_FOLDER that run's config.toml; `lmforge presets` lists the presets)")
+    p.add_argument("--run", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR (after a crash or a "
+                   "preemption: from its newest valid checkpoint) with its own config.toml; overrides still apply")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("generate", help="sample text from a trained run folder")
     p.add_argument("--run", "--ckpt", dest="run", metavar="RUN_DIR", required=True,
