@@ -31,8 +31,13 @@ import os
 import signal
 import socket
 import sys
+import tempfile
+from pathlib import Path
 
 from lmforge.config.launch import LAUNCHER_ENV
+
+STATUS_ENV = "LMFORGE_LAUNCH_STATUS_DIR"
+PREEMPTED = 75  # (lmforge.train.preempt.PREEMPTED_EXIT_CODE, without importing torch here)
 
 USAGE = "usage: lmforge launch [torchrun options] SUBCOMMAND [its arguments]   (e.g. --nproc-per-node 2 train ...)"
 
@@ -81,14 +86,42 @@ def launch_main(argv: list[str], subcommands: set[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     args = get_args_parser().parse_args([*options, "--module", "lmforge", *command])
     # the agent logs each failure itself ("failed (exitcode: 2) local_rank: 0 ..."): reported here instead
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        status, lines = exit_status(exc.failures)
-        for line in lines:
-            print(line, file=sys.stderr, flush=True)
-        return status
+    with tempfile.TemporaryDirectory(prefix="lmforge-launch-") as statuses:
+        os.environ[STATUS_ENV] = statuses  # each worker writes its exit status there (lmforge/__main__.py)
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            status, lines = exit_status(exc.failures)
+            for line in lines:
+                print(line, file=sys.stderr, flush=True)
+            return status
+        except SignalException as exc:  # a scheduler's signal to the launcher: the agent passed it on
+            return signalled_status(exc.sigval, Path(statuses))
     return 0
+
+
+def signalled_status(sig: int, statuses: Path) -> int:
+    """The launcher got `sig` and forwarded it to its workers, which checkpoint and exit 75 (the
+    agent waits for them, torchrun's --shutdown-timeout, then kills the rest). 75 when every
+    worker of this node said so; else 128 + the signal, with the workers' statuses."""
+    codes = {p.name: p.read_text().strip() for p in statuses.iterdir()}
+    if codes and set(codes.values()) == {str(PREEMPTED)}:
+        return PREEMPTED
+    name = signal.Signals(sig).name
+    print(f"lmforge launch: {name} received; workers' exit statuses: "
+          + (", ".join(f"rank {r}: {c}" for r, c in sorted(codes.items())) or "none reported (killed)"),
+          file=sys.stderr, flush=True)
+    return 128 + int(sig)
+
+
+def record_status(code: int) -> None:
+    """In a worker started by `lmforge launch`: its exit status, for the launcher (a signal to the
+    launcher ends with the agent's SignalException, which carries no worker statuses)."""
+    folder = os.environ.get(STATUS_ENV)
+    if folder and Path(folder).is_dir():
+        (Path(folder) / os.environ.get("RANK", "0")).write_text(f"{code}\n")

@@ -23,6 +23,8 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
       leaves >= pp micro-batches per step (a multiple of pp for interleaved 1F1B).
     * schedule.warmup_steps: at most a tenth of train.steps when the preset's warmup would not end
       within the run.
+    * train.hang_min_s: half of parallel.timeout_s where that is lower (the watchdog writes the
+      stacks before a collective times out).
     * parallel.fsdp_reduce_every_micro_batch: a preset's true (the large models' presets: their
       unsharded gradients would not fit between micro-batches) is false under pp > 1, where torch's
       pipeline schedule reduces once per step whatever FSDP2 is told.
@@ -48,6 +50,10 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
         new = t.steps // 10
         notes.append(f"schedule.warmup_steps {s.warmup_steps} -> {new}: a tenth of the run's {t.steps} steps")
         s.warmup_steps = new
+    if "train.hang_min_s" not in explicit and t.hang_min_s >= p.timeout_s:
+        notes.append(f"train.hang_min_s {t.hang_min_s:g} -> {p.timeout_s / 2:g}: below parallel.timeout_s = "
+                     f"{p.timeout_s:g}, so the hang watchdog writes the stacks before a collective times out")
+        t.hang_min_s = p.timeout_s / 2
     if "parallel.fsdp_reduce_every_micro_batch" not in explicit and p.fsdp_reduce_every_micro_batch and p.pp > 1:
         notes.append("parallel.fsdp_reduce_every_micro_batch true -> false: with pp > 1 the pipeline schedule "
                      "reduces the gradients once per step")
@@ -263,8 +269,13 @@ def check_pipeline(cfg: "Config") -> None:
 
 
 def check_features(cfg: "Config") -> None:
-    """Training features against the layout: loss_chunk, fp16, fp8, periodic checkpoints of async SGD."""
+    """Training features against the layout: loss_chunk, fp16, fp8, periodic checkpoints of async SGD,
+    the hang watchdog before the collective timeout."""
     t, p = cfg.train, cfg.parallel
+    if t.hang_factor > 0 and t.hang_min_s >= p.timeout_s:
+        raise ConfigError(f"train.hang_min_s = {t.hang_min_s:g} must be below parallel.timeout_s = {p.timeout_s:g}: the "
+                          f"hang watchdog writes the stacks before a collective times out; lower train.hang_min_s "
+                          f"(or raise parallel.timeout_s).")
     if t.loss_chunk != "auto" and t.loss_chunk and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"train.loss_chunk = {t.loss_chunk} is not supported with parallel.tp = {p.tp} / "
                           f"parallel.pp = {p.pp} yet; set train.loss_chunk = 0 (or 'auto').")

@@ -61,6 +61,8 @@ from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
+from lmforge.train.stragglers import PhaseClock, StragglerMonitor
+from lmforge.train.watchdog import HangWatchdog
 
 log = logging.getLogger("lmforge.train")
 
@@ -316,6 +318,10 @@ class Trainer:
             if is_rank0() and not record_failure(self.out_dir, self.state.step, str(e)):
                 log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
             raise
+        except RuntimeError as e:  # a collective that timed out: every thread's stack, as for a hang
+            if "timed out" in str(e).lower() and getattr(self, "watchdog", None) is not None:
+                self.watchdog.dump(f"a collective timed out (parallel.timeout_s = {self.cfg.parallel.timeout_s:g}): {e}")
+            raise
         finally:
             self.close()
 
@@ -331,6 +337,8 @@ class Trainer:
             self.ckpt.close()
         if getattr(self, "dist", None) is not None and self.dist.distributed:
             destroy_distributed()
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
         if getattr(self, "run_lock", None) is not None:
             self.run_lock.release()
         self.preemption.uninstall()
@@ -367,13 +375,15 @@ class Trainer:
                                   self.timers)
         self.start_clock(window.start)
         start_step, last_save_time = st.step, time.time()
+        self.start_rank_health()
 
         while st.step < t.steps:
+            self.watchdog.step_begin(st.step + 1)
+            self._step_t0 = time.perf_counter()
             self.profiler.step_begin(st.step + 1)
             step_tokens = self.global_batch_now() * cfg.data.seq_len
-            data_t0 = time.perf_counter()
             batches = self.next_micro_batches()
-            data_s = time.perf_counter() - data_t0
+            data_s = time.perf_counter() - self._step_t0
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.train_step(batches)
             st.step += 1
@@ -388,21 +398,27 @@ class Trainer:
             if due.log or self._rollback_requested:
                 if self.device.type == "cuda":  # the log line's one sync, before timing the window
                     torch.cuda.synchronize(self.device)
-                self.log_window(pending, window.take(), history, progress)
+                self.log_window(pending, {**window.take(), **self.rank_comparison()}, history, progress)
                 eta = (t.steps - st.step) * (time.perf_counter() - window.start) / max(st.step - start_step, 1)
                 progress.update(st.step, history[-1], eta)
             if self._rollback_requested:
-                self.rollback()
+                with self.watchdog.paused():
+                    self.rollback()
                 continue
             if due.evaluate:
                 eval_t0 = time.perf_counter()
-                self.validate(progress)
+                with self.watchdog.paused():
+                    self.validate(progress)
                 window.add_eval(time.perf_counter() - eval_t0)
             if (not due.last or not cfg.checkpoint.save_final) and self.checkpoint_due(last_save_time, due):
                 st.last_loss = float(loss)
-                self.save_checkpoint()
+                with self.watchdog.paused():
+                    self.save_checkpoint()
                 last_save_time = time.time()
-            if self.preemption.requested():  # (every rank, every step: one tiny all-reduce)
+            with self.phase_clock("sync"):
+                stop = self.preemption.requested()  # (every rank, every step: one tiny all-reduce)
+            self.watchdog.step_end()
+            if stop:
                 self.stop_for_preemption(pending, window, history, progress)
 
         progress.close()
@@ -417,9 +433,15 @@ class Trainer:
         """One optimizer step: forward/backward over the micro-batches, then the update. Returns (mean
         loss, grad norm) as tensors: reading them forces a host sync, so the loop does it only when
         it logs. The spike guard decides on the device where the optimizer can skip there (torch's
-        fused Adam/AdamW, `guard_verdict_on_device`); otherwise it reads both once per step."""
-        loss = self.forward_backward(micro_batches)
-        return loss, self.update(loss)
+        fused Adam/AdamW, `guard_verdict_on_device`); otherwise it reads both once per step. The
+        phases are timed for the straggler report (lmforge.train.stragglers): `data` is this
+        rank's time from the step's start to its compute."""
+        clock = self.phase_clock
+        clock.add("data", time.perf_counter() - self._step_t0)
+        with clock("compute"):
+            loss = self.forward_backward(micro_batches)
+        with clock("optimizer"):
+            return loss, self.update(loss)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulated gradients of the step's micro-batches; the global step's mean token loss."""
@@ -584,6 +606,24 @@ class Trainer:
                 torch.distributed.broadcast(due, src=0, group=self.dist.host_group)
             return bool(due.item())
         return False
+
+    def start_rank_health(self) -> None:
+        """The straggler report's phase clock and cross-rank comparison (every rank: the comparison's
+        host names are gathered here), and the hang watchdog's thread (lmforge.train.watchdog)."""
+        t = self.cfg.train
+        self.phase_clock = PhaseClock(self.device)
+        self.stragglers = StragglerMonitor(t.straggler_ratio, t.straggler_windows, self.dist.host_group,
+                                           self.dist.distributed)
+        self.watchdog = HangWatchdog(self.out_dir, self.dist.rank, t.hang_factor, t.hang_min_s, t.hang_action,
+                                     on_hang=self.log_event).start()
+
+    def rank_comparison(self) -> dict:
+        """This log window's slowest and fastest rank (a collective on the host group: every rank
+        logs at the same steps); a rank slow for long enough is named as a `straggler` event."""
+        fields, events = self.stragglers.window(self.phase_clock.take())
+        for event in events:
+            self.log_event(event)
+        return fields
 
     def start_clock(self, t0: float) -> None:
         """This leg's training starts at `t0` (time.perf_counter), after the legs the state has counted."""
