@@ -15,6 +15,7 @@ one atomic write, one checksum, one token-shard manifest.
       profile/         PROFILE         transformers model folder: config.json (HF_CONFIG), model.safetensors,
       run.json         RUN_RECORD        tokenizer.json, ...
       failed.json      FAILED_RECORD
+      train.lock       TRAIN_LOCK (while a trainer runs)
 
 The kinds share file names (model.safetensors, tokenizer.json), so writing one kind into another
 destroys it: `folder_kind` tells them apart by the one file that marks each. A folder written
@@ -49,6 +50,7 @@ TENSORBOARD = "tb"
 PROFILE = "profile"
 RUN_RECORD = "run.json"  # the run's identity: {"run_id": uuid4 hex, "created": ...}; its S3 backup is keyed by it
 FAILED_RECORD = "failed.json"  # why the last attempt stopped without protecting its work (a full disk, ...)
+TRAIN_LOCK = "train.lock"  # held (flock) by the trainer's rank 0 while a run trains; gone when it ends
 RUN_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what `lmforge import` writes: a run that loads
 
 # ---- prepared dataset / token shards -------------------------------------------------------

@@ -146,8 +146,14 @@ def test_async_sgd_parameter_server_learns_and_reports_staleness(corpus, tmp_pat
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     updates = [r for r in recs if "loss" in r]
     assert all(0 <= r["staleness"] <= 1 for r in updates)  # applied gradients respect the bound
-    stats = json.loads((out / "summary.json").read_text())["async_sgd"]
+    summary = json.loads((out / "summary.json").read_text())
+    stats = summary["async_sgd"]
     assert stats["workers"] == 2 and stats["received"] == 20 + stats["dropped"]
+    # its own layout and MFU (were "single" and 0.0: the synchronous loop's windows): the workers'
+    # model FLOPs over the 3 processes' peak and the run's time
+    assert summary["layout"] == "async-sgd (parameter server + 2 workers)"
+    expected = summary["tokens"] * summary["flops_per_token"] / (3 * summary["peak_flops"] * summary["seconds"])
+    assert summary["mfu"] == pytest.approx(expected, rel=0.05) and summary["mfu"] > 0
     assert stats["staleness_max"] >= stats["staleness_mean"] >= 0
     val = val_losses(out)
     assert val[-1] < val[0] - 1.0, val
@@ -202,7 +208,7 @@ def test_valid_model_parallel_configs_and_degenerate_cases(monkeypatch):
         cfg = load_config("tiny", {**BATCH, **ok})
         check_layout(cfg, cfg.parallel.world_size, cuda=False)
     cfg = load_config("tiny", {**BATCH, "parallel.tp": 2, "parallel.pp": 2, "model.tie_embeddings": False})
-    with pytest.raises(ConfigError, match="parallel.tp \\(2\\) x parallel.pp \\(2\\) = 4 processes"):
+    with pytest.raises(ConfigError, match=r"needs 4 processes \(dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 x pp 2\)"):
         check_layout(cfg, 2, cuda=False)
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)

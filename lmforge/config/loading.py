@@ -192,10 +192,13 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     return raw
 
 
-def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = None, validate: bool = True) -> Config:
+def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = None, validate: bool = True,
+                launch: tuple[int, str] | None = None) -> Config:
     """Build a Config from a preset name or TOML path plus dotted overrides, adapt the preset's
     defaults to the layout (`rules.adapt_defaults`: what the user set explicitly, on the command
-    line or in their own TOML file, is never adapted) and validate it."""
+    line or in their own TOML file, is never adapted) and validate it. `launch` = (processes
+    started, who started them) for a run about to train: the process count is then checked first,
+    before any rule that derives from the layout (`rules.check_process_count`)."""
     raw: dict[str, Any] = {}
     name = "custom"
     explicit = set(overrides or {})
@@ -212,9 +215,11 @@ def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = 
     cfg = build_dataclass(Config, raw, "")
     cfg.explicit_keys = frozenset(explicit)
     if validate:
-        from lmforge.config.rules import adapt_defaults
+        from lmforge.config.rules import adapt_defaults, check_process_count
 
         cfg.check_sections()  # what was set, before adapt_defaults derives anything from it
+        if launch is not None:
+            check_process_count(cfg, *launch)
         cfg.adjustments = adapt_defaults(cfg, explicit)
         cfg.validate()
     return cfg

@@ -7,6 +7,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from lmforge.config.base import ConfigError, divisors
+from lmforge.config.launch import launcher_command
 
 if TYPE_CHECKING:
     from lmforge.config.sections import Config
@@ -22,6 +23,8 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
       leaves >= pp micro-batches per step (a multiple of pp for interleaved 1F1B).
     * schedule.warmup_steps: at most a tenth of train.steps when the preset's warmup would not end
       within the run.
+    * train.hang_min_s: half of parallel.timeout_s where that is lower (the watchdog writes the
+      stacks before a collective times out).
     * parallel.fsdp_reduce_every_micro_batch: a preset's true (the large models' presets: their
       unsharded gradients would not fit between micro-batches) is false under pp > 1, where torch's
       pipeline schedule reduces once per step whatever FSDP2 is told.
@@ -43,6 +46,10 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
         new = t.steps // 10
         notes.append(f"schedule.warmup_steps {s.warmup_steps} -> {new}: a tenth of the run's {t.steps} steps")
         s.warmup_steps = new
+    if "train.hang_min_s" not in explicit and t.hang_min_s >= p.timeout_s:
+        notes.append(f"train.hang_min_s {t.hang_min_s:g} -> {p.timeout_s / 2:g}: below parallel.timeout_s = "
+                     f"{p.timeout_s:g}, so the hang watchdog writes the stacks before a collective times out")
+        t.hang_min_s = p.timeout_s / 2
     if "parallel.fsdp_reduce_every_micro_batch" not in explicit and p.fsdp_reduce_every_micro_batch and p.pp > 1:
         notes.append("parallel.fsdp_reduce_every_micro_batch true -> false: with pp > 1 the pipeline schedule "
                      "reduces the gradients once per step")
@@ -76,6 +83,68 @@ def pipeline_micro_batches(per_rank: int, pp: int, interleaved: bool) -> list[in
     pipeline (pp > 1; a multiple of pp for interleaved 1F1B), smallest first."""
     return [m for m in divisors(per_rank)
             if pp == 1 or (per_rank // m >= pp and (not interleaved or (per_rank // m) % pp == 0))]
+
+
+MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the degrees whose product is the world size
+PLAINEST = ("dp_shard", "dp_replicate", "tp", "pp", "cp")  # a suggested layout adds these first
+
+
+def check_process_count(cfg: "Config", world: int, launch: str) -> None:
+    """The first layout rule: the product of the parallel degrees against the processes started
+    (`world`; `launch` says who started them: "torchrun started 2 processes" or "a single process,
+    not launched by torchrun"). It runs before any model or batch rule, so a wrong process count is
+    named first instead of a rule of a degree that was never going to run. The message lists each
+    degree, what was started, and layouts of `world` processes that this model and data allow."""
+    p = cfg.parallel
+    if p.world_size == world:
+        return
+    product = " x ".join(f"{d} {getattr(p, d)}" for d in MESH_DEGREES)
+    typed = [f"parallel.{d} = {getattr(p, d)}" for d in MESH_DEGREES if getattr(p, d) > 1] or ["no parallel degree"]
+    fits = fitting_layouts(cfg, world)
+    options = "; ".join(" ".join(f"--parallel.{d} {v}" for d, v in f.items()) for f in fits if f)
+    if world == 1:
+        other = "or set every parallel degree to 1 to train in this one process."
+    elif options:
+        other = f"or use a layout of {world} processes: {options}."
+    else:
+        other = f"or change the degrees so that their product is {world}."
+    raise ConfigError(
+        f"{', '.join(typed)} needs {p.world_size} processes ({product}), but {launch}; launch "
+        f"`{launcher_command(p.world_size)}`, {other}")
+
+
+def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, int]]:
+    """Up to `most` layouts of exactly `world` processes that pass this model's and data's layout
+    rules (TP degrees, pipeline stages of whole layers, CP chunks), as {degree: value} of the
+    degrees > 1; those closest to what was typed first (the most typed degrees kept, then the
+    fewest degrees changed)."""
+    p, m, d = cfg.parallel, cfg.model, cfg.data
+    tp_ok = set(valid_tp_degrees(cfg))
+    found = []
+
+    def walk(i: int, left: int, chosen: dict[str, int]) -> None:
+        if i == len(MESH_DEGREES):
+            if left == 1:
+                found.append(dict(chosen))
+            return
+        for v in divisors(left):
+            walk(i + 1, left // v, {**chosen, MESH_DEGREES[i]: v})
+
+    walk(0, world, {})
+
+    def allowed(c: dict[str, int]) -> bool:
+        stages = c["pp"] * (p.pp_virtual_stages if c["pp"] > 1 else 1)
+        return (c["tp"] in tp_ok and m.n_layers % stages == 0 and (c["cp"] == 1 or d.seq_len % (2 * c["cp"]) == 0)
+                and c["dp_shard"] % p.ep == 0 and (c["pp"] == 1 or not m.tie_embeddings))
+
+    def closeness(c: dict[str, int]) -> tuple[int, int, int]:
+        kept = sum(1 for k in MESH_DEGREES if getattr(p, k) > 1 and c[k] > 1)
+        changed = sum(1 for k in MESH_DEGREES if c[k] != getattr(p, k))
+        plainest = sum(PLAINEST.index(k) for k in MESH_DEGREES if c[k] > 1)  # data parallel before cp / pp
+        return (-kept, changed, plainest)
+
+    ranked = sorted((c for c in found if allowed(c)), key=closeness)
+    return [{k: v for k, v in c.items() if v > 1} for c in ranked[:most]]
 
 
 def check_cross_section(cfg: "Config") -> None:
@@ -234,8 +303,13 @@ def check_pipeline(cfg: "Config") -> None:
 
 
 def check_features(cfg: "Config") -> None:
-    """Training features against the layout: loss_chunk, fp16, fp8, periodic checkpoints of async SGD."""
+    """Training features against the layout: loss_chunk, fp16, fp8, periodic checkpoints of async SGD,
+    the hang watchdog before the collective timeout."""
     t, p = cfg.train, cfg.parallel
+    if t.hang_factor > 0 and t.hang_min_s >= p.timeout_s:
+        raise ConfigError(f"train.hang_min_s = {t.hang_min_s:g} must be below parallel.timeout_s = {p.timeout_s:g}: the "
+                          f"hang watchdog writes the stacks before a collective times out; lower train.hang_min_s "
+                          f"(or raise parallel.timeout_s).")
     if t.loss_chunk != "auto" and t.loss_chunk and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"train.loss_chunk = {t.loss_chunk} is not supported with parallel.tp = {p.tp} / "
                           f"parallel.pp = {p.pp} yet; set train.loss_chunk = 0 (or 'auto').")

@@ -280,13 +280,22 @@ class TrainConfig:
     spike_threshold: float = _f(0.3, "Health: report a loss_spike event when a step's loss exceeds (1 + this) x the running mean of the loss (0 = off).")
     health_window: int = _f(50, "Health: steps per window for the grad-norm growth check (median of the last window vs. the lowest window median of the run).")
     grad_growth_factor: float = _f(2.0, "Health: warn (grad_norm_growth event) when the windowed grad-norm median grows to more than this factor x its lowest value so far (0 = off).")
+    straggler_ratio: float = _f(1.2, "Stragglers (lmforge.train.stragglers): name a rank whose own step time (its data loading and optimizer step, the quickest rank's compute; waits for other ranks excluded) exceeds this x the median rank's, on rank 0's console and as a `straggler` event with its host and phase. Every log window's slowest and fastest rank and their ratio go to the metrics.")
+    straggler_windows: int = _f(3, "Stragglers: log windows in a row a rank must be over train.straggler_ratio before it is named.")
+    hang_factor: float = _f(10.0, "Hang watchdog (lmforge.train.watchdog): a training step not finished after this x the recent median step time (at least train.hang_min_s) is a hang: every thread's stack of every stuck rank goes to <out_dir>/hang/<rank>.txt and a `hang` event is logged (0 = off).")
+    hang_min_s: float = _f(120.0, "Hang watchdog: the least seconds a step may take before it counts as a hang; must be below parallel.timeout_s, so the stacks are written before a collective times out.")
+    hang_action: Literal["exit", "wait"] = _f("exit", "Hang watchdog: after writing the stacks, exit with code 76 (the launcher ends the other ranks; a scheduler restarts from the last checkpoint), or keep waiting (the collective timeout ends the run).")
     profile_steps: str = _f("", "Trace these optimizer steps with torch.profiler, e.g. '10-12' or '5,20' (1-based; empty = off); traces go to <out_dir>/profile.")
     plot: bool = _f(True, "At the end of training, write loss/LR/grad-norm/throughput plots (PNG) into <out_dir>/report when matplotlib is installed.")
 
     def check(self) -> None:
         at_least(1, "train", steps=self.steps, global_batch_size=self.global_batch_size, ac_every=self.ac_every,
-                  log_every=self.log_every, eval_sequences=self.eval_sequences,
+                  log_every=self.log_every, eval_sequences=self.eval_sequences, straggler_windows=self.straggler_windows,
                   **({} if self.micro_batch_size == "auto" else {"micro_batch_size": self.micro_batch_size}))
+        if self.straggler_ratio <= 1.0:
+            raise ConfigError(f"train.straggler_ratio = {self.straggler_ratio} must be > 1 (a rank slower than this x "
+                              f"the median is named; e.g. 1.2).")
+        at_least(0, "train", hang_factor=self.hang_factor, hang_min_s=self.hang_min_s)
         at_least(0, "train", eval_every=self.eval_every, sample_tokens=self.sample_tokens, threads=self.threads,
                   **({} if self.loss_chunk == "auto" else {"loss_chunk": self.loss_chunk}))
         if self.fp8 and self.device == "cpu":

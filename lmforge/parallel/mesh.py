@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 
 from lmforge.config import Config, ConfigError
+from lmforge.config.launch import launch_description, launched_by_torchrun
+from lmforge.config.rules import check_process_count
 
 log = logging.getLogger("lmforge.parallel")
 
@@ -136,22 +138,10 @@ class DistInfo:
         return None if self.dp_cp_size == self.world_size else self.flat["dp_cp"].get_group()
 
 
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def check_layout(cfg: Config, world_size: int, cuda: bool) -> None:
     """Up-front checks of the parallel layout against the launch (no collective involved)."""
     p = cfg.parallel
-    if p.world_size != world_size:
-        how = ("torchrun started " f"{world_size} process(es)") if world_size > 1 or launched_by_torchrun() \
-            else "this is a single process (not launched by torchrun)"
-        raise ConfigError(
-            f"the parallel layout needs parallel.dp_replicate ({p.dp_replicate}) x parallel.dp_shard "
-            f"({p.dp_shard}) x {f'parallel.cp ({p.cp}) x ' if p.cp > 1 else ''}parallel.tp ({p.tp}) x "
-            f"parallel.pp ({p.pp}) = {p.world_size} processes, but "
-            f"{how} (world size {world_size}); launch with `torchrun --nproc-per-node {p.world_size} -m lmforge "
-            f"train ...` or change the layout so the product equals {world_size}.")
+    check_process_count(cfg, world_size, launch_description(world_size))
     if p.ddp_comm_hook == "bf16" and not cuda:
         raise ConfigError(
             "parallel.ddp_comm_hook = 'bf16': torch's bf16_compress_hook only runs with CUDA + NCCL; on a CPU "

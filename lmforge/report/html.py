@@ -37,6 +37,12 @@ FINAL_KEYS = [("val_loss", "val loss", "{:.4f}"), ("val_perplexity", "val ppl", 
               ("grad_norm_warnings", "grad-norm warnings", "{}")]
 
 
+# events a healthy run logs as it goes (listed plainly under "Events"); every other event (a loss
+# spike, a skipped update, a rollback, a failed or invalid checkpoint or backup, ...) is a health event
+ROUTINE_EVENTS = frozenset({"checkpoint", "backup", "backup_skipped", "backup_adopted", "restored_from_backup",
+                            "preempted"})
+
+
 def find_runs(paths: list[Path]) -> list[Path]:
     """Run folders (holding metrics.jsonl); a folder without one contributes its sub-folders that
     have one (a sweep folder -> its trials)."""
@@ -136,10 +142,13 @@ def build_report(run_paths: list[Path], out_dir: Path, embed: bool = False, titl
             f"<tr><th class='l'>{html.escape(str(k))}</th><td class='l'>{html.escape(str(v))}</td></tr>"
             for k, v in rows.items()) + "</table>")
         _, val, events = load_run_metrics(r)
-        if events:
-            parts.append("<h3>Health events</h3><ul>" + "".join(
-                f"<li class='warn'>{html.escape(str(e.get('message', e.get('event', ''))))}</li>" for e in events[:50])
-                + (f"<li>... {len(events) - 50} more</li>" if len(events) > 50 else "") + "</ul>")
+        health = [e for e in events if e.get("event") not in ROUTINE_EVENTS]
+        routine = [e for e in events if e.get("event") in ROUTINE_EVENTS]
+        for title, chosen, css in (("Health events", health, " class='warn'"), ("Events", routine, "")):
+            if chosen:
+                parts.append(f"<h3>{title}</h3><ul>" + "".join(
+                    f"<li{css}>{html.escape(str(e.get('message', e.get('event', ''))))}</li>" for e in chosen[:50])
+                    + (f"<li>... {len(chosen) - 50} more</li>" if len(chosen) > 50 else "") + "</ul>")
         if val:
             parts.append("<h3>Validation</h3><table><tr><th>step</th><th>val loss</th><th>perplexity</th></tr>"
                          + "".join(f"<tr><td>{v['step']}</td><td>{_fmt(v['val_loss'], '{:.4f}')}</td>"

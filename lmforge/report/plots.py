@@ -86,9 +86,11 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
             ax.set_yscale("log")
         return fig, ax
 
-    def save(fig, ax, name: str) -> None:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+    def save(fig, ax, name: str, *twins) -> None:
+        # one legend for the axes and their twins (a second axis' own legend lands on the first's)
+        handles, labels = (sum(x, []) for x in zip(*(a.get_legend_handles_labels() for a in (ax, *twins))))
+        if handles:
+            ax.legend(handles, labels, fontsize=8)
         fig.tight_layout()
         path = out_dir / f"{name}.png"
         fig.savefig(path)
@@ -130,14 +132,15 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
         train = data[d][0]
         ax.plot([r["step"] for r in train], [_window(r, "tokens_per_s") for r in train],
                 color=colors[i % len(colors)], label=f"{run_label(d, run_dirs)} tokens/s")
+    twins = []
     if single and data[run_dirs[0]][0] and {"window_mfu", "mfu"} & data[run_dirs[0]][0][-1].keys():
         ax2 = ax.twinx()
         train = data[run_dirs[0]][0]
         ax2.plot([r["step"] for r in train], [100 * _window(r, "mfu") for r in train], color="gray",
                  ls=":", label="MFU %")
         ax2.set_ylabel("MFU (%)")
-        ax2.legend(loc="lower right", fontsize=8)
-    save(fig, ax, "throughput")
+        twins.append(ax2)
+    save(fig, ax, "throughput", *twins)
     if any(_moe_layers(data[d][0]) for d in run_dirs):
         plot_expert_load(plt, run_dirs, data, colors, out_dir, paths)
     return paths

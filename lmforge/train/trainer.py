@@ -51,17 +51,19 @@ from lmforge.optim.schedules import BatchRampup, build_scheduler
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import destroy_distributed, folder_is_shared, init_distributed
 from lmforge.parallel.parallelize import parallelize
-from lmforge.train.components import (build_loaders, build_training_model, cache_dir, check_out_dir,
-                                      config_differences, prepare_data, run_folder, seed_everything)
+from lmforge.train.components import build_loaders, build_training_model, cache_dir, prepare_data, seed_everything
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
 from lmforge.train.micro_batch import decide_micro_batch
 from lmforge.train.precision import Resolved, make_precision, resolve_precision
+from lmforge.train.run_folder import RunFolderInUse, RunLock, check_out_dir, config_differences, run_folder
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
+from lmforge.train.stragglers import PhaseClock, StragglerMonitor
+from lmforge.train.watchdog import HangWatchdog
 
 log = logging.getLogger("lmforge.train")
 
@@ -138,11 +140,12 @@ class Trainer:
         self.device = self.dist.device
         for note in cfg.adjustments:  # (what load_config fitted to the layout)
             log.info("config: %s", note)
-        seed_everything(t.seed)
         if self.out_dir is None:  # rank 0 decides which sibling folder; each rank keeps its own expansion
             chosen = run_folder(cfg)
             self.out_dir = chosen.with_name(self.rank0_decides(chosen.name))
         check_out_dir(self.out_dir)
+        self.hold_run_folder()
+        seed_everything(t.seed)
 
         # the checkpoint to resume (rank 0's choice), checked against this config before any data work
         # or hardware probing (a refused resume answers at once); before the precision: it records
@@ -240,6 +243,20 @@ class Trainer:
                 f"without protecting its work: {failed.get('error')}")})
         self.ckpt.prepare()
 
+    def hold_run_folder(self) -> None:
+        """Rank 0 takes the run folder's lock for the run's life (lmforge.train.run_folder.RunLock): a
+        second trainer on the folder stops here, every rank with the same one-line error."""
+        self.run_lock = RunLock(self.out_dir)
+        refused = None
+        if is_rank0():
+            try:
+                self.run_lock.acquire()
+            except RunFolderInUse as e:
+                refused = str(e)
+        refused = self.rank0_decides(refused)
+        if refused:
+            raise RunFolderInUse(refused)
+
     def finish_decides(self, value):
         """Rank 0's value on every rank that runs `finish` (a synchronous run: all of them)."""
         return self.rank0_decides(value)
@@ -317,6 +334,10 @@ class Trainer:
             if is_rank0() and not record_failure(self.out_dir, self.state.step, str(e)):
                 log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
             raise
+        except RuntimeError as e:  # a collective that timed out: every thread's stack, as for a hang
+            if "timed out" in str(e).lower() and getattr(self, "watchdog", None) is not None:
+                self.watchdog.dump(f"a collective timed out (parallel.timeout_s = {self.cfg.parallel.timeout_s:g}): {e}")
+            raise
         finally:
             self.close()
 
@@ -332,6 +353,10 @@ class Trainer:
             self.ckpt.close()
         if getattr(self, "dist", None) is not None and self.dist.distributed:
             destroy_distributed()
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
+        if getattr(self, "run_lock", None) is not None:
+            self.run_lock.release()
         self.preemption.uninstall()
 
     def end_together(self) -> None:
@@ -364,14 +389,17 @@ class Trainer:
         pending: list[tuple] = []  # steps since the last log line: read (host sync) only when logging
         window = ThroughputWindow(self.flops_per_token, self.peak, cfg.parallel.world_size, self.device,
                                   self.timers)
+        self.start_clock(window.start)
         start_step, last_save_time = st.step, time.time()
+        self.start_rank_health()
 
         while st.step < t.steps:
+            self.watchdog.step_begin(st.step + 1)
+            self._step_t0 = time.perf_counter()
             self.profiler.step_begin(st.step + 1)
             step_tokens = self.global_batch_now() * cfg.data.seq_len
-            data_t0 = time.perf_counter()
             batches = self.next_micro_batches()
-            data_s = time.perf_counter() - data_t0
+            data_s = time.perf_counter() - self._step_t0
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.train_step(batches)
             st.step += 1
@@ -386,26 +414,32 @@ class Trainer:
             if due.log or self._rollback_requested:
                 if self.device.type == "cuda":  # the log line's one sync, before timing the window
                     torch.cuda.synchronize(self.device)
-                self.log_window(pending, window.take(), history, progress)
+                self.log_window(pending, {**window.take(), **self.rank_comparison()}, history, progress)
                 eta = (t.steps - st.step) * (time.perf_counter() - window.start) / max(st.step - start_step, 1)
                 progress.update(st.step, history[-1], eta)
             if self._rollback_requested:
-                self.rollback()
+                with self.watchdog.paused():
+                    self.rollback()
                 continue
             if due.evaluate:
                 eval_t0 = time.perf_counter()
-                self.validate(progress)
+                with self.watchdog.paused():
+                    self.validate(progress)
                 window.add_eval(time.perf_counter() - eval_t0)
             if (not due.last or not cfg.checkpoint.save_final) and self.checkpoint_due(last_save_time, due):
                 st.last_loss = float(loss)
-                self.save_checkpoint()
+                with self.watchdog.paused():
+                    self.save_checkpoint()
                 last_save_time = time.time()
-            if self.preemption.requested():  # (every rank, every step: one tiny all-reduce)
+            with self.phase_clock("sync"):
+                stop = self.preemption.requested()  # (every rank, every step: one tiny all-reduce)
+            self.watchdog.step_end()
+            if stop:
                 self.stop_for_preemption(pending, window, history, progress)
 
         progress.close()
         self.profiler.close()
-        return self.finish(initial, history, time.perf_counter() - window.start, start_step)
+        return self.finish(initial, history, self.run_seconds(), start_step)
 
     # ------------------------------------------------------------------------------------------
     # one optimizer step
@@ -415,9 +449,15 @@ class Trainer:
         """One optimizer step: forward/backward over the micro-batches, then the update. Returns (mean
         loss, grad norm) as tensors: reading them forces a host sync, so the loop does it only when
         it logs. The spike guard decides on the device where the optimizer can skip there (torch's
-        fused Adam/AdamW, `guard_verdict_on_device`); otherwise it reads both once per step."""
-        loss = self.forward_backward(micro_batches)
-        return loss, self.update(loss)
+        fused Adam/AdamW, `guard_verdict_on_device`); otherwise it reads both once per step. The
+        phases are timed for the straggler report (lmforge.train.stragglers): `data` is this
+        rank's time from the step's start to its compute."""
+        clock = self.phase_clock
+        clock.add("data", time.perf_counter() - self._step_t0)
+        with clock("compute"):
+            loss = self.forward_backward(micro_batches)
+        with clock("optimizer"):
+            return loss, self.update(loss)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulated gradients of the step's micro-batches; the global step's mean token loss."""
@@ -583,9 +623,38 @@ class Trainer:
             return bool(due.item())
         return False
 
+    def start_rank_health(self) -> None:
+        """The straggler report's phase clock and cross-rank comparison (every rank: the comparison's
+        host names are gathered here), and the hang watchdog's thread (lmforge.train.watchdog)."""
+        t = self.cfg.train
+        self.phase_clock = PhaseClock(self.device)
+        self.stragglers = StragglerMonitor(t.straggler_ratio, t.straggler_windows, self.dist.host_group,
+                                           self.dist.distributed)
+        self.watchdog = HangWatchdog(self.out_dir, self.dist.rank, t.hang_factor, t.hang_min_s, t.hang_action,
+                                     on_hang=self.log_event).start()
+
+    def rank_comparison(self) -> dict:
+        """This log window's slowest and fastest rank (a collective on the host group: every rank
+        logs at the same steps); a rank slow for long enough is named as a `straggler` event."""
+        fields, events = self.stragglers.window(self.phase_clock.take())
+        for event in events:
+            self.log_event(event)
+        return fields
+
+    def start_clock(self, t0: float) -> None:
+        """This leg's training starts at `t0` (time.perf_counter), after the legs the state has counted."""
+        self._clock = (self.state.seconds, t0)
+
+    def run_seconds(self) -> float:
+        """Training seconds of the whole run so far: the legs before this one (up to the checkpoint it
+        resumed) and this one's since its first step."""
+        before, t0 = getattr(self, "_clock", (self.state.seconds, time.perf_counter()))
+        return before + time.perf_counter() - t0
+
     def save_checkpoint(self) -> None:
         """Checkpoint `self.states` at the current step (every rank calls this)."""
         self.book_guard()  # (the guard state saved is the one after this step's verdict)
+        self.state.seconds = self.run_seconds()
         meta = {"loss": self.state.last_loss, "tokens_seen": self.state.tokens_seen, "config": self.cfg.to_dict(),
                 "layout": self.layout.name, "optimizer": self.cfg.optim.name, "precision": self.precision.name}
         with self.timers("checkpoint"):
@@ -657,8 +726,11 @@ class Trainer:
             done += take
 
     def validate(self, progress: Progress | None = None) -> dict[str, float]:
-        """Validation loss and perplexity, recorded in the metrics and shown."""
+        """Validation loss and perplexity, recorded in the metrics and shown. The run's first is kept
+        (TrainState.initial_val_loss) across resumes."""
         val = self.evaluate()
+        if math.isnan(self.state.initial_val_loss) and self.state.step == 0:
+            self.state.initial_val_loss = val["loss"]
         self.metrics.write({"step": self.state.step, "val_loss": val["loss"], "val_perplexity": val["perplexity"]})
         self.metrics.flush()
         line = f"step {self.state.step}: val loss {val['loss']:.4f}, perplexity {val['perplexity']:.1f}"
@@ -751,11 +823,12 @@ class Trainer:
         summary.json, plots. Every rank of a synchronous run calls it (sharded forwards and the
         weight gathering are collective)."""
         cfg, t, st = self.cfg, self.cfg.train, self.state
+        first_val = st.initial_val_loss if math.isfinite(st.initial_val_loss) else initial["loss"]
         final = self.evaluate()
         self.metrics.write({"step": st.step, "val_loss": final["loss"], "val_perplexity": final["perplexity"]})
         baseline = "" if math.isnan(self.entropy) else f"; unigram entropy {self.entropy:.3f}"
         log.info("final: val loss %.4f (started at %.4f%s), perplexity %.1f, %s tokens in %s", final["loss"],
-                 initial["loss"], baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
+                 first_val, baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
         sample = ""
         if t.sample_tokens:  # every rank runs it (sharded forwards are collective); same seed -> same text
             sample = generate_text(self.layout.inference_model(), self.data.tokenizer, t.sample_prompt,
@@ -779,7 +852,7 @@ class Trainer:
 
         result = TrainResult(
             steps=st.step, tokens=st.tokens_seen, train_loss=st.last_loss, val_loss=final["loss"],
-            val_perplexity=final["perplexity"], initial_val_loss=initial["loss"], unigram_entropy=self.entropy,
+            val_perplexity=final["perplexity"], initial_val_loss=first_val, unigram_entropy=self.entropy,
             sample=sample, out_dir=str(self.out_dir), seconds=elapsed,
             tokens_per_second=st.tokens_seen / max(elapsed, 1e-9), history=history)
         summary = {k: v for k, v in result.__dict__.items() if k != "history"}
