@@ -265,3 +265,19 @@ def test_benchmark_reports_every_path_and_the_one_auto_takes(tmp_path):
     assert row["experts"] == 4 and row["auto_path"] == "grouped_mm"
     for path in report["paths"]:
         assert math.isfinite(row["tokens_per_s"][path]) and row["tokens_per_s"][path] > 0
+
+
+def test_grouped_matmul_takes_a_stride_0_gradient_and_returns_no_view():
+    """`torch._grouped_mm`'s backward refuses the expanded (stride-0) gradient of `.sum()`; the
+    output is made contiguous in backward by a hook, not by an identity autograd Function whose
+    output would be a view (FSDP2 warns on every rank when a wrapped module, here the experts under
+    expert parallelism, returns a view: an in-place op on it would skip its pre-backward hook)."""
+    from lmforge.model.moe import grouped_matmul
+
+    x = torch.randn(32, 16, requires_grad=True)
+    w = torch.randn(2, 16, 8, requires_grad=True)
+    offs = torch.tensor([16, 32], dtype=torch.int32)
+    out = grouped_matmul(x, w, offs)
+    assert out._base is None
+    out.sum().backward()
+    torch.testing.assert_close(w.grad[0], x[:16].detach().sum(0)[:, None].expand(16, 8))

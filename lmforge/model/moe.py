@@ -126,26 +126,17 @@ def place_rows(x: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, rows: int
     return torch.cat([x, x.new_zeros((1, x.shape[1]))])[index[:rows]]
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (_grouped_mm's backward
-    refuses the stride-0 gradients of e.g. `.sum()`)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
-
-
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of `x` (M, K) in groups ending at `offs` (int32, cumulative), group g times its own w[g]
     (K, N) -> (M, N): one `torch._grouped_mm`. Rows past offs[-1] are in no group: their output rows
     are left unwritten (whatever the buffer held), and nothing may read them."""
     if x.device.type == "cuda" and (w.storage_offset() * w.element_size()) % GROUPED_MM_ALIGN_BYTES:
         w = w.clone()  # (a view into a larger buffer, e.g. FSDP2's gathered parameters: TMA wants 16-byte starts)
-    return _ContiguousGrad.apply(torch._grouped_mm(x.contiguous(), w, offs=offs))
+    out = torch._grouped_mm(x.contiguous(), w, offs=offs)
+    if out.requires_grad:  # its backward refuses the stride-0 gradients of e.g. `.sum()`: made contiguous
+        out.register_hook(torch.Tensor.contiguous)  # (a hook, not an identity Function: the output of
+        # the FSDP2-wrapped experts must not be a view; FSDP2 warns that an in-place op on one skips its hook)
+    return out
 
 
 def padded_bmm(x: torch.Tensor, w: torch.Tensor, ends: list[int]) -> torch.Tensor:
