@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -103,6 +104,22 @@ def test_no_fit_hint_names_allow_offload(capsys):
     assert plan_main(["--model", "llama2-70b", "--gpus", "1xA100-40GB", "--search"]) == 0
     out = capsys.readouterr().out
     assert "No layout fits" in out and "--allow-offload" in out
+    assert "DOES NOT FIT" not in out  # (no default layout nobody asked for)
+
+
+def test_search_leads_with_the_search_then_details_its_best(capsys):
+    """Issue 50 item 7: `plan --search` printed a "DOES NOT FIT 3.16 TB" table for a default layout
+    nobody asked for before the search; it now opens with the search and details its best layout.
+    With --layout, the typed layout comes first and the search after it."""
+    assert plan_main(["--model", "gpt3-175b", "--gpus", "64x8xH100", "--search", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Layout search") and "DOES NOT FIT" not in out
+    best = re.search(r"^  1  (\S+)", out, flags=re.M).group(1)
+    assert f"layout {best}\n  note: the search's best layout" in out
+    layout = "dp=8,zero=3,tp=8,pp=8,mb=1,ac=selective,sp=1"
+    assert plan_main(["--model", "gpt3-175b", "--gpus", "64x8xH100", "--search", "--top", "2", "--layout", layout]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("lmforge plan: gpt3-175b") and out.index("Memory per GPU") < out.index("Layout search")
 
 
 def test_auto_precision_follows_the_device(capsys):

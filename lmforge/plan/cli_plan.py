@@ -306,6 +306,17 @@ def plan_main(argv: list[str]) -> int:
             report["search"] = [c.as_dict() for c in cands]
         print(to_json(report))
         return 0
+    if cands is not None and args.layout is None:  # the search first; then its best layout in detail
+        print(candidates_table(cands, cluster, args.usable))
+        if not cands:
+            return 0
+        layout, notes = cands[0].layout, [f"the search's best layout (--layout {cands[0].layout.short()} plans it alone)"]
+        mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset)
+                for w in conventions]
+        step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
+                             price_per_gpu_hour=args.price, flops_convention=args.flops, ideal=args.ideal,
+                             convention=fit_convention, optimizer=optimizer)
+        print()
     print(f"lmforge plan: {cfg.preset} on {cluster} ({cluster.world_size} GPUs), layout {layout.short()}")
     for note in notes:
         print(f"  note: {note}")
@@ -313,7 +324,7 @@ def plan_main(argv: list[str]) -> int:
     print(memory_table(mems, cluster.device.memory_bytes, args.usable))
     print()
     print(step_table(step, cluster, args.mfu, precision))
-    if cands is not None:
+    if cands is not None and args.layout is not None:
         print()
         print(candidates_table(cands, cluster, args.usable))
     return 0
