@@ -52,9 +52,6 @@ def test_the_default_plan_fits_8_minutes_on_an_h100_and_holds_every_new_row():
     assert plan.total_s <= 8 * 60, plan.text(True)
     for spec, seconds, source in plan.rows:  # every row has an expected time and says where it comes from
         assert seconds > 0 and source.startswith(("measured: ", "estimate: ")) and len(source) > 30, spec.name
-    new = {spec.name: source for spec, _, source in plan.rows
-           if spec.name in ("ckpt-save", "ckpt-resume", "moe-bf16", "families", "fp8-1b")}
-    assert len(new) == 5 and all(s.startswith("estimate: ") for s in new.values())  # (never run on a GPU yet)
     assert [spec.name for spec, _, _ in plan.rows if not spec.required] == ["fp8-1b"]
 
 
@@ -74,9 +71,11 @@ def test_dry_run_prints_the_plan_in_the_order_given_and_names_unknown_rows():
                                     timeout=120)
     proc = run("--rows", "optim,env,families")
     assert proc.returncode == 0, proc.stderr
-    listed = [line.split()[1] for line in proc.stdout.splitlines() if line[:2].strip().isdigit()]
-    assert listed == ["optim", "env", "families"]
-    assert "total: 49 s = 0.8 min" in proc.stdout and "estimate: 5 s start" in proc.stdout
+    listed = [line for line in proc.stdout.splitlines() if line[:2].strip().isdigit()]
+    assert [line.split()[1] for line in listed] == ["optim", "env", "families"]
+    assert all(" s  measured: " in line or " s  estimate: " in line for line in listed), listed
+    total = rows.plan(rows.select("optim,env,families", cuda=True), True, 540).total_s
+    assert f"total: {total:.0f} s = {total / 60:.1f} min" in proc.stdout
     bad = run("--rows", "env,nope")
     assert bad.returncode == 2 and "no row nope in the GPU suite; the rows: env, tiny-bf16" in bad.stderr
 
