@@ -196,6 +196,8 @@ class Trainer:
         # operability: health signals, timers, profiler, the MFU peak (metrics open with the run folder)
         self.health = HealthMonitor(t.spike_threshold, t.health_window, t.grad_growth_factor)
         self.timers = Timers()  # `with self.timers("checkpoint"):` around blocking saves -> ckpt_s
+        self.phase_clock = PhaseClock(self.device)  # each step's phases (lmforge.train.stragglers)
+        self._step_t0: float | None = None
         self.profiler = StepProfiler(t.profile_steps, self.out_dir / PROFILE, self.device)
         self.peak = self.rank0_decides(device_peak(self.device, self.precision.name) if is_rank0() else None)
 
@@ -453,7 +455,9 @@ class Trainer:
         phases are timed for the straggler report (lmforge.train.stragglers): `data` is this
         rank's time from the step's start to its compute."""
         clock = self.phase_clock
-        clock.add("data", time.perf_counter() - self._step_t0)
+        if self._step_t0 is not None:  # (the loop's step; a driver calling train_step alone has none)
+            clock.add("data", time.perf_counter() - self._step_t0)
+            self._step_t0 = None
         with clock("compute"):
             loss = self.forward_backward(micro_batches)
         with clock("optimizer"):
@@ -627,7 +631,6 @@ class Trainer:
         """The straggler report's phase clock and cross-rank comparison (every rank: the comparison's
         host names are gathered here), and the hang watchdog's thread (lmforge.train.watchdog)."""
         t = self.cfg.train
-        self.phase_clock = PhaseClock(self.device)
         self.stragglers = StragglerMonitor(t.straggler_ratio, t.straggler_windows, self.dist.host_group,
                                            self.dist.distributed)
         self.watchdog = HangWatchdog(self.out_dir, self.dist.rank, t.hang_factor, t.hang_min_s, t.hang_action,

@@ -149,8 +149,11 @@ def nccl_trace(path: Path) -> bool:
 
         if not torch.cuda.is_available():
             return False
-        data = torch._C._distributed_c10d._dump_nccl_trace()  # (pickled; torch's fr_trace tool reads it)
-    except (AttributeError, RuntimeError, ImportError):
+        dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # (torch's flight recorder)
+        if dump is None:
+            return False
+        data = dump()  # (pickled; torch's fr_trace tool reads it)
+    except (RuntimeError, ImportError):
         return False
     path.write_bytes(data)
     return True
