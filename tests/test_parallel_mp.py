@@ -176,7 +176,7 @@ BATCH = {"train.global_batch_size": 64, "train.micro_batch_size": 4}
       "model.tie_embeddings": False}, "pp_virtual_stages = 4 = 8 pipeline stages must divide"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved", "model.tie_embeddings": False},
      "pp_virtual_stages >= 2"),
-    ({"parallel.pp_virtual_stages": 2}, "applies to pp_schedule = 'interleaved' only"),
+    ({"parallel.pp_virtual_stages": 2}, "applies to pp_schedule = 'interleaved' or 'interleaved-zb' only"),
     ({"parallel.pp": 4, "train.global_batch_size": 8, "model.tie_embeddings": False}, "fewer than the stages"),
     ({"parallel.pp": 4, "train.global_batch_size": 24, "parallel.pp_schedule": "interleaved",
       "parallel.pp_virtual_stages": 1, "model.tie_embeddings": False, "model.n_layers": 4}, "pp_virtual_stages >= 2"),
