@@ -99,6 +99,25 @@ MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the degrees who
 PLAINEST = ("dp_shard", "dp_replicate", "tp", "pp", "cp")  # a suggested layout adds these first
 
 
+def infer_dp_shard(cfg: "Config", world: int, explicit: set[str]) -> str | None:
+    """parallel.dp_shard from the process count, in place, for a launched run with expert parallelism
+    whose user did not choose dp_shard (`explicit`): EP borrows its ranks from dp_shard and adds no
+    processes, so `torchrun --nproc-per-node 2 ... --parallel.ep 2` means dp_shard = 2 = world /
+    (dp_replicate x cp x tp x pp). Returns the log line, or None where nothing was inferred (ep = 1,
+    dp_shard chosen, or a world that the other degrees do not divide: the process-count rule then
+    names the mismatch)."""
+    p = cfg.parallel
+    others = [getattr(p, d) for d in MESH_DEGREES if d != "dp_shard"]
+    if p.ep < 2 or "parallel.dp_shard" in explicit or any(not isinstance(v, int) or v < 1 for v in others):
+        return None
+    rest = p.dp_replicate * p.cp * p.tp * p.pp
+    if world % rest or world // rest == p.dp_shard:
+        return None
+    p.dp_shard = world // rest
+    return (f"parallel.dp_shard -> {p.dp_shard}: inferred from the {world} processes started (world / (dp_replicate "
+            f"{p.dp_replicate} x cp {p.cp} x tp {p.tp} x pp {p.pp})); parallel.ep = {p.ep} borrows its ranks from it")
+
+
 def check_process_count(cfg: "Config", world: int, launch: str) -> None:
     """The first layout rule: the product of the parallel degrees against the processes started
     (`world`; `launch` says who started them: "torchrun started 2 processes" or "a single process,

@@ -315,7 +315,7 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
     pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
     cp: int = _f(1, "Context-parallel degree (long sequences; lmforge.parallel.context_parallel): each sequence is cut into 2 x cp chunks and CP rank i keeps chunks i and 2cp-1-i (even causal work); every layer all-gathers K and V over the cp ranks before attention on the rank's own queries and reduce-scatters their gradients in backward. Activations per rank shrink to ~1/cp, plus the gathered K/V of the whole sequence (2 x seq x kv heads x head_dim per layer). cp must divide data.seq_len / 2 (with sequence_parallel also: tp divides data.seq_len / cp). Any kv-head count works: the all-gather is over the sequence, so every CP rank holds all the (its TP share of the) KV heads of the whole sequence, replicated across the cp ranks; GQA only makes the gathered K/V smaller. The CP ranks hold the same parameters, so their gradients are averaged with the data-parallel ones (FSDP2 shards over dp_shard x cp). Composes with dp_replicate / dp_shard, tp (+ sequence_parallel) and pp.")
-    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. Composes with tp (attention only), pp and cp; not yet with dp_replicate > 1.")
+    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. With dp_replicate > 1 (HSDP: FSDP2 within a replica group, replicas across groups) each replica group holds every expert, split over its ep ranks and sharded over its dp_shard / ep ranks; expert and dense gradients are averaged across the replicas too. Under torchrun, dp_shard is inferred from the process count when not given (world / (dp_replicate x cp x tp x pp): `torchrun --nproc-per-node 2 -m lmforge train --config tiny-moe --parallel.ep 2`). Composes with dp_replicate, tp (attention only), pp and cp.")
     timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
@@ -363,10 +363,9 @@ class ParallelConfig:
                     f"parallel.ep = {self.ep} borrows its ranks from the FSDP2 shard dimension: it must divide "
                     f"parallel.dp_shard = {self.dp_shard} (zero_stage 0, 2 or 3); set parallel.dp_shard to a multiple "
                     f"of {self.ep}.")
-            if self.dp_replicate > 1 or self.async_sgd:
-                raise ConfigError(
-                    f"parallel.ep = {self.ep} is not yet combined with dp_replicate > 1 (HSDP) or async_sgd; put the "
-                    f"data-parallel ranks in parallel.dp_shard.")
+            if self.async_sgd:
+                raise ConfigError(f"parallel.ep = {self.ep} is not combined with async_sgd (a parameter server of "
+                                  f"whole replicas); set parallel.async_sgd = false or ep = 1.")
         at_least(0, "parallel", max_staleness=self.max_staleness)
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")
