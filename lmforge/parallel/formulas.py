@@ -62,8 +62,8 @@ def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1, schedu
       with compute modelled): (p-1)(F+2B-W)/2.
 
     tests/test_parallel_pp_schedules.py replays torch's own action lists of each schedule with these
-    times and finds exactly these fractions (dualpipev and zbv at F = B = W; with recompute, within
-    ~10% for dualpipev). `schedule` None: interleaved where virtual_stages > 1, else 1f1b."""
+    times and finds exactly these fractions (dualpipev at F = B = W; with recompute its formula is
+    an upper bound, within 25%). `schedule` None: interleaved where virtual_stages > 1, else 1f1b."""
     schedule = schedule or ("interleaved" if virtual_stages > 1 else "1f1b")
     if pp < 1 or micro_batches < 1 or virtual_stages < 1:
         raise ValueError(f"pp = {pp}, micro_batches = {micro_batches}, virtual_stages = {virtual_stages} must be >= 1")
