@@ -311,7 +311,8 @@ def check_pipeline(cfg: "Config") -> None:
     v = p.stages_per_rank
     stages = p.pp * v
     if m.n_layers % stages:
-        per = f"parallel.pp_virtual_stages = {v}" if p.pp_schedule in LOOPED else f"{v} stages per rank ({p.pp_schedule})"
+        per = (f"parallel.pp_virtual_stages = {v}" if p.pp_schedule in LOOPED else
+               f"{v} stages per rank ({p.pp_schedule})")
         what = f"parallel.pp = {p.pp}" + (f" x {per} = {stages} pipeline stages" if v > 1 else "")
         raise ConfigError(f"{what} must divide model.n_layers = {m.n_layers}; "
                           f"choose a divisor of {m.n_layers} or change n_layers.")

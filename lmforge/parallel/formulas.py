@@ -57,9 +57,9 @@ def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1, schedu
     * zbv: (p-1)B/2: ZB-V (Qi et al. sec. 6) with a synchronous optimizer step: the V's ramp of p-1
       half-stage passes stays (the paper's zero bubble also hides it behind the next step with its
       optimizer post-validation, which a step with gradient clipping cannot);
-    * dualpipev: (PP/2-1)(F&B+B-3W) over PP = 2p half-stage chunks (DeepSeek-V3 report, Table 2; the
-      DualPipe README gives DualPipeV the same), with F&B = F + B + W (no overlap of communication
-      with compute modelled): (p-1)(F+2B-W)/2.
+    * dualpipev: (PP/2-1)(F&B+B'-3W) over PP = 2p half-stage chunks (DeepSeek-V3 report, Table 2,
+      whose B' is the full backward, B + W here; the DualPipe README gives DualPipeV the same), with
+      F&B = F + B + W (no overlap of communication with compute modelled): (p-1)(F+2B-W)/2.
 
     tests/test_parallel_pp_schedules.py replays torch's own action lists of each schedule with these
     times and finds exactly these fractions (dualpipev at F = B = W; with recompute its formula is

@@ -146,7 +146,7 @@ class Pipelined(ShardedLayout):
         self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches=self.microbatches,
                             loss_fn=self._loss, scale_grads=False)
         self.bubble = pipeline_bubble(p.pp, self.microbatches, p.pp_virtual_stages, p.pp_schedule)
-        self.last_rank = stage_rank(p.pp_schedule, p.pp, n_stages - 1)  # (the pp rank holding the loss: pp - 1, or 0 in a V)
+        self.last_rank = stage_rank(p.pp_schedule, p.pp, n_stages - 1)  # (holds the loss: pp - 1, or 0 in a V)
         self._n_targets = torch.ones(())
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
