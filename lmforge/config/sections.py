@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from lmforge.config.base import ConfigError, at_least, divisors
 from lmforge.config.base import doc_field as _f
 from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY, names_with
+from lmforge.parallel.formulas import LOOPED, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +263,7 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Compute precision: bf16 autocast (fp32 master weights), fp16 autocast with GradScaler, fp32, or auto: decided once, by rank 0 for every rank, from the hardware (bf16 on GPUs with bf16 tensor cores and on CPUs with AMX-BF16 / AVX512-BF16 units, else fp16 on older GPUs and fp32 on CPUs); a resumed auto run keeps the precision its checkpoint records.")
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
-    compile: bool | Literal["auto"] = _f("auto", "Compile each transformer block with torch.compile (true / false), or 'auto': on where it was measured faster and the layout is known to compile well, off elsewhere (rule: lmforge.config.rules.resolve_compile; the run's log says what it chose and why). auto = on on CUDA GPUs with Triton (GPT-2 124M on an H100: 1.19x tokens/s, benchmarks/RESULTS.md), off on CPUs (measured a few % faster per step after a compile of tens of seconds, which runs of fewer than a few hundred steps and the tests never earn back: benchmarks/RESULTS.md) and off with parallel.tp > 1 (compiled blocks failed in DTensor's backward: benchmarks/parity_layouts.py --case tp2-compile) or a Mixture-of-Experts model (model.moe.num_experts > 0: compiled MoE blocks failed to trace torch._grouped_mm on CPU; data-dependent expert shapes).")
+    compile: bool | Literal["auto"] = _f("auto", "Compile each transformer block with torch.compile (true / false), or 'auto': on where it was measured faster and the layout is known to compile well, off elsewhere (rule: lmforge.config.rules.resolve_compile; the run's log says what it chose and why). auto = on on CUDA GPUs with Triton (GPT-2 124M on an H100: 1.19x tokens/s, benchmarks/RESULTS.md), off on CPUs (measured a few % faster per step after a compile of tens of seconds, which runs of fewer than a few hundred steps and the tests never earn back: benchmarks/RESULTS.md) and off with parallel.tp > 1 (compiled blocks failed in DTensor's backward: benchmarks/parity_layouts.py --case tp2-compile) or a Mixture-of-Experts model (model.moe.num_experts > 0: compiled MoE blocks failed to trace torch._grouped_mm on CPU; data-dependent expert shapes); off (and true refused) with the zero-bubble pipeline schedules (parallel.pp_schedule interleaved-zb / zbv / dualpipev: pytorch/pytorch#161904).")
     loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks wherever the fused loss is not slower than the plain logits (measured on CPUs: faster in fp32; in bf16 autocast not shown faster, so off there, benchmarks/fused_head.py; on GPUs on, and the GPU suite's head-loss row checks the choice), with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (with TP the loss is torch's vocab-parallel loss_parallel), else 0 (rule: lmforge.config.rules.resolve_loss_chunk). Not with parallel.tp > 1 or parallel.pp > 1.")
     fp8: bool = _f(False, "Train the transformer blocks' nn.Linear layers with FP8 matmuls (torchao.float8 dynamic scaling; the output projection stays in the run's precision). Needs the `torchao` package and a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: L4, H100, H200, B200).")
     seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
@@ -314,7 +315,7 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
     pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
     cp: int = _f(1, "Context-parallel degree (long sequences; lmforge.parallel.context_parallel): each sequence is cut into 2 x cp chunks and CP rank i keeps chunks i and 2cp-1-i (even causal work); every layer all-gathers K and V over the cp ranks before attention on the rank's own queries and reduce-scatters their gradients in backward. Activations per rank shrink to ~1/cp, plus the gathered K/V of the whole sequence (2 x seq x kv heads x head_dim per layer). cp must divide data.seq_len / 2 (with sequence_parallel also: tp divides data.seq_len / cp). Any kv-head count works: the all-gather is over the sequence, so every CP rank holds all the (its TP share of the) KV heads of the whole sequence, replicated across the cp ranks; GQA only makes the gathered K/V smaller. The CP ranks hold the same parameters, so their gradients are averaged with the data-parallel ones (FSDP2 shards over dp_shard x cp). Composes with dp_replicate / dp_shard, tp (+ sequence_parallel) and pp.")
-    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. Composes with tp (attention only), pp and cp; not yet with dp_replicate > 1.")
+    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. With dp_replicate > 1 (HSDP: FSDP2 within a replica group, replicas across groups) each replica group holds every expert, split over its ep ranks and sharded over its dp_shard / ep ranks; expert and dense gradients are averaged across the replicas too. Under torchrun, dp_shard is inferred from the process count when not given (world / (dp_replicate x cp x tp x pp): `torchrun --nproc-per-node 2 -m lmforge train --config tiny-moe --parallel.ep 2`). Composes with dp_replicate, tp (attention only), pp and cp.")
     timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
@@ -323,8 +324,8 @@ class ParallelConfig:
     cpu_offload: bool = _f(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy). Needs a CUDA GPU.")
     fsdp_reduce_every_micro_batch: bool = _f(False, "FSDP2 with gradient accumulation (more than one micro-batch per step; lmforge.parallel.fsdp): reduce-scatter the gradients after every micro-batch's backward, so they stay sharded between micro-batches (no extra memory) at grad_accum times the reduce-scatter traffic. false (default): no gradient communication until the step's last micro-batch, which holds each rank's unsharded fp32 gradients (4 B per parameter of its stage and TP share, what DDP holds) between micro-batches; `lmforge plan` counts them (fsdp_accumulated_gradients). Set true where that memory does not fit. HSDP all-reduces across replicas once per step either way. Not with pp > 1: torch's pipeline schedule always reduces once per step.")
     sequence_parallel: bool = _f(False, "Tensor parallel only (tp > 1): also shard the activations along the sequence between the TP matmuls (norms run on 1/tp of the tokens; all-gather before / reduce-scatter after each column/row-parallel pair). Needs data.seq_len divisible by tp and RoPE positions.")
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = _f("1f1b", "Pipeline schedule (pp > 1): gpipe (all forwards, then all backwards), 1f1b (one forward one backward: at most pp micro-batches of activations held), interleaved (interleaved 1F1B over parallel.pp_virtual_stages model chunks per rank: smaller bubble). The pipeline's micro-batches are the step's micro-batches: global_batch_size / (micro_batch_size x dp), which must be >= pp.")
-    pp_virtual_stages: int = _f(1, "Model chunks per pipeline rank for pp_schedule = 'interleaved' (>= 2; rank r holds stages r, r + pp, ...). pp x pp_virtual_stages must divide model.n_layers. 1 for gpipe / 1f1b.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev"] = _f("1f1b", "Pipeline schedule (pp > 1; torch.distributed.pipelining; bubble fractions: lmforge.parallel.formulas.pipeline_bubble): gpipe (all forwards, then all backwards: m micro-batches of activations held), 1f1b (one forward one backward: at most pp micro-batches held), interleaved (interleaved 1F1B over parallel.pp_virtual_stages model chunks per rank, placed in a loop: rank r holds stages r, r + pp, ...; smaller bubble), and the zero-bubble schedules, which split each backward into the input gradient and the weight gradient and run the weight gradients later to fill the bubble: interleaved-zb (torch's ScheduleInterleavedZeroBubble: ZB-H1 of Qi et al. 2023 at pp_virtual_stages = 1, interleaved over v chunks in a loop above), zbv (ZB-V: 2 stages per rank in a V, rank r holds stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the output head) and dualpipev (DeepSeek-V3's DualPipe cut in half: the same V). The split-backward schedules hold pp micro-batches of activations on every rank (dualpipev pp + 1/2), run without torch.compile (pytorch/pytorch#161904) and with activation_checkpoint none, full or every_k (selective checkpointing allows one backward through a region; the split runs two). The pipeline's micro-batches are the step's micro-batches: global_batch_size / (micro_batch_size x dp), which must be >= pp (a multiple of pp for interleaved / interleaved-zb; >= 2 pp for zbv / dualpipev).")
+    pp_virtual_stages: int = _f(1, "Model chunks (stages) per pipeline rank for pp_schedule = 'interleaved' (>= 2) or 'interleaved-zb' (>= 1; 1 = ZB-H1), placed in a loop: rank r holds stages r, r + pp, .... pp x pp_virtual_stages must divide model.n_layers. 1 for gpipe / 1f1b; zbv and dualpipev always place 2 stages per rank (leave it at 1, or 2).")
     async_sgd: bool = _f(False, "Asynchronous SGD through a parameter server (lmforge.parallel.param_server): rank 0 holds the parameters and the optimizer, ranks 1..N-1 are workers that pull parameters, compute the gradient of one micro-batch (train.micro_batch_size sequences) and push it; the server applies each gradient as it arrives (train.steps = server updates; train.global_batch_size does not apply). Needs dp_replicate = world size >= 2 (tp = pp = dp_shard = 1).")
     max_staleness: int = _f(4, "async_sgd: a pushed gradient computed on parameters more than this many server updates old is dropped (not applied) and the worker re-pulls fresh parameters; observed staleness (mean/max) and dropped counts go to the metrics.")
 
@@ -335,6 +336,17 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages (model chunks) each pipeline rank holds under parallel.pp_schedule (1 without
+        a pipeline): lmforge.parallel.formulas.stages_per_rank."""
+        return stages_per_rank(self.pp_schedule, self.pp_virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def split_backward(self) -> bool:
+        """A zero-bubble schedule: the backward split into input- and weight-gradient passes."""
+        return self.pp > 1 and self.pp_schedule in SPLIT_BACKWARD
 
     @property
     def fsdp(self) -> bool:
@@ -351,10 +363,9 @@ class ParallelConfig:
                     f"parallel.ep = {self.ep} borrows its ranks from the FSDP2 shard dimension: it must divide "
                     f"parallel.dp_shard = {self.dp_shard} (zero_stage 0, 2 or 3); set parallel.dp_shard to a multiple "
                     f"of {self.ep}.")
-            if self.dp_replicate > 1 or self.async_sgd:
-                raise ConfigError(
-                    f"parallel.ep = {self.ep} is not yet combined with dp_replicate > 1 (HSDP) or async_sgd; put the "
-                    f"data-parallel ranks in parallel.dp_shard.")
+            if self.async_sgd:
+                raise ConfigError(f"parallel.ep = {self.ep} is not combined with async_sgd (a parameter server of "
+                                  f"whole replicas); set parallel.async_sgd = false or ep = 1.")
         at_least(0, "parallel", max_staleness=self.max_staleness)
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")
@@ -382,13 +393,17 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel = true needs parallel.tp >= 2 (it shards activations "
                               "over the tensor-parallel ranks); set parallel.tp or sequence_parallel = false.")
-        if self.pp_schedule == "interleaved":
-            if self.pp > 1 and self.pp_virtual_stages < 2:
-                raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages >= 2 "
-                                  "(model chunks per rank); set it to 2, or use pp_schedule = '1f1b'.")
-        elif self.pp_virtual_stages != 1:
+        if self.pp_schedule == "interleaved" and self.pp > 1 and self.pp_virtual_stages < 2:
+            raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages >= 2 "
+                              "(model chunks per rank); set it to 2, or use pp_schedule = '1f1b'.")
+        if self.pp_schedule in V_SHAPED and self.pp_virtual_stages not in (1, 2):
+            raise ConfigError(f"parallel.pp_schedule = {self.pp_schedule!r} places exactly 2 stages per rank (a V), "
+                              f"but parallel.pp_virtual_stages = {self.pp_virtual_stages}; leave it at 1 (or 2), or "
+                              f"use pp_schedule = 'interleaved-zb' for {self.pp_virtual_stages} stages per rank.")
+        if self.pp_schedule not in LOOPED + V_SHAPED and self.pp_virtual_stages != 1:
             raise ConfigError(f"parallel.pp_virtual_stages = {self.pp_virtual_stages} applies to pp_schedule = "
-                              "'interleaved' only; set parallel.pp_schedule = 'interleaved' or pp_virtual_stages = 1.")
+                              "'interleaved' or 'interleaved-zb' only; set parallel.pp_schedule = 'interleaved' or "
+                              "pp_virtual_stages = 1.")
         if (self.tp > 1 or self.pp > 1) and self.zero_stage == 1:
             raise ConfigError("parallel.zero_stage = 1 (ZeroRedundancyOptimizer) is not combined with tp / pp; use "
                               "zero_stage 0, 2 or 3 (FSDP2 on parallel.dp_shard).")

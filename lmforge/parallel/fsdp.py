@@ -85,7 +85,15 @@ def micro_batch_sync(module: nn.Module, cfg: Config, last: bool) -> Iterator[Non
 
 
 def reshard_after_forward(cfg: Config) -> bool:
+    """Whether FSDP2 frees the gathered parameters after each forward. Never under a zero-bubble
+    pipeline schedule (parallel.pp_schedule interleaved-zb / zbv / dualpipev): torch's split backward
+    finds the weights in the stage module's parameters (`stage_backward_input`), which are the
+    gathered ones only while they stay gathered; a pipeline stage keeps them gathered from one
+    micro-batch to the next anyway (torch's schedule: set_reshard_after_backward(False)), so this costs
+    no memory there."""
     p = cfg.parallel
+    if p.split_backward:
+        return False
     if p.zero_stage == 2:
         return False
     if p.zero_stage == 3:

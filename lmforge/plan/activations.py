@@ -6,23 +6,17 @@ from __future__ import annotations
 
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import mlp_activation_width
-from lmforge.parallel.formulas import cp_activation_bytes, cp_kv_bytes, cp_score_elements, recomputed_layers
+from lmforge.parallel.formulas import (cp_activation_bytes, cp_kv_bytes, cp_score_elements, pipeline_in_flight,
+                                      recomputed_layers)
 from lmforge.plan.conventions import LITERATURE, check_convention
 from lmforge.plan.layout import Layout
 from lmforge.plan.loss_memory import lmforge_loss_bytes
 
 
 def micro_batches_in_flight(layout: Layout, stage: int) -> float:
-    """Micro-batches whose activations a pipeline stage holds at its peak."""
-    p, m = layout.pp, layout.grad_accum
-    if p == 1:
-        return 1.0
-    if layout.pp_schedule == "gpipe":
-        return float(m)
-    k = min(p - stage, m)  # 1F1B: stage i warms up with p - i forwards
-    if layout.pp_schedule == "interleaved":
-        return min(p * (1 + (p - 1) / (p * layout.virtual_stages)), float(m)) if stage == 0 else float(k)
-    return float(k)
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak
+    (lmforge.parallel.formulas.pipeline_in_flight)."""
+    return pipeline_in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, stage, layout.virtual_stages)
 
 
 def _literature_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str,
@@ -156,14 +150,14 @@ def outside_blocks(cfg: ModelConfig, layout: Layout, seq_len: int, convention: s
         sp = megatron_sp_formula(layout)
         if stage == 0:
             out["embedding"] = (8 * s * b + sbh) / (t if sp else 1)
-        if stage == layout.pp - 1:
+        if layout.holds_last(stage):
             out["output"] = 4 * (sbh + s * b * V) / t if sp else 2 * (s * b * V / t + sbh)
         return out
     if convention in LITERATURE:
         sp_div = t if layout.sp else 1
         if stage == 0:
             out["embedding"] = sbh / sp_div  # dropout mask
-        if stage == layout.pp - 1:
+        if layout.holds_last(stage):
             out["output"] = 4 * sbh / sp_div + 4 * s * b * V / t  # final norm + head input, fp32 logits
         return out
     half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)
@@ -172,7 +166,7 @@ def outside_blocks(cfg: ModelConfig, layout: Layout, seq_len: int, convention: s
     layers = cfg.n_layers // layout.pp
     if layout.cp > 1 and cfg.pos_emb == "rope" and checkpointed_layers(layout, layers) < layers:
         out["positions"] = 2 * s * (cfg.head_dim // 2) * 4  # this rank's rows of the cos / sin tables
-    if stage == layout.pp - 1:
+    if layout.holds_last(stage):
         normed = res if cfg.norm == "rmsnorm" else 0
         stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b
         targets = 8 * s * b if layout.cp > 1 else 0  # (one process: a view of the ids' storage)

@@ -68,7 +68,7 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
       chunk's hidden rows cast to 16 bits;
     - ``final_save``: what persists, plus one whole parameter gathered on every rank of its shard
       group (the largest, fp32; rank 0's copy of it goes to host memory, then to the file)."""
-    specs = stage_specs(cfg, layout.pp, stage)
+    specs = stage_specs(cfg, layout.pp, stage, layout.last_rank)
     largest = 4 * max(math.prod(spec.shape) for spec in specs)
     keeps_grads = not layout.fsdp and layout.shard_ranks > 1  # DDP / ZeRO-1: gradients are the buckets
     persistent = comp["weights"] + comp["master_weights"] + comp["optimizer_states"] + \
@@ -81,7 +81,7 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     n = layout.micro_batch * (seq_len // layout.cp)
     rows = min(layout.loss_chunk, n) if layout.loss_chunk else n
     cast = rows * half * cfg.dim if layout.loss_chunk and half == 2 else 0
-    logits = per_logit * rows * cfg.vocab_size / layout.tp + cast if stage == layout.pp - 1 else 0.0
+    logits = per_logit * rows * cfg.vocab_size / layout.tp + cast if layout.holds_last(stage) else 0.0
     layer = lmforge_activation_per_layer(cfg, layout, seq_len // layout.cp, "none")
     working = buffers.get("fsdp_gathered_weights", 0.0) + layer + logits
     return {"startup": comp["weights"] + (comp["gradients"] if keeps_grads else 0.0), "startup_host": 2 * largest,

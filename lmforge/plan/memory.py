@@ -283,7 +283,9 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
         blocks = layers * per_layer(None)
     extras = outside_blocks(cfg, layout, seq_len, convention, stage)
     in_flight = micro_batches_in_flight(layout, stage)
-    last_in_flight = float(layout.grad_accum) if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
+    # the head's activations: one micro-batch's (1F1B runs its backward at once), but all of GPipe's, and
+    # a zero-bubble schedule keeps every micro-batch's graph until its weight-gradient pass
+    last_in_flight = in_flight if layout.pp > 1 and (layout.pp_schedule == "gpipe" or layout.split_backward) else 1.0
     comp["activations"] = (in_flight * (blocks + extras.get("embedding", 0.0) + extras.get("positions", 0.0))
                            + last_in_flight * extras.get("output", 0.0))
     detail["activations_blocks"] = in_flight * blocks
@@ -296,7 +298,7 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
     # Buffers.
     if convention == "lmforge":
         buffers = lmforge_buffers(cfg, layout, states, seq_len)
-        if stage == layout.pp - 1:
+        if layout.holds_last(stage):
             buffers["loss_transient"] = lmforge_loss_bytes(cfg, layout, seq_len)[1]
     else:
         buffers = literature_buffers(layout, states, convention)

@@ -96,13 +96,14 @@ _STATE_CACHE: dict[tuple, StageStates] = {}
 
 def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, stage: int) -> StageStates:
     n_dp = layout.shard_ranks if layout.zero > 0 else 1  # (context parallel: dp x cp)
-    key = (cfg_key(cfg), n_dp, layout.zero, layout.tp, layout.pp, layout.precision, opt, convention, stage, layout.ep)
+    key = (cfg_key(cfg), n_dp, layout.zero, layout.tp, layout.pp, layout.precision, opt, convention, stage, layout.ep,
+           layout.last_rank)
     hit = _STATE_CACHE.get(key)
     if hit is not None:
         return hit
     comp = dict.fromkeys(COMPONENTS[:4], 0.0)
     params = matmul = layer = root = head = 0.0
-    specs = stage_specs(cfg, layout.pp, stage)
+    specs = stage_specs(cfg, layout.pp, stage, layout.last_rank)
     first_layer = stage * (cfg.n_layers // layout.pp)
     all_dp = n_dp
     pure = layout.precision == "bf16-pure"

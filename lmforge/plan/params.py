@@ -116,17 +116,21 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
 _STAGE_CACHE: dict[tuple, tuple[ParamSpec, ...]] = {}
 
 
-def stage_specs(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
-    """Parameters held by pipeline `stage` of `pp` (contiguous blocks; tied head copied to the last)."""
-    key = (cfg_key(cfg), pp, stage)
+def stage_specs(cfg: ModelConfig, pp: int, stage: int, last_rank: int | None = None) -> list[ParamSpec]:
+    """Parameters held by pipeline rank `stage` of `pp`: its share of the blocks (n_layers / pp,
+    counted as a contiguous range), the embedding on rank 0 and the final norm and head on
+    `last_rank` (default pp - 1; rank 0 under a V-shaped schedule, lmforge.parallel.formulas.V_SHAPED);
+    a tied head copied there."""
+    last = pp - 1 if last_rank is None else last_rank
+    key = (cfg_key(cfg), pp, stage, last)
     if key not in _STAGE_CACHE:
         if len(_STAGE_CACHE) > 1024:
             _STAGE_CACHE.clear()
-        _STAGE_CACHE[key] = tuple(_stage_specs(cfg, pp, stage))
+        _STAGE_CACHE[key] = tuple(_stage_specs(cfg, pp, stage, last))
     return list(_STAGE_CACHE[key])
 
 
-def _stage_specs(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
+def _stage_specs(cfg: ModelConfig, pp: int, stage: int, last: int) -> list[ParamSpec]:
     per = cfg.n_layers // pp
     lo, hi = stage * per, (stage + 1) * per
     specs = []
@@ -135,9 +139,9 @@ def _stage_specs(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
             specs.append(s)
         elif s.where == "first" and stage == 0:
             specs.append(s)
-        elif s.where == "last" and stage == pp - 1:
+        elif s.where == "last" and stage == last:
             specs.append(s)
-    if cfg.tie_embeddings and stage == pp - 1:
+    if cfg.tie_embeddings and stage == last:
         head = ParamSpec("lm_head.weight", (cfg.vocab_size, cfg.dim), "last", tp_dim=0, is_embedding=True, matmul=True)
         if pp > 1:
             specs.append(head)  # the last stage's own copy of the tied embedding
