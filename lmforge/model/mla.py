@@ -41,6 +41,9 @@ What is kept per token is the latent and the RoPE key: kv_lora_rank + qk_rope_he
 
 Tensor parallelism (lmforge.parallel.tensor_parallel) splits the heads: wq / wq_b and wkv_b
 column-parallel (each head's rows are contiguous, so a row split gives whole heads), wo row-parallel.
+The RoPE key k^R is shared by every head but reaches a rank's heads without a column-parallel layer
+(whose backward sums the input gradient over the TP ranks), so its gradient is summed over them
+here (`tp_group`, set by the TP layout: Megatron's copy-to-tensor-parallel-region).
 The down-projections wq_a and wkv_a and the two norms are replicated: the latent is shared by all
 heads, so splitting W^DKV's rows would leave every rank with part of a latent that each of its heads
 needs whole (an all-gather per layer to undo), while computing them on every TP rank costs dim x
@@ -70,6 +73,23 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+class _SumGradient(torch.autograd.Function):
+    """Identity whose backward all-reduces (sums) the gradient over `group`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        import torch.distributed as dist
+
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
 class MLAttention(nn.Module):
     """Causal multi-head latent attention (module docstring); input and output (batch, seq, dim)."""
 
@@ -92,6 +112,7 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         self.width = max(self.qk_dim, self.v_dim)  # the head width SDPA sees (the narrower side zero-padded)
         self.dropout = cfg.dropout
+        self.tp_group = None  # tensor parallelism: the RoPE key's gradient is summed over this group
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, seq, dim) -> the queries (batch, seq, this rank's heads, qk head width)."""
@@ -102,6 +123,8 @@ class MLAttention(nn.Module):
         """(batch, seq, dim) -> the normalised latent c_KV (batch, 1, seq, kv_lora_rank) and the rotated
         RoPE key k^R (batch, 1, seq, qk_rope_head_dim): what a token keeps (cache, CP all-gather)."""
         c, k_rope = self.wkv_a(x).split([self.rank, self.rope], dim=-1)
+        if self.tp_group is not None:  # (each TP rank's heads give part of its gradient)
+            k_rope = _SumGradient.apply(k_rope, self.tp_group)
         return self.kv_norm(c).unsqueeze(1), apply_rope(k_rope.unsqueeze(1), cos, sin)
 
     def expand(self, c: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

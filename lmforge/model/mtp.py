@@ -104,7 +104,10 @@ class MTP(nn.ModuleDict):
             nlls.append(head_nll(module.norm(h), y))
             counts.append((y != IGNORE_INDEX).sum())
         nll = torch.stack(nlls)
-        step = torch.stack((nll.detach().double(), torch.stack(counts).double()), dim=1)
+        value = nll.detach()
+        if hasattr(value, "full_tensor"):  # (tensor parallelism: loss_parallel's replicated DTensor)
+            value = value.full_tensor()
+        step = torch.stack((value.double(), torch.stack(counts).double()), dim=1)
         self.stats = step if self.stats is None else self.stats + step
         return nll.sum() * (self.weight / len(self))
 

@@ -175,6 +175,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool, lo
             and model.lm_head.weight is model.tok_emb.weight)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # (LoRA: the base weights)
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, local_logits))
+    for m in model.modules():  # multi-head latent attention: its shared RoPE key's gradient, summed over TP
+        if isinstance(m, MLAttention):
+            m.tp_group = tp_mesh.get_group()
     for name, p in model.named_parameters():  # torch's SequenceParallel re-creates norm weights trainable
         if name in frozen:
             p.requires_grad_(False)
