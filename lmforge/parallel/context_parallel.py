@@ -50,6 +50,10 @@ Attention (`SequenceSharding.attention`, called by the model's attention through
   Documents: `data.mask_doc_boundaries` only ignores the targets whose input is end-of-document;
   attention spans the packed documents of a sequence with or without CP, so no path builds a
   document mask either.
+* Multi-head latent attention (lmforge.model.mla): the all-gather moves each token's latent and RoPE
+  key (kv_lora_rank + qk_rope_head_dim values, the same on every TP rank; DeepSeek-V3: 576 against
+  2 x 128 heads x 192 for its K/V), `gather`, and each rank expands the whole sequence's K and V from
+  them before the same chunked attention (`attend`); the gradients reduce-scatter back the same way.
 * GQA: the all-gather moves the KV heads as they are (kv_heads / tp per rank), and the kernels take
   them so (flash on CUDA and on the CPU: GQA native; only CUDA's memory-efficient fallback gets them
   expanded, above). Gathering along the sequence puts every KV head of the whole
