@@ -106,3 +106,4 @@ def test_mtp_layouts_it_does_not_run_on_are_refused_up_front(overrides, key):
 def test_mtp_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"model\.mtp_depth"):
         dataclasses.replace(CFG, mtp_depth=-1).check()
+

@@ -64,6 +64,11 @@ from lmforge.config import ModelConfig
 from lmforge.model.layers import KVCache, apply_rope, current_shard, window_mask, yarn_mscale
 
 
+# the latents' RMSNorm epsilon: DeepSeek's reference code and transformers' DeepseekV3Attention build
+# them with the norm's default 1e-6 whatever the model's rms_norm_eps (DeepSeek-V3's is 1e-6 too)
+LATENT_NORM_EPS = 1e-6
+
+
 def softmax_scale(cfg: ModelConfig) -> float:
     """MLA's attention scale: 1 / sqrt(qk head width), times mscale(factor, rope_mscale_all_dim)^2 under
     YaRN (DeepSeek-V3 and transformers' DeepseekV3Attention)."""
@@ -101,12 +106,12 @@ class MLAttention(nn.Module):
         heads = cfg.n_heads
         if m.q_lora_rank:
             self.wq_a = nn.Linear(cfg.dim, m.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(m.q_lora_rank, eps=cfg.norm_eps)
+            self.q_norm = nn.RMSNorm(m.q_lora_rank, eps=LATENT_NORM_EPS)
             self.wq_b = nn.Linear(m.q_lora_rank, heads * self.qk_dim, bias=False)
         else:
             self.wq = nn.Linear(cfg.dim, heads * self.qk_dim, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, self.rank + self.rope, bias=False)
-        self.kv_norm = nn.RMSNorm(self.rank, eps=cfg.norm_eps)
+        self.kv_norm = nn.RMSNorm(self.rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, cfg.dim, bias=False)
         self.scale = softmax_scale(cfg)
