@@ -46,13 +46,13 @@ def test_sequence_wise_loss_gradient_equals_autograd_of_the_papers_objective(rou
     idx = torch.topk(scores, 2, dim=-1).indices
     f = torch.bincount(idx.flatten(), minlength=6).float() / (len(x2) * 2)
     batch = 6 * (f * (scores / scores.sum(-1, keepdim=True)).mean(0)).sum()
-    seq = seq_balance_loss(layer, x).detach()
+    seq = seq_balance_loss(layer, x)
     ref = torch.autograd.grad((y * g).sum() + 0.2 * batch + 0.7 * seq, list(layer.parameters()))
     for a, b in zip(grads, ref):
         assert torch.allclose(a, b, atol=1e-5)
-    assert stats.seq_aux_loss == pytest.approx(float(seq), rel=1e-5)
-    assert stats.aux_loss == pytest.approx(float(batch), rel=1e-5)
-    assert moe_metrics({0: stats})["moe/0/seq_aux_loss"] == pytest.approx(float(seq), rel=1e-5)
+    assert stats.seq_aux_loss == pytest.approx(float(seq.detach()), rel=1e-5)
+    assert stats.aux_loss == pytest.approx(float(batch.detach()), rel=1e-5)
+    assert moe_metrics({0: stats})["moe/0/seq_aux_loss"] == pytest.approx(float(seq.detach()), rel=1e-5)
 
 
 def test_sequence_wise_loss_differs_from_the_batch_wise_one():
