@@ -551,7 +551,7 @@ class FinetuneConfig:
     lora_rank: int = _f(0, "LoRA rank; 0 = full fine-tuning (every weight trains).")
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) * B A.")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA branch input.")
-    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq. With model.fused_qkv: any of wq, wk, wv adapt those parts of the fused attn.wqkv as they would the separate layers; wqkv puts one adapter over the whole fused layer.")
+    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq; multi-head latent attention (model.mla) has wq_a, wq_b (or wq without a query latent), wkv_a, wkv_b and wo instead. With model.fused_qkv: any of wq, wk, wv adapt those parts of the fused attn.wqkv as they would the separate layers; wqkv puts one adapter over the whole fused layer.")
     merge_lora: bool = _f(True, "Fold the adapters into the weights before writing model.safetensors (a plain model for generate/eval/export).")
 
     def check(self) -> None:
