@@ -182,5 +182,6 @@ def test_every_readme_train_line_is_a_valid_config_as_written(tmp_path, monkeypa
             i = argv.index("--config")
             preset = argv[i + 1]
             del argv[i:i + 2]
-        cfg = load_config(preset, parse_cli_overrides(argv))
+        # as `lmforge train` loads it under its launch (dp_shard inferred for EP, the process count checked)
+        cfg = load_config(preset, parse_cli_overrides(argv), launch=(world, f"{world} processes started"))
         assert cfg.parallel.world_size == world, (args, cfg.parallel.world_size, world)

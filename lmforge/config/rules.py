@@ -184,6 +184,25 @@ def check_cross_section(cfg: "Config") -> None:
     check_pipeline(cfg)
     check_features(cfg)
     check_expert_parallel(cfg)
+    check_multi_token_prediction(cfg)
+
+
+def check_multi_token_prediction(cfg: "Config") -> None:
+    """model.mtp_depth: the modules shift each sequence by k tokens and reuse the embedding and the head,
+    so they need whole sequences and both ends of the model on one rank."""
+    m, p = cfg.model, cfg.parallel
+    if not m.mtp_depth:
+        return
+    for key, value, why in (("pp", p.pp, "the MTP modules need the embedding (first stage) and the head (last stage)"),
+                            ("cp", p.cp, "the MTP modules shift each sequence by k tokens across the CP chunks"),
+                            ("async_sgd", p.async_sgd, "its loop computes the language-model loss only")):
+        if value not in (1, False):
+            raise ConfigError(f"model.mtp_depth = {m.mtp_depth} is not supported with parallel.{key} = {value} yet "
+                              f"({why}); set model.mtp_depth = 0 or parallel.{key} to its default.")
+    if p.sequence_parallel:
+        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} is not supported with parallel.sequence_parallel = true "
+                          f"yet (the MTP modules' norms and projection are not sequence-parallel modules); set "
+                          f"parallel.sequence_parallel = false or model.mtp_depth = 0.")
 
 
 def check_expert_parallel(cfg: "Config") -> None:

@@ -33,7 +33,10 @@ class MoEConfig:
     router: Literal["softmax", "sigmoid"] = _f("softmax", "Router scores: softmax over the experts, top-k taken from it (Mixtral, Qwen3-MoE), or per-expert sigmoid scores with a selection bias (DeepSeek-V3; the bias moves only with bias_update_rate).")
     renormalize: bool = _f(True, "Divide the top-k weights of a token by their sum (Mixtral, Qwen3 norm_topk_prob, DeepSeek-V3); false = the raw softmax / sigmoid scores.")
     route_scale: float = _f(1.0, "Multiply the routed experts' weights by this (DeepSeek-V3 routed_scaling_factor 2.5).")
+    n_groups: int = _f(1, "Group-limited routing (DeepSeek-V3's node-limited routing: 8 groups): the experts are cut into this many equal groups; each token first picks model.moe.topk_groups groups by the sum of the two highest (biased) scores in each, then its top_k experts inside them. 1 = no groups. Must divide num_experts.")
+    topk_groups: int = _f(1, "Group-limited routing: the groups each token may route to (DeepSeek-V3 4 of 8). Ignored when model.moe.n_groups = 1; needs topk_groups x experts per group >= top_k.")
     aux_loss_coef: float = _f(0.01, "Coefficient of the load-balancing loss E * sum_i f_i P_i (Switch / Mixtral; f_i: share of the token-expert assignments to expert i, P_i: mean router probability), with f and P over the micro-batch's tokens of all data-parallel ranks (global-batch balancing, as Qwen3). 0 = off (DeepSeek-V3 uses the bias update instead).")
+    seq_aux_loss_coef: float = _f(0.0, "Coefficient alpha of DeepSeek-V3's complementary sequence-wise balance loss alpha * sum_i f_i P_i computed per sequence and averaged over the sequences (f_i = E / (top_k T) x the sequence's assignments to expert i, P_i = the mean over the sequence's T tokens of expert i's normalised score), beside the batch-wise aux_loss_coef. Its value (before alpha) is in the metrics as moe/<block>/seq_aux_loss. 0 = off (DeepSeek-V3: 0.0001).")
     z_loss_coef: float = _f(0.0, "Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE; 1e-3 there). 0 = off.")
     bias_update_rate: float = _f(0.0, "Auxiliary-loss-free balancing (DeepSeek-V3): after every optimizer step each expert's selection bias moves by this rate towards balance (+rate if the expert got fewer than the mean assignments in the step, -rate if more). The bias only changes which experts are chosen, not their weights. 0 = off (DeepSeek-V3: 1e-3).")
     capacity_factor: float = _f(0.0, "0 = dropless (every assignment is computed). > 0: each expert takes at most ceil(capacity_factor x tokens x top_k / num_experts) assignments of a micro-batch on a rank, in token order; the overflow is dropped (the token keeps only its residual and other experts) and counted in the metrics.")
@@ -50,8 +53,9 @@ class MoEConfig:
     def check(self, activation: str = "swiglu", n_layers: int | None = None) -> None:
         at_least(0, "model.moe", num_experts=self.num_experts, shared_experts=self.shared_experts,
                  first_dense=self.first_dense, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
-                 bias_update_rate=self.bias_update_rate, capacity_factor=self.capacity_factor)
-        at_least(1, "model.moe", top_k=self.top_k, every=self.every)
+                 bias_update_rate=self.bias_update_rate, capacity_factor=self.capacity_factor,
+                 seq_aux_loss_coef=self.seq_aux_loss_coef)
+        at_least(1, "model.moe", top_k=self.top_k, every=self.every, n_groups=self.n_groups, topk_groups=self.topk_groups)
         if not self.enabled:
             return
         if self.top_k > self.num_experts:
@@ -67,9 +71,58 @@ class MoEConfig:
         if n_layers is not None and self.first_dense >= n_layers:
             raise ConfigError(f"model.moe.first_dense = {self.first_dense} leaves no MoE block of model.n_layers = "
                               f"{n_layers}; lower first_dense or set model.moe.num_experts = 0.")
+        self.check_groups()
         if self.router == "softmax" and self.top_k == 1 and self.renormalize:
             raise ConfigError("model.moe.router = 'softmax' with top_k = 1 and renormalize = true gives every token "
                               "weight 1 and the router no gradient; set model.moe.renormalize = false (Switch).")
+
+    def check_groups(self) -> None:
+        """Rules of group-limited routing (n_groups, topk_groups)."""
+        if self.n_groups == 1:
+            return
+        if self.num_experts % self.n_groups:
+            raise ConfigError(f"model.moe.n_groups = {self.n_groups} must divide model.moe.num_experts = "
+                              f"{self.num_experts}; choose among {divisors(self.num_experts)}.")
+        per = self.num_experts // self.n_groups
+        if per < 2:
+            raise ConfigError(f"model.moe.n_groups = {self.n_groups} leaves {per} expert per group; a group is "
+                              f"scored by its two best experts: choose n_groups <= {self.num_experts // 2}.")
+        if not self.topk_groups <= self.n_groups or self.topk_groups * per < self.top_k:
+            raise ConfigError(f"model.moe.topk_groups = {self.topk_groups} must be <= n_groups = {self.n_groups} and "
+                              f"hold top_k = {self.top_k} experts ({per} per group): choose topk_groups >= "
+                              f"{-(-self.top_k // per)}.")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (`model.mla.*`; lmforge.model.mla; DeepSeek-V2 / V3): keys and values
+    come from one low-rank latent per token, queries optionally from another, and a narrow decoupled
+    RoPE key is shared by the heads, so a token's KV cache (and the context-parallel all-gather) is
+    kv_lora_rank + qk_rope_head_dim numbers instead of 2 x heads x head_dim. Off while kv_lora_rank = 0."""
+
+    kv_lora_rank: int = _f(0, "Width of the compressed key/value latent c_KV (an RMSNorm on it; DeepSeek-V3 512). 0 = standard attention (the other model.mla keys unused).")
+    q_lora_rank: int = _f(0, "Width of the compressed query latent c_Q (with its RMSNorm; DeepSeek-V3 1536). 0 = queries projected from the hidden state by one matrix (DeepSeek-V2-Lite).")
+    qk_nope_head_dim: int = _f(128, "Per-head width of the query and key parts without positions, up-projected from the latents (DeepSeek-V3 128).")
+    qk_rope_head_dim: int = _f(64, "Per-head width of the query part that carries RoPE, and the width of the decoupled RoPE key: one per token, projected from the hidden state and shared by every head (DeepSeek-V3 64). Even.")
+    v_head_dim: int = _f(128, "Per-head value width (DeepSeek-V3 128); the output projection takes n_heads x v_head_dim.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query / key head's width: the position-free part + the RoPE part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def check(self) -> None:
+        at_least(0, "model.mla", kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank)
+        if not self.enabled:
+            return
+        at_least(1, "model.mla", qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                 v_head_dim=self.v_head_dim)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.mla.qk_rope_head_dim = {self.qk_rope_head_dim} must be even (RoPE rotates pairs).")
 
 
 @dataclass
@@ -96,18 +149,30 @@ class ModelConfig:
     qkv_bias: bool | None = _f(None, "Biases on the q, k and v projections only (Qwen2 / Qwen2.5: true with bias = false). None = model.bias. Under tensor parallelism they are split with their weights (column-parallel).")
     fused_qkv: bool = _f(True, "One matmul for q, k and v (`attn.wqkv`) instead of three (`attn.wq/wk/wv`; false): measured 4.4% more tokens/s for GPT-2 124M on an H100 (benchmarks/RESULTS.md). Rows grouped by kv head (Megatron's layout: for each kv head g, g's query heads, then k_g, then v_g), so tensor parallelism splits it with a plain row split and checkpoints reshard across TP degrees. Same initial values as the separate projections; HF import/export map q_proj/k_proj/v_proj; checkpoints saved with the other layout load (converted on load). LoRA: targets naming any of wq, wk, wv (all, or some, e.g. wq,wv) put on those parts of the fused layer the adapters the separate layers would get (the same function, gradients, trainable count and initial values; checkpoints resume across layouts); 'wqkv' puts one adapter over all of it. Muon orthogonalises q, k and v apart, as it does the separate matrices (lmforge.optim.muon); element-wise optimizers (AdamW) update identically.")
     qk_norm: bool = _f(False, "QK-norm (Qwen3): an RMSNorm over head_dim (one weight of head_dim values, eps = model.norm_eps) applied to every query and key head before RoPE. Needs model.norm = 'rmsnorm'. Under tensor parallelism the weights are replicated and the heads sharded.")
-    rope_scaling: Literal["none", "llama3", "linear"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), or 'none'.")
+    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), 'yarn' (YaRN, DeepSeek-V3's context extension: the frequencies of dimensions that turn fewer than rope_beta_slow times over the original context divided by rope_factor, those that turn more than rope_beta_fast times kept, a linear ramp between; the cos / sin tables times the attention factor 0.1 ln(rope_factor) + 1 (or its ratio for rope_mscale / rope_mscale_all_dim), as transformers computes it), or 'none'.")
     rope_factor: float = _f(8.0, "rope_scaling 'llama3' / 'linear': the scaling factor (Llama 3.1: 8, Llama 3.2: 32). Must be >= 1.")
     rope_low_freq_factor: float = _f(1.0, "rope_scaling 'llama3' only: low-frequency factor (Llama 3.x: 1).")
     rope_high_freq_factor: float = _f(4.0, "rope_scaling 'llama3' only: high-frequency factor (Llama 3.x: 4). Must be > rope_low_freq_factor.")
-    rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' only: the context length the model was pre-trained at before scaling (Llama 3.x: 8192).")
+    rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' / 'yarn': the context length the model was pre-trained at before scaling (Llama 3.x: 8192, DeepSeek-V3: 4096).")
+    rope_beta_fast: float = _f(32.0, "rope_scaling 'yarn' only: dimensions turning more than this many times over the original context keep their frequency (YaRN beta, DeepSeek-V3: 32).")
+    rope_beta_slow: float = _f(1.0, "rope_scaling 'yarn' only: dimensions turning fewer than this many times are fully interpolated (YaRN alpha, DeepSeek-V3: 1).")
+    rope_mscale: float = _f(0.0, "rope_scaling 'yarn' only: with rope_mscale_all_dim, the attention factor applied to the cos / sin tables is mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), mscale(s, m) = 0.1 m ln(s) + 1 (DeepSeek-V3: 1 and 1, a factor of 1); 0 = unset (the factor is mscale(factor, 1)).")
+    rope_mscale_all_dim: float = _f(0.0, "rope_scaling 'yarn' only: see rope_mscale; also, in multi-head latent attention (model.mla), the softmax scale is multiplied by mscale(factor, rope_mscale_all_dim)^2, as DeepSeek-V3 does (DeepSeek-V3: 1). 0 = unset.")
     sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean (seq x keys) mask built per forward (per chunk under context parallelism), which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
     attn_head_dim: int | None = _f(None, "Width of each attention head; None = dim / n_heads. Set where heads x head_dim differs from dim (Qwen3-30B-A3B: 32 heads of 128 on dim 2048).")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
+    mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "Multi-head latent attention (off by default)."})
+    mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1; lmforge.model.mtp): D sequential modules after the main model; module k takes the previous depth's hidden states (the main model's for k = 1) and the embedding of the token k ahead, [RMSNorm(embedding); RMSNorm(hidden)] projected to dim, through one transformer block (MoE where model.moe makes block n_layers + k - 1 one), its own final norm and the shared output head, and predicts the token k + 1 ahead. The embedding and head are the main model's. Trained only (evaluation and generation ignore it); its losses per depth are in the metrics (mtp_loss_1 .. mtp_loss_D). 0 = off.")
+    mtp_loss_weight: float = _f(0.3, "lambda: the training objective is the language-model loss + lambda / D x the sum of the D depths' losses, each the summed NLL of its targets over the same token count as the main loss (the paper's 1/T). DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1.")
 
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: a head (or, with model.mla, the decoupled RoPE part of one)."""
+        return self.mla.qk_rope_head_dim if self.mla.enabled else self.head_dim
 
     @property
     def attn_qkv_bias(self) -> bool:
@@ -137,7 +202,7 @@ class ModelConfig:
                               f"n_heads among {divisors(self.dim)}, change dim, or set model.attn_head_dim.")
         if self.attn_head_dim is not None and self.attn_head_dim < 1:
             raise ConfigError(f"model.attn_head_dim = {self.attn_head_dim} must be >= 1 (or unset for dim / n_heads).")
-        if self.head_dim % 2 and self.pos_emb == "rope":
+        if self.head_dim % 2 and self.pos_emb == "rope" and not self.mla.enabled:
             raise ConfigError(f"RoPE needs an even head dimension, but model.dim / model.n_heads = {self.head_dim}.")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"model.n_kv_heads = {self.n_kv_heads} must divide model.n_heads = {self.n_heads}; "
@@ -148,6 +213,22 @@ class ModelConfig:
             raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1).")
         self.check_attention_options()
         self.moe.check(self.activation, self.n_layers)
+        self.mla.check()
+        self.check_mla()
+        at_least(0, "model", mtp_depth=self.mtp_depth, mtp_loss_weight=self.mtp_loss_weight)
+
+    def check_mla(self) -> None:
+        """What multi-head latent attention (model.mla) does not combine with."""
+        if not self.mla.enabled:
+            return
+        clash = {"pos_emb": (self.pos_emb, "rope"), "n_kv_heads": (self.n_kv_heads, None),
+                 "qk_norm": (self.qk_norm, False), "sliding_window": (self.sliding_window, 0),
+                 "bias": (self.bias, False), "qkv_bias": (self.attn_qkv_bias, False)}
+        for key, (value, needed) in clash.items():
+            if value != needed and not (key == "n_kv_heads" and value == self.n_heads):
+                raise ConfigError(f"model.{key} = {value!r} does not apply to multi-head latent attention "
+                                  f"(model.mla.kv_lora_rank = {self.mla.kv_lora_rank}); set model.{key} = "
+                                  f"{needed!r} or model.mla.kv_lora_rank = 0.")
 
     def check_attention_options(self) -> None:
         """Rules of the RoPE-scaling, QK-norm and sliding-window keys."""
@@ -157,8 +238,13 @@ class ModelConfig:
                                   f"model.rope_scaling = 'none' for learned positions.")
             if self.rope_factor < 1.0:
                 raise ConfigError(f"model.rope_factor = {self.rope_factor} must be >= 1.")
-        if self.rope_scaling == "llama3":
+        if self.rope_scaling in ("llama3", "yarn"):
             at_least(1, "model", rope_original_max_seq_len=self.rope_original_max_seq_len)
+        if self.rope_scaling == "yarn" and not 0 < self.rope_beta_slow < self.rope_beta_fast:
+            raise ConfigError(f"model.rope_beta_slow = {self.rope_beta_slow} and model.rope_beta_fast = "
+                              f"{self.rope_beta_fast} must satisfy 0 < slow < fast (YaRN, DeepSeek-V3: 1 and 32).")
+        at_least(0, "model", rope_mscale=self.rope_mscale, rope_mscale_all_dim=self.rope_mscale_all_dim)
+        if self.rope_scaling == "llama3":
             if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
                 raise ConfigError(f"model.rope_low_freq_factor = {self.rope_low_freq_factor} and "
                                   f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must satisfy "
@@ -480,7 +566,7 @@ class FinetuneConfig:
     lora_rank: int = _f(0, "LoRA rank; 0 = full fine-tuning (every weight trains).")
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) * B A.")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA branch input.")
-    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq. With model.fused_qkv: any of wq, wk, wv adapt those parts of the fused attn.wqkv as they would the separate layers; wqkv puts one adapter over the whole fused layer.")
+    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq; multi-head latent attention (model.mla) has wq_a, wq_b (or wq without a query latent), wkv_a, wkv_b and wo instead. With model.fused_qkv: any of wq, wk, wv adapt those parts of the fused attn.wqkv as they would the separate layers; wqkv puts one adapter over the whole fused layer.")
     merge_lora: bool = _f(True, "Fold the adapters into the weights before writing model.safetensors (a plain model for generate/eval/export).")
 
     def check(self) -> None:

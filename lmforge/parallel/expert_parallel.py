@@ -172,8 +172,9 @@ def moe_step(model: nn.Module, micro_batches: int, dp: int, out: dict) -> Iterat
 def moe_metrics(stats: dict[int, MoEStats]) -> dict[str, float | list[int]]:
     """Flat metrics of a step's MoE statistics (a host sync: read at log lines), per layer i:
     moe/i/tokens_per_expert (the step's (token, expert) assignments per expert, a list),
-    moe/i/max_load (the busiest expert's assignments / the mean: 1 = balanced), moe/i/aux_loss and
-    moe/i/z_loss (means over the micro-batches, before their coefficients), moe/i/dropped (assignments
+    moe/i/max_load (the busiest expert's assignments / the mean: 1 = balanced), moe/i/aux_loss,
+    moe/i/z_loss and moe/i/seq_aux_loss (the sequence-wise balance loss; means over the micro-batches,
+    before their coefficients), moe/i/dropped (assignments
     over capacity) and moe/i/dropped_frac (of all assignments)."""
     out: dict = {}
     for i, s in stats.items():
@@ -183,6 +184,7 @@ def moe_metrics(stats: dict[int, MoEStats]) -> dict[str, float | list[int]]:
         out[f"moe/{i}/max_load"] = float(load.max()) / mean if mean else 0.0
         out[f"moe/{i}/aux_loss"] = s.aux_loss
         out[f"moe/{i}/z_loss"] = s.z_loss
+        out[f"moe/{i}/seq_aux_loss"] = s.seq_aux_loss
         out[f"moe/{i}/dropped"] = s.dropped
         out[f"moe/{i}/dropped_frac"] = s.dropped / total if total else 0.0
     return out

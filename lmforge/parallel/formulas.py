@@ -111,6 +111,14 @@ def cp_kv_bytes(micro_batch: int, seq_len: int, kv_heads: int, head_dim: int, dt
     return 2 * micro_batch * seq_len * (kv_heads // tp) * head_dim * dtype_bytes
 
 
+def cp_latent_bytes(micro_batch: int, seq_len: int, latent_width: int, dtype_bytes: int) -> int:
+    """Context parallelism with multi-head latent attention (lmforge.model.mla): bytes of one layer's
+    gathered latent and RoPE key (`latent_width` = kv_lora_rank + qk_rope_head_dim per token, the same
+    on every TP rank) for the whole sequences of a micro-batch: what its all-gather moves in place of
+    K and V (`cp_kv_bytes`)."""
+    return micro_batch * seq_len * latent_width * dtype_bytes
+
+
 def cp_activation_bytes(single_rank_bytes: float, kv_bytes: float, cp: int) -> float:
     """Saved activations of one layer on one CP rank: the rank's 1/cp of the tokens, with the K/V of
     the whole sequence in place of its own share: (A - KV) / cp + KV, where A is the layer's

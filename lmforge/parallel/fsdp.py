@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.mtp import mtp_blocks
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.expert_parallel import shard_experts
 from lmforge.parallel.layout import ShardedLayout
@@ -116,7 +117,7 @@ def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str) ->
     if p.cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
     reshard = reshard_after_forward(cfg)
-    for block in model.blocks.values():
+    for block in [*model.blocks.values(), *mtp_blocks(model)]:  # (+ multi-token prediction's blocks)
         shard_experts(block, info, reshard_after_forward=reshard,  # (EP: over the expert replicas)
                       **{k: v for k, v in kw.items() if k != "mesh"})
         fully_shard(block, reshard_after_forward=reshard, **kw)

@@ -46,7 +46,7 @@ def lmforge_buffers(cfg: ModelConfig, layout: Layout, states: StageStates, seq_l
             # accumulated in fp32 (reduce_dtype), is held from the first micro-batch's backward on
             out["fsdp_accumulated_gradients"] = 4 * states.params
     if cfg.pos_emb == "rope":
-        out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
+        out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.rope_dim // 2) * 4  # (MLA: its RoPE part)
     return out
 
 

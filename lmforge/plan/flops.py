@@ -216,7 +216,7 @@ def cp_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, i
     layers of the rank's pipeline stage, with one more K/V all-gather per layer that activation
     checkpointing re-runs in backward (`formulas.recomputed_layers`)."""
     layers = model_cfg.n_layers // layout.pp
-    return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len), layout.cp, layers, layout.grad_accum,
+    return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len, gathered=True), layout.cp, layers, layout.grad_accum,
                          recomputed_layers(layout.ac, layers, layout.ac_every))
 
 
