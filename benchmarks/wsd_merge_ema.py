@@ -1,7 +1,8 @@
 """A WSD run on the CPU: merged stable-phase checkpoints and the EMA of the weights against the last
 stable checkpoint and the decayed final weights (issue 47).
 
-    python benchmarks/wsd_merge_ema.py --out /tmp/wsd [--steps 400] [--every 20] [--merge 4] [--ema-decay 0.98]
+    python benchmarks/wsd_merge_ema.py --out /tmp/wsd [--steps 400] [--every 20] [--merge 4] [--ema-decay 0.98] \
+        [--precision fp32] [--threads 1]
 
 1. `lmforge train` (the tiny preset on the default corpus) with a warmup-stable-decay schedule
    (schedule.decay_fraction 0.2: the stable phase ends at step S = 0.8 x steps), a checkpoint every
@@ -28,9 +29,12 @@ import time
 from pathlib import Path
 
 
-def lmforge(*args: str) -> str:
-    """Run `python -m lmforge ARGS`, return its stdout; stop with its output on failure."""
-    proc = subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True)
+def lmforge(*args: str, log: Path | None = None) -> str:
+    """Run `python -m lmforge ARGS`, return its stdout (also written to `log`); stop with its output on failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # (eval's threads too)
+    proc = subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True, env=env)
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         sys.exit(f"lmforge {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -44,7 +48,8 @@ def main() -> int:
     p.add_argument("--merge", type=int, default=4, help="stable-phase checkpoints to average (the last ones)")
     p.add_argument("--ema-decay", type=float, default=0.98)
     p.add_argument("--ema-start", type=int, default=100)
-    p.add_argument("--threads", type=int, default=0, help="train.threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=1, help="train.threads (0: torch's default, one per core)")
+    p.add_argument("--precision", default="fp32", help="train.precision (fp32: the same numbers on every CPU)")
     args = p.parse_args()
     out = Path(args.out)
     run = out / "run"
@@ -52,12 +57,14 @@ def main() -> int:
     if stable_end % args.every:
         sys.exit(f"the stable phase ends at step {stable_end}: choose --every dividing it")
     t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
     lmforge("train", "--schedule.name", "wsd", "--schedule.decay_fraction", "0.2", "--train.steps", str(args.steps),
             "--checkpoint.every_steps", str(args.every), "--checkpoint.keep_every", str(args.every),
             "--checkpoint.every_minutes", "0", "--train.ema_decay", str(args.ema_decay),
             "--train.ema_start_step", str(args.ema_start), "--train.eval_tasks", "shakespeare-cloze",
-            "--train.eval_tasks_every", "100", "--train.eval_sequences", "128", "--train.threads", str(args.threads), "--train.progress", "lines",
-            "--train.out_dir", str(run))
+            "--train.eval_tasks_every", "100", "--train.eval_sequences", "128", "--train.threads", str(args.threads),
+            "--train.precision", args.precision, "--train.progress", "lines", "--train.out_dir", str(run),
+            log=out / "train.log")
     train_s = time.time() - t0
     merged = [stable_end - i * args.every for i in reversed(range(args.merge))]
     candidates = {  # name -> (run folder, `lmforge eval` flags)
