@@ -8,14 +8,17 @@ sequence parallelism) and EP2 x CP2, and must match the one-process run in every
 loss and gradient norm (before clipping) to 1e-5 relative: fp32, the same seed, data and global
 batch; only the reduction order differs. Every layout has 2 micro-batches per step whose union over
 the data-parallel ranks is the one-process micro-batch (the loader's global sample order), so the
-global-batch aux loss is the same objective.
+global-batch aux loss is the same objective. The EMA of the weights (the experts' EP x FSDP2 shards
+among them), an in-loop task and merging the checkpoints match too (test_parallel_dp.py's
+`assert_extras_match`).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.test_parallel_dp import SGD, assert_runs_match, corpus, losses, train_runs  # noqa: F401
+from tests.test_parallel_dp import (EMA, SGD, assert_extras_match, assert_runs_match, corpus,  # noqa: F401
+                                    losses, tasks, train_runs)
 
 MOE = {"model.n_layers": 2, "model.tie_embeddings": "false", "model.moe.num_experts": 4, "model.moe.top_k": 2,
        "model.moe.expert_hidden": 64, "model.moe.shared_experts": 1, "model.moe.aux_loss_coef": 0.05,
@@ -26,7 +29,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("ep-single") / "sgd"
-    proc = train_runs(corpus, {out: {}}, **MOE, **{"train.micro_batch_size": 4})
+    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}}, **MOE, **{"train.micro_batch_size": 4})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(out)) == list(range(1, 9))
     return out
@@ -48,10 +51,11 @@ LAYOUTS = {  # name: (processes, overrides); 2 micro-batches of 4 sequences over
 def test_expert_parallel_layout_matches_one_process(corpus, reference, tmp_path, layout):  # noqa: F811
     nproc, extra = LAYOUTS[layout]
     out = tmp_path / layout
-    proc = train_runs(corpus, {out: {}}, nproc=nproc, timeout=300, **MOE, **extra)
+    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}}, nproc=nproc, timeout=300, **MOE, **extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "expert parallel: 4 experts per MoE layer over ep = 2 ranks (2 each)" in proc.stdout + proc.stderr
     assert_runs_match(out, reference, f"{layout}, SGD without clipping, vs one process", tol=TOL)
+    assert_extras_match(out, reference, f"{layout} vs one process", tol=TOL)  # the EMA of the experts' shards too
     from lmforge.ckpt.export import load_run
 
     _, model = load_run(out)  # the streamed weights: every expert, gathered from the EP ranks
