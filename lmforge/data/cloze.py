@@ -30,11 +30,12 @@ _WORD = re.compile(r"^[A-Za-z][A-Za-z',;:.!?-]*$")
 
 
 def held_out_lines(val_docs: list[str], train_text: str) -> list[tuple[str, str]]:
-    """(previous line, line) of the usable verse lines in the second half of each held-out tail,
-    dropping lines that occur in `train_text`."""
+    """(previous line, line) of the usable verse lines in the second half of each held-out tail, with
+    their whitespace made single spaces, dropping lines that occur in `train_text` (so spaced too)."""
+    train_text = " ".join(train_text.split())
     out = []
     for doc in val_docs:
-        lines = [ln.strip() for ln in doc.splitlines()]
+        lines = [" ".join(ln.split()) for ln in doc.splitlines()]
         lines = lines[1 + len(lines) // 2:]  # (the tail's first line may start mid-word: never used)
         for prev, line in zip(lines, lines[1:]):
             words = line.split()
