@@ -66,6 +66,9 @@ DATASET_RECORD = "dataset.json"  # a cached dataset of `prepare_texts` (its pres
 SHARD_FORMAT = "lmforge-token-shards"
 SHARD_FORMAT_VERSION = 1
 
+# ---- tasks shipped with lmforge (lmforge/data/tasks/, `lmforge eval --mc NAME`, train.eval_tasks) ------
+BUILTIN_TASKS = {"shakespeare-cloze": "data/tasks/shakespeare_cloze.jsonl"}  # name -> file, under the package
+
 # ---- Hugging Face transformers model folder ------------------------------------------------
 HF_CONFIG = "config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # its special tokens (eos/bos/pad), also kept beside an imported run's tokenizer.json

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 
 def _numbers(text: str, kind) -> list:
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def merge_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    missing = [s for s in args.sources if not Path(s).is_dir()]
+    if missing:  # (before torch is imported: a wrong path answers at once)
+        print(f"error: {missing[0]!r} is not a folder (a run folder or a checkpoint folder).", file=sys.stderr)
+        return 2
     from lmforge.ckpt.merge import merge_checkpoints, select_checkpoints
 
     try:

@@ -85,7 +85,7 @@ def _stream_tokens(opts: EvalOptions, cfg, tokenizer) -> tuple[str, Any]:
 def run_eval(opts: EvalOptions) -> dict[str, Any]:
     """Load the run, compute what `opts` asks for, and return the results as a dict."""
     check_run_folder(opts.ckpt)  # the folder and the files named, before torch is imported
-    from lmforge.eval.tasks import BUILTIN_TASKS
+    from lmforge.folders import BUILTIN_TASKS
 
     for flag, path in [("--text", opts.text), ("--data", opts.data), ("--bleu", opts.bleu)] + [
             ("--mc", m) for m in opts.mc if m not in BUILTIN_TASKS]:

@@ -6,7 +6,7 @@ by the log-probability of its tokens after the context; ``acc`` picks the highes
 ``acc_norm`` the highest sum per UTF-8 byte of the choice (lm-evaluation-harness's definition),
 which removes the bias towards short answers. Choices usually start with a space (" Paris").
 
-A task is a file, or the name of one shipped with lmforge (`BUILTIN_TASKS`; `resolve_task`):
+A task is a file, or the name of one shipped with lmforge (lmforge.folders.BUILTIN_TASKS; `resolve_task`):
 ``shakespeare-cloze`` is a 4-way cloze built from the default corpus's validation text (the part
 `data.val_fraction` holds out, never trained on; lmforge/data/tasks/README.md says how).
 """
@@ -21,16 +21,15 @@ from pathlib import Path
 import torch
 
 from lmforge.data.jsonl import read_records
+from lmforge.folders import BUILTIN_TASKS
 from lmforge.model.loss import IGNORE_INDEX, token_nll_sum
 
 
-BUILTIN_TASKS = {"shakespeare-cloze": "shakespeare_cloze.jsonl"}  # name -> file in lmforge/data/tasks/
-
-
 def resolve_task(name_or_path: str) -> Path:
-    """The file of a task: a shipped task's name (`BUILTIN_TASKS`) or a path; ValueError when neither."""
+    """The file of a task: a shipped task's name (lmforge.folders.BUILTIN_TASKS) or a path; ValueError
+    when neither."""
     if name_or_path in BUILTIN_TASKS:
-        return Path(__file__).resolve().parents[1] / "data" / "tasks" / BUILTIN_TASKS[name_or_path]
+        return Path(__file__).resolve().parents[1] / BUILTIN_TASKS[name_or_path]
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(f"task {name_or_path!r} is neither a file nor a task shipped with lmforge "
