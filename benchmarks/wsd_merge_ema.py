@@ -86,8 +86,13 @@ def main() -> int:
         ppl, mc = r["perplexity"], r["multiple_choice"]["shakespeare-cloze"]
         rows.append(f"| {name} | {ppl['loss']:.4f} | {ppl['perplexity']:.1f} | {mc['acc']:.3f} | {mc['acc_norm']:.3f} |")
     summary = json.loads((run / "summary.json").read_text())
-    note = (f"\n{args.steps} steps x {summary['tokens'] // args.steps:,} tokens, training {train_s / 60:.1f} min "
-            f"({summary['tokens_per_second']:,.0f} tokens/s), {os.cpu_count()} CPUs; validation: "
+    tasks = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval_tasks_s" in line]
+    steps = [json.loads(line)["window_step_time_s"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "window_step_time_s" in line]
+    note = (f"\n{args.steps} steps x {summary['tokens'] // args.steps:,} tokens, training {summary['seconds'] / 60:.1f} "
+            f"min ({summary['tokens_per_second']:,.0f} tokens/s, {sum(steps) / len(steps):.2f} s a step; this "
+            f"command {train_s / 60:.1f} min), {os.cpu_count()} CPUs; in-loop task evaluations (200 items, 800 "
+            f"continuations): {', '.join('%.1f' % r['eval_tasks_s'] for r in tasks)} s; validation: "
             f"{ppl['tokens']:,} tokens in windows of 128; chance on the task 0.250 (400 items).")
     table = "\n".join(rows) + "\n" + note
     (out / "table.md").write_text(table + "\n")
