@@ -11,7 +11,9 @@ backward in the input pass and the experts' weight gradients later), EP2 with TP
 loss and gradient norm (before clipping) to 1e-5 relative: fp32, the same seed, data and global
 batch; only the reduction order differs. Every layout has 2 micro-batches per step whose union over
 the data-parallel ranks is the one-process micro-batch (the loader's global sample order), so the
-global-batch aux loss is the same objective.
+global-batch aux loss is the same objective. The EMA of the weights (the experts' EP x FSDP2 shards
+among them), an in-loop task and merging the checkpoints match too (test_parallel_dp.py's
+`assert_extras_match`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import re
 import pytest
 
 from lmforge.config import ConfigError, load_config
-from tests.test_parallel_dp import SGD, assert_runs_match, corpus, losses, train_runs  # noqa: F401
+from tests.test_parallel_dp import (EMA, SGD, assert_extras_match, assert_runs_match, corpus,  # noqa: F401
+                                    losses, tasks, train_runs)
 
 MOE = {"model.n_layers": 2, "model.tie_embeddings": "false", "model.moe.num_experts": 4, "model.moe.top_k": 2,
        "model.moe.expert_hidden": 64, "model.moe.shared_experts": 1, "model.moe.aux_loss_coef": 0.05,
@@ -32,7 +35,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("ep-single") / "sgd"
-    proc = train_runs(corpus, {out: {}}, **MOE, **{"train.micro_batch_size": 4})
+    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}}, **MOE, **{"train.micro_batch_size": 4})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(out)) == list(range(1, 9))
     return out
@@ -58,7 +61,7 @@ LAYOUTS = {  # name: (processes, overrides); 2 micro-batches of 4 sequences over
 def test_expert_parallel_layout_matches_one_process(corpus, reference, tmp_path, layout):  # noqa: F811
     nproc, extra = LAYOUTS[layout]
     out = tmp_path / layout
-    proc = train_runs(corpus, {out: {}}, nproc=nproc, timeout=300, **MOE, **extra)
+    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}}, nproc=nproc, timeout=300, **MOE, **extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert "expert parallel: 4 experts per MoE layer over ep = 2 ranks (2 each)" in log
@@ -66,6 +69,7 @@ def test_expert_parallel_layout_matches_one_process(corpus, reference, tmp_path,
     if extra.get("parallel.dp_replicate"):
         assert "HSDP (2 replicas x 2 shards)" in log and "replicated over dp_replicate = 2 replica groups" in log
     assert_runs_match(out, reference, f"{layout}, SGD without clipping, vs one process", tol=TOL)
+    assert_extras_match(out, reference, f"{layout} vs one process", tol=TOL)  # the EMA of the experts' shards too
     from lmforge.ckpt.export import load_run
 
     _, model = load_run(out)  # the streamed weights: every expert, gathered from the EP ranks

@@ -6,7 +6,8 @@ on different ranks). Every layout sees the same seed, data and global batch (8 s
 tokens per step, micro-batches of 2) as the one-process reference, which runs once per module; the
 per-step training losses and gradient norms (before clipping) of 20 steps must agree to 1e-5
 relative (fp32; only the reduction order differs), and so must the validation losses (computed on
-the sharded model itself, lmforge.parallel.inference). `data.mask_doc_boundaries = true` makes
+the sharded model itself, lmforge.parallel.inference), the EMA of the weights, its validation loss
+and the scores of an in-loop multiple-choice task (tests/test_parallel_dp.py's `assert_extras_match`). `data.mask_doc_boundaries = true` makes
 micro-batches hold unequal token counts, so the global-token-count normalisation is exercised. These runs use AdamW clipped at 1.0,
 whose loss curve sees the overall scale of the gradient only weakly; the gradient norm sees it
 directly, and the launches of `WITH_SGD` also train 6 steps of plain SGD without clipping
@@ -29,8 +30,8 @@ import pytest
 import torch
 
 from lmforge.config import ConfigError, load_config
-from tests.test_parallel_dp import (SGD, assert_runs_match, corpus,  # noqa: F401  (module-scoped corpus fixture)
-                                    losses, train, train_runs)
+from tests.test_parallel_dp import (EMA, SGD, assert_extras_match, assert_runs_match,  # noqa: F401
+                                    corpus, losses, tasks, train, train_runs)  # (corpus: module-scoped fixture)
 
 # The separate q/k/v projections (model.fused_qkv = false): at this seed the fused layout's one
 # larger matmul rounds differently in one process and in TP's halves, and step 7's gradient-norm
@@ -51,7 +52,7 @@ def val_losses(run: Path) -> list[float]:
 def reference(corpus, tmp_path_factory) -> Path:  # noqa: F811
     """One process: ROOT/adamw (the preset's optimizer, 20 steps) and ROOT/sgd (`SGD`), one launch."""
     root = tmp_path_factory.mktemp("mp-single")
-    proc = train_runs(corpus, {root / "adamw": {}, root / "sgd": SGD}, **MP)
+    proc = train_runs(corpus, {root / "adamw": {**EMA, **tasks(corpus)}, root / "sgd": SGD}, **MP)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(root / "adamw")) == list(range(1, 21))
     return root
@@ -99,10 +100,11 @@ def test_model_parallel_layout_matches_one_process(corpus, reference, tmp_path, 
     nproc, extra = LAYOUTS[layout]
     out, sgd = tmp_path / layout, tmp_path / "sgd"
     also = {tmp_path / name: own for name, own in ALSO.get(layout, {}).items()}
-    runs = {out: extra, **({sgd: {**extra, **SGD}} if layout in WITH_SGD else {}), **also}
+    runs = {out: {**extra, **EMA, **tasks(corpus)}, **({sgd: {**extra, **SGD}} if layout in WITH_SGD else {}), **also}
     proc = train_runs(corpus, runs, nproc=nproc, timeout=300 + 150 * len(also), **MP)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_runs_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)
+    assert_extras_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)  # EMA, tasks, merge
     if layout in WITH_SGD:
         assert_runs_match(sgd, reference / "sgd", f"{layout}, SGD without clipping, vs one process", tol=TOL)
     for run in also:

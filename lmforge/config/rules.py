@@ -394,6 +394,10 @@ def check_features(cfg: "Config") -> None:
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError("train.fp8 = true needs the torchao package (torchao.float8), which is not "
                               "installed: `pip install torchao`, or set train.fp8 = false.")
+    if p.async_sgd and (t.ema_decay or t.eval_tasks):
+        key = "train.ema_decay" if t.ema_decay else "train.eval_tasks"
+        raise ConfigError(f"{key} is not supported with parallel.async_sgd = true (the parameter server's loop keeps "
+                          f"no EMA and scores no tasks); unset {key} or use a synchronous layout.")
     if p.async_sgd and cfg.checkpoint.every_steps:
         raise ConfigError("parallel.async_sgd = true does not write periodic checkpoints (the parameter "
                           "server's state is not checkpointed yet; checkpoint.every_minutes is ignored); set "

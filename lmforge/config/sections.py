@@ -374,6 +374,12 @@ class TrainConfig:
     hang_action: Literal["exit", "wait"] = _f("exit", "Hang watchdog: after writing the stacks, exit with code 76 (the launcher ends the other ranks; a scheduler restarts from the last checkpoint), or keep waiting (the collective timeout ends the run).")
     profile_steps: str = _f("", "Trace these optimizer steps with torch.profiler, e.g. '10-12' or '5,20' (1-based; empty = off); traces go to <out_dir>/profile.")
     plot: bool = _f(True, "At the end of training, write loss/LR/grad-norm/throughput plots (PNG) into <out_dir>/report when matplotlib is installed.")
+    ema_decay: float = _f(0.0, "Exponential moving average of the weights (lmforge.train.ema): after the optimizer step, ema = decay x ema + (1 - decay) x weights, in fp32, every rank holding the EMA of its own shards (FSDP2 / TP / PP / EP: 4 bytes per parameter of its share; `lmforge plan` counts it). Saved in checkpoints, validated beside the live weights at every validation (val_loss_ema), written at the end as <out_dir>/model.ema.safetensors (`lmforge export --ema`, `lmforge eval --ema`). 0 = off; e.g. 0.99 averages over ~100 updates, 0.999 over ~1000.")
+    ema_start_step: int = _f(0, "EMA: the first optimizer step it includes: at that step the EMA starts as a copy of the weights (leave out warmup, or start it with a WSD schedule's stable phase).")
+    ema_every: int = _f(1, "EMA: update it after every this many optimizer steps (the decay applies per update, so it averages over ~ema_every / (1 - ema_decay) steps).")
+    eval_tasks: str = _f("", "Zero-shot multiple-choice tasks scored inside training (lmforge.train.eval_tasks), comma-separated: local jsonl files in `lmforge eval --mc`'s format, or 'shakespeare-cloze' (shipped with lmforge: a 4-way cloze built from the default corpus's validation text, never trained on). Accuracy and byte-normalised accuracy go to metrics.jsonl, TensorBoard and the report; they run on the sharded model. Nothing is downloaded. '' = none.")
+    eval_tasks_every: int = _f(0, "Score train.eval_tasks every this many optimizer steps (0 = at every validation, train.eval_every); also before the first step and at the end.")
+    eval_tasks_max_examples: int = _f(200, "Score at most the first N items of each task (bounds the cost: the run's log states each evaluation's items, forward passes and seconds).")
 
     def check(self) -> None:
         at_least(1, "train", steps=self.steps, global_batch_size=self.global_batch_size, ac_every=self.ac_every,
@@ -383,6 +389,11 @@ class TrainConfig:
             raise ConfigError(f"train.straggler_ratio = {self.straggler_ratio} must be > 1 (a rank slower than this x "
                               f"the median is named; e.g. 1.2).")
         at_least(0, "train", hang_factor=self.hang_factor, hang_min_s=self.hang_min_s)
+        at_least(0, "train", ema_start_step=self.ema_start_step, eval_tasks_every=self.eval_tasks_every)
+        at_least(1, "train", ema_every=self.ema_every, eval_tasks_max_examples=self.eval_tasks_max_examples)
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"train.ema_decay = {self.ema_decay} must be in [0, 1): 0 = no EMA of the weights, "
+                              f"e.g. 0.999 to average over ~1000 updates.")
         at_least(0, "train", eval_every=self.eval_every, sample_tokens=self.sample_tokens, threads=self.threads,
                   **({} if self.loss_chunk == "auto" else {"loss_chunk": self.loss_chunk}))
         if self.fp8 and self.device == "cpu":

@@ -468,12 +468,13 @@ HF_FILES = (HF_CONFIG, "generation_config.json", WEIGHTS, TOKENIZER, TOKENIZER_C
 
 
 def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, tokenizer=None,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, ema: bool = False) -> Path:
     """Write a transformers folder (config.json, generation_config.json, model.safetensors, and
     tokenizer.json + tokenizer_config.json when a tokenizer is known) for an lmforge run folder or
     model. `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained`
     then load it offline. `tokenizer`: an lmforge Tokenizer (default: the run's tokenizer.json).
-    Existing files are replaced only with `overwrite`; a run folder is never written into."""
+    Existing files are replaced only with `overwrite`; a run folder is never written into. `ema`: the
+    run's EMA of the weights (train.ema_decay: model.ema.safetensors) instead of its weights."""
     from lmforge.data.tokenizer import Tokenizer
 
     # every check before the first write: a refused export creates nothing (no empty --out folder)
@@ -483,7 +484,7 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
         cfg, weights = run_or_model.cfg, WeightReader.of_model(run_or_model)
     else:
         run_dir = Path(run_or_model)
-        cfg, weights = run_weights(run_dir)
+        cfg, weights = run_weights(run_dir, ema=ema)
         if tokenizer is None and (run_dir / TOKENIZER).is_file():
             tokenizer = Tokenizer.load(run_dir / TOKENIZER)
     ids = {}

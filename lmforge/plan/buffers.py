@@ -71,7 +71,7 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     specs = stage_specs(cfg, layout.pp, stage, layout.last_rank)
     largest = 4 * max(math.prod(spec.shape) for spec in specs)
     keeps_grads = not layout.fsdp and layout.shard_ranks > 1  # DDP / ZeRO-1: gradients are the buckets
-    persistent = comp["weights"] + comp["master_weights"] + comp["optimizer_states"] + \
+    persistent = comp["weights"] + comp["master_weights"] + comp["optimizer_states"] + comp.get("ema", 0.0) + \
         (comp["gradients"] if keeps_grads else 0.0) + buffers.get("rope_tables", 0.0)
     half = 4 if layout.precision == "fp32" else 2
     # evaluation's loss (lmforge.eval.perplexity): the 16-bit logits, their fp32 copy (fp32 runs: the

@@ -45,6 +45,7 @@ class Layout:
     loss_chunk: int = 0           # train.loss_chunk as resolved (`planned_loss_chunk`): 0 = plain logits +
     #                               F.cross_entropy, N = the head fused with the loss over N-token chunks
     compile: bool = True          # train.compile as resolved (`planned_compile`): per-block torch.compile
+    ema: bool = False             # an fp32 EMA of the weights (train.ema_decay > 0), held like the weights
 
     @property
     def world_size(self) -> int:
@@ -168,6 +169,8 @@ class Layout:
             s += ",precision=bf16-pure"
         if not self.compile:
             s += ",compile=0"
+        if self.ema:
+            s += ",ema=1"
         return s
 
     _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
@@ -177,12 +180,12 @@ class Layout:
              "ac_every": "ac_every", "offload": "cpu_offload", "cpu_offload": "cpu_offload",
              "precision": "precision", "dtype": "precision", "reduce_every": "fsdp_reduce_every_micro_batch",
              "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch", "ep": "ep",
-             "loss_chunk": "loss_chunk", "compile": "compile"}
+             "loss_chunk": "loss_chunk", "compile": "compile", "ema": "ema"}
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
         """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
-        ac_every offload precision reduce_every ep loss_chunk compile); unknown keys or bad values raise
+        ac_every offload precision reduce_every ep loss_chunk compile ema); unknown keys or bad values raise
         ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
@@ -192,7 +195,7 @@ class Layout:
             field_name = cls._KEYS.get(key.lower())
             if field_name is None:
                 raise ValueError(f"unknown layout key {key!r}; valid: {', '.join(sorted(set(cls._KEYS)))}")
-            if field_name in ("sp", "cpu_offload", "fsdp_reduce_every_micro_batch", "compile"):
+            if field_name in ("sp", "cpu_offload", "fsdp_reduce_every_micro_batch", "compile", "ema"):
                 if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
                     raise ValueError(f"layout {key} = {value!r} must be 0/1/true/false")
                 kw[field_name] = value.lower() in ("1", "true", "yes")
