@@ -164,3 +164,13 @@ def test_eval_defaults_to_the_runs_validation_shards(trained, tmp_path, monkeypa
     monkeypatch.setattr(components, "prepare_data", lambda cfg: (_ for _ in ()).throw(OSError("no network")))
     with pytest.raises(ValueError, match="could not open the run's validation data .*no network.*--data"):
         run_eval(EvalOptions(ckpt=str(run), samples=0))
+
+
+def test_score_mc_normalises_by_bytes():
+    """acc takes the highest summed log-probability, acc_norm the highest per byte of the choice."""
+    from lmforge.eval.tasks import MCItem, score_mc
+
+    items = [MCItem(context="x", choices=[" a", " a much longer answer"], label=1)]
+    # raw: -2 (2 bytes) beats -8 (21 bytes); per byte: -8/21 = -0.38 beats -2/2 = -1
+    assert score_mc(items, [-2.0, -8.0]) == {"acc": 0.0, "acc_norm": 1.0, "n": 1}
+    assert score_mc(items, [-9.0, -8.0]) == {"acc": 1.0, "acc_norm": 1.0, "n": 1}
