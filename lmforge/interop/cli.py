@@ -1,6 +1,8 @@
 """`lmforge export` and `lmforge import`: run folders to and from Hugging Face transformers folders.
 
-    lmforge export --run RUN_DIR --out HF_DIR [--dtype bf16]   # config.json + model.safetensors + tokenizer files
+    lmforge export --run RUN_DIR --out HF_DIR     # config.json + model.safetensors + tokenizer files
+    lmforge export --run RUN_DIR --out HF_DIR --ema   # the EMA of the weights (train.ema_decay)
+    lmforge export --run RUN_DIR --out HF_DIR --dtype bf16   # the weights rounded once to bf16
     lmforge import --hf HF_DIR --out RUN_DIR      # config.toml + model.safetensors + tokenizer.json
 """
 
@@ -10,19 +12,23 @@ import argparse
 import sys
 
 
-def _run(argv: list[str], prog: str, description: str, source: str, source_help: str, convert) -> int:
-    """Parse `--<source> PATH --out DIR`, run `convert(path, out)`, print the result or the error."""
+def _run(argv: list[str], prog: str, description: str, source: str, source_help: str, convert,
+         export: bool = False) -> int:
+    """Parse `--<source> PATH --out DIR` (and export's `--ema` / `--dtype` where `export`), run
+    `convert(path, out, ...)`, print the result or the error."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument(f"--{source}", *(("--ckpt",) if source == "run" else ()), dest=source, required=True,
                    metavar="RUN_DIR" if source == "run" else "HF_DIR", help=source_help)
     p.add_argument("--out", required=True, help="output folder (new or empty)")
     p.add_argument("--force", action="store_true", help="replace files already in --out")
-    if source == "run":
+    if export:
+        p.add_argument("--ema", action="store_true", help="export the EMA of the weights (a run trained with "
+                       "train.ema_decay: model.ema.safetensors, or its newest checkpoint's) instead of the weights")
         p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                        help="dtype of the exported floating-point weights (default: as the run's model.safetensors)")
     args = p.parse_args(argv)
     try:
-        extra = {"dtype": args.dtype} if source == "run" else {}
+        extra = {"ema": args.ema, "dtype": args.dtype} if export else {}
         out = convert(getattr(args, source), args.out, overwrite=args.force, **extra)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -32,17 +38,17 @@ def _run(argv: list[str], prog: str, description: str, source: str, source_help:
 
 
 def export_main(argv: list[str]) -> int:
-    def export(run, out, overwrite, dtype):
+    def export(run, out, overwrite, ema, dtype):
         from lmforge.folders import CHECKPOINTS, check_run_folder
 
         check_run_folder(run, has_checkpoint=lambda d: (d / CHECKPOINTS).is_dir())  # before torch; verified later
         from lmforge.interop.hf import export_hf
 
-        return export_hf(run, out, overwrite=overwrite, dtype=dtype)
+        return export_hf(run, out, overwrite=overwrite, ema=ema, dtype=dtype)
 
     return _run(argv, "lmforge export", "Write a run as a transformers folder (Llama, Qwen2, Qwen3, Mistral, "
                 "Mixtral, Qwen3-MoE or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
-                "lmforge run folder (config.toml + model.safetensors)", export)
+                "lmforge run folder (config.toml + model.safetensors)", export, export=True)
 
 
 def import_main(argv: list[str]) -> int:
