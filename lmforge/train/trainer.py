@@ -335,6 +335,7 @@ class Trainer:
         try:
             self.preemption.install()
             self.setup()
+            self.run_lock.running = True  # (another trainer of this process may not take the folder now)
             result = self.report_finished() if self.finished else self.train()
             self.end_together()
             return result
