@@ -252,6 +252,11 @@ NUMERICS = {**SMALL, "train.global_batch_size": 8, "train.micro_batch_size": 4, 
             "train.eval_every": 0, "train.eval_sequences": 32, "train.log_every": 1, "train.sample_tokens": 0,
             "train.tensorboard": False, "train.plot": False, "train.progress": "none", "schedule.warmup_steps": 6,
             "optim.lr": 3e-3, "checkpoint.save_final": False, "checkpoint.every_minutes": 0}
+# The test's own runs (CPU, torch 2.13), 10-step average loss, max relative difference over 60 steps:
+# bf16-pure vs bf16 autocast of the same seed 8.9e-4, autocast seed 1337 vs seed 7 7.4e-2; final
+# validation loss 1.4346 vs 1.4343. The bound leaves 11x over the measured difference (300 steps:
+# benchmarks/bf16_pure_numerics.py, benchmarks/RESULTS.md, 2.7e-3 / 3.2e-3 on the 20-step average).
+PURE_VS_AUTOCAST_TOL = 1e-2
 
 
 def moving_average(losses: dict[int, float], window: int = 10) -> dict[int, float]:
@@ -264,9 +269,9 @@ def moving_average(losses: dict[int, float], window: int = 10) -> dict[int, floa
 def test_bf16_pure_trains_like_autocast_within_the_seed_to_seed_spread(small_data, tmp_path):
     """60 steps of a small Llama-style model: bf16-pure's loss curve (10-step moving average) stays
     closer to bf16 autocast's of the same seed than two autocast runs of different seeds stay to
-    each other (the tolerance the run measures for itself), and its final validation loss is within
-    1% of autocast's. The 300-step measurement on the tiny preset and a GPT-2-style model is
-    benchmarks/bf16_pure_numerics.py (benchmarks/RESULTS.md)."""
+    each other (the issue's tolerance, measured by the test itself) and within PURE_VS_AUTOCAST_TOL,
+    and its final validation loss is within 1% of autocast's. The 300-step measurement on the tiny
+    preset and a GPT-2-style model is benchmarks/bf16_pure_numerics.py (benchmarks/RESULTS.md)."""
     import json
 
     from lmforge.train.trainer import Trainer
@@ -275,7 +280,9 @@ def test_bf16_pure_trains_like_autocast_within_the_seed_to_seed_spread(small_dat
         out = tmp_path / name
         Trainer(load_config("tiny", {**NUMERICS, **extra}), out_dir=out, data=small_data).fit()
         recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return moving_average({r["step"]: r["loss"] for r in recs if "loss" in r}), recs[-1]["val_loss"]
+        losses = {r["step"]: r["loss"] for r in recs if "loss" in r}
+        assert sorted(losses) == list(range(1, 61))
+        return moving_average(losses), recs[-1]["val_loss"]
 
     (auto_a, val_a), (auto_b, _) = run("a", **{"train.precision": "bf16"}), \
         run("b", **{"train.precision": "bf16", "train.seed": 7})
@@ -284,7 +291,7 @@ def test_bf16_pure_trains_like_autocast_within_the_seed_to_seed_spread(small_dat
     apart = max(abs(pure[s] - auto_a[s]) / auto_a[s] for s in auto_a)
     print(f"\n10-step average loss, max relative difference: autocast seed vs seed {spread:.2e}, "
           f"bf16-pure vs autocast {apart:.2e}; final val loss {val_pure:.4f} vs {val_a:.4f}")
-    assert apart < spread, (apart, spread)
+    assert 0 < apart < min(spread, PURE_VS_AUTOCAST_TOL), (apart, spread)
     assert abs(val_pure - val_a) / val_a < 0.01, (val_pure, val_a)
 
 
