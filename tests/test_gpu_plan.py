@@ -72,6 +72,37 @@ def test_functional_rows_pin_compile_off_and_the_1b_row_runs_without_checkpointi
         assert any(x.startswith("train.compile=") for x in specs[name].args["sets"]), name
 
 
+ISSUE_43 = ["gpt2-bf16-pure", "gpt2-bf16-pure-model", "llama-1b-bf16-pure"]
+
+
+def test_the_bf16_pure_and_whole_model_compile_rows_run_as_a_named_group_outside_the_default_plan():
+    """Issue 43's GPU rows: GPT-2 124M in bf16-pure with per-block and whole-model compile, the 1B in
+    bf16-pure; each the row it is read against with train.precision = bf16-pure (and compile = model),
+    its settings a valid config that resolves to what it measures, an estimate that says how it was
+    made; not in the default plan (it stays <= 8 min), and `--rows` runs the group in its order."""
+    from lmforge.config import load_config
+    from lmforge.config.loading import parse_override_value
+    from lmforge.config.rules import resolve_compile
+
+    specs = {r.name: r for r in rows.ROWS}
+    assert [s.name for s in rows.select(",".join(ISSUE_43), cuda=True)] == ISSUE_43
+    assert not set(ISSUE_43) & {s.name for s in rows.select("", cuda=True)}
+    base = {"gpt2-bf16-pure": "gpt2-loss_chunk", "gpt2-bf16-pure-model": "gpt2-loss_chunk", "llama-1b-bf16-pure": "llama-1b"}
+    for name, ref in base.items():
+        spec = specs[name]
+        sets = dict(s.split("=", 1) for s in spec.args["sets"])
+        want = {**dict(s.split("=", 1) for s in specs[ref].args["sets"]), "train.precision": "bf16-pure"}
+        if name.endswith("-model"):
+            want["train.compile"] = "model"
+        assert sets == want and spec.args["preset"] == specs[ref].args["preset"], name
+        cfg = load_config(spec.args["preset"], {k: parse_override_value(v) for k, v in sets.items()})
+        assert cfg.train.precision == "bf16-pure"
+        assert resolve_compile(cfg, "cuda", gpu_compiles=True)[0] == ("model" if name.endswith("-model") else "blocks")
+        assert spec.estimate_how and spec.where == "gpu" and spec.required, name
+    plan = rows.plan(rows.select(",".join(ISSUE_43), cuda=True), cuda=True, budget_s=9 * 60, stored={})
+    assert plan.total_s <= 4 * 60, plan.text(True)
+
+
 def test_dry_run_prints_the_plan_in_the_order_given_and_names_unknown_rows():
     run = lambda *a: subprocess.run([sys.executable, str(SUITE), "--dry-run", *a], capture_output=True, text=True,  # noqa: E731
                                     timeout=120)

@@ -98,6 +98,7 @@ def test_every_readme_command_runs(tmp_path):
     # what the commands made: the runs, the export, the report, the sweeps
     assert (tmp_path / "runs" / "tiny" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "tiny" / "config.json").is_file()
+    assert json.loads((tmp_path / "hf" / "tiny-bf16" / "config.json").read_text())["dtype"] == "bfloat16"  # --dtype
     assert (tmp_path / "runs" / "imported" / "config.toml").is_file()
     assert (tmp_path / "hf" / "qwen-cpt" / "model.safetensors").is_file()  # the walk-through's export
     assert (tmp_path / "runs" / "tiny" / "report" / "index.html").is_file()
