@@ -358,3 +358,33 @@ def test_float8_linears_keep_their_own_cast():
     assert copied == {(id(model[0]), "weight"), (id(model[0]), "bias"), (id(model[2]), "weight"), (id(model[2]), "bias")}
     with make_precision("bf16-pure", CPU).step(model):
         assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+
+
+def test_every_optimizer_steps_the_fp32_masters_with_clipping_and_the_guard(small_data, tmp_path):
+    """Every optimizer of the registry in bf16-pure, gradient clipping active (optim.grad_clip below the
+    gradient norm) and the spike guard on: the parameters stay fp32 `nn.Parameter`s and move, no
+    optimizer state is 16-bit (the states are kept as in autocast: fp32, 8-bit Adam's quantised
+    blocks), the reported gradient norm is finite and the guard accepts the steps; no GradScaler."""
+    from lmforge.optim.registry import OPTIMIZER_NAMES
+    from lmforge.train.trainer import Trainer
+    from tests.test_optim_train import LRS
+
+    assert set(OPTIMIZER_NAMES) <= set(LRS)
+    for name in OPTIMIZER_NAMES:
+        cfg = load_config("tiny", {**SMALL, "train.global_batch_size": 4, "train.micro_batch_size": 2,
+                                   "train.precision": "bf16-pure", "train.eval_every": 0, "train.sample_tokens": 0,
+                                   "optim.name": name, "optim.lr": LRS[name], "optim.grad_clip": 0.05,
+                                   "guard.enabled": True})
+        trainer = Trainer(cfg, out_dir=tmp_path / name, data=small_data)
+        trainer.setup()
+        assert not trainer.precision.scaler.is_enabled()
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        for _ in range(2):
+            _, norm = trainer.train_step(trainer.next_micro_batches())
+            assert torch.isfinite(norm) and norm > 0.05, (name, norm)
+        params = dict(trainer.model.named_parameters())
+        assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in params.values()), name
+        assert any(not torch.equal(params[n], before[n]) for n in before), name
+        states = [t for s in trainer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        assert (states or name == "sgd") and not any(t.dtype in (torch.bfloat16, torch.float16) for t in states), name
+        assert trainer.guard is not None and trainer.guard.n_skipped == 0, name

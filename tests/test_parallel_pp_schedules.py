@@ -159,6 +159,7 @@ BATCH = {"train.global_batch_size": 64, "train.micro_batch_size": 4, "model.tie_
     ({"parallel.pp_schedule": "interleaved-zb", "parallel.pp": 4, "train.global_batch_size": 24,
       "model.n_layers": 4}, "must be a multiple of parallel.pp = 4"),
     ({"parallel.pp_schedule": "zbv", "parallel.pp": 2, "train.compile": True}, "pytorch/pytorch#161904"),
+    ({"parallel.pp_schedule": "zbv", "parallel.pp": 2, "train.compile": "model"}, "train.compile = model with"),
     ({"parallel.pp_schedule": "interleaved-zb", "parallel.pp": 2, "train.activation_checkpoint": "selective"},
      "Trying to backward an extra time"),
 ])
