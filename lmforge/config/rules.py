@@ -535,14 +535,16 @@ def whole_model_blocker(cfg: "Config") -> str | None:
     calls a stage per micro-batch; the loss is the schedule's, outside). FSDP2 gathers and frees each
     block's parameters in hooks around the block, which a whole-model graph would have to trace
     (torch's compiled autograd, not used); tensor parallelism's DTensor modules compile per block
-    (train.compile = true), and so does context parallelism (its attention's collectives). A Mixture-of-Experts model does not trace as one graph yet (torch
-    2.13, bf16-pure, CPU): `torch.bincount`'s output size depends on the data (dynamo: "Could not
-    guard on data-dependent expression"), and with counts of a static shape the load statistics'
+    (train.compile = true), and so does context parallelism (its attention's collectives). A
+    Mixture-of-Experts model does not trace as one graph yet (torch 2.13, bf16-pure, CPU):
+    `torch.bincount`'s output size depends on the data (dynamo: "Could not guard on data-dependent
+    expression"; pytorch/pytorch#192343), and with counts of a static shape the load statistics'
     `torch._C._current_graph_task_id()` (activation-checkpoint recompute detection) is an
     untraceable non-tensor op."""
     p = cfg.parallel
     if cfg.model.moe.num_experts > 0:
-        return ("a Mixture-of-Experts model's routing has data-dependent shapes (torch.bincount) and reads "
+        return ("a Mixture-of-Experts model's routing has data-dependent shapes (torch.bincount: "
+                "pytorch/pytorch#192343) and reads "
                 "autograd's graph task in its statistics, which one graph cannot trace")
     if p.tp > 1:
         return "tensor parallelism's DTensor modules (parallel.tp > 1)"
