@@ -1,0 +1,174 @@
+"""`lmforge plan ... --verify` (lmforge/verify/): the planned layout, scaled down, trained on CPU processes
+and checked against one process, a resume at another world size and the plan's memory.
+
+It passes for the layouts README.md's plan commands show (here: the 70B FSDP line, the 128k-context
+Mistral search's CP x TP+SP x FSDP layout, 8 processes, and a one-process layout, which resumes on two),
+and fails, naming the check and the numbers, for a layout broken on purpose: a `sitecustomize` module
+on the runs' PYTHONPATH makes every multi-process rank sum its gradients over the data-parallel ranks
+instead of averaging them (the bug of a layout that forgets to divide), and the planner's memory
+estimate is made wrong in the planning process. Layouts it cannot emulate are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import load_config
+from lmforge.plan.layout import Layout
+from lmforge.verify.toy import CannotEmulate, scale_layout, smallest_divisor, toy_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+README_LAYOUTS = {  # the README's `lmforge plan` lines (Planning), as typed, plus --verify
+    "llama2-70b-fsdp": "--model llama2-70b --gpus 8xH100 --layout dp=8,zero=3,mb=1,ac=full",
+    "mistral-7b-128k-search": "--model mistral-7b --set model.max_seq_len=131072 --set data.seq_len=131072 "
+                              "--global-batch-tokens 8388608 --gpus 8x8xH100 --search --top 3",
+    "gpt2-124m-one-gpu": "--model gpt2-124m --gpus H100 --layout mb=16,ga=4 --weights lmforge",
+}
+
+
+def plan(args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmforge", "plan", *args.split(), "--verify"], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(README_LAYOUTS))
+def test_the_readme_layouts_pass(name):
+    proc = plan(README_LAYOUTS[name])
+    out = proc.stdout[proc.stdout.index("verify:"):] if "verify:" in proc.stdout else proc.stdout
+    print(out)
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert out.count("  PASS  ") == 3 and "verify: PASS (3 checks)" in out, out
+    assert "FAIL" not in out
+
+
+SUM_INSTEAD_OF_AVERAGE = textwrap.dedent('''
+    """Planted by tests/test_plan_verify.py: every rank of a multi-process run sums its gradients over the
+    data-parallel ranks instead of averaging them (one process is left alone: the reference)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch
+        from lmforge.train import trainer
+
+        real = trainer.Trainer.forward_backward
+
+        def summed(self, micro_batches):
+            loss = real(self, micro_batches)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(self.dist.dp_size)
+            return loss
+
+        trainer.Trainer.forward_backward = summed
+''')
+
+
+@pytest.mark.slow
+def test_a_broken_layout_fails_with_the_reason(tmp_path, monkeypatch, capsys):
+    """One verify run, two planted faults: the gradient bug in the layout's processes (parity fails on the
+    gradient norm, twice the one-process norm; the losses agree, as AdamW's update hardly sees the gradient's
+    scale, so the resume of the layout's checkpoint passes too), and a memory estimate that halves the
+    weights (the memory check fails, naming the ranks and bytes)."""
+    import lmforge.verify.certify as certify
+    from lmforge.plan.cli_plan import plan_main
+
+    (tmp_path / "sitecustomize.py").write_text(SUM_INSTEAD_OF_AVERAGE)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")
+    real = certify.estimate_memory
+
+    def wrong(*args, **kwargs):
+        mem = real(*args, **kwargs)
+        return dataclasses.replace(mem, weights=mem.weights / 2)
+
+    monkeypatch.setattr(certify, "estimate_memory", wrong)
+    code = plan_main(README_LAYOUTS["llama2-70b-fsdp"].split() + ["--verify"])
+    out = capsys.readouterr().out
+    out = out[out.index("verify:"):]
+    print(out)
+    assert code == 1 and "verify: FAIL (2 of 3 checks" in out, out
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    parity = next(v for k, v in lines.items() if k.startswith("FAIL  parity"))
+    assert "grad norm max relative difference 1.0e+00" in parity, parity  # twice the one-process norm
+    assert any(k.startswith("PASS  resume") for k in lines), lines
+    memory = next(v for k, v in lines.items() if k.startswith("FAIL  memory"))
+    assert "rank 0 weights" in memory and "vs planned" in memory, memory
+
+
+@pytest.mark.parametrize("layout, reason", [
+    ("dp=8,zero=3,offload=1", "CPUOffloadPolicy needs a CUDA GPU"),
+    ("dp=8,precision=fp8", "FP8"),
+    ("dp=3,tp=3", "9 processes, more than the 8"),
+])
+def test_layouts_it_cannot_emulate_are_refused_with_the_reason(layout, reason):
+    with pytest.raises(CannotEmulate, match=reason):
+        scale_layout(Layout.parse(layout))
+
+
+def test_refusal_through_the_command_line_names_the_reason():
+    proc = plan("--model llama2-70b --gpus 8xH100 --layout dp=8,zero=3,offload=1", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot emulate this layout on the CPU" in proc.stdout and "CPUOffloadPolicy" in proc.stdout
+
+
+def test_a_layout_lmforge_refuses_for_the_family_fails_as_a_finding():
+    """A pipeline over a tied embedding: lmforge's config refuses it, so the certificate fails, naming why."""
+    proc = plan("--model gpt2-124m --gpus 2xH100 --layout pp=2,ga=4", timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL  config: lmforge refuses the layout" in proc.stdout and "tie_embeddings" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("n, want", [(1, 1), (2, 2), (8, 2), (6, 2), (9, 3), (7, 7), (128, 2)])
+def test_smallest_divisor(n, want):
+    assert smallest_divisor(n) == want
+
+
+def test_each_degree_scales_to_its_smallest_divisor_and_the_rest_is_kept():
+    layout = Layout.parse("dp=64,zero=2,tp=8,sp=1,pp=4,sched=interleaved,v=2,ac=selective,mb=2,ga=16")
+    toy, notes = scale_layout(layout)
+    assert (toy.dp, toy.cp, toy.tp, toy.pp, toy.world_size) == (2, 1, 2, 2, 8)
+    assert (toy.zero, toy.sp, toy.pp_schedule, toy.virtual_stages, toy.ac) == (2, True, "interleaved", 2, "selective")
+    assert set(notes) == {"dp 64 -> 2", "tp 8 -> 2", "pp 4 -> 2"}, notes
+
+
+def test_expert_parallelism_keeps_its_share_of_the_data_parallel_ranks():
+    toy, _ = scale_layout(Layout.parse("dp=8,zero=3,ep=4"))
+    assert (toy.dp, toy.ep) == (4, 2)  # experts split over 2, and replicated over 2 as over 8 / 4
+    toy, _ = scale_layout(Layout.parse("dp=8,zero=3,ep=8"))
+    assert (toy.dp, toy.ep) == (2, 2)
+
+
+@pytest.mark.parametrize("preset, layout", [
+    ("mistral-7b", "dp=4,zero=2,cp=2,tp=8,sp=1,ac=selective"),
+    ("mixtral-8x7b", "dp=8,zero=3,ep=8,tp=2"),
+    ("llama2-70b", "dp=2,zero=3,tp=2,pp=2,sched=interleaved,v=2"),
+    ("gpt3-175b", "dp=8,zero=1"),
+])
+def test_the_toy_keeps_the_family_and_the_layout_and_lmforge_accepts_it(preset, layout):
+    cfg = load_config(preset)
+    if "pp=" in layout:
+        cfg = load_config(preset, {"model.tie_embeddings": False})
+    toy = toy_run(cfg, Layout.parse(layout))
+    toy.config.validate()
+    toy.reference.validate()
+    m, real = toy.config.model, cfg.model
+    assert (m.activation, m.norm, m.pos_emb, m.tie_embeddings, m.bias) == \
+           (real.activation, real.norm, real.pos_emb, real.tie_embeddings, real.bias)
+    assert bool(m.n_kv_heads) == bool(real.n_kv_heads) and m.moe.enabled == real.moe.enabled
+    assert bool(m.sliding_window) == bool(real.sliding_window)
+    par = toy.config.parallel
+    assert par.world_size == toy.world_size <= 8 and toy.reference.parallel.world_size == 1
+    assert toy.config.train.global_batch_size == toy.reference.train.global_batch_size
+    assert toy.reference.train.micro_batch_size == 1
+    lay = toy.layout
+    assert (par.tp, par.pp, par.cp, par.ep, par.sequence_parallel) == (lay.tp, lay.pp, lay.cp, lay.ep, lay.sp)
+    assert toy.config.train.activation_checkpoint == Layout.parse(layout).ac
