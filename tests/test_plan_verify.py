@@ -22,7 +22,8 @@ import pytest
 
 from lmforge.config import load_config
 from lmforge.plan.layout import Layout
-from lmforge.verify.toy import CannotEmulate, scale_layout, smallest_divisor, toy_run
+from lmforge.verify.certify import PARITY_TOL, compare, resume_check
+from lmforge.verify.toy import STEPS, CannotEmulate, scale_layout, smallest_divisor, toy_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,3 +173,19 @@ def test_the_toy_keeps_the_family_and_the_layout_and_lmforge_accepts_it(preset, 
     lay = toy.layout
     assert (par.tp, par.pp, par.cp, par.ep, par.sequence_parallel) == (lay.tp, lay.pp, lay.cp, lay.ep, lay.sp)
     assert toy.config.train.activation_checkpoint == Layout.parse(layout).ac
+
+
+def _metrics(steps, loss=2.0, grad_norm=1.0):
+    return {s: {"loss": loss + s, "grad_norm": grad_norm} for s in steps}
+
+
+def test_the_checks_compare_loss_and_gradient_norm_and_see_a_run_that_did_not_resume():
+    ref = _metrics(range(1, STEPS + 1))
+    assert compare("x", _metrics(range(1, STEPS + 1), grad_norm=1 + PARITY_TOL / 2), ref, [1, 2]).passed
+    assert not compare("x", _metrics(range(1, STEPS + 1), grad_norm=2.0), ref, [1, 2]).passed  # summed, not averaged
+    assert not compare("x", _metrics(range(1, STEPS + 1), loss=2.01), ref, [1, 2]).passed
+    assert "missing" in compare("x", _metrics([1]), ref, [1, 2]).detail
+    after = range(STEPS // 2 + 1, STEPS + 1)
+    assert resume_check(1, _metrics(after), ref).passed
+    started_over = resume_check(1, _metrics(range(1, STEPS + 1)), ref)  # identical numbers, but from step 1
+    assert not started_over.passed and "did not continue from the checkpoint" in started_over.detail

@@ -111,11 +111,9 @@ def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
                 work / "resumed.job.json")
     echo(f"  ran {world}-process layout, one-process reference and the resume in {time.perf_counter() - t0:.0f} s")
     layout_m, single_m, resumed_m = (read_metrics(work / name) for name in ("layout", "single", "resumed"))
-    steps = list(range(1, STEPS + 1))
     return [
-        compare(f"parity with one process, steps 1-{STEPS}", layout_m, single_m, steps),
-        compare(f"resume at world size {resume_world} from step {STEPS // 2}, steps {STEPS // 2 + 1}-{STEPS}",
-                resumed_m, single_m, steps[STEPS // 2:]),
+        compare(f"parity with one process, steps 1-{STEPS}", layout_m, single_m, list(range(1, STEPS + 1))),
+        resume_check(resume_world, resumed_m, single_m),
         memory_check(toy, optimizer, [json.loads(p.read_text()) for p in sorted((work / "layout").glob("memory.rank*.json"))]),
     ]
 
@@ -175,6 +173,17 @@ def compare(name: str, got: dict, want: dict, steps: list[int]) -> Check:
     detail = ", ".join(f"{k.replace('_', ' ')} max relative difference {v:.1e} (step {s}: {got[s][k]:.6g} vs "
                        f"{want[s][k]:.6g})" for k, (v, s) in worst.items())
     return Check(name, ok, f"{detail}; tolerance {PARITY_TOL:g}")
+
+
+def resume_check(world: int, resumed: dict, single: dict) -> Check:
+    """The resumed run trained exactly the steps after the checkpoint (a run that started over, or went on
+    from another step, fails here), each as the one-process run did."""
+    after = list(range(STEPS // 2 + 1, STEPS + 1))
+    name = f"resume at world size {world} from step {STEPS // 2}, steps {after[0]}-{after[-1]}"
+    if sorted(resumed) != after:
+        return Check(name, False, f"the run did not continue from the checkpoint: it trained steps {sorted(resumed)}, "
+                                  f"not {after}")
+    return compare(name, resumed, single, after)
 
 
 def memory_check(toy: Toy, optimizer: str, ranks: list[dict]) -> Check:
