@@ -15,7 +15,7 @@ def plot_fit(fit: Fit, budgets: list[float], path: Path, held_out: list[dict] = 
     runs = fit.record["runs"]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     cmap = plt.get_cmap("viridis")
-    ns = [r["n_params"] for r in runs] + [h["n_params"] for h in held_out]
+    ns = [r["n_params"] for r in runs] + [h["n_params"] for h in held_out] + [fit.law.optimal(c)[0] for c in budgets]
     lo, hi = math.log(min(ns) / 2), math.log(max(ns) * 2)
     for i, c in enumerate(budgets):
         color = cmap(i / max(1, len(budgets) - 1))
