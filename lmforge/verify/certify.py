@@ -101,10 +101,13 @@ def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
     resume_world, resume_cfg = (1, single_cfg) if world > 1 else (2, _ddp_config(toy, work))
     ckpt = work / "layout" / "checkpoints" / f"step_{STEPS // 2:08d}"
     t0 = time.perf_counter()
-    _launch(world, [{"config": str(layout_cfg), "out": str(work / "layout")}], work / "layout.job.json")
+    layout_run = {"config": str(layout_cfg), "out": str(work / "layout")}
     runs = [{"config": str(single_cfg), "out": str(work / "single")}]
-    if resume_world == 1:
+    if world > 1:
+        _launch(world, [layout_run], work / "layout.job.json")
         runs.append({"config": str(resume_cfg), "out": str(work / "resumed"), "resume": str(ckpt)})
+    else:  # (a one-process layout: one launch trains it and the reference)
+        runs.insert(0, layout_run)
     _launch(1, runs, work / "single.job.json")
     if resume_world != 1:
         _launch(resume_world, [{"config": str(resume_cfg), "out": str(work / "resumed"), "resume": str(ckpt)}],

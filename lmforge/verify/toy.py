@@ -149,4 +149,5 @@ def describe(toy: Toy) -> str:
                       + (f" + {m.moe.shared_experts} shared" if m.moe.shared_experts else ""))
     return (f"toy model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({', '.join(family)}), vocab "
             f"{m.vocab_size}, {toy.config.data.seq_len} tokens; {lay.micro_batch} x {lay.grad_accum} micro-batches "
-            f"x dp {lay.dp} per step, {STEPS} steps, fp32, compile off")
+            f"x dp {lay.dp} per step, {STEPS} steps, {toy.config.optim.name} at lr {toy.config.optim.lr:g}, fp32, "
+            f"compile off")
