@@ -26,13 +26,17 @@ def plot_fit(fit: Fit, budgets: list[float], path: Path, held_out: list[dict] = 
         ax.plot(grid, [fit.law.loss(n, c / (6 * n)) for n in grid], color=color, lw=1, alpha=0.8)
         n_opt, d_opt = fit.law.optimal(c)
         ax.scatter([n_opt], [fit.law.loss(n_opt, d_opt)], marker="*", s=120, color=color, edgecolor="k", zorder=4)
-    for h in held_out:
+    for c in sorted({float(f"{6 * h['n_params'] * h['tokens']:.2g}") for h in held_out}):  # their budgets' law
+        grid = [math.exp(lo + (hi - lo) * k / 99) for k in range(100)]
+        ax.plot(grid, [fit.law.loss(n, c / (6 * n)) for n in grid], color="tab:red", lw=1, ls="--", alpha=0.7,
+                label=f"law at C = {c:.2g} (held out)")
+    for i, h in enumerate(held_out):
         p = fit.predict(h["n_params"], h["tokens"])
         ax.errorbar([h["n_params"]], [p.loss], yerr=[[p.loss - p.run_interval[0]], [p.run_interval[1] - p.loss]],
                     fmt="s", color="tab:red", mfc="none", capsize=4, zorder=4,
-                    label=f"held out: predicted ({p.level:.0%} interval)")
+                    label=None if i else f"held out: predicted ({p.level:.0%} interval, one run)")
         ax.scatter([h["n_params"]], [h["loss"]], marker="x", s=80, color="tab:red", zorder=5,
-                   label=f"held out: measured (C = {6 * h['n_params'] * h['tokens']:.2g})")
+                   label=None if i else "held out: measured")
     ax.set_xscale("log")
     ax.set_xlabel("N (non-embedding parameters)")
     ax.set_ylabel("final validation loss (nats/token)")
