@@ -1,8 +1,9 @@
 """`lmforge plan ... --verify` (lmforge/verify/): the planned layout, scaled down, trained on CPU processes
 and checked against one process, a resume at another world size and the plan's memory.
 
-It passes for the layouts README.md's plan commands show (here: the 70B FSDP line, the 128k-context
-Mistral search's CP x TP+SP x FSDP layout, 8 processes, and a one-process layout, which resumes on two),
+It passes for the layouts README.md's plan commands show (here: the 128k-context Mistral search's CP x
+TP+SP x FSDP layout, 8 processes, and a one-process layout, which resumes on two; the 70B FSDP line runs
+with --verify in README.md itself, so tests/test_readme_commands.py runs it; benchmarks/RESULTS.md has all six),
 and fails, naming the check and the numbers, for a layout broken on purpose: a `sitecustomize` module
 on the runs' PYTHONPATH makes every multi-process rank sum its gradients over the data-parallel ranks
 instead of averaging them (the bug of a layout that forgets to divide), and the planner's memory
@@ -41,8 +42,10 @@ def plan(args: str, env: dict | None = None, timeout: int = 900) -> subprocess.C
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(README_LAYOUTS))
+@pytest.mark.parametrize("name", ["mistral-7b-128k-search", "gpt2-124m-one-gpu"])
 def test_the_readme_layouts_pass(name):
+    """(The 70B line passes in tests/test_readme_commands.py, where README.md runs it with --verify as printed,
+    and fails here when broken on purpose.)"""
     proc = plan(README_LAYOUTS[name])
     out = proc.stdout[proc.stdout.index("verify:"):] if "verify:" in proc.stdout else proc.stdout
     print(out)
