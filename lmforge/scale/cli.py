@@ -17,6 +17,7 @@ from it. `--holdout RUN` leaves a run out of the fit and says whether its loss l
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -66,6 +67,7 @@ def scale_main(argv: list[str]) -> int:
 
 
 def _sweep(args: argparse.Namespace, rest: list[str]) -> int:
+    from lmforge.folders import atomic_write
     from lmforge.scale.grid import grid_table, isoflop_grid, parse_budgets, parse_models
     from lmforge.sweep.cli import sweep_main
 
@@ -79,8 +81,6 @@ def _sweep(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"  note: {note}")
     spec = out / SPEC_FILE
     out.mkdir(parents=True, exist_ok=True)
-    from lmforge.folders import atomic_write
-
     atomic_write(spec, spec_toml(args.config, base, [p.overrides for p in points], out, args.parallel))
     print(f"sweep spec: {spec} (`lmforge sweep --spec {spec}` runs or resumes it)")
     if args.dry_run:
@@ -113,8 +113,6 @@ def spec_toml(config: str, base: dict, trials: list[dict], out: Path, parallel: 
 
 
 def _toml_string(s: str) -> str:
-    import json
-
     return json.dumps(s)  # a JSON string of printable text is a TOML basic string
 
 

@@ -42,7 +42,7 @@ def _import_minimize():
 
 minimize = _import_minimize()
 
-from lmforge.scale.law import FIT_KIND, NAMES, Law, interval
+from lmforge.scale.law import FIT_KIND, NAMES, Fit, Law, interval
 
 HUBER_DELTA = 1e-3
 GRID = {"a": np.arange(0, 26, 5.0), "b": np.arange(0, 26, 5.0), "e": np.arange(-1, 1.01, 0.5),
@@ -146,8 +146,6 @@ def fit_law(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_boot: int = 200, l
 def fit_record(result: FitResult, points: list[dict], budgets: list[float], what: dict) -> dict:
     """The FIT.json of a fit: the law, its intervals, the bootstrap fits and residuals (what
     lmforge.scale.law.Fit reads back), the runs, and the compute-optimal N and D per budget."""
-    from lmforge.scale.law import Fit
-
     record = {
         "kind": FIT_KIND,
         "law": "L(N, D) = E + A / N^alpha + B / D^beta",

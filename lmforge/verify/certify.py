@@ -21,6 +21,7 @@ when the layout cannot be emulated on the CPU (the reason is printed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -123,8 +124,6 @@ def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
 
 def _ddp_config(toy: Toy, work: Path) -> Path:
     """A one-process layout's resume: the reference run's config on two DDP ranks."""
-    import dataclasses
-
     par = dataclasses.replace(toy.reference.parallel, dp_replicate=2)
     train = dataclasses.replace(toy.reference.train, micro_batch_size=1)
     path = work / "resume2.toml"
