@@ -172,7 +172,7 @@ def test_the_toy_keeps_the_family_and_the_layout_and_lmforge_accepts_it(preset, 
     par = toy.config.parallel
     assert par.world_size == toy.world_size <= 8 and toy.reference.parallel.world_size == 1
     assert toy.config.train.global_batch_size == toy.reference.train.global_batch_size
-    assert toy.reference.train.micro_batch_size == 1
+    assert toy.reference.train.micro_batch_size == toy.layout.dp * toy.layout.micro_batch  # the ranks' union
     lay = toy.layout
     assert (par.tp, par.pp, par.cp, par.ep, par.sequence_parallel) == (lay.tp, lay.pp, lay.cp, lay.ep, lay.sp)
     assert toy.config.train.activation_checkpoint == Layout.parse(layout).ac
@@ -184,7 +184,7 @@ def _metrics(steps, loss=2.0, grad_norm=1.0):
 
 def test_the_checks_compare_loss_and_gradient_norm_and_see_a_run_that_did_not_resume():
     ref = _metrics(range(1, STEPS + 1))
-    assert compare("x", _metrics(range(1, STEPS + 1), grad_norm=1 + PARITY_TOL / 2), ref, [1, 2]).passed
+    assert compare("x", _metrics(range(1, STEPS + 1), grad_norm=1 + PARITY_TOL["grad_norm"] / 2), ref, [1, 2]).passed
     assert not compare("x", _metrics(range(1, STEPS + 1), grad_norm=2.0), ref, [1, 2]).passed  # summed, not averaged
     assert not compare("x", _metrics(range(1, STEPS + 1), loss=2.01), ref, [1, 2]).passed
     assert "missing" in compare("x", _metrics([1]), ref, [1, 2]).detail

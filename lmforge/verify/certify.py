@@ -5,9 +5,12 @@ family's options at toy width and depth) and trained for a few steps on gloo, on
 (`python -m torch.distributed.run`, lmforge/verify/rank.py), then checked:
 
   parity   every step's loss and gradient norm (before clipping) against the same run in one process
-           (same seed, data and global batch), within PARITY_TOL relative: the layouts differ from one
-           process only in the order of fp32 sums. The gradient norm sees the gradient's scale, which
-           a layout that summed instead of averaged, or lost a factor, would change.
+           (same seed, data, global batch and micro-batches), within PARITY_TOL relative: the layouts
+           differ from one process only in the order of fp32 sums. The gradient norm sees the gradient's
+           scale, which a layout that summed instead of averaged, or lost a factor, would change. Its
+           tolerance is wider: the one-process norm (torch.linalg.vector_norm, torch 2.13 on a CPU) is off
+           by up to ~7e-5 relative on a toy's 4096 x 64 output-head gradient, where the sharded layouts'
+           sum of squares agrees with float64 to 1e-8 (measured; benchmarks/RESULTS.md).
   resume   the layout's checkpoint of step STEPS / 2, resumed at another world size (one process; a
            one-process layout resumes on two), trains the remaining steps as the one-process run does.
   memory   each rank's parameters, gradients and optimizer state (the tensors it holds, measured in the
@@ -39,7 +42,7 @@ from lmforge.plan.layout import Layout
 from lmforge.plan.memory import estimate_memory
 from lmforge.verify.toy import STEPS, CannotEmulate, Toy, describe, toy_run
 
-PARITY_TOL = 1e-4
+PARITY_TOL = {"loss": 1e-4, "grad_norm": 3e-4}  # relative, per step
 MEMORY_TOL = 0.01
 RUN_TIMEOUT_S = 900
 MEMORY_PARTS = ("weights", "gradients", "optimizer_states")
@@ -123,9 +126,10 @@ def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
 
 
 def _ddp_config(toy: Toy, work: Path) -> Path:
-    """A one-process layout's resume: the reference run's config on two DDP ranks."""
+    """A one-process layout's resume: the reference run's config on two DDP ranks, each micro-batch split
+    between them."""
     par = dataclasses.replace(toy.reference.parallel, dp_replicate=2)
-    train = dataclasses.replace(toy.reference.train, micro_batch_size=1)
+    train = dataclasses.replace(toy.reference.train, micro_batch_size=toy.reference.train.micro_batch_size // 2)
     path = work / "resume2.toml"
     path.write_text(to_toml(dataclasses.replace(toy.reference, parallel=par, train=train)))
     return path
@@ -171,10 +175,10 @@ def compare(name: str, got: dict, want: dict, steps: list[int]) -> Check:
     for key in ("loss", "grad_norm"):
         rel = [(abs(got[s][key] - want[s][key]) / abs(want[s][key]), s) for s in steps]
         worst[key] = max(rel)
-    ok = all(v < PARITY_TOL for v, _ in worst.values())
+    ok = all(v < PARITY_TOL[k] for k, (v, _) in worst.items())
     detail = ", ".join(f"{k.replace('_', ' ')} max relative difference {v:.1e} (step {s}: {got[s][k]:.6g} vs "
-                       f"{want[s][k]:.6g})" for k, (v, s) in worst.items())
-    return Check(name, ok, f"{detail}; tolerance {PARITY_TOL:g}")
+                       f"{want[s][k]:.6g}; tolerance {PARITY_TOL[k]:g})" for k, (v, s) in worst.items())
+    return Check(name, ok, detail)
 
 
 def resume_check(world: int, resumed: dict, single: dict) -> Check:

@@ -104,11 +104,14 @@ def _seq_len(layout: Layout) -> int:
 
 def toy_run(cfg: Config, layout: Layout) -> Toy:
     """The toy of `cfg` planned under `layout`: the scaled layout, its run config and the one-process
-    reference (same seed, data, global batch and optimizer; micro-batch 1, accumulating)."""
+    reference (same seed, data, global batch, optimizer and micro-batches: each the union of the
+    data-parallel ranks' micro-batches)."""
     toy_layout, notes = scale_layout(layout)
     seq = _seq_len(toy_layout)
-    # micro-batches of one sequence, 2 per pipeline stage (>= pp, a multiple of pp for interleaved): accumulation
-    toy_layout = dataclasses.replace(toy_layout, micro_batch=1, grad_accum=2 * toy_layout.pp)
+    # micro-batches of one sequence (two in one process: its resume on two ranks splits each), 2 per pipeline
+    # stage (>= pp, a multiple of pp for interleaved): accumulation
+    toy_layout = dataclasses.replace(toy_layout, micro_batch=2 if toy_layout.world_size == 1 else 1,
+                                     grad_accum=2 * toy_layout.pp)
     if toy_layout.pp > 1 and toy_layout.fsdp_reduce_every_micro_batch:
         toy_layout.fsdp_reduce_every_micro_batch = False
     model = toy_model(cfg.model, toy_layout)
@@ -131,8 +134,11 @@ def toy_run(cfg: Config, layout: Layout) -> Toy:
         notes.append("the config's fine-tuning settings (finetune.*) are left out: the toy trains from a random "
                      "initialisation")
     run = lmforge_config_for(base, toy_layout, seq)
+    # the one-process micro-batch is the union of the data-parallel ranks' (the loader's global sample order), so
+    # what depends on the micro-batch as a whole (MoE's global-batch load-balancing loss) is the same objective
     single = dataclasses.replace(toy_layout, dp=1, cp=1, tp=1, pp=1, ep=1, zero=0, sp=False,
-                                 grad_accum=toy_layout.sequences_per_step, fsdp_reduce_every_micro_batch=False)
+                                 micro_batch=toy_layout.micro_batch * toy_layout.dp,
+                                 fsdp_reduce_every_micro_batch=False)
     reference = dataclasses.replace(lmforge_config_for(base, single, seq), parallel=ParallelConfig())
     return Toy(toy_layout, run, reference, notes)
 
