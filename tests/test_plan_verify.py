@@ -23,7 +23,8 @@ import pytest
 
 from lmforge.config import load_config
 from lmforge.plan.layout import Layout
-from lmforge.verify.certify import PARITY_TOL, compare, resume_check
+from lmforge.plan.memory import estimate_memory
+from lmforge.verify.certify import MEMORY_PARTS, PARITY_TOL, compare, memory_check, resume_check
 from lmforge.verify.toy import STEPS, CannotEmulate, scale_layout, smallest_divisor, toy_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +157,10 @@ def test_expert_parallelism_keeps_its_share_of_the_data_parallel_ranks():
     ("mixtral-8x7b", "dp=8,zero=3,ep=8,tp=2"),
     ("llama2-70b", "dp=2,zero=3,tp=2,pp=2,sched=interleaved,v=2"),
     ("gpt3-175b", "dp=8,zero=1"),
+    ("llama2-70b", "dp=4,zero=3,pp=4,sched=zbv,ac=full"),  # the V schedules: 2 stages per rank
+    ("llama2-70b", "dp=4,zero=3,pp=2,sched=dualpipev"),
+    ("llama2-70b", "dp=2,zero=2,tp=2,pp=2,sched=interleaved-zb,v=2,ema=1"),
+    ("deepseek-v3-671b", "dp=64,zero=3,ep=8,tp=2"),  # MLA, MTP, group-limited routing, sequence-wise loss
 ])
 def test_the_toy_keeps_the_family_and_the_layout_and_lmforge_accepts_it(preset, layout):
     cfg = load_config(preset)
@@ -169,6 +174,10 @@ def test_the_toy_keeps_the_family_and_the_layout_and_lmforge_accepts_it(preset, 
            (real.activation, real.norm, real.pos_emb, real.tie_embeddings, real.bias)
     assert bool(m.n_kv_heads) == bool(real.n_kv_heads) and m.moe.enabled == real.moe.enabled
     assert bool(m.sliding_window) == bool(real.sliding_window)
+    assert (m.mla.enabled, bool(m.mla.q_lora_rank), bool(m.mtp_depth)) == \
+           (real.mla.enabled, bool(real.mla.q_lora_rank), bool(real.mtp_depth))
+    assert (m.moe.n_groups > 1) == (real.moe.n_groups > 1) and m.moe.router == real.moe.router
+    assert (toy.config.train.ema_decay > 0) == toy.layout.ema == Layout.parse(layout).ema
     par = toy.config.parallel
     assert par.world_size == toy.world_size <= 8 and toy.reference.parallel.world_size == 1
     assert toy.config.train.global_batch_size == toy.reference.train.global_batch_size
@@ -176,6 +185,19 @@ def test_the_toy_keeps_the_family_and_the_layout_and_lmforge_accepts_it(preset, 
     lay = toy.layout
     assert (par.tp, par.pp, par.cp, par.ep, par.sequence_parallel) == (lay.tp, lay.pp, lay.cp, lay.ep, lay.sp)
     assert toy.config.train.activation_checkpoint == Layout.parse(layout).ac
+    assert (par.pp_schedule, toy.layout.stages_per_rank) == (lay.pp_schedule, Layout.parse(layout).stages_per_rank)
+
+
+def test_the_memory_check_holds_each_rank_to_the_plan_with_the_ema():
+    """Ranks that hold what the plan says pass; an EMA the plan counts but a rank does not hold fails, named."""
+    toy = toy_run(load_config("llama2-70b"), Layout.parse("dp=8,zero=3,ema=1"))
+    plan = estimate_memory(toy.config.model, toy.layout, "adamw", toy.config.data.seq_len, weights="lmforge")
+    assert plan.ema > 0
+    ranks = [{"rank": r, "pp_rank": 0, **{k: int(getattr(plan, k)) for k in (*MEMORY_PARTS, "ema")}} for r in (0, 1)]
+    assert memory_check(toy, "adamw", ranks).passed
+    ranks[1]["ema"] = 0
+    check = memory_check(toy, "adamw", ranks)
+    assert not check.passed and "rank 1 ema 0 B vs planned" in check.detail, check.detail
 
 
 def _metrics(steps, loss=2.0, grad_norm=1.0):

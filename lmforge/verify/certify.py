@@ -13,8 +13,8 @@ family's options at toy width and depth) and trained for a few steps on gloo, on
            sum of squares agrees with float64 to 1e-8 (measured; benchmarks/RESULTS.md).
   resume   the layout's checkpoint of step STEPS / 2, resumed at another world size (one process; a
            one-process layout resumes on two), trains the remaining steps as the one-process run does.
-  memory   each rank's parameters, gradients and optimizer state (the tensors it holds, measured in the
-           trainer) against `lmforge plan`'s estimate for the toy under the scaled layout (lmforge
+  memory   each rank's parameters, gradients, optimizer state and EMA of the weights (the tensors it holds,
+           measured in the trainer) against `lmforge plan`'s estimate for the toy under the scaled layout (lmforge
            convention): ranks of the stage the plan reports must match within MEMORY_TOL; the others
            may hold less (the plan is the worst stage's).
 
@@ -197,16 +197,17 @@ def memory_check(toy: Toy, optimizer: str, ranks: list[dict]) -> Check:
     if len(ranks) != toy.world_size or any("weights" not in r for r in ranks):
         return Check(name, False, f"{len(ranks)} of {toy.world_size} ranks recorded their memory")
     plan = estimate_memory(toy.config.model, toy.layout, optimizer, toy.config.data.seq_len, weights="lmforge")
+    parts = MEMORY_PARTS + (("ema",) if toy.layout.ema else ())
     bad, lines = [], []
     for r in ranks:
-        for part in MEMORY_PARTS:
+        for part in parts:
             planned, got = getattr(plan, part), r[part]
             same_stage = r["pp_rank"] == plan.stage or toy.layout.pp == 1
             off = abs(got - planned) > MEMORY_TOL * planned if same_stage else got > planned * (1 + MEMORY_TOL)
             if off:
                 bad.append(f"rank {r['rank']} {part.replace('_', ' ')} {got:,} B vs planned {planned:,.0f} B")
-    worst = {part: max(r[part] for r in ranks) for part in MEMORY_PARTS}
+    worst = {part: max(r[part] for r in ranks) for part in parts}
     lines = [f"{part.replace('_', ' ')} {worst[part] / 1e6:.3f} MB (planned {getattr(plan, part) / 1e6:.3f})"
-             for part in MEMORY_PARTS]
+             for part in parts]
     detail = f"largest rank: {', '.join(lines)}; tolerance {MEMORY_TOL:.0%}"
     return Check(name, not bad, detail + ("; off: " + "; ".join(bad) if bad else ""))

@@ -6,8 +6,8 @@ and records, per rank, the bytes of the model states it holds.
 JOB.json: {"runs": [{"config": CONFIG.toml, "out": RUN_DIR, "resume": CHECKPOINT or null}, ...]}. Each run
 writes its run folder as `lmforge train` does (metrics.jsonl: every step's loss and gradient norm) and
 RUN_DIR/memory.rank<r>.json: the bytes of this rank's parameters (local shards, each tensor once),
-of its gradients at their largest (before the optimizer step zeroes them) and of its optimizer state
-(after the step), with the rank's pipeline stage: what `lmforge plan` estimates per GPU as weights,
+of its gradients at their largest (before the optimizer step zeroes them), of its optimizer state
+(after the step) and of its EMA of the weights (if any), with the rank's pipeline stage: what `lmforge plan` estimates per GPU as weights,
 gradients and optimizer states.
 """
 
@@ -46,7 +46,8 @@ class MeasuringTrainer(Trainer):
         seen = getattr(self, "measured", {"gradients": 0, "optimizer_states": 0})
         self.measured = {"weights": sum(_local_bytes(p) for p in self._params()),
                          "gradients": max(seen["gradients"], grads),
-                         "optimizer_states": max(seen["optimizer_states"], states)}
+                         "optimizer_states": max(seen["optimizer_states"], states),
+                         "ema": self.ema.local_bytes() if self.ema is not None else 0}
         return grad_norm
 
 

@@ -9,8 +9,8 @@ activation checkpointing, FSDP's reduce-every-micro-batch, the chunked loss.
 
 The toy model keeps the family's options (norm, activation, positions, biases, QK-norm, fused QKV,
 tied or untied embeddings, the query-to-key/value head ratio of GQA up to 4, a sliding window, MoE
-routing with shared experts and dense first blocks) at head width 16, one block per pipeline chunk (at
-least 2), and the default corpus's 4096-token BPE vocabulary (a toy needs no GPT-2 vocabulary). It
+routing with shared experts, dense first blocks and expert groups, multi-head latent attention with its latents at toy
+width, one multi-token-prediction depth) at head width 16, one block per pipeline chunk (at least 2), and the default corpus's 4096-token BPE vocabulary (a toy needs no GPT-2 vocabulary). It
 trains in fp32 without compile: bf16 on a CPU without bf16 units is emulated 50-100x slower, and
 16-bit rounding would hide a layout's error in the noise; the layout's arithmetic is what is checked.
 
@@ -33,6 +33,7 @@ STEPS = 4  # optimizer steps of each toy run; the resumed run starts from the ch
 TOY_VOCAB = 4096  # the default corpus's BPE vocabulary (prepared once, cached)
 TOY_LR = 1e-2  # at least: a large model's learning rate hardly moves a toy's loss in a few steps, and a check
 #               of the loss needs steps that change it (the optimizer and its other settings are the run's)
+TOY_EMA = 0.9  # the EMA's decay where the layout keeps one (ema=1) and the config sets none
 
 
 class CannotEmulate(ValueError):
@@ -83,15 +84,21 @@ def toy_model(model, layout: Layout):
     while kv * group < 4:  # at least 4 query heads
         kv *= 2
     heads = kv * group
-    layers = max(2, layout.pp * layout.virtual_stages)
+    layers = max(2, layout.pp * layout.stages_per_rank)  # (zbv / dualpipev: 2 stages per rank, a V)
     moe = model.moe
     if moe.enabled:
         experts = max(4, 2 * layout.ep)
         moe = dataclasses.replace(moe, num_experts=experts, top_k=min(moe.top_k, experts // 2),
                                   expert_hidden=HEAD_DIM * heads, shared_experts=min(moe.shared_experts, 1),
-                                  first_dense=min(moe.first_dense, layers - 1), every=min(moe.every, layers))
+                                  first_dense=min(moe.first_dense, layers - 1), every=min(moe.every, layers),
+                                  # group-limited routing kept as 2 groups, one chosen (its top_k experts fit)
+                                  n_groups=min(moe.n_groups, 2), topk_groups=1)
+    mla = model.mla
+    if mla.enabled:  # the latents kept (the query latent where the family has one) at toy widths
+        mla = dataclasses.replace(mla, kv_lora_rank=2 * HEAD_DIM, q_lora_rank=2 * HEAD_DIM if mla.q_lora_rank else 0,
+                                  qk_nope_head_dim=HEAD_DIM, qk_rope_head_dim=HEAD_DIM // 2, v_head_dim=HEAD_DIM)
     return dataclasses.replace(
-        model, vocab_size=TOY_VOCAB, dim=HEAD_DIM * heads, n_layers=layers, n_heads=heads,
+        model, mla=mla, mtp_depth=min(model.mtp_depth, 1), vocab_size=TOY_VOCAB, dim=HEAD_DIM * heads, n_layers=layers, n_heads=heads,
         n_kv_heads=None if kv == heads else kv, ffn_hidden=None, ffn_multiple_of=16, attn_head_dim=None,
         max_seq_len=_seq_len(layout), sliding_window=_seq_len(layout) // 2 if model.sliding_window else 0, moe=moe)
 
@@ -124,7 +131,8 @@ def toy_run(cfg: Config, layout: Layout) -> Toy:
         train=dataclasses.replace(cfg.train, steps=STEPS, compile=False, threads=1, eval_every=0, eval_sequences=4,
                                   sample_tokens=0, log_every=1, progress="none", plot=False, tensorboard=False,
                                   fp8=False, loss_chunk=toy_layout.loss_chunk, device="cpu", profile_steps="",
-                                  wandb=False),
+                                  wandb=False, ema_decay=(cfg.train.ema_decay or TOY_EMA) if toy_layout.ema else 0.0,
+                                  ema_start_step=0, ema_every=1),
         optim=dataclasses.replace(cfg.optim, lr=max(cfg.optim.lr, TOY_LR)),
         schedule=dataclasses.replace(cfg.schedule, warmup_steps=1),
         checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=STEPS // 2, every_minutes=0.0, keep_last=2,
@@ -150,10 +158,14 @@ def describe(toy: Toy) -> str:
         family.append(f"GQA {m.n_heads}:{m.n_kv_heads}")
     if m.sliding_window:
         family.append(f"sliding window {m.sliding_window}")
+    if m.mla.enabled:
+        family.append(f"MLA latent {m.mla.kv_lora_rank}")
+    if m.mtp_depth:
+        family.append(f"MTP depth {m.mtp_depth}")
     if m.moe.enabled:
         family.append(f"MoE {m.moe.num_experts} experts top-{m.moe.top_k}"
                       + (f" + {m.moe.shared_experts} shared" if m.moe.shared_experts else ""))
     return (f"toy model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({', '.join(family)}), vocab "
             f"{m.vocab_size}, {toy.config.data.seq_len} tokens; {lay.micro_batch} x {lay.grad_accum} micro-batches "
             f"x dp {lay.dp} per step, {STEPS} steps, {toy.config.optim.name} at lr {toy.config.optim.lr:g}, fp32, "
-            f"compile off")
+            f"compile off" + (f", EMA of the weights {toy.config.train.ema_decay:g}" if lay.ema else ""))
