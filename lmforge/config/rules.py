@@ -490,7 +490,9 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     call it can trace (`whole_model_blocker`), else "blocks" with the reason. "auto": "blocks" where
     per-block torch.compile was measured faster (COMPILE_FASTER_ON: CUDA) and can run (Triton
     installed; `capability`, the GPU's compute capability where known, at least
-    COMPILE_MIN_CAPABILITY), off for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's
+    COMPILE_MIN_CAPABILITY), off with tensor parallelism (per-block compile runs there and matches
+    one process, below, but is not measured faster on a GPU: `lmforge plan` ranks TP layouts by what
+    auto runs), off for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's
     fake-tensor rule of torch._grouped_mm wants bf16 inputs, so the first compiled step raises; and
     the routed experts' shapes depend on the data: graph breaks, recompiles) and everywhere else.
     PP, FSDP2 and TP (+ SP) with per-block compile match one process (benchmarks/parity_layouts.py
@@ -517,6 +519,10 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     if device_type not in COMPILE_FASTER_ON:
         return False, (f"auto: off on {device_type}: a compile of tens of seconds for a few % per step, "
                        f"benchmarks/RESULTS.md; set train.compile = blocks or model for a long run")
+    if cfg.parallel.tp > 1:
+        return False, ("auto: off with parallel.tp > 1 (compiled blocks match one process there: benchmarks/"
+                       "parity_layouts.py --case tp2-sp-compile; not measured faster on a GPU yet); set "
+                       "train.compile = true to use it")
     if cfg.model.moe.num_experts > 0:
         return False, ("auto: off for Mixture-of-Experts models (compiled MoE blocks fail in torch._grouped_mm's "
                        "tracing on CPU and have data-dependent shapes); set train.compile = true to try it")
