@@ -17,6 +17,7 @@ from torch import nn
 from lmforge.config import ModelConfig
 from lmforge.model.init import init_source
 from lmforge.model.materialise import materialise
+from lmforge.model import mup
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
 from lmforge.model.layers import Block, KVCache, make_norm, rope_rows, rope_tables, token_positions
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
@@ -38,6 +39,7 @@ class Transformer(nn.Module):
                 block.mlp = MoE(cfg, int(i))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output_mult = mup.output_multiplier(cfg)  # μP's logits multiplier 1/m (1 under SP)
         self.tie_weights()
         if cfg.pos_emb == "rope":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg=cfg)
@@ -60,6 +62,12 @@ class Transformer(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
 
+    def scale_output(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm's output `h` times μP's logits multiplier (model.parametrization = "mup": 1/m,
+        lmforge.model.mup; on the head's input, dim values per token rather than vocab, and the same
+        for the fused loss); `h` itself under SP."""
+        return h if self.output_mult == 1.0 else h * self.output_mult
+
     def forward(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None,
                 targets: torch.Tensor | None = None, loss_chunk: int = 0) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab).
@@ -81,12 +89,12 @@ class Transformer(nn.Module):
         rope = rope_rows((self.rope_cos, self.rope_sin)) if self.cfg.pos_emb == "rope" else None
         for i, block in enumerate(self.blocks.values()):
             x = block(x, rope, kv_caches[i] if kv_caches else None)
+        h = self.scale_output(self.norm(x))
         if targets is not None:
-            h = self.norm(x)
             if type(self.lm_head) is nn.Linear:  # a LoRA (or other wrapped) head runs its own forward
                 return linear_cross_entropy_sum(h, self.lm_head.weight, targets, loss_chunk)
             return token_nll_sum(self.lm_head(h), targets)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(h)
 
     # ---- accounting -------------------------------------------------------------------------
 
