@@ -1,18 +1,19 @@
-"""μP learning-rate transfer on the CPU (issue 48 item 1): an LR sweep at two widths, under the
+"""μP learning-rate transfer on the CPU (issue 48 item 1): an LR sweep at several widths, under the
 standard parametrization (SP) and under μP (model.parametrization = "mup", base width = the
-narrow one), with lmforge's own sweep (`lmforge sweep`: one `lmforge train` per trial).
+narrowest), with lmforge's own sweep (`lmforge sweep`: one `lmforge train` per trial).
 
-Under μP the best learning rate of the narrow model is the best of the wide one (the same grid
+Under μP the best learning rate of the narrow model is the best of the wide ones (the same grid
 point); under SP it moves. Prints a markdown table of the final validation losses (the best of each
-row in bold) and the best LR per (parametrization, width), and draws the loss-vs-LR curves
-(--plot, a PNG).
+row in bold), the best LR per (parametrization, width) and what the wider models lose at the
+narrowest one's best LR, and draws the loss-vs-LR curves (--plot, a PNG).
 
     python benchmarks/mup_transfer.py --out runs/mup-transfer --plot benchmarks/mup_transfer.png
 
-The defaults are what benchmarks/RESULTS.md records: 2 layers, 4 heads (so head_dim grows with the
-width, as μP's attention scaling assumes), seq 64, batch 8, 150 AdamW steps (cosine, 15 warmup),
-fp32, one thread per trial, on the default corpus. Re-running resumes the sweep (finished trials are
-skipped); --report-only re-reads a finished sweep.
+The defaults are what benchmarks/RESULTS.md records: widths 64, 128, 256, 2 layers, 4 heads (so
+head_dim grows with the width, as μP's attention scaling assumes), the default corpus with a 512-token
+BPE vocabulary, seq 64, batch 16, 300 AdamW steps (cosine, 30 warmup), fp32, one thread per trial. Re-running resumes the sweep (finished trials are
+skipped); --report-only re-reads a finished sweep; a grid extended later (more LRs) runs as a sweep of
+its own, reported together with the first through --merge.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
+LRS = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)
 
 
 def sweep_command(args) -> list[str]:
@@ -35,6 +36,7 @@ def sweep_command(args) -> list[str]:
             f"optim.lr={','.join(f'{lr:g}' for lr in args.lrs)}"]
     base = {"model.n_layers": args.layers, "model.n_heads": args.heads, "model.max_seq_len": args.seq,
             "model.mup_base_width": args.widths[0], "data.seq_len": args.seq,
+            "model.vocab_size": args.vocab, "data.tokenizer_vocab_size": args.vocab,
             "train.global_batch_size": args.batch, "train.micro_batch_size": args.batch, "train.steps": args.steps,
             "schedule.warmup_steps": max(1, args.steps // 10), "train.eval_every": 0,
             "train.eval_sequences": args.eval_sequences, "train.sample_tokens": 0, "train.precision": "fp32",
@@ -115,32 +117,41 @@ def plot(results: dict[tuple[str, int, float], float], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("runs/mup-transfer"), help="sweep folder")
-    ap.add_argument("--widths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512],
+    ap.add_argument("--widths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256],
                     help="model.dim values, narrowest first (the μP base width)")
     ap.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=list(LRS))
     ap.add_argument("--parametrizations", type=lambda s: s.split(","), default=["sp", "mup"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--eval-sequences", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=512, help="BPE vocabulary trained on the default corpus")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--eval-sequences", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--plot", type=Path, default=None, help="PNG of validation loss against LR")
     ap.add_argument("--report-only", action="store_true", help="only read the sweep folder's results")
+    ap.add_argument("--merge", type=Path, action="append", default=[],
+                    help="also report the trials of this earlier sweep folder (e.g. the grid this sweep extends)")
     args = ap.parse_args(argv)
     if not args.report_only:
         proc = subprocess.run(sweep_command(args), env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if proc.returncode != 0:
             print(f"lmforge sweep exited {proc.returncode}", file=sys.stderr)
             return proc.returncode
-    results = read_results(args.out)
+    results = {}
+    for folder in [*args.merge, args.out]:  # (this sweep's trials last: they win)
+        results.update(read_results(folder))
     print(table(results))
     best = best_lrs(results)
     for p in args.parametrizations:
         found = [best.get((p, w)) for w in args.widths]
         print(f"{p}: best lr per width {dict(zip(args.widths, found))} -> "
               f"{'the same grid point' if len(set(found)) == 1 else 'moves'}")
+        base_best = best.get((p, args.widths[0]))
+        for w in args.widths[1:]:  # the wide model at the narrow one's best lr: how much it loses
+            gap = results.get((p, w, base_best), math.inf) - min(v for (q, u, _), v in results.items() if (q, u) == (p, w))
+            print(f"{p}: width {w} at width {args.widths[0]}'s best lr {base_best:g} is {gap:.4f} above its own best")
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")

@@ -248,13 +248,14 @@ MUP_RUN = {"model.parametrization": "mup", "model.mup_base_width": 32, "model.ti
            "train.steps": 8, "train.log_every": 1, "schedule.warmup_steps": 2, "train.sample_tokens": 0,
            "checkpoint.every_steps": 0, "checkpoint.save_final": "false"}
 LAYOUTS = {"zero1": {"parallel.dp_shard": 2, "parallel.zero_stage": 1},
+           "fsdp": {"parallel.dp_shard": 2, "parallel.zero_stage": 3},
            "tp": {"parallel.tp": 2}, "pp": {"parallel.pp": 2}}
 
 
 @pytest.mark.slow
 def test_sharded_layouts_train_a_mup_model_like_one_process(corpus, tmp_path):  # noqa: F811
-    """ZeRO-1 (rebuilds the param groups per rank), tensor parallelism (splits groups by DTensor) and the
-    pipeline (its last stage applies the logits multiplier) against one process: same losses and gradient
+    """ZeRO-1 (rebuilds the param groups per rank), FSDP2 (DTensor shards, sharded init), tensor parallelism
+    (splits groups by DTensor) and the pipeline (its last stage applies the logits multiplier) against one process: same losses and gradient
     norms (1e-5 relative) over 8 steps of a μP model at m = 2; the μP run differs from the SP one."""
     single = {tmp_path / "one": {}, tmp_path / "sp": {"model.parametrization": "sp"}}
     proc = train_runs(corpus, single, **{**MUP_RUN, "train.micro_batch_size": 4})

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from lmforge.config import ModelConfig
+from lmforge.model import mup
 from lmforge.model.init import init_source
 from lmforge.model.materialise import materialise
-from lmforge.model import mup
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
 from lmforge.model.layers import Block, KVCache, make_norm, rope_rows, rope_tables, token_positions
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
