@@ -10,8 +10,10 @@ narrowest one's best LR, and draws the loss-vs-LR curves (--plot, a PNG).
     python benchmarks/mup_transfer.py --out runs/mup-transfer --plot benchmarks/mup_transfer.png
 
 The defaults are what benchmarks/RESULTS.md records: widths 64, 128, 256, 2 layers, 4 heads (so
-head_dim grows with the width, as μP's attention scaling assumes), the default corpus with a 512-token
-BPE vocabulary, seq 64, batch 16, 300 AdamW steps (cosine, 30 warmup), fp32, one thread per trial. Re-running resumes the sweep (finished trials are
+head_dim grows with the width, as μP's attention scaling assumes), model.init_std 0.06 (about
+0.5 / sqrt(64); GPT-2's 0.02 is sized for width 768, and μP carries the base's init to every width),
+the default corpus with a 512-token BPE vocabulary, seq 64, batch 16, 300 AdamW steps (cosine, 30
+warmup), fp32, one thread per trial. Re-running resumes the sweep (finished trials are
 skipped); --report-only re-reads a finished sweep; a grid extended later (more LRs) runs as a sweep of
 its own, reported together with the first through --merge.
 """
@@ -26,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-LRS = (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)
+LRS = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
 
 
 def sweep_command(args) -> list[str]:
@@ -36,7 +38,7 @@ def sweep_command(args) -> list[str]:
             f"optim.lr={','.join(f'{lr:g}' for lr in args.lrs)}"]
     base = {"model.n_layers": args.layers, "model.n_heads": args.heads, "model.max_seq_len": args.seq,
             "model.mup_base_width": args.widths[0], "data.seq_len": args.seq,
-            "model.vocab_size": args.vocab, "data.tokenizer_vocab_size": args.vocab,
+            "model.vocab_size": args.vocab, "data.tokenizer_vocab_size": args.vocab, "model.init_std": args.init_std,
             "train.global_batch_size": args.batch, "train.micro_batch_size": args.batch, "train.steps": args.steps,
             "schedule.warmup_steps": max(1, args.steps // 10), "train.eval_every": 0,
             "train.eval_sequences": args.eval_sequences, "train.sample_tokens": 0, "train.precision": "fp32",
@@ -53,12 +55,15 @@ def sweep_command(args) -> list[str]:
 
 
 def read_results(out: Path) -> dict[tuple[str, int, float], float]:
-    """(parametrization, width, lr) -> final validation loss (inf for a trial without one: diverged or failed)."""
+    """(parametrization, width, lr) -> final validation loss of each finished trial: inf for one that
+    finished without a finite loss or failed (diverged); trials not run yet (or interrupted) are left out."""
     rows = json.loads((out / "results.json").read_text())
     got = {}
     for r in rows:
+        if r.get("status") not in ("done", "skipped", "failed"):
+            continue
         loss = r.get("val_loss")
-        ok = isinstance(loss, (int, float)) and math.isfinite(loss)
+        ok = r["status"] != "failed" and isinstance(loss, (int, float)) and math.isfinite(loss)
         got[(r["model.parametrization"], int(r["model.dim"]), float(r["optim.lr"]))] = float(loss) if ok else math.inf
     return got
 
@@ -83,7 +88,7 @@ def table(results: dict[tuple[str, int, float], float]) -> str:
         cells = []
         for lr in lrs:
             loss = results.get((p, w, lr))
-            text = "-" if loss is None else ("diverged" if math.isinf(loss) else f"{loss:.4f}")
+            text = "-" if loss is None else ("diverged / failed" if math.isinf(loss) else f"{loss:.4f}")
             cells.append(f"**{text}**" if lr == best[(p, w)] else text)
         lines.append(f"| {p.upper() if p == 'sp' else 'μP'} | {w} | " + " | ".join(cells) + f" | {best[(p, w)]:g} |")
     return "\n".join(lines)
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="model.dim values, narrowest first (the μP base width)")
     ap.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=list(LRS))
     ap.add_argument("--parametrizations", type=lambda s: s.split(","), default=["sp", "mup"])
+    ap.add_argument("--init-std", type=float, default=0.06,
+                    help="model.init_std (~0.5/sqrt(base width): GPT-2's 0.02 is sized for width 768)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
@@ -145,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     best = best_lrs(results)
     for p in args.parametrizations:
-        found = [best.get((p, w)) for w in args.widths]
-        print(f"{p}: best lr per width {dict(zip(args.widths, found))} -> "
+        found = [best.get((p, w)) for w in args.widths if (p, w) in best]
+        print(f"{p}: best lr per width {dict((w, best[(p, w)]) for w in args.widths if (p, w) in best)} -> "
               f"{'the same grid point' if len(set(found)) == 1 else 'moves'}")
         base_best = best.get((p, args.widths[0]))
         for w in args.widths[1:]:  # the wide model at the narrow one's best lr: how much it loses
+            if (p, w) not in best or (p, w, base_best) not in results:
+                continue
             gap = results.get((p, w, base_best), math.inf) - min(v for (q, u, _), v in results.items() if (q, u) == (p, w))
             print(f"{p}: width {w} at width {args.widths[0]}'s best lr {base_best:g} is {gap:.4f} above its own best")
     if args.plot:
