@@ -10,6 +10,7 @@
     lmforge sweep    --base tiny --grid optim.lr=1e-3,3e-4  (lmforge/sweep/cli.py)
     lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
     lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/interop/cli.py)
+    lmforge merge    RUN_DIR --last K --out DIR    (lmforge/ckpt/cli_merge.py)
     lmforge import   --hf HF_DIR --out RUN_DIR     (lmforge/interop/cli.py)
     lmforge launch   [torchrun options] train ...  (lmforge/launch.py: torchrun, exit statuses mapped)
 """
@@ -311,6 +312,7 @@ DELEGATED = {
     "eval": ("lmforge.eval.cli_eval", "eval_main", "perplexity, BLEU/chrF, multiple-choice accuracy, fluency"),
     "export": ("lmforge.interop.cli", "export_main", "write a run as a Hugging Face transformers folder"),
     "import": ("lmforge.interop.cli", "import_main", "turn a transformers Llama/Qwen/Mixtral/GPT-2 folder into a run"),
+    "merge": ("lmforge.ckpt.cli_merge", "merge_main", "average the weights of saved checkpoints into a run folder"),
 }
 
 

@@ -178,6 +178,34 @@ def test_logits_multiplier_and_fused_loss():
         assert model(tokens, targets=targets, loss_chunk=5).item() == pytest.approx(plain.item(), rel=1e-5)
 
 
+def test_multi_token_prediction_under_mup():
+    """model.mtp_depth: the MTP depths share the head, so their head inputs take the logits multiplier 1/m
+    too (each depth's NLL against the formula written out); their projection (2 dim -> dim) and blocks are
+    hidden matrices: init x 1/sqrt(m), Adam lr x 1/m; their norms vector-like."""
+    cfg = replace(WIDE, dim=64, tie_embeddings=False, mtp_depth=2)  # m = 2
+    model = build_model(cfg, seed=0).train()
+    x, y = torch.randint(0, cfg.vocab_size, (2, 12)), torch.randint(0, cfg.vocab_size, (2, 12))
+    model(x, targets=y)
+    got = model.mtp.take_stats()[:, 0]
+    rope = (model.rope_cos, model.rope_sin)
+    with torch.no_grad():
+        h = model.tok_emb(x)
+        for block in model.blocks.values():
+            h = block(h, rope)
+        for k, module in enumerate(model.mtp.values(), start=1):
+            h = module(model.tok_emb(x.roll(-k, 1)), h, rope)
+            logits = model.lm_head(module.norm(h)) / 2
+            want = F.cross_entropy(logits[:, :-k].flatten(0, 1), y[:, k:].flatten(), reduction="sum")
+            assert got[k - 1].item() == pytest.approx(want.item(), rel=1e-5), k
+    sp = build_model(replace(cfg, parametrization="sp"), seed=0)
+    std = lambda m, name: m.get_parameter(name).float().std().item()  # noqa: E731
+    for name in ("mtp.0.proj.weight", "mtp.1.block.attn.wqkv.weight"):
+        assert std(model, name) == pytest.approx(std(sp, name) / math.sqrt(2), rel=0.03), name
+    lrs = _lr_by_name(build_optimizer(OptimConfig(name="adamw", lr=1e-3), model))
+    assert lrs["mtp.0.proj.weight"][0] == lrs["mtp.1.block.mlp.up.weight"][0] == pytest.approx(1e-3 / 2)
+    assert lrs["mtp.0.emb_norm.weight"][0] == lrs["mtp.1.norm.weight"][0] == 1e-3
+
+
 def test_config_rules():
     with pytest.raises(ConfigError, match="model.mup_base_width"):
         ModelConfig(parametrization="mup").check()
@@ -185,6 +213,8 @@ def test_config_rules():
         ModelConfig(dim=96, n_heads=6, parametrization="mup", mup_base_width=64).check()
     with pytest.raises(ConfigError, match="optim.name = 'lamb'"):
         load_config("tiny", {"model.parametrization": "mup", "model.mup_base_width": 96, "optim.name": "lamb"})
+    with pytest.raises(ConfigError, match=r"multi-head latent attention \(model.mla.kv_lora_rank = 16\)"):
+        load_config("tiny", {"model.parametrization": "mup", "model.mup_base_width": 96, "model.mla.kv_lora_rank": 16})
     cfg = load_config("tiny", {"model.parametrization": "mup", "model.mup_base_width": 96})
     assert mup.width_mult(cfg.model) == 2.0 and mup.attention_factor(cfg.model) == pytest.approx(math.sqrt(0.5))
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from lmforge.config.base import ConfigError, divisors
 from lmforge.config.launch import launcher_command
 from lmforge.optim.registry import REGISTRY, SPECS
+from lmforge.parallel.formulas import LOOPED, V_SHAPED, stages_per_rank
 
 if TYPE_CHECKING:
     from lmforge.config.sections import Config
@@ -21,7 +22,7 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
 
     * train.micro_batch_size: the presets fix the global batch (the math of a step); the micro-batch
       shrinks to the largest divisor of the per-rank batch (global / dp) that is <= the preset's and
-      leaves >= pp micro-batches per step (a multiple of pp for interleaved 1F1B).
+      leaves the micro-batches per step the pipeline schedule needs (`pipeline_micro_batches_ok`).
     * schedule.warmup_steps: at most a tenth of train.steps when the preset's warmup would not end
       within the run.
     * train.hang_min_s: half of parallel.timeout_s where that is lower (the watchdog writes the
@@ -61,8 +62,8 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
 def valid_micro_batches(cfg: "Config") -> list[int]:
     """The micro-batch sizes the layout can run, smallest first: divisors of the global batch per
     data-parallel rank (global / dp; async SGD: any divisor of the global batch, one worker's
-    gradient per update) that leave >= pp micro-batches per step under a pipeline (a multiple of pp
-    for interleaved 1F1B) and keep a batch ramp-up's start and increments multiples of micro x dp."""
+    gradient per update) that leave the micro-batches per step the pipeline schedule needs
+    (`pipeline_micro_batches_ok`) and keep a batch ramp-up's start and increments multiples of micro x dp."""
     t, s, p = cfg.train, cfg.schedule, cfg.parallel
     if p.async_sgd:
         return divisors(t.global_batch_size)
@@ -75,19 +76,47 @@ def valid_micro_batches(cfg: "Config") -> list[int]:
                 and 0 < s.batch_rampup_start <= t.global_batch_size
                 and (t.global_batch_size - s.batch_rampup_start) % inc == 0)
 
-    sizes = pipeline_micro_batches(t.global_batch_size // p.dp, p.pp, p.pp_schedule == "interleaved")
+    sizes = pipeline_micro_batches(t.global_batch_size // p.dp, p.pp, p.pp_schedule)
     return [m for m in sizes if not s.batch_rampup_start or ramp_whole(m)]
 
 
-def pipeline_micro_batches(per_rank: int, pp: int, interleaved: bool) -> list[int]:
-    """The divisors m of a rank's `per_rank` sequences that leave >= pp micro-batches per step under a
-    pipeline (pp > 1; a multiple of pp for interleaved 1F1B), smallest first."""
-    return [m for m in divisors(per_rank)
-            if pp == 1 or (per_rank // m >= pp and (not interleaved or (per_rank // m) % pp == 0))]
+def pipeline_micro_batches(per_rank: int, pp: int, schedule: str) -> list[int]:
+    """The divisors m of a rank's `per_rank` sequences that leave a step's micro-batches the pipeline
+    `schedule` needs (pp > 1: `pipeline_micro_batches_ok`), smallest first."""
+    return [m for m in divisors(per_rank) if pp == 1 or pipeline_micro_batches_ok(per_rank // m, pp, schedule)]
+
+
+def pipeline_micro_batches_ok(count: int, pp: int, schedule: str) -> bool:
+    """Whether a step of `count` micro-batches fills a pipeline of `pp` ranks under `schedule`: at
+    least pp; a multiple of pp for interleaved and interleaved-zb (torch's rounds of pp micro-batches);
+    at least 2 pp, the number of stages, for zbv and dualpipev (torch's DualPipeV requires it; the
+    V fills from it)."""
+    if schedule in V_SHAPED:
+        return count >= 2 * pp
+    return count >= pp and (schedule not in LOOPED or count % pp == 0)
 
 
 MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the degrees whose product is the world size
 PLAINEST = ("dp_shard", "dp_replicate", "tp", "pp", "cp")  # a suggested layout adds these first
+
+
+def infer_dp_shard(cfg: "Config", world: int, explicit: set[str]) -> str | None:
+    """parallel.dp_shard from the process count, in place, for a launched run with expert parallelism
+    whose user did not choose dp_shard (`explicit`): EP borrows its ranks from dp_shard and adds no
+    processes, so `torchrun --nproc-per-node 2 ... --parallel.ep 2` means dp_shard = 2 = world /
+    (dp_replicate x cp x tp x pp). Returns the log line, or None where nothing was inferred (ep = 1,
+    dp_shard chosen, or a world that the other degrees do not divide: the process-count rule then
+    names the mismatch)."""
+    p = cfg.parallel
+    others = [getattr(p, d) for d in MESH_DEGREES if d != "dp_shard"]
+    if p.ep < 2 or "parallel.dp_shard" in explicit or any(not isinstance(v, int) or v < 1 for v in others):
+        return None
+    rest = p.dp_replicate * p.cp * p.tp * p.pp
+    if world % rest or world // rest == p.dp_shard:
+        return None
+    p.dp_shard = world // rest
+    return (f"parallel.dp_shard -> {p.dp_shard}: inferred from the {world} processes started (world / (dp_replicate "
+            f"{p.dp_replicate} x cp {p.cp} x tp {p.tp} x pp {p.pp})); parallel.ep = {p.ep} borrows its ranks from it")
 
 
 def check_process_count(cfg: "Config", world: int, launch: str) -> None:
@@ -134,7 +163,7 @@ def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, 
     walk(0, world, {})
 
     def allowed(c: dict[str, int]) -> bool:
-        stages = c["pp"] * (p.pp_virtual_stages if c["pp"] > 1 else 1)
+        stages = c["pp"] * (stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if c["pp"] > 1 else 1)
         return (c["tp"] in tp_ok and m.n_layers % stages == 0 and (c["cp"] == 1 or d.seq_len % (2 * c["cp"]) == 0)
                 and c["dp_shard"] % p.ep == 0 and (c["pp"] == 1 or not m.tie_embeddings))
 
@@ -157,6 +186,7 @@ def check_cross_section(cfg: "Config") -> None:
     check_features(cfg)
     check_expert_parallel(cfg)
     check_parametrization(cfg)
+    check_multi_token_prediction(cfg)
 
 
 def check_parametrization(cfg: "Config") -> None:
@@ -166,6 +196,24 @@ def check_parametrization(cfg: "Config") -> None:
                           f"{cfg.optim.name!r} (its update is scaled by the parameter's own norm, which μP's tables do "
                           f"not cover); use one of {', '.join(s.name for s in SPECS if s.mup_rule)}, or "
                           f"model.parametrization = 'sp'.")
+
+
+def check_multi_token_prediction(cfg: "Config") -> None:
+    """model.mtp_depth: the modules shift each sequence by k tokens and reuse the embedding and the head,
+    so they need whole sequences and both ends of the model on one rank."""
+    m, p = cfg.model, cfg.parallel
+    if not m.mtp_depth:
+        return
+    for key, value, why in (("pp", p.pp, "the MTP modules need the embedding (first stage) and the head (last stage)"),
+                            ("cp", p.cp, "the MTP modules shift each sequence by k tokens across the CP chunks"),
+                            ("async_sgd", p.async_sgd, "its loop computes the language-model loss only")):
+        if value not in (1, False):
+            raise ConfigError(f"model.mtp_depth = {m.mtp_depth} is not supported with parallel.{key} = {value} yet "
+                              f"({why}); set model.mtp_depth = 0 or parallel.{key} to its default.")
+    if p.sequence_parallel:
+        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} is not supported with parallel.sequence_parallel = true "
+                          f"yet (the MTP modules' norms and projection are not sequence-parallel modules); set "
+                          f"parallel.sequence_parallel = false or model.mtp_depth = 0.")
 
 
 def check_expert_parallel(cfg: "Config") -> None:
@@ -287,15 +335,19 @@ def check_context_parallel(cfg: "Config") -> None:
 
 
 def check_pipeline(cfg: "Config") -> None:
-    """Stages of whole layers, enough micro-batches to fill them, embedding and head apart."""
+    """Stages of whole layers, enough micro-batches to fill them, embedding and head apart; what the
+    zero-bubble schedules' split backward rules out (torch.compile, selective checkpointing)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    v = p.pp_virtual_stages
-    stages = p.pp * (v if p.pp > 1 else 1)
+    v = p.stages_per_rank
+    stages = p.pp * v
     if m.n_layers % stages:
-        what = f"parallel.pp = {p.pp}" + (f" x parallel.pp_virtual_stages = {v} = {stages} pipeline stages"
-                                          if p.pp > 1 and v > 1 else "")
+        per = (f"parallel.pp_virtual_stages = {v}" if p.pp_schedule in LOOPED else
+               f"{v} stages per rank ({p.pp_schedule})")
+        what = f"parallel.pp = {p.pp}" + (f" x {per} = {stages} pipeline stages" if v > 1 else "")
         raise ConfigError(f"{what} must divide model.n_layers = {m.n_layers}; "
                           f"choose a divisor of {m.n_layers} or change n_layers.")
+    if p.split_backward:
+        check_split_backward(cfg)
     if p.pp == 1 or t.micro_batch_size == "auto":  # (auto: only sizes that fill the pipeline are chosen)
         return
     accum = cfg.grad_accum_steps
@@ -304,13 +356,33 @@ def check_pipeline(cfg: "Config") -> None:
             f"parallel.pp = {p.pp}: the pipeline runs the step's {accum} micro-batch(es) (global_batch_size "
             f"{t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x dp {p.dp})), fewer than the "
             f"stages; lower train.micro_batch_size so there are >= {p.pp} micro-batches per step.")
-    if p.pp_schedule == "interleaved" and accum % p.pp:
+    if not pipeline_micro_batches_ok(accum, p.pp, p.pp_schedule):
+        need = f">= 2 x parallel.pp = {2 * p.pp} (its stages)" if p.pp_schedule in V_SHAPED else \
+            f"a multiple of parallel.pp = {p.pp}"
         raise ConfigError(
-            f"parallel.pp_schedule = 'interleaved': the step's {accum} micro-batches must be a multiple of "
-            f"parallel.pp = {p.pp}; change train.micro_batch_size or train.global_batch_size.")
+            f"parallel.pp_schedule = {p.pp_schedule!r}: the step's {accum} micro-batches must be {need}; change "
+            f"train.micro_batch_size or train.global_batch_size.")
     if m.tie_embeddings:
         raise ConfigError("parallel.pp > 1 with model.tie_embeddings = true: the embedding (first stage) and "
-                          "the output head (last stage) live on different ranks; set model.tie_embeddings = false.")
+                          "the output head (last stage) live in different stage modules; set "
+                          "model.tie_embeddings = false.")
+
+
+def check_split_backward(cfg: "Config") -> None:
+    """The zero-bubble schedules run each backward as an input-gradient pass and a later weight-gradient
+    pass through the same autograd graph (torch's stage_backward_input / stage_backward_weight)."""
+    t, p = cfg.train, cfg.parallel
+    if t.compile is True:
+        raise ConfigError(
+            f"train.compile = true with parallel.pp_schedule = {p.pp_schedule!r}: torch's zero-bubble schedules "
+            f"do not run compiled stage modules (their split backward; pytorch/pytorch#161904); set "
+            f"train.compile = false (or 'auto'), or pp_schedule = 'interleaved'.")
+    if t.activation_checkpoint == "selective":
+        raise ConfigError(
+            f"train.activation_checkpoint = 'selective' with parallel.pp_schedule = {p.pp_schedule!r}: selective "
+            f"checkpointing allows one backward through a checkpointed region, and the split backward runs two "
+            f"(the input gradient, then the weight gradient: torch raises \"Trying to backward an extra time\"); "
+            f"use activation_checkpoint = 'full' or 'every_k', or pp_schedule = 'interleaved'.")
 
 
 def check_features(cfg: "Config") -> None:
@@ -333,6 +405,10 @@ def check_features(cfg: "Config") -> None:
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError("train.fp8 = true needs the torchao package (torchao.float8), which is not "
                               "installed: `pip install torchao`, or set train.fp8 = false.")
+    if p.async_sgd and (t.ema_decay or t.eval_tasks):
+        key = "train.ema_decay" if t.ema_decay else "train.eval_tasks"
+        raise ConfigError(f"{key} is not supported with parallel.async_sgd = true (the parameter server's loop keeps "
+                          f"no EMA and scores no tasks); unset {key} or use a synchronous layout.")
     if p.async_sgd and cfg.checkpoint.every_steps:
         raise ConfigError("parallel.async_sgd = true does not write periodic checkpoints (the parameter "
                           "server's state is not checkpointed yet; checkpoint.every_minutes is ignored); set "
@@ -415,6 +491,9 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     t = cfg.train
     if t.compile != "auto":
         return t.compile, f"train.compile = {str(t.compile).lower()}"
+    if cfg.parallel.split_backward:
+        return False, (f"auto: off with parallel.pp_schedule = {cfg.parallel.pp_schedule!r} (torch's zero-bubble "
+                       f"schedules do not run compiled stages: pytorch/pytorch#161904)")
     if device_type not in COMPILE_FASTER_ON:
         return False, (f"auto: off on {device_type}: a compile of tens of seconds for a few % per step, "
                        f"benchmarks/RESULTS.md; set train.compile = true for a long run")

@@ -8,8 +8,10 @@ One forward, for the T tokens of a micro-batch on this rank (x flattened to (T, 
 1. **Route.** Router logits (fp32) -> scores: softmax over the experts (Mixtral, Qwen3-MoE) or a
    sigmoid per expert (DeepSeek-V3). The top-k experts of each token are chosen on scores + the
    selection bias (`expert_bias`, a persistent buffer: zero unless the auxiliary-loss-free update
-   moves it), the weights are the chosen *scores* (renormalised to sum 1 when
-   model.moe.renormalize, times model.moe.route_scale).
+   moves it), with group-limited routing (model.moe.n_groups > 1, DeepSeek-V3's node-limited
+   routing) only among the topk_groups groups of experts whose two best biased scores sum highest;
+   the weights are the chosen *scores* (renormalised to sum 1 when model.moe.renormalize, times
+   model.moe.route_scale).
 2. **Sort.** The T x k (token, expert) assignments are sorted by expert (a stable argsort: within
    an expert, token order), which gives each expert's count and each assignment's place among its
    expert's; with a capacity factor the assignments past an expert's capacity are dropped (counted).
@@ -34,14 +36,20 @@ One forward, for the T tokens of a micro-batch on this rank (x flattened to (T, 
 
 Balancing: the auxiliary loss E * sum_i f_i P_i (f_i: share of assignments to expert i, P_i: mean
 router probability) and the z-loss mean(logsumexp(logits)^2) are computed over the micro-batch's
-tokens of *all* ranks that split the data (one all-reduce of 2E + 2 numbers per layer: `token_group`),
-so every layout optimises the same objective as one process. They enter backward through
+tokens of *all* ranks that split the data (one all-reduce of 2E + 4 numbers per layer: `token_group`),
+so every layout optimises the same objective as one process. DeepSeek-V3's complementary
+sequence-wise balance loss (model.moe.seq_aux_loss_coef; its eq. 17-20) is the same sum within each
+sequence, averaged over the sequences of the micro-batch on all those ranks: per sequence s,
+f_{s,i} = E / (k T) x s's assignments to expert i and P_{s,i} = the mean over s's T tokens of the
+normalised scores (scores / their sum per token); a rank adds its sequences' terms (under context
+parallelism a sequence's assignment counts are first summed over its CP ranks: one more all-reduce of
+(sequences x E) counts per layer), so the mean is exact whatever the layout. They enter backward through
 `AuxLossGrad` (Megatron's MoEAuxLossAutoScaler idea): the layer's output is unchanged, and its
 backward adds the loss's gradient, scaled by `aux_grad_scale` (set by the layout per step: the
 data-parallel averaging and the micro-batch count), so no training loop needs to know about it.
 The reported training loss stays the language-model loss; the aux losses go to the metrics.
 
-The per-step statistics (`MoEStats`: tokens per expert, dropped assignments, aux and z losses,
+The per-step statistics (`MoEStats`: tokens per expert, dropped assignments, aux, z and sequence-wise losses,
 summed over the step's micro-batches on the device, read on the host only at log lines) feed the
 auxiliary-loss-free bias update (DeepSeek-V3: b_i += rate * sign(mean load - load_i) after each
 step, the same on every rank since the counts are global) and the metrics
@@ -59,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config import ModelConfig
-from lmforge.model.layers import SwiGLU
+from lmforge.model.layers import SwiGLU, current_shard
 
 # the experts over packed rows: rows sorted by expert, counts per expert -> output rows (what expert
 # parallelism's dispatcher runs: GroupedExperts.sorted_rows)
@@ -273,31 +281,36 @@ class AuxLossGrad(torch.autograd.Function):
 class MoEStats:
     """One MoE layer's numbers over the micro-batches of a step, summed over every rank that splits
     the data (global), kept on the device until read (no host sync per forward): `acc` = per expert
-    the (token, expert) assignments, then tokens, dropped assignments, aux loss and z-loss, each
-    summed over the micro-batches."""
+    the (token, expert) assignments, then tokens, dropped assignments, aux loss, z-loss and the
+    sequence-wise balance loss, each summed over the micro-batches."""
 
     acc: torch.Tensor
     micro_batches: int = 0
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
-        return self.acc[:-4].cpu()
+        return self.acc[:-5].cpu()
 
     @property
     def tokens(self) -> int:
-        return int(self.acc[-4])
+        return int(self.acc[-5])
 
     @property
     def dropped(self) -> int:
-        return int(self.acc[-3])
+        return int(self.acc[-4])
 
     @property
     def aux_loss(self) -> float:
         """Mean over the step's micro-batches."""
-        return float(self.acc[-2]) / max(self.micro_batches, 1)
+        return float(self.acc[-3]) / max(self.micro_batches, 1)
 
     @property
     def z_loss(self) -> float:
+        return float(self.acc[-2]) / max(self.micro_batches, 1)
+
+    @property
+    def seq_aux_loss(self) -> float:
+        """DeepSeek-V3's sequence-wise balance loss (before its coefficient), mean over the micro-batches."""
         return float(self.acc[-1]) / max(self.micro_batches, 1)
 
 
@@ -332,11 +345,24 @@ class MoE(nn.Module):
         m = self.cfg
         logits = self.router(x).float()
         scores = logits.softmax(-1) if m.router == "softmax" else logits.sigmoid()
-        _, chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+        _, chosen = torch.topk(self.limit_groups(scores + self.expert_bias), self.top_k, dim=-1)
         weights = scores.gather(1, chosen)
         if m.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return logits, scores, chosen, weights * m.route_scale
+
+    def limit_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (model.moe.n_groups > 1; DeepSeek-V3 eq. of its node-limited routing, as
+        its released inference code computes it): the experts in n_groups equal groups, each group
+        scored by the sum of its two highest biased scores, the topk_groups best groups kept and every
+        other expert's score set to -inf, so top-k picks inside the kept groups. (T, E) -> (T, E)."""
+        groups = self.cfg.n_groups
+        if groups == 1:
+            return biased
+        per_group = biased.view(biased.shape[0], groups, -1)
+        best = per_group.topk(2, dim=-1).values.sum(-1)  # (T, groups)
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.cfg.topk_groups, dim=-1).indices, True)
+        return per_group.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(biased)
 
     def capacity(self, position: torch.Tensor, counts: torch.Tensor,
                  tokens: int) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -371,8 +397,26 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training and torch.is_grad_enabled():
-            y = self.balance(y, logits, scores, counts, (counts - kept).sum().float(), tokens)
+            seqs = shape[0] if len(shape) == 3 else 1
+            y = self.balance(y, logits, scores, counts, (counts - kept).sum().float(), tokens,
+                             self.sequence_counts(chosen, seqs))
         return y.view(shape)
+
+    def sequence_counts(self, chosen: torch.Tensor, seqs: int) -> torch.Tensor | None:
+        """Each sequence's assignments per expert (seqs, E), float, summed over the CP ranks that hold
+        parts of it (context parallelism: one all-reduce); None when the sequence-wise loss is off."""
+        if not self.cfg.seq_aux_loss_coef:
+            return None
+        seq_of = torch.arange(chosen.shape[0], device=chosen.device) // (chosen.shape[0] // seqs)
+        index = (seq_of.unsqueeze(1) * self.num_experts + chosen).reshape(-1)
+        counts = torch.zeros(seqs * self.num_experts, device=chosen.device).index_add_(
+            0, index, torch.ones(index.shape[0], device=chosen.device)).view(seqs, self.num_experts)
+        shard = current_shard()
+        if shard is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, group=shard.group)
+        return counts
 
     def local_experts(self, x: torch.Tensor, flat: torch.Tensor, position: torch.Tensor, keep: torch.Tensor | None,
                       kept: torch.Tensor) -> torch.Tensor:
@@ -405,33 +449,51 @@ class MoE(nn.Module):
         return out_rows.new_zeros((assignments, out_rows.shape[1])).index_copy(0, order, out_rows)
 
     def balance(self, y: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor, assigned: torch.Tensor,
-                dropped: torch.Tensor, tokens: int) -> torch.Tensor:
+                dropped: torch.Tensor, tokens: int, seq_counts: torch.Tensor | None = None) -> torch.Tensor:
         """Global statistics of this micro-batch (one all-reduce over the ranks that split the data;
-        `assigned`: the assignments per expert, before any capacity drop), the aux / z losses'
-        gradients attached to `y`, the step's statistics updated (on the device: read at log lines)."""
+        `assigned`: the assignments per expert, before any capacity drop; `seq_counts`: per sequence,
+        `sequence_counts`), the aux / z / sequence-wise losses' gradients attached to `y`, the step's
+        statistics updated (on the device: read at log lines)."""
         m, E = self.cfg, self.num_experts
         probs = scores if m.router == "softmax" else scores / scores.sum(-1, keepdim=True)
         prob_sum = probs.sum(0)  # (E,) differentiable
         lse_sq = torch.logsumexp(logits, -1).pow(2).sum() if m.z_loss_coef else logits.new_zeros(())
+        seq_term = self.sequence_term(probs, seq_counts)
         summary = torch.cat([assigned.float(), prob_sum.detach(), lse_sq.detach().view(1),
-                             torch.full((1,), float(tokens), device=logits.device), dropped.view(1)])
+                             torch.full((1,), float(tokens), device=logits.device), dropped.view(1),
+                             seq_term.detach().view(1)])
         recompute = torch._C._current_graph_task_id() != -1  # (activation checkpointing's re-run in backward)
         if self.token_group is not None:
             import torch.distributed as dist
 
             dist.all_reduce(summary, group=self.token_group)
-        g_assigned, g_prob, g_lse, g_tokens, g_dropped = (summary[:E], summary[E:2 * E], summary[2 * E],
-                                                          summary[2 * E + 1], summary[2 * E + 2])
+        g_assigned, g_prob, g_lse, g_tokens, g_dropped, g_seq = (
+            summary[:E], summary[E:2 * E], summary[2 * E], summary[2 * E + 1], summary[2 * E + 2], summary[2 * E + 3])
         f = g_assigned / (g_tokens * self.top_k)
         aux_local = E * (f * prob_sum).sum() / g_tokens  # this rank's share: the ranks' shares add up
         z_local = lse_sq / g_tokens
+        seq_local = seq_term / g_tokens  # (likewise: the mean over the global micro-batch's sequences)
         if not recompute:
             aux_global = E * (f * g_prob).sum() / g_tokens
-            self._record(torch.cat([g_assigned, torch.stack([g_tokens, g_dropped, aux_global, g_lse / g_tokens])]))
-        loss = m.aux_loss_coef * aux_local + m.z_loss_coef * z_local
-        if loss.requires_grad and (m.aux_loss_coef or m.z_loss_coef):
+            self._record(torch.cat([g_assigned, torch.stack([g_tokens, g_dropped, aux_global, g_lse / g_tokens,
+                                                             g_seq / g_tokens])]))
+        loss = m.aux_loss_coef * aux_local + m.z_loss_coef * z_local + m.seq_aux_loss_coef * seq_local
+        if loss.requires_grad and (m.aux_loss_coef or m.z_loss_coef or m.seq_aux_loss_coef):
             y = AuxLossGrad.apply(y, loss, self.aux_grad_scale)
         return y
+
+    def sequence_term(self, probs: torch.Tensor, seq_counts: torch.Tensor | None) -> torch.Tensor:
+        """This rank's part of sum over sequences s and experts i of E / (k T) c_{s,i} p_{s,i} (fp32 scalar,
+        differentiable), with c the sequence's assignments (all its tokens: `sequence_counts`), p the
+        sum of normalised scores over this rank's tokens of it, T the tokens of a whole sequence; over
+        all ranks, / the global token count, it is the mean over sequences of sum_i f_{s,i} P_{s,i}:
+        T / global tokens = 1 / sequences, and f P = E c / (k T) x p / T. Zero when the loss is off."""
+        if seq_counts is None:
+            return probs.new_zeros(())
+        seqs = seq_counts.shape[0]
+        seq_tokens = seq_counts[0].sum() / self.top_k  # (every sequence has the same length: T)
+        p = probs.view(seqs, -1, self.num_experts).sum(1)  # (seqs, E)
+        return self.num_experts * (seq_counts * p).sum() / (self.top_k * seq_tokens)
 
     def _record(self, values: torch.Tensor) -> None:
         if self.stats is None:
@@ -445,7 +507,7 @@ class MoE(nn.Module):
         (model.moe.bias_update_rate): the same on every rank, from the global counts."""
         s, self.stats = self.stats, None
         if s is not None and self.cfg.bias_update_rate:
-            load = s.acc[:-4].to(torch.float32)
+            load = s.acc[:-5].to(torch.float32)
             self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
         return s
 

@@ -19,7 +19,14 @@ fan_out "infinite"); for lmforge's layers (`param_kind`):
 * readout (the same shapes, without a multiplier): the MoE router (lmforge.model.moe);
 * hidden (both infinite): the q/k/v projections (separate ``wq/wk/wv`` or the fused ``wqkv``, GQA
   or not), ``wo``, the MLPs (SwiGLU ``gate/up/down``, GELU ``fc/proj``), the MoE experts' stacked
-  ``w_gate/w_up/w_down`` (a hidden matrix per expert) and the shared experts.
+  ``w_gate/w_up/w_down`` (a hidden matrix per expert) and the shared experts; multi-token prediction's
+  (model.mtp_depth, lmforge.model.mtp) ``proj`` (2 dim -> dim) and blocks. The MTP depths share the
+  embedding and the head, and their head inputs take the same logits multiplier (Transformer.head_nll).
+
+Multi-head latent attention (model.mla) is refused with μP (ModelConfig.check_parametrization): its
+latent ranks and per-head widths are config numbers of their own, so whether ``wq_a`` / ``wkv_a`` are
+hidden or output-like, ``wq_b`` / ``wkv_b`` hidden or vector-like, depends on how the user scales them
+with width, and its softmax scale (with YaRN's mscale) is not the q multiplier below.
 
 The table as implemented, relative to the base model (TP5 Table 3, and for the output layer the
 equivalent form with an output multiplier of its Table 8, which the ``mup`` package implements):

@@ -12,7 +12,10 @@ data-parallel ranks, each reading its own micro-batches.
   init draws per expert block), so every layout starts from the one-process weights.
 * **FSDP2** (lmforge.parallel.fsdp) shards the dense parameters over all of "dp_shard" as before and
   each block's experts over "dp_shard_mod_ep" only (`shard_experts`): the ranks that hold a replica
-  of the same experts. Their gradients are reduce-scattered (averaged) over exactly those ranks and
+  of the same experts. With dp_replicate > 1 (HSDP) both are replicated across the replica groups
+  (FSDP2 on ("dp_replicate", "dp_shard") and ("dp_replicate", "dp_shard_mod_ep")): every replica
+  group holds all experts, split over its own EP ranks. Their gradients are reduce-scattered
+  (averaged) over exactly those ranks (and all-reduced across the replicas) and
   scaled by 1/ep (`GroupedExperts.grad_scale`, applied to the weights' gradient in backward), because
   each expert's gradient already sums the tokens of the whole EP group: the sum over all dp ranks'
   tokens x dp / N, averaged over dp / ep replicas, times 1 / ep, is the one-process gradient. (FSDP2's
@@ -127,9 +130,10 @@ def shard_experts(block: nn.Module, info: DistInfo, **fsdp_kw) -> None:
     scaled by 1 / ep (see the module docstring)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in moe_layers(block).values() if info.ep_size > 1 else ():
-        fully_shard(layer.experts, mesh=info.sub_mesh("dp_shard_mod_ep_cp" if info.cp_size > 1 else "dp_shard_mod_ep"),
-                    **fsdp_kw)
+    shard = "dp_shard_mod_ep_cp" if info.cp_size > 1 else "dp_shard_mod_ep"
+    for layer in moe_layers(block).values() if info.ep_size > 1 else ():  # (HSDP: replicas x the expert shards)
+        mesh = info.sub_mesh("dp_replicate", shard) if info.replicas > 1 else info.sub_mesh(shard)
+        fully_shard(layer.experts, mesh=mesh, **fsdp_kw)
         layer.experts.grad_scale = 1.0 / info.ep_size
 
 
@@ -168,8 +172,9 @@ def moe_step(model: nn.Module, micro_batches: int, dp: int, out: dict) -> Iterat
 def moe_metrics(stats: dict[int, MoEStats]) -> dict[str, float | list[int]]:
     """Flat metrics of a step's MoE statistics (a host sync: read at log lines), per layer i:
     moe/i/tokens_per_expert (the step's (token, expert) assignments per expert, a list),
-    moe/i/max_load (the busiest expert's assignments / the mean: 1 = balanced), moe/i/aux_loss and
-    moe/i/z_loss (means over the micro-batches, before their coefficients), moe/i/dropped (assignments
+    moe/i/max_load (the busiest expert's assignments / the mean: 1 = balanced), moe/i/aux_loss,
+    moe/i/z_loss and moe/i/seq_aux_loss (the sequence-wise balance loss; means over the micro-batches,
+    before their coefficients), moe/i/dropped (assignments
     over capacity) and moe/i/dropped_frac (of all assignments)."""
     out: dict = {}
     for i, s in stats.items():
@@ -179,6 +184,7 @@ def moe_metrics(stats: dict[int, MoEStats]) -> dict[str, float | list[int]]:
         out[f"moe/{i}/max_load"] = float(load.max()) / mean if mean else 0.0
         out[f"moe/{i}/aux_loss"] = s.aux_loss
         out[f"moe/{i}/z_loss"] = s.z_loss
+        out[f"moe/{i}/seq_aux_loss"] = s.seq_aux_loss
         out[f"moe/{i}/dropped"] = s.dropped
         out[f"moe/{i}/dropped_frac"] = s.dropped / total if total else 0.0
     return out

@@ -46,7 +46,7 @@ def lmforge_buffers(cfg: ModelConfig, layout: Layout, states: StageStates, seq_l
             # accumulated in fp32 (reduce_dtype), is held from the first micro-batch's backward on
             out["fsdp_accumulated_gradients"] = 4 * states.params
     if cfg.pos_emb == "rope":
-        out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
+        out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.rope_dim // 2) * 4  # (MLA: its RoPE part)
     return out
 
 
@@ -68,10 +68,10 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
       chunk's hidden rows cast to 16 bits;
     - ``final_save``: what persists, plus one whole parameter gathered on every rank of its shard
       group (the largest, fp32; rank 0's copy of it goes to host memory, then to the file)."""
-    specs = stage_specs(cfg, layout.pp, stage)
+    specs = stage_specs(cfg, layout.pp, stage, layout.last_rank)
     largest = 4 * max(math.prod(spec.shape) for spec in specs)
     keeps_grads = not layout.fsdp and layout.shard_ranks > 1  # DDP / ZeRO-1: gradients are the buckets
-    persistent = comp["weights"] + comp["master_weights"] + comp["optimizer_states"] + \
+    persistent = comp["weights"] + comp["master_weights"] + comp["optimizer_states"] + comp.get("ema", 0.0) + \
         (comp["gradients"] if keeps_grads else 0.0) + buffers.get("rope_tables", 0.0)
     half = 4 if layout.precision == "fp32" else 2
     # evaluation's loss (lmforge.eval.perplexity): the 16-bit logits, their fp32 copy (fp32 runs: the
@@ -81,7 +81,7 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     n = layout.micro_batch * (seq_len // layout.cp)
     rows = min(layout.loss_chunk, n) if layout.loss_chunk else n
     cast = rows * half * cfg.dim if layout.loss_chunk and half == 2 else 0
-    logits = per_logit * rows * cfg.vocab_size / layout.tp + cast if stage == layout.pp - 1 else 0.0
+    logits = per_logit * rows * cfg.vocab_size / layout.tp + cast if layout.holds_last(stage) else 0.0
     layer = lmforge_activation_per_layer(cfg, layout, seq_len // layout.cp, "none")
     working = buffers.get("fsdp_gathered_weights", 0.0) + layer + logits
     return {"startup": comp["weights"] + (comp["gradients"] if keeps_grads else 0.0), "startup_host": 2 * largest,

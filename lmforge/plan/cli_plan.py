@@ -174,7 +174,7 @@ def _default_layout(cfg, cluster, seq_sequences: int, precision: str, layout_tex
     if "loss_chunk" not in explicit:  # train.loss_chunk as lmforge runs it on GPUs under this tp / pp
         given.loss_chunk = planned_loss_chunk(cfg, precision, given.tp, given.pp)
     if "compile" not in explicit:  # train.compile as lmforge resolves it on CUDA under this tp
-        given.compile = planned_compile(cfg, given.tp)
+        given.compile = planned_compile(cfg, given.tp, given.pp, given.pp_schedule)
     given.validate(cfg.model, seq_len)  # values, then vs. the model
     model_ranks = given.cp * given.tp * given.pp  # the GPUs that one data-parallel replica spans
     if not ({"dp"} & explicit):
@@ -228,7 +228,7 @@ def _inherit_reduce_every(cfg, given: Layout, typed: set[str], notes: list[str])
 def _auto_micro_batch(cfg, cluster, given: Layout, per_dp: int, seq_len: int, optimizer: str) -> str:
     """train.micro_batch_size = "auto": the largest size the layout can run whose lmforge-convention
     peak fits in AUTO_HEADROOM of the device's memory (lmforge.plan.micro_batch); sets it, returns a note."""
-    sizes = pipeline_micro_batches(per_dp, given.pp, given.pp_schedule == "interleaved")
+    sizes = pipeline_micro_batches(per_dp, given.pp, given.pp_schedule)
     if not sizes:
         raise ValueError(f"train.micro_batch_size = 'auto': no micro-batch leaves >= pp = {given.pp} micro-batches of "
                          f"the {per_dp} sequences per data-parallel rank; change --global-batch-tokens or type mb=")

@@ -10,7 +10,8 @@ CONVENTIONS = ("lmforge", "megatron", "zero-paper")
 LITERATURE = ("megatron", "zero-paper")
 
 
-COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "activations", "buffers")
+COMPONENTS = ("weights", "gradients", "master_weights", "optimizer_states", "ema", "activations", "buffers")
+MODEL_STATES = COMPONENTS[:5]  # per parameter; `ema`: the EMA of the weights (train.ema_decay), 0 without one
 MEGATRON_ALLOWANCE = 1.05  # Megatron's activation formula "without SP": x 1.05 for temporaries
 
 

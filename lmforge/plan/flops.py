@@ -26,8 +26,12 @@ Conventions:
   communication and recompute are inside it (a run with full recompute at this MFU has HFU = 4/3
   MFU, which must not exceed 1).
 - Training time = D / tokens per second. GPU-hours = time x GPUs; cost = GPU-hours x price.
-- Pipeline bubble (fraction of the step spent idle) = (p-1)/v / (m + (p-1)/v) for p stages, m
-  micro-batches, v virtual stages per rank (interleaved 1F1B; v = 1 otherwise): (p-1)/(m+p-1).
+- Pipeline bubble (fraction of the step spent idle): each schedule's published formula in the
+  times F, B, W of a micro-batch's forward, input-gradient and weight-gradient passes, with
+  F = B = W and the recomputed forward added to B (`lmforge.parallel.formulas.pipeline_bubble`):
+  (p-1)/v / (m + (p-1)/v) for p stages, m micro-batches, v virtual stages per rank (interleaved
+  1F1B; v = 1 otherwise: (p-1)/(m+p-1)); ZB-H1 / interleaved-zb (p-1)(F+B-W)/v, ZB-V (p-1)B/2,
+  DualPipeV (p-1)(F+2B-W)/2 idle per m(F+B+W) of work.
 - Communication: each collective costs a latency plus its bytes on the wire over the link
   bandwidth (ring algorithms, bytes per GPU, n ranks: all-reduce 2(n-1)/n x S, all-gather /
   reduce-scatter (n-1)/n x S; a send S). Latency: `ceil(log2 n)` steps of 5 us over NVLink or
@@ -104,14 +108,16 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int, convention: str = "pal
     return model_flops_per_token(model_cfg, seq_len)
 
 
-def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int, ep: int = 1) -> tuple[float, int]:
+def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int, ep: int = 1, last_rank: int | None = None
+                   ) -> tuple[float, int]:
     """(parameters, parameter tensors) one rank of pipeline stage 0 holds under TP degree `tp` (and
-    EP degree `ep`: E / ep of each MoE layer's routed experts). The data-parallel traffic counts
-    them all over the dp group; an expert's gradient is in fact reduced over the dp / ep ranks
-    holding it, a smaller group (a slight overestimate of the ring's (n-1)/n)."""
-    key = ("stage0", cfg_key(model_cfg), pp, tp, ep)
+    EP degree `ep`: E / ep of each MoE layer's routed experts; `last_rank` 0: the head too, as in a
+    V-shaped schedule). The data-parallel traffic counts them all over the dp group; an expert's
+    gradient is in fact reduced over the dp / ep ranks holding it, a smaller group (a slight
+    overestimate of the ring's (n-1)/n)."""
+    key = ("stage0", cfg_key(model_cfg), pp, tp, ep, last_rank)
     if key not in _CACHE:
-        specs = stage_specs(model_cfg, pp, 0)
+        specs = stage_specs(model_cfg, pp, 0, last_rank)
         _CACHE[key] = (sum(math.prod(tp_shape(sp, tp, ep)) for sp in specs), len(specs))
     return _CACHE[key]
 
@@ -210,7 +216,7 @@ def cp_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, i
     layers of the rank's pipeline stage, with one more K/V all-gather per layer that activation
     checkpointing re-runs in backward (`formulas.recomputed_layers`)."""
     layers = model_cfg.n_layers // layout.pp
-    return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len), layout.cp, layers, layout.grad_accum,
+    return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len, gathered=True), layout.cp, layers, layout.grad_accum,
                          recomputed_layers(layout.ac, layers, layout.ac_every))
 
 
@@ -302,7 +308,9 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
                    chunk_loss_compiled=chunk_loss_compiled)
     compute = ops.total_s  # one rank's kernels (CP ranks' attention work is balanced: docstring)
     m = layout.grad_accum
-    bubble = pipeline_bubble(layout.pp, m, layout.virtual_stages) if layout.pp > 1 else 0.0
+    # (the bubble: the schedule's published formula, the recomputed forward counted in the input gradient)
+    bubble = pipeline_bubble(layout.pp, m, layout.virtual_stages, layout.pp_schedule, recompute=3 * (rf - 1)) \
+        if layout.pp > 1 else 0.0
     busy = compute / (1 - bubble)
 
     # Communication (placement: TP innermost, then CP, DP, PP outermost). A rank holds seq_len / cp
@@ -310,7 +318,7 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
     s, b, h = seq_len // layout.cp, layout.micro_batch, model_cfg.dim
     act_bytes = 2 * s * b * h
     layers = model_cfg.n_layers // layout.pp
-    t, v = layout.tp, layout.virtual_stages
+    t, v = layout.tp, layout.stages_per_rank
     comm: dict[str, float] = {}
     if t > 1:
         per_layer = 6 if layout.ac == "full" else 4  # all-reduces; SP: as many all-gather + reduce-scatter pairs
@@ -326,7 +334,7 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
                                                                                         traffic["wire_bytes"])
     dp_overlap = 0.0
     if layout.shard_ranks > 1:  # gradients averaged over dp x cp
-        params, tensors = _stage0_params(model_cfg, layout.pp, t, layout.ep)
+        params, tensors = _stage0_params(model_cfg, layout.pp, t, layout.ep, layout.last_rank)
         once_calls, once_bytes, mb_calls, mb_bytes = _dp_traffic(layout, convention, params, tensors, m, layers)
         link = _Link.of(cluster, t * layout.shard_ranks, layout.shard_ranks)
         once, per_mb = link.collective(once_calls, once_bytes), link.collective(mb_calls, mb_bytes)
@@ -335,7 +343,8 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
         dp_overlap = min(once, backward / m) + min(per_mb, compute)
         dp_overlap = min(dp_overlap, comm["dp"], compute)
     if layout.cpu_offload:
-        shard = _stage0_params(model_cfg, layout.pp, t)[0] / (layout.shard_ranks if layout.zero else 1)
+        shard = _stage0_params(model_cfg, layout.pp, t, last_rank=layout.last_rank)[0] / (
+            layout.shard_ranks if layout.zero else 1)
         # gradients down and weights up over PCIe (4 + 4 bytes), and the optimizer update on the
         # host streaming ~16 bytes/param through host memory; not overlapped.
         comm["offload"] = shard * (8 / OFFLOAD_PCIE_BPS + 16 / OFFLOAD_HOST_BPS)

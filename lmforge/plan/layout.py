@@ -10,10 +10,10 @@ from typing import Any
 from lmforge.config import ModelConfig
 from lmforge.config.base import divisors
 from lmforge.config.rules import resolve_compile, resolve_loss_chunk
+from lmforge.parallel.formulas import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 
 AC_MODES = ("none", "full", "every_k", "selective")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "bf16-pure")
 
 
@@ -30,8 +30,9 @@ class Layout:
     tp: int = 1
     sp: bool = False              # sequence parallelism (with tp > 1)
     pp: int = 1
-    pp_schedule: str = "1f1b"     # gpipe | 1f1b | interleaved
-    virtual_stages: int = 1       # interleaved: model chunks per pipeline rank (v)
+    pp_schedule: str = "1f1b"     # gpipe | 1f1b | interleaved | interleaved-zb | zbv | dualpipev
+    virtual_stages: int = 1       # interleaved / interleaved-zb: model chunks per pipeline rank (v); zbv and
+    #                               dualpipev always hold 2 (a V), whatever this says (1 or 2)
     micro_batch: int = 1
     grad_accum: int = 1
     ac: str = "none"              # none | full | every_k | selective
@@ -44,6 +45,7 @@ class Layout:
     loss_chunk: int = 0           # train.loss_chunk as resolved (`planned_loss_chunk`): 0 = plain logits +
     #                               F.cross_entropy, N = the head fused with the loss over N-token chunks
     compile: bool = True          # train.compile as resolved (`planned_compile`): per-block torch.compile
+    ema: bool = False             # an fp32 EMA of the weights (train.ema_decay > 0), held like the weights
 
     @property
     def world_size(self) -> int:
@@ -52,6 +54,25 @@ class Layout:
     @property
     def sequences_per_step(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks each pipeline rank holds (lmforge.parallel.formulas.stages_per_rank)."""
+        return stages_per_rank(self.pp_schedule, self.virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def split_backward(self) -> bool:
+        """A zero-bubble schedule (input and weight gradients in separate passes)."""
+        return self.pp > 1 and self.pp_schedule in SPLIT_BACKWARD
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank holding the final norm, the head and the loss: pp - 1, or 0 in a V."""
+        return 0 if self.pp_schedule in V_SHAPED else self.pp - 1
+
+    def holds_last(self, stage: int) -> bool:
+        """Whether pipeline rank `stage` holds the last stage (the head and the loss)."""
+        return stage == self.last_rank
 
     @property
     def shard_ranks(self) -> int:
@@ -89,8 +110,12 @@ class Layout:
         if self.sp and self.tp < 2:
             raise ValueError(f"layout sp = 1 needs tp >= 2 (sequence parallelism shards activations over the "
                              f"tensor-parallel ranks), got tp = {self.tp}; set tp= or drop sp=1")
-        if self.virtual_stages > 1 and self.pp_schedule != "interleaved":
-            raise ValueError(f"layout virtual_stages = {self.virtual_stages} needs pp_schedule = interleaved")
+        if self.pp_schedule in V_SHAPED and self.virtual_stages not in (1, 2):
+            raise ValueError(f"layout sched = {self.pp_schedule} places 2 stages per rank (a V); virtual_stages = "
+                             f"{self.virtual_stages} must be 1 or 2")
+        if self.virtual_stages > 1 and self.pp_schedule not in LOOPED + V_SHAPED:
+            raise ValueError(f"layout virtual_stages = {self.virtual_stages} needs pp_schedule = interleaved or "
+                             f"interleaved-zb")
         if self.fsdp_reduce_every_micro_batch and self.pp > 1:
             raise ValueError("layout reduce_every = 1 needs pp = 1: torch's pipeline schedule reduces FSDP2's "
                              "gradients once per step; drop reduce_every=1")
@@ -104,8 +129,8 @@ class Layout:
             if model_cfg.n_heads % self.tp or model_cfg.kv_heads % self.tp:
                 raise ValueError(f"layout tp = {self.tp} must divide n_heads = {model_cfg.n_heads} "
                                  f"and kv heads = {model_cfg.kv_heads}")
-            if model_cfg.n_layers % (self.pp * self.virtual_stages):
-                raise ValueError(f"layout pp = {self.pp} (x virtual stages {self.virtual_stages}) must divide "
+            if model_cfg.n_layers % (self.pp * self.stages_per_rank):
+                raise ValueError(f"layout pp = {self.pp} (x {self.stages_per_rank} stages per rank) must divide "
                                  f"n_layers = {model_cfg.n_layers}")
         if seq_len is not None and self.cp > 1:
             if seq_len % (2 * self.cp):
@@ -130,7 +155,7 @@ class Layout:
             s += ",sp=1"
         if self.pp > 1:
             s += f",sched={self.pp_schedule}"
-            if self.virtual_stages > 1:
+            if self.virtual_stages > 1 and self.pp_schedule in LOOPED:
                 s += f",v={self.virtual_stages}"
         if self.cpu_offload:
             s += ",offload=1"
@@ -144,6 +169,8 @@ class Layout:
             s += ",precision=bf16-pure"
         if not self.compile:
             s += ",compile=0"
+        if self.ema:
+            s += ",ema=1"
         return s
 
     _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
@@ -153,12 +180,12 @@ class Layout:
              "ac_every": "ac_every", "offload": "cpu_offload", "cpu_offload": "cpu_offload",
              "precision": "precision", "dtype": "precision", "reduce_every": "fsdp_reduce_every_micro_batch",
              "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch", "ep": "ep",
-             "loss_chunk": "loss_chunk", "compile": "compile"}
+             "loss_chunk": "loss_chunk", "compile": "compile", "ema": "ema"}
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
         """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
-        ac_every offload precision reduce_every ep loss_chunk compile); unknown keys or bad values raise
+        ac_every offload precision reduce_every ep loss_chunk compile ema); unknown keys or bad values raise
         ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
@@ -168,7 +195,7 @@ class Layout:
             field_name = cls._KEYS.get(key.lower())
             if field_name is None:
                 raise ValueError(f"unknown layout key {key!r}; valid: {', '.join(sorted(set(cls._KEYS)))}")
-            if field_name in ("sp", "cpu_offload", "fsdp_reduce_every_micro_batch", "compile"):
+            if field_name in ("sp", "cpu_offload", "fsdp_reduce_every_micro_batch", "compile", "ema"):
                 if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
                     raise ValueError(f"layout {key} = {value!r} must be 0/1/true/false")
                 kw[field_name] = value.lower() in ("1", "true", "yes")
@@ -192,9 +219,11 @@ def planned_loss_chunk(config, precision: str, tp: int = 1, pp: int = 1) -> int:
     return resolve_loss_chunk(config, "cuda", precision)
 
 
-def planned_compile(config, tp: int = 1) -> bool:
+def planned_compile(config, tp: int = 1, pp: int = 1, pp_schedule: str = "1f1b") -> bool:
     """`Layout.compile` for a run of `config` on CUDA GPUs (with Triton) under tensor-parallel degree
-    `tp`: train.compile as lmforge resolves it there (`lmforge.config.rules.resolve_compile`: "auto"
-    = on, but off with tp > 1 or a Mixture-of-Experts model)."""
-    cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=tp))
+    `tp` and pipeline `pp` / `pp_schedule`: train.compile as lmforge resolves it there
+    (`lmforge.config.rules.resolve_compile`: "auto" = on, but off with tp > 1, a Mixture-of-Experts
+    model or a zero-bubble schedule)."""
+    cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=tp, pp=pp,
+                                                                   pp_schedule=pp_schedule))
     return resolve_compile(cfg, "cuda", gpu_compiles=True)[0]

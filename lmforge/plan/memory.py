@@ -175,7 +175,7 @@ from lmforge.config import ModelConfig
 from lmforge.plan.activations import (activation_bytes_per_layer, checkpointed_layers, megatron_sp_formula,
                                       micro_batches_in_flight, outside_blocks)
 from lmforge.plan.buffers import literature_buffers, lmforge_buffers, phase_peaks
-from lmforge.plan.conventions import COMPONENTS, CONVENTIONS, MEGATRON_ALLOWANCE, check_convention
+from lmforge.plan.conventions import COMPONENTS, CONVENTIONS, MEGATRON_ALLOWANCE, MODEL_STATES, check_convention
 from lmforge.plan.layout import Layout, planned_loss_chunk
 from lmforge.plan.loss_memory import lmforge_loss_bytes
 from lmforge.plan.model_states import lmforge_state_bytes, model_state_bytes_per_param, normalise_optimizer, stage_states
@@ -206,6 +206,7 @@ class MemoryBreakdown:
     gradients: float = 0.0
     master_weights: float = 0.0
     optimizer_states: float = 0.0
+    ema: float = 0.0                       # the EMA of the weights (layout.ema), fp32, held like the weights
     activations: float = 0.0
     buffers: float = 0.0
     cpu_bytes: float = 0.0
@@ -215,7 +216,7 @@ class MemoryBreakdown:
 
     @property
     def model_states(self) -> float:
-        return self.weights + self.gradients + self.master_weights + self.optimizer_states
+        return sum(getattr(self, c) for c in MODEL_STATES)
 
     @property
     def total(self) -> float:
@@ -229,7 +230,7 @@ class MemoryBreakdown:
             "params_total": self.params_total, "params_per_rank": self.params_per_rank,
             "bytes": {c: getattr(self, c) for c in COMPONENTS} | {"model_states": self.model_states,
                                                                    "total": self.total, "cpu": self.cpu_bytes},
-            "bytes_per_param": {c: getattr(self, c) / self.params_total for c in COMPONENTS[:4]}
+            "bytes_per_param": {c: getattr(self, c) / self.params_total for c in MODEL_STATES}
             | {"model_states": self.model_states / self.params_total},
             "detail": dict(self.detail), "phases": dict(self.phases),
         }
@@ -240,7 +241,9 @@ class MemoryBreakdown:
         rows = [("component", "GB/GPU", "bytes/param")]
         for c in COMPONENTS:
             v = getattr(self, c)
-            rows.append((c.replace("_", " "), f"{v / 1e9:,.2f}", f"{v / n:.3f}" if c in COMPONENTS[:4] else ""))
+            if c == "ema" and not v:
+                continue
+            rows.append((c.replace("_", " "), f"{v / 1e9:,.2f}", f"{v / n:.3f}" if c in MODEL_STATES else ""))
         rows.append(("model states", f"{self.model_states / 1e9:,.2f}", f"{self.model_states / n:.3f}"))
         rows.append(("TOTAL per GPU", f"{self.total / 1e9:,.2f}", ""))
         if self.cpu_bytes:
@@ -283,7 +286,9 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
         blocks = layers * per_layer(None)
     extras = outside_blocks(cfg, layout, seq_len, convention, stage)
     in_flight = micro_batches_in_flight(layout, stage)
-    last_in_flight = float(layout.grad_accum) if layout.pp_schedule == "gpipe" and layout.pp > 1 else 1.0
+    # the head's activations: one micro-batch's (1F1B runs its backward at once), but all of GPipe's, and
+    # a zero-bubble schedule keeps every micro-batch's graph until its weight-gradient pass
+    last_in_flight = in_flight if layout.pp > 1 and (layout.pp_schedule == "gpipe" or layout.split_backward) else 1.0
     comp["activations"] = (in_flight * (blocks + extras.get("embedding", 0.0) + extras.get("positions", 0.0))
                            + last_in_flight * extras.get("output", 0.0))
     detail["activations_blocks"] = in_flight * blocks
@@ -296,7 +301,7 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
     # Buffers.
     if convention == "lmforge":
         buffers = lmforge_buffers(cfg, layout, states, seq_len)
-        if stage == layout.pp - 1:
+        if layout.holds_last(stage):
             buffers["loss_transient"] = lmforge_loss_bytes(cfg, layout, seq_len)[1]
     else:
         buffers = literature_buffers(layout, states, convention)

@@ -51,7 +51,7 @@ def layout_for_config(config, precision: str, device_type: str, micro_batch: int
                   micro_batch=micro_batch, grad_accum=accum, ac=t.activation_checkpoint, ac_every=t.ac_every,
                   cpu_offload=p.cpu_offload, precision=precision,
                   fsdp_reduce_every_micro_batch=p.fsdp_reduce_every_micro_batch, ep=p.ep,
-                  loss_chunk=resolve_loss_chunk(config, device_type, precision))
+                  loss_chunk=resolve_loss_chunk(config, device_type, precision), ema=t.ema_decay > 0)
 
 
 def largest_fitting(sizes: list[int], layout_at, model_cfg, optimizer: str, seq_len: int, budget: float | None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from lmforge.config import ModelConfig
 from lmforge.optim.registry import REGISTRY
 from lmforge.optim.state_memory import OPTIMIZER_NAMES, optimizer_state_bytes_per_param
-from lmforge.plan.conventions import COMPONENTS, LITERATURE
+from lmforge.plan.conventions import LITERATURE, MODEL_STATES
 from lmforge.plan.layout import Layout
 from lmforge.plan.params import ParamSpec, cfg_key, fsdp_shard_shape, is_hidden_matrix, stage_specs, tp_shape
 
@@ -96,13 +96,14 @@ _STATE_CACHE: dict[tuple, StageStates] = {}
 
 def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, stage: int) -> StageStates:
     n_dp = layout.shard_ranks if layout.zero > 0 else 1  # (context parallel: dp x cp)
-    key = (cfg_key(cfg), n_dp, layout.zero, layout.tp, layout.pp, layout.precision, opt, convention, stage, layout.ep)
+    key = (cfg_key(cfg), n_dp, layout.zero, layout.tp, layout.pp, layout.precision, opt, convention, stage, layout.ep,
+           layout.last_rank, layout.ema)
     hit = _STATE_CACHE.get(key)
     if hit is not None:
         return hit
-    comp = dict.fromkeys(COMPONENTS[:4], 0.0)
+    comp = dict.fromkeys(MODEL_STATES, 0.0)
     params = matmul = layer = root = head = 0.0
-    specs = stage_specs(cfg, layout.pp, stage)
+    specs = stage_specs(cfg, layout.pp, stage, layout.last_rank)
     first_layer = stage * (cfg.n_layers // layout.pp)
     all_dp = n_dp
     pure = layout.precision == "bf16-pure"
@@ -126,6 +127,8 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
             for c, nbytes, zero_stage in literature_parts(convention, layout.precision, state):
                 shard = n_dp if (layout.zero >= zero_stage and n_dp > 1) else 1
                 comp[c] += nbytes * full_n / shard
+            if layout.ema:  # fp32, sharded where the weights are (ZeRO-3)
+                comp["ema"] += 4 * full_n / (n_dp if layout.zero >= 3 and n_dp > 1 else 1)
             continue
         # lmforge: FSDP2 shards every tensor along dim 0; ZeroRedundancyOptimizer the state only
         shard_n = math.prod(fsdp_shard_shape(local, n_dp))
@@ -135,6 +138,8 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
         comp["gradients"] += 4 * (shard_n if layout.fsdp else full_n)
         comp["master_weights"] += 4 * math.prod(state_shape) if pure else 0.0
         comp["optimizer_states"] += lmforge_state_bytes(opt, spec, state_shape)
+        # the EMA of the weights (lmforge.train.ema): fp32, one tensor per parameter made like it (FSDP2's shard)
+        comp["ema"] += 4 * (shard_n if layout.fsdp else full_n) if layout.ema else 0.0
     if cfg.tie_embeddings and layout.pp == 1:
         # the tied embedding is also the head: its matmul uses a 16-bit cast of the embedding
         emb = math.prod(tp_shape(specs[0], layout.tp))

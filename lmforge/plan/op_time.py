@@ -227,7 +227,7 @@ def _matmuls(cfg: ModelConfig, layout: Layout, rates: Rates, tokens: float, stag
     recomputed = recomputed_layers(layout.ac, layers, layout.ac_every) if layout.ac != "selective" else 0
     fp8 = layout.precision == "fp8"
     groups = []
-    for spec in stage_specs(cfg, layout.pp, stage):
+    for spec in stage_specs(cfg, layout.pp, stage, layout.last_rank):
         if not spec.matmul or "lm_head" in spec.name:
             continue
         shape = tp_shape(spec, layout.tp, layout.ep)
@@ -239,7 +239,7 @@ def _matmuls(cfg: ModelConfig, layout: Layout, rates: Rates, tokens: float, stag
         secs = per_token * tokens / rate + rates.gemm_fixed_s
         runs = 3 + (1 if spec.layer - stage * layers < recomputed else 0)  # (every_k / full: the first layers)
         groups.append(KernelGroup("matmul", spec.name.split(".", 2)[-1], m * runs, secs))
-    if stage == layout.pp - 1:  # the output head (16-bit even in FP8 runs), per chunk of the chunked loss
+    if layout.holds_last(stage):  # the output head (16-bit even in FP8 runs), per chunk of the chunked loss
         V = math.ceil(cfg.vocab_size / layout.tp)
         chunk = min(layout.loss_chunk, tokens) if layout.loss_chunk else tokens
         chunks = math.ceil(tokens / chunk)
@@ -291,7 +291,7 @@ def _loss_and_outside(cfg: ModelConfig, layout: Layout, rates: Rates, tokens: fl
         groups.append(KernelGroup("elementwise", "embedding", m * (1 + (1 if pos else 0)), 2 * w.r * d * tokens / bw))
         # its dense gradient: zeroed, then each token's row added
         groups.append(KernelGroup("casts", "embedding gradient", 2 * m, (4 * V * d + 2 * w.r * d * tokens) / 2 / bw))
-    if stage == layout.pp - 1:
+    if layout.holds_last(stage):
         groups.append(KernelGroup("elementwise", "final norm", 2 * m, 2 * (w.r + w.a) * d * tokens / bw))
         chunk = min(layout.loss_chunk, tokens) if layout.loss_chunk else tokens
         chunks = math.ceil(tokens / chunk)
@@ -308,7 +308,7 @@ def _loss_and_outside(cfg: ModelConfig, layout: Layout, rates: Rates, tokens: fl
 
 def _params_on_rank(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[float, float, int]:
     """(parameters, of which matmul weights, tensors) of the stage on this TP / EP rank."""
-    specs = stage_specs(cfg, layout.pp, stage)
+    specs = stage_specs(cfg, layout.pp, stage, layout.last_rank)
     params = matmul = 0.0
     for spec in specs:
         n = math.prod(tp_shape(spec, layout.tp, layout.ep))

@@ -70,63 +70,91 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             specs.append(ParamSpec(f"{prefix}.bias", (d,), where, layer))
         return specs
 
-    def linear(prefix: str, n_in: int, n_out: int, tp_dim: int, layer: int, bias: bool | None = None) -> list[ParamSpec]:
-        specs = [ParamSpec(f"{prefix}.weight", (n_out, n_in), "block", layer, tp_dim, matmul=True)]
+    def linear(prefix: str, n_in: int, n_out: int, tp_dim: int | None, layer: int, bias: bool | None = None,
+               where: str = "block") -> list[ParamSpec]:
+        specs = [ParamSpec(f"{prefix}.weight", (n_out, n_in), where, layer, tp_dim, matmul=True)]
         if cfg.bias if bias is None else bias:
-            specs.append(ParamSpec(f"{prefix}.bias", (n_out,), "block", layer, 0 if tp_dim == 0 else None,
+            specs.append(ParamSpec(f"{prefix}.bias", (n_out,), where, layer, 0 if tp_dim == 0 else None,
                                    matmul=True))
         return specs
 
-    for i in range(cfg.n_layers):
-        p = f"blocks.{i}"
-        out += norm(f"{p}.attn_norm", "block", i)
+    def attention(p: str, i: int, where: str) -> list[ParamSpec]:
+        if cfg.mla.enabled:  # lmforge.model.mla: up-projections split by heads, latent ones replicated
+            m, heads, out = cfg.mla, cfg.n_heads, []
+            if m.q_lora_rank:
+                out += linear(f"{p}.attn.wq_a", d, m.q_lora_rank, None, i, False, where)
+                out.append(ParamSpec(f"{p}.attn.q_norm.weight", (m.q_lora_rank,), where, i))
+                out += linear(f"{p}.attn.wq_b", m.q_lora_rank, heads * m.qk_head_dim, 0, i, False, where)
+            else:
+                out += linear(f"{p}.attn.wq", d, heads * m.qk_head_dim, 0, i, False, where)
+            out += linear(f"{p}.attn.wkv_a", d, m.kv_lora_rank + m.qk_rope_head_dim, None, i, False, where)
+            out.append(ParamSpec(f"{p}.attn.kv_norm.weight", (m.kv_lora_rank,), where, i))
+            out += linear(f"{p}.attn.wkv_b", m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim), 0, i, False,
+                          where)
+            return out + linear(f"{p}.attn.wo", heads * m.v_head_dim, d, 1, i, False, where)
         if cfg.fused_qkv:  # one attn.wqkv (lmforge.model.layers.qkv_layout), column-split like the three
-            out += linear(f"{p}.attn.wqkv", d, (cfg.n_heads + 2 * cfg.kv_heads) * hd, 0, i, cfg.attn_qkv_bias)
+            out = linear(f"{p}.attn.wqkv", d, (cfg.n_heads + 2 * cfg.kv_heads) * hd, 0, i, cfg.attn_qkv_bias, where)
         else:
-            out += linear(f"{p}.attn.wq", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias)
-            out += linear(f"{p}.attn.wk", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias)
-            out += linear(f"{p}.attn.wv", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias)
-        out += linear(f"{p}.attn.wo", cfg.n_heads * hd, d, 1, i)
+            out = linear(f"{p}.attn.wq", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias, where)
+            out += linear(f"{p}.attn.wk", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias, where)
+            out += linear(f"{p}.attn.wv", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias, where)
+        out += linear(f"{p}.attn.wo", cfg.n_heads * hd, d, 1, i, where=where)
         if cfg.qk_norm:  # (head_dim each, replicated under TP)
-            out += [ParamSpec(f"{p}.attn.{n}.weight", (hd,), "block", i) for n in ("q_norm", "k_norm")]
-        out += norm(f"{p}.mlp_norm", "block", i)
+            out += [ParamSpec(f"{p}.attn.{n}.weight", (hd,), where, i) for n in ("q_norm", "k_norm")]
+        return out
+
+    def block(p: str, i: int, where: str = "block") -> list[ParamSpec]:
+        out = norm(f"{p}.attn_norm", where, i) + attention(p, i, where) + norm(f"{p}.mlp_norm", where, i)
         if cfg.moe.is_moe_layer(i):  # lmforge.model.moe: router, stacked experts, shared experts; no TP split
             m, he = cfg.moe, cfg.moe.expert_hidden or f
-            out.append(ParamSpec(f"{p}.mlp.router.weight", (m.num_experts, d), "block", i, matmul=True))
+            out.append(ParamSpec(f"{p}.mlp.router.weight", (m.num_experts, d), where, i, matmul=True))
             for name, shape in (("w_gate", (d, he)), ("w_up", (d, he)), ("w_down", (he, d))):
-                out.append(ParamSpec(f"{p}.mlp.experts.{name}", (m.num_experts, *shape), "block", i, matmul=True,
+                out.append(ParamSpec(f"{p}.mlp.experts.{name}", (m.num_experts, *shape), where, i, matmul=True,
                                      expert=True))
             if m.shared_experts:
                 hs = m.shared_experts * he
-                out += [ParamSpec(f"{p}.mlp.shared.{n}.weight", sh, "block", i, matmul=True)
+                out += [ParamSpec(f"{p}.mlp.shared.{n}.weight", sh, where, i, matmul=True)
                         for n, sh in (("gate", (hs, d)), ("up", (hs, d)), ("down", (d, hs)))]
         elif cfg.activation == "swiglu":
-            out += linear(f"{p}.mlp.gate", d, f, 0, i)
-            out += linear(f"{p}.mlp.up", d, f, 0, i)
-            out += linear(f"{p}.mlp.down", f, d, 1, i)
+            out += linear(f"{p}.mlp.gate", d, f, 0, i, where=where)
+            out += linear(f"{p}.mlp.up", d, f, 0, i, where=where)
+            out += linear(f"{p}.mlp.down", f, d, 1, i, where=where)
         else:
-            out += linear(f"{p}.mlp.fc", d, f, 0, i)
-            out += linear(f"{p}.mlp.proj", f, d, 1, i)
+            out += linear(f"{p}.mlp.fc", d, f, 0, i, where=where)
+            out += linear(f"{p}.mlp.proj", f, d, 1, i, where=where)
+        return out
+
+    for i in range(cfg.n_layers):
+        out += block(f"blocks.{i}", i)
     out += norm("norm", "last")
     if not cfg.tie_embeddings:
         out.append(ParamSpec("lm_head.weight", (cfg.vocab_size, d), "last", tp_dim=0, matmul=True))
+    for k in range(cfg.mtp_depth):  # multi-token prediction (lmforge.model.mtp): beside the head, on the last stage
+        i, p = cfg.n_layers + k, f"mtp.{k}"
+        out += norm(f"{p}.emb_norm", "last", i) + norm(f"{p}.hidden_norm", "last", i)
+        out += linear(f"{p}.proj", 2 * d, d, None, i, False, "last")
+        out += block(f"{p}.block", i, "last") + norm(f"{p}.norm", "last", i)
     return out
 
 
 _STAGE_CACHE: dict[tuple, tuple[ParamSpec, ...]] = {}
 
 
-def stage_specs(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
-    """Parameters held by pipeline `stage` of `pp` (contiguous blocks; tied head copied to the last)."""
-    key = (cfg_key(cfg), pp, stage)
+def stage_specs(cfg: ModelConfig, pp: int, stage: int, last_rank: int | None = None) -> list[ParamSpec]:
+    """Parameters held by pipeline rank `stage` of `pp`: its share of the blocks (n_layers / pp,
+    counted as a contiguous range), the embedding on rank 0 and the final norm and head on
+    `last_rank` (default pp - 1; rank 0 under a V-shaped schedule, lmforge.parallel.formulas.V_SHAPED);
+    a tied head copied there."""
+    last = pp - 1 if last_rank is None else last_rank
+    key = (cfg_key(cfg), pp, stage, last)
     if key not in _STAGE_CACHE:
         if len(_STAGE_CACHE) > 1024:
             _STAGE_CACHE.clear()
-        _STAGE_CACHE[key] = tuple(_stage_specs(cfg, pp, stage))
+        _STAGE_CACHE[key] = tuple(_stage_specs(cfg, pp, stage, last))
     return list(_STAGE_CACHE[key])
 
 
-def _stage_specs(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
+def _stage_specs(cfg: ModelConfig, pp: int, stage: int, last: int) -> list[ParamSpec]:
     per = cfg.n_layers // pp
     lo, hi = stage * per, (stage + 1) * per
     specs = []
@@ -135,9 +163,9 @@ def _stage_specs(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
             specs.append(s)
         elif s.where == "first" and stage == 0:
             specs.append(s)
-        elif s.where == "last" and stage == pp - 1:
+        elif s.where == "last" and stage == last:
             specs.append(s)
-    if cfg.tie_embeddings and stage == pp - 1:
+    if cfg.tie_embeddings and stage == last:
         head = ParamSpec("lm_head.weight", (cfg.vocab_size, cfg.dim), "last", tp_dim=0, is_embedding=True, matmul=True)
         if pp > 1:
             specs.append(head)  # the last stage's own copy of the tied embedding

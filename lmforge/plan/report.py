@@ -52,7 +52,7 @@ def _grid(rows: list[tuple[str, ...]], align: str) -> list[str]:
 
 def memory_table(mems: list[MemoryBreakdown], device_bytes: float | None = None, usable_fraction: float = 0.9) -> str:
     """One column per convention (lmforge, megatron, zero-paper) of bytes per GPU and bytes/param."""
-    comps = ["weights", "gradients", "master_weights", "optimizer_states"]
+    comps = ["weights", "gradients", "master_weights", "optimizer_states"] + (["ema"] if any(m.ema for m in mems) else [])
     head = ("component",) + tuple(x for m in mems for x in (f"{m.convention} /GPU", "B/param"))
     rows: list[tuple[str, ...]] = [head]
     for c in comps:

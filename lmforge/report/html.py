@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.folders import CONFIG, METRICS, SAMPLE, SUMMARY
-from lmforge.report.plots import PLOTS, load_run_metrics, plot_runs, run_label
+from lmforge.report.plots import PLOTS, load_run_metrics, load_task_metrics, plot_runs, run_label, task_names
+from lmforge.train.metrics import TASK_PREFIX
 
 _CSS = """
 body { font-family: -apple-system, 'Segoe UI', Roboto, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -29,6 +30,7 @@ pre { background: #f8f8f8; padding: .8em; overflow-x: auto; font-size: .85em; wh
 """
 
 FINAL_KEYS = [("val_loss", "val loss", "{:.4f}"), ("val_perplexity", "val ppl", "{:.2f}"),
+              ("val_loss_ema", "val loss (EMA)", "{:.4f}"),
               ("train_loss", "train loss", "{:.4f}"), ("initial_val_loss", "initial val loss", "{:.4f}"),
               ("steps", "steps", "{:,}"), ("tokens", "tokens", "{:,}"), ("seconds", "time (s)", "{:.1f}"),
               ("tokens_per_second", "tokens/s", "{:,.0f}"), ("mfu", "MFU", "{:.2%}"),
@@ -94,6 +96,21 @@ def _read_text(path: Path) -> str:
         return ""
 
 
+def _tasks_table(records: list[dict]) -> str:
+    """The Downstream tasks table of a run (train.eval_tasks): accuracy, byte-normalised accuracy and
+    chance of each task at each evaluation; '' without task records."""
+    names = task_names(records)
+    if not names:
+        return ""
+    head = "".join(f"<th>{html.escape(n)} acc</th><th>{html.escape(n)} acc_norm</th>" for n in names)
+    rows = "".join(f"<tr><td>{r['step']}</td>" + "".join(
+        f"<td>{_fmt(r.get(f'{TASK_PREFIX}{n}/acc'), '{:.3f}')}</td><td>{_fmt(r.get(f'{TASK_PREFIX}{n}/acc_norm'), '{:.3f}')}</td>"
+        for n in names) + "</tr>" for r in records)
+    chance = ", ".join(f"{html.escape(n)} {_fmt(records[-1].get(f'{TASK_PREFIX}{n}/chance'), '{:.3f}')}" for n in names)
+    return (f"<h3>Downstream tasks</h3><table><tr><th>step</th>{head}</tr>{rows}</table>"
+            f"<p class='muted'>Zero-shot multiple choice scored in training (train.eval_tasks); chance: {chance}.</p>")
+
+
 def build_report(run_paths: list[Path], out_dir: Path, embed: bool = False, title: str | None = None) -> Path:
     """Plots + `index.html` in `out_dir`; returns the HTML path."""
     runs = find_runs(run_paths)
@@ -150,10 +167,15 @@ def build_report(run_paths: list[Path], out_dir: Path, embed: bool = False, titl
                     f"<li{css}>{html.escape(str(e.get('message', e.get('event', ''))))}</li>" for e in chosen[:50])
                     + (f"<li>... {len(chosen) - 50} more</li>" if len(chosen) > 50 else "") + "</ul>")
         if val:
-            parts.append("<h3>Validation</h3><table><tr><th>step</th><th>val loss</th><th>perplexity</th></tr>"
+            ema = any("val_loss_ema" in v for v in val)
+            parts.append("<h3>Validation</h3><table><tr><th>step</th><th>val loss</th><th>perplexity</th>"
+                         + ("<th>val loss, EMA of the weights</th>" if ema else "") + "</tr>"
                          + "".join(f"<tr><td>{v['step']}</td><td>{_fmt(v['val_loss'], '{:.4f}')}</td>"
-                                   f"<td>{_fmt(v.get('val_perplexity'), '{:.2f}')}</td></tr>" for v in val)
+                                   f"<td>{_fmt(v.get('val_perplexity'), '{:.2f}')}</td>"
+                                   + (f"<td>{_fmt(v.get('val_loss_ema'), '{:.4f}')}</td>" if ema else "")
+                                   + "</tr>" for v in val)
                          + "</table>")
+        parts.append(_tasks_table(load_task_metrics(r)))
         sample = _read_text(r / SAMPLE) or s.get("sample", "")
         if sample:
             parts.append(f"<h3>Sample</h3><pre>{html.escape(str(sample))}</pre>")

@@ -10,9 +10,10 @@ import math
 from pathlib import Path
 
 from lmforge.folders import METRICS
-from lmforge.train.metrics import split_metrics
+from lmforge.train.metrics import TASK_PREFIX, split_metrics, task_metrics
 
-PLOTS = ("loss", "lr", "grad_norm", "throughput", "expert_load")  # (expert_load: Mixture-of-Experts runs only)
+# (expert_load: Mixture-of-Experts runs only; tasks: runs with train.eval_tasks)
+PLOTS = ("loss", "lr", "grad_norm", "throughput", "expert_load", "tasks")
 
 
 
@@ -31,19 +32,36 @@ def load_run_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]
     """(train, val, event) records of a run's metrics.jsonl; ([], [], []) without one. Lines that
     are not whole JSON records (the last line of a killed run, a damaged file) are skipped, so
     a report always renders what is readable."""
+    records = [rec for rec in _records(run_dir) if "event" in rec or _is_number(rec.get("step"))
+               and _is_number(rec.get("val_loss", rec.get("loss")))]
+    return split_metrics(records)
+
+
+def load_task_metrics(run_dir: Path) -> list[dict]:
+    """The task records (train.eval_tasks) of a run's metrics.jsonl, by step; [] without any."""
+    return task_metrics([rec for rec in _records(run_dir) if _is_number(rec.get("step"))])
+
+
+def task_names(records: list[dict]) -> list[str]:
+    """The tasks that task records score, in first-seen order."""
+    names = [k.removeprefix(TASK_PREFIX).rsplit("/", 1)[0] for r in records for k in r if k.startswith(TASK_PREFIX)]
+    return list(dict.fromkeys(names))
+
+
+def _records(run_dir: Path) -> list[dict]:
+    """The whole JSON objects of a run's metrics.jsonl (other lines skipped)."""
     path = Path(run_dir) / METRICS
     if not path.is_file():
-        return [], [], []
+        return []
     records = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and ("event" in rec or _is_number(rec.get("step"))
-                                      and _is_number(rec.get("val_loss", rec.get("loss")))):
+        if isinstance(rec, dict):
             records.append(rec)
-    return split_metrics(records)
+    return records
 
 
 def _is_number(value) -> bool:
@@ -106,6 +124,9 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
         xs, ys = _finite([r["step"] for r in val], [r["val_loss"] for r in val])
         if xs:
             ax.plot(xs, ys, color=c, lw=1.5, ls="--", marker="o", ms=4, label=f"{label} val")
+        xs, ys = _finite([r["step"] for r in val], [r.get("val_loss_ema") for r in val])
+        if xs:  # (train.ema_decay: the EMA of the weights, validated beside them)
+            ax.plot(xs, ys, color=c, lw=1.2, ls=":", marker="s", ms=3, label=f"{label} val, EMA")
         spikes = [e for e in events if e.get("event") == "loss_spike" and _is_number(e.get("loss"))
                   and _is_number(e.get("step"))]
         if spikes:
@@ -143,6 +164,20 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
     save(fig, ax, "throughput", *twins)
     if any(_moe_layers(data[d][0]) for d in run_dirs):
         plot_expert_load(plt, run_dirs, data, colors, out_dir, paths)
+    tasks = {d: load_task_metrics(d) for d in run_dirs}
+    if any(tasks.values()):
+        fig, ax = figure("downstream tasks: accuracy (solid), byte-normalised (dashed), chance (dotted)", "accuracy")
+        k = 0
+        for d in run_dirs:
+            for name in task_names(tasks[d]):
+                c, label = colors[k % len(colors)], f"{run_label(d, run_dirs)} {name}"
+                k += 1
+                steps = [r["step"] for r in tasks[d]]
+                for metric, ls in (("acc", "-"), ("acc_norm", "--"), ("chance", ":")):
+                    xs, ys = _finite(steps, [r.get(f"{TASK_PREFIX}{name}/{metric}") for r in tasks[d]])
+                    ax.plot(xs, ys, color=c, ls=ls, marker="o" if metric == "acc" else None, ms=3,
+                            label=label if metric == "acc" else None)
+        save(fig, ax, "tasks")
     return paths
 
 

@@ -27,13 +27,16 @@ Fields:
 | `window_elapsed_s` | s        | wall time from the first step's start to the window's end (excludes the initial eval) |
 
 Validation records: `{"step", "val_loss", "val_perplexity"}` at step 0 (before training), every
-`train.eval_every` steps and at the end. Event records: `{"step", "event", "message", ...}` for health signals:
+`train.eval_every` steps and at the end; with train.ema_decay also `val_loss_ema` and
+`val_perplexity_ema`, the same validation of the EMA of the weights (lmforge.train.ema), once it has
+started. Task records (train.eval_tasks, lmforge.train.eval_tasks): `{"step", "task/<name>/acc",
+"task/<name>/acc_norm", "task/<name>/n", "task/<name>/chance", "eval_tasks_s"}`. Event records: `{"step", "event", "message", ...}` for health signals:
 `loss_spike` (loss above (1 + `train.spike_threshold`) x its running mean) and
 `grad_norm_growth` (median grad norm of the last `train.health_window` steps above
 `train.grad_growth_factor` x the lowest such median of the run, and still rising).
 
 TensorBoard (`tb/` in the run folder) gets the same numbers as scalars `train/<field>`,
-`val/loss`, `val/perplexity`, flushed at every log line; W&B (offline mode) gets the same dicts.
+`val/loss`, `val/perplexity` (`val/loss_ema`, ...), `tasks/<name>/acc`, ..., flushed at every log line; W&B (offline mode) gets the same dicts.
 """
 
 from __future__ import annotations
@@ -71,7 +74,10 @@ TRAIN_FIELDS: dict[str, str] = {
     "window_elapsed_s": "wall seconds from the first step's start to the end of the logging window",
 }
 VAL_FIELDS: dict[str, str] = {"step": "step of the evaluation", "val_loss": "validation loss (nats/token)",
-                              "val_perplexity": "exp(val_loss)"}
+                              "val_perplexity": "exp(val_loss)",
+                              "val_loss_ema": "validation loss of the EMA of the weights (train.ema_decay)",
+                              "val_perplexity_ema": "exp(val_loss_ema)"}
+TASK_PREFIX = "task/"  # task records' keys: task/<name>/<metric> (lmforge.train.eval_tasks)
 EVENT_FIELDS: dict[str, str] = {"step": "step the event was seen at", "event": "loss_spike | grad_norm_growth",
                                 "message": "human-readable explanation"}
 
@@ -83,11 +89,13 @@ class Sink(Protocol):
 
 
 def record_kind(record: dict[str, Any]) -> str:
-    """'train', 'val' or 'event'."""
+    """'train', 'val', 'tasks' or 'event'."""
     if "event" in record:
         return "event"
     if "val_loss" in record:
         return "val"
+    if any(key.startswith(TASK_PREFIX) for key in record):
+        return "tasks"
     return "train"
 
 
@@ -100,6 +108,8 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
             continue
         if kind == "val":
             out[f"val/{key.removeprefix('val_')}"] = float(value)
+        elif kind == "tasks":
+            out[f"tasks/{key.removeprefix(TASK_PREFIX)}"] = float(value)
         elif kind == "event":
             out[f"events/{record['event']}/{key}"] = float(value)
         else:
@@ -219,8 +229,15 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def task_metrics(records: list[dict[str, Any]]) -> list[dict]:
+    """The task records (train.eval_tasks), by step; a step logged twice (a resume): the later wins."""
+    by_step = {rec["step"]: rec for rec in records if record_kind(rec) == "tasks"}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def split_metrics(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train, val, event) records. A resumed run may log a step twice: the later record wins."""
+    """(train, val, event) records (task records: `task_metrics`). A resumed run may log a step twice:
+    the later record wins."""
     train: dict[int, dict] = {}
     val: dict[int, dict] = {}
     events = []
@@ -230,7 +247,7 @@ def split_metrics(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]
             train[rec["step"]] = rec
         elif kind == "val":
             val[rec["step"]] = rec
-        else:
+        elif kind == "event":
             events.append(rec)
     return [train[k] for k in sorted(train)], [val[k] for k in sorted(val)], events
 

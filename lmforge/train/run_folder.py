@@ -32,6 +32,8 @@ def check_out_dir(out_dir: Path) -> None:
 _OPERATIONAL = ("preset", "description", "train.out_dir", "train.progress", "train.tensorboard", "train.wandb",
                 "train.plot", "train.threads", "train.log_every", "train.profile_steps", "train.device",
                 "train.micro_batch_size", "train.eval_every", "train.sample_tokens", "train.sample_prompt",
+                "train.ema_decay", "train.ema_start_step", "train.ema_every", "train.eval_tasks",
+                "train.eval_tasks_every", "train.eval_tasks_max_examples",  # (measure the run, never change it)
                 "parallel.", "checkpoint.", "guard.")
 
 

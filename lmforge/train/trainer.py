@@ -42,8 +42,8 @@ from lmforge.data.prefetch import Prefetcher
 from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
 from lmforge.eval.generate import generate_text
 from lmforge.eval.perplexity import evaluate_loss
-from lmforge.folders import (CONFIG, FAILED_RECORD, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS,
-                             atomic_path, atomic_write, new_run_id, read_failure, read_run_id, record_failure,
+from lmforge.folders import (CONFIG, EMA_WEIGHTS, FAILED_RECORD, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER,
+                             WEIGHTS, atomic_path, atomic_write, new_run_id, read_failure, read_run_id, record_failure,
                              write_run_record)
 from lmforge.model.transformer import count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer, schedule_lr
@@ -52,6 +52,8 @@ from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import destroy_distributed, folder_is_shared, init_distributed
 from lmforge.parallel.parallelize import parallelize
 from lmforge.train.components import build_loaders, build_training_model, cache_dir, prepare_data, seed_everything
+from lmforge.train.ema import WeightEMA
+from lmforge.train.eval_tasks import TaskEvaluator
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
@@ -214,6 +216,10 @@ class Trainer:
                        "scaler": ScalerState(self.precision.scaler), "rng": RNGState(self.dist.rank)}
         if self.guard is not None:
             self.states["guard"] = self.guard
+        self.ema = WeightEMA.for_run(self.model, t)  # (train.ema_decay: lmforge.train.ema)
+        if self.ema is not None:
+            self.states["ema"] = self.ema
+        self.tasks = TaskEvaluator.for_run(cfg, self.data.tokenizer, self.precision.autocast)  # (train.eval_tasks)
         if self.resumed_from is not None:
             self.load_checkpoint(self.resumed_from)
         self.finished = self.rank0_decides(self.resumed_from is not None and self.state.step >= t.steps
@@ -387,6 +393,7 @@ class Trainer:
         self.log_run_header()
         progress = Progress(t.steps, t.progress, initial=st.step)
         initial = self.validate(progress)
+        self.score_tasks(progress)
         history: list[dict] = []
         pending: list[tuple] = []  # steps since the last log line: read (host sync) only when logging
         window = ThroughputWindow(self.flops_per_token, self.peak, cfg.parallel.world_size, self.device,
@@ -427,6 +434,11 @@ class Trainer:
                 eval_t0 = time.perf_counter()
                 with self.watchdog.paused():
                     self.validate(progress)
+                window.add_eval(time.perf_counter() - eval_t0)
+            if self.tasks is not None and self.tasks.due(st.step):
+                eval_t0 = time.perf_counter()
+                with self.watchdog.paused():
+                    self.score_tasks(progress)
                 window.add_eval(time.perf_counter() - eval_t0)
             if (not due.last or not cfg.checkpoint.save_final) and self.checkpoint_due(last_save_time, due):
                 st.last_loss = float(loss)
@@ -487,6 +499,8 @@ class Trainer:
             scaler.update()
         self.layout.zero_grad(opt)  # (DDP: in place, into its buckets)
         self.scheduler.step()
+        if self.ema is not None:  # (on the device, no host sync)
+            self.ema.update(self.state.step + 1)
         return grad_norm
 
     def global_batch_now(self) -> int:
@@ -732,13 +746,23 @@ class Trainer:
         """Validation loss and perplexity, recorded in the metrics and shown. The run's first is kept
         (TrainState.initial_val_loss) across resumes."""
         val = self.evaluate()
+        ema = self.ema.evaluate(self.evaluate) if self.ema is not None else {}  # (the EMA swapped in: val_loss_ema)
         if math.isnan(self.state.initial_val_loss) and self.state.step == 0:
             self.state.initial_val_loss = val["loss"]
-        self.metrics.write({"step": self.state.step, "val_loss": val["loss"], "val_perplexity": val["perplexity"]})
+        self.metrics.write({"step": self.state.step, "val_loss": val["loss"], "val_perplexity": val["perplexity"],
+                            **ema})
         self.metrics.flush()
         line = f"step {self.state.step}: val loss {val['loss']:.4f}, perplexity {val['perplexity']:.1f}"
+        line += f"; EMA of the weights {ema['val_loss_ema']:.4f}" if ema else ""
         progress.write(line) if progress is not None else log.info("%s", line)
         return val
+
+    def score_tasks(self, progress: Progress | None = None) -> dict:
+        """train.eval_tasks scored on the sharded model (lmforge.train.eval_tasks): metrics and a line each."""
+        if self.tasks is None:
+            return {}
+        say = progress.write if progress is not None else log.info
+        return self.tasks.run(self.state.step, self.layout.inference_model(), self.metrics, say)
 
     def corpus_entropy(self) -> float:
         """The training corpus' unigram entropy (lmforge.data.prepare.unigram_entropy): the value
@@ -828,10 +852,14 @@ class Trainer:
         cfg, t, st = self.cfg, self.cfg.train, self.state
         first_val = st.initial_val_loss if math.isfinite(st.initial_val_loss) else initial["loss"]
         final = self.evaluate()
-        self.metrics.write({"step": st.step, "val_loss": final["loss"], "val_perplexity": final["perplexity"]})
+        ema = self.ema.evaluate(self.evaluate) if self.ema is not None else {}
+        self.metrics.write({"step": st.step, "val_loss": final["loss"], "val_perplexity": final["perplexity"], **ema})
         baseline = "" if math.isnan(self.entropy) else f"; unigram entropy {self.entropy:.3f}"
         log.info("final: val loss %.4f (started at %.4f%s), perplexity %.1f, %s tokens in %s", final["loss"],
                  first_val, baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
+        if ema:
+            log.info("final: EMA of the weights (train.ema_decay %g): val loss %.4f", t.ema_decay, ema["val_loss_ema"])
+        tasks = self.score_tasks()
         sample = ""
         if t.sample_tokens:  # every rank runs it (sharded forwards are collective); same seed -> same text
             sample = generate_text(self.layout.inference_model(), self.data.tokenizer, t.sample_prompt,
@@ -844,6 +872,9 @@ class Trainer:
                 self.save_checkpoint()
             with self.timers("checkpoint"):
                 weights_error = self.save_final_weights(self.out_dir / WEIGHTS)
+                if self.ema is not None and self.ema.started and not weights_error:  # (every rank: a collective)
+                    with self.ema.swapped_in():
+                        weights_error = self.save_final_weights(self.out_dir / EMA_WEIGHTS)
         self.ckpt.close()  # the last save is written, validated and backed up before we report
         if self.ckpt.consecutive_failures or weights_error:  # (every rank alike) no summary: a rerun resumes
             what = [f"the last checkpoint failed ({self.ckpt.last_error})"] if self.ckpt.consecutive_failures else []
@@ -860,6 +891,7 @@ class Trainer:
             tokens_per_second=st.tokens_seen / max(elapsed, 1e-9), history=history)
         summary = {k: v for k, v in result.__dict__.items() if k != "history"}
         summary.update(self.operability_summary(history))
+        summary.update({**ema, **({"eval_tasks": tasks} if tasks else {})})
         summary.update(extra_summary or {})
         if is_rank0():
             atomic_write(self.out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
