@@ -12,8 +12,8 @@ narrowest one's best LR, and draws the loss-vs-LR curves (--plot, a PNG).
 The defaults are what benchmarks/RESULTS.md records: widths 64, 128, 256, 2 layers, 4 heads (so
 head_dim grows with the width, as μP's attention scaling assumes), model.init_std 0.06 (about
 0.5 / sqrt(64); GPT-2's 0.02 is sized for width 768, and μP carries the base's init to every width),
-the default corpus with a 512-token BPE vocabulary, seq 64, batch 16, 300 AdamW steps (cosine, 30
-warmup), fp32, one thread per trial. Re-running resumes the sweep (finished trials are
+the default corpus with a 512-token BPE vocabulary, seq 64, batch 16, 200 AdamW steps (cosine, 20
+warmup), fp32, LRs 1e-3 .. 3.2e-2 by factors of 2, one thread per trial, two trials at a time. Re-running resumes the sweep (finished trials are
 skipped); --report-only re-reads a finished sweep; a grid extended later (more LRs) runs as a sweep of
 its own, reported together with the first through --merge.
 """
@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-LRS = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
+LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)
 
 
 def sweep_command(args) -> list[str]:
@@ -46,7 +46,7 @@ def sweep_command(args) -> list[str]:
             "train.log_every": max(1, args.steps // 5), "checkpoint.every_minutes": 0, "checkpoint.every_steps": 0,
             "checkpoint.save_final": "false"}
     cmd = [sys.executable, "-m", "lmforge", "sweep", "--out", str(args.out), "--threads", str(args.threads),
-           "--no-report"]
+           "--parallel", str(args.parallel), "--no-report"]
     for g in grid:
         cmd += ["--grid", g]
     for key, value in base.items():
@@ -133,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=512, help="BPE vocabulary trained on the default corpus")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--eval-sequences", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="threads per trial")
+    ap.add_argument("--parallel", type=int, default=2, help="trials run at once")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of validation loss against LR")
     ap.add_argument("--report-only", action="store_true", help="only read the sweep folder's results")
     ap.add_argument("--merge", type=Path, action="append", default=[],

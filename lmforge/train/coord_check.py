@@ -15,12 +15,20 @@ log(change) against log(width) per layer: ~0 means flat.
 The loop is the plain one (model, optimizer, cross-entropy, no schedule, no clipping) so the check
 sees the parametrization alone; the model and the optimizer (its param groups, μP's multipliers
 included) are lmforge's own.
+
+    python -m lmforge.train.coord_check --widths 64,128,256,512
+
+runs it under SP and under μP (a 2-layer GQA / SwiGLU model, base width the narrowest, AdamW) and
+prints per layer the mean change at each width and the growth exponents; it exits 1 when μP's are
+not flat (|exponent| < 0.5) or SP's logits do not grow (benchmarks/mup_coord_check.py adds the plot).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -113,3 +121,55 @@ def growth_exponents(result: dict[int, dict[str, list[float]]], step: int | None
         my = sum(ys) / len(ys)
         out[name] = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
     return out
+
+
+def compare(widths: Sequence[int], lr: float = 1e-2, steps: int = 6, seed: int = 0
+            ) -> dict[str, dict[int, dict[str, list[float]]]]:
+    """`coordinate_check` under "sp" and "mup" of the command's model: 2 layers, 4 heads (2 kv heads),
+    SwiGLU, fused q/k/v, tied embeddings, vocab 256, μP base width = widths[0]; AdamW at `lr`, no decay."""
+    base = ModelConfig(vocab_size=256, dim=widths[0], n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                       mup_base_width=widths[0])
+    optim = OptimConfig(name="adamw", lr=lr, weight_decay=0.0)
+    return {p: coordinate_check(dataclasses.replace(base, parametrization=p), widths, optim, steps, seed=seed)
+            for p in ("sp", "mup")}
+
+
+def table(results: dict[str, dict[int, dict[str, list[float]]]]) -> str:
+    """Markdown: per layer the mean change at each width under each parametrization, and the exponents."""
+    widths = sorted(results["sp"])
+    exps = {p: growth_exponents(r) for p, r in results.items()}
+    lines = ["| layer | " + " | ".join(f"{p} {w}" for p in results for w in widths) + " | SP exponent | μP exponent |",
+             "|---|" + "---|" * (len(results) * len(widths) + 2)]
+    for name in results["sp"][widths[0]]:
+        cells = [f"{sum(v) / len(v):.3g}" for p in results for w in widths for v in [results[p][w][name]]]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {exps['sp'][name]:.2f} | {exps['mup'][name]:.2f} |")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m lmforge.train.coord_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--widths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256, 512],
+                    help="model.dim values, narrowest first (the μP base width)")
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def report(results: dict[str, dict[int, dict[str, list[float]]]]) -> int:
+    """Print `table` and the verdict; 0 when μP's exponents are flat (|e| < 0.5) and SP's logits grow (> 0.5)."""
+    print(table(results))
+    mup_exps, sp_exps = growth_exponents(results["mup"]), growth_exponents(results["sp"])
+    flat = all(abs(e) < 0.5 for e in mup_exps.values())
+    print(f"μP: {'flat' if flat else 'NOT flat'} (exponents {min(mup_exps.values()):.2f} .. {max(mup_exps.values()):.2f}); "
+          f"SP: exponents {min(sp_exps.values()):.2f} .. {max(sp_exps.values()):.2f} (logits {sp_exps['logits']:.2f})")
+    return 0 if flat and sp_exps["logits"] > 0.5 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    torch.set_num_threads(1)
+    return report(compare(args.widths, args.lr, args.steps, args.seed))
+
+if __name__ == "__main__":
+    sys.exit(main())
