@@ -2,8 +2,9 @@
 flat across widths under μP, growing under SP), the per-class init scales and learning-rate
 multipliers (Adam family, SGD, Muon), the 1/head_dim attention scale, the logits multiplier, μP at
 the base width being SP exactly, HF export folding the multipliers (transformers' logits = lmforge's),
-checkpoints refusing to resume across parametrizations, and sharded layouts (ZeRO-1, TP, PP) training
-a μP model as one process does. (The CPU LR-transfer experiment: benchmarks/mup_transfer.py.)"""
+checkpoints refusing to resume across parametrizations, multi-token prediction under μP (the shared
+head's multiplier), the config errors (no rule for LAMB / Adafactor, MLA refused), and sharded layouts
+(ZeRO-1, FSDP2, TP, PP) training a μP model as one process does (loss and gradient norm). (The CPU LR-transfer experiment: benchmarks/mup_transfer.py.)"""
 
 from __future__ import annotations
 

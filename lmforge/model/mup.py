@@ -67,8 +67,8 @@ LoRA adapters keep SP's rules (multiplier 1): μP is about pre-training from scr
 
 Where it happens: the init scales in lmforge.model.init (by parameter name, so every layout starts
 from the one-process weights), the attention multiplier on q in lmforge.model.layers.Attention, the
-logits multiplier in lmforge.model.transformer.Transformer.scale_output (pipeline stages call it
-too), the learning-rate multipliers as per-group ``lr`` / ``lr_mult`` in lmforge.optim.optimizers
+logits multiplier in lmforge.model.transformer.Transformer.scale_output (called by its head_nll, for
+the MTP depths too, and by pipeline stages), the learning-rate multipliers as per-group ``lr`` / ``lr_mult`` in lmforge.optim.optimizers
 (schedules multiply the group's lr; sharded layouts keep group keys), and for HF export
 lmforge.interop.mup_fold (the exported model is a standard one: the attention factor folded into
 the q projection, or into the QK-norm's q gain, the logits multiplier into the final norm).
