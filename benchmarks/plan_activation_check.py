@@ -47,7 +47,8 @@ MODES = ("none", "full", "every_k", "selective")
 
 
 def _estimate(cfg, b: int, s: int, ac: str, loss_chunk: int = 0):
-    mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac, loss_chunk=loss_chunk), "adamw", s, weights="lmforge")
+    layout = Layout(micro_batch=b, ac=ac, loss_chunk=loss_chunk, compile=False)  # (the blocks run eager here)
+    mem = estimate_memory(cfg.model, layout, "adamw", s, weights="lmforge")
     fwd = mem.activations + mem.detail["autocast_weight_copies"]
     if ac != "full":
         fwd += mem.detail.get("rope_tables", 0)

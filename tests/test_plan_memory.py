@@ -406,7 +406,7 @@ def test_lmforge_step_memory_equals_saved_tensors_and_autocast_copies(preset, ov
     one, copies_one, _, _ = _step_bytes(model, batches[:1])
     four, copies_four, after_backward, after_exit = _step_bytes(model, batches)
 
-    mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac), "adamw", s, weights="lmforge")
+    mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac, compile=False), "adamw", s, weights="lmforge")
     copies = mem.detail["autocast_weight_copies"]
     rope = mem.detail.get("rope_tables", 0) if ac != "full" else 0
     assert copies_one == copies_four == after_backward == copies > 0 and after_exit == 0
@@ -434,8 +434,8 @@ def test_chunked_step_saves_exactly_the_planned_activations(preset, overrides, a
     batches = [torch.randint(0, cfg.model.vocab_size, (b, s)) for _ in range(2)]
     one, copies, _, _ = _step_bytes(model, batches[:1], loss_chunk=chunk)
     two, _, _, _ = _step_bytes(model, batches, loss_chunk=chunk)
-    mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac, loss_chunk=chunk), "adamw", s, weights="lmforge")
-    plain = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac), "adamw", s, weights="lmforge")
+    mem = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac, loss_chunk=chunk, compile=False), "adamw", s, weights="lmforge")
+    plain = estimate_memory(cfg.model, Layout(micro_batch=b, ac=ac, compile=False), "adamw", s, weights="lmforge")
     rope = mem.detail.get("rope_tables", 0) if ac != "full" else 0
     assert copies == mem.detail["autocast_weight_copies"]
     assert one == mem.activations + copies + rope

@@ -4,6 +4,8 @@ pipeline stage holds in flight (lmforge.plan.memory's docstring states the formu
 
 from __future__ import annotations
 
+import dataclasses
+
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import mlp_activation_width
 from lmforge.parallel.formulas import (cp_activation_bytes, cp_kv_bytes, cp_latent_bytes, cp_score_elements,
@@ -65,10 +67,35 @@ def residual_bytes(layout: Layout) -> int:
     return 2 if layout.precision == "bf16-pure" else 4
 
 
+def compiled_blocks(cfg: ModelConfig, layout: Layout) -> bool:
+    """Whether the plan counts what a torch.compile'd block saves (`lmforge_activation_per_layer`):
+    layout.compile (train.compile as resolved), for the dense multi-head / grouped-query blocks it was
+    measured on. Multi-head latent attention and Mixture-of-Experts blocks keep the eager count (not
+    measured compiled; train.compile = auto leaves MoE blocks uncompiled), as do QK-norm blocks
+    (model.qk_norm: neither count models its norms yet)."""
+    return layout.compile and not (cfg.mla.enabled or cfg.moe.enabled or cfg.qk_norm)
+
+
 def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str) -> float:
     """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring). bf16-pure
     (an estimate, not yet measured: the mode is built apart): the residual stream, the norms' inputs and
-    outputs are bf16, and each norm's output feeds its projections as it is (no casts)."""
+    outputs are bf16, and each norm's output feeds its projections as it is (no casts).
+
+    Compiled blocks (`compiled_blocks`: per-block torch.compile, Inductor's min-cut partitioner decides
+    what the forward saves; measured on the CPU, where the same partitioner runs, with
+    tests/test_plan_compiled_block.py, and on an H100: benchmarks/RESULTS.md) save less than eager:
+    - the residual after attention (res bytes) is not kept: backward recomputes it from the block
+      input and the attention projection's 16-bit output, which is kept instead (half bytes);
+    - RMSNorm's normalised output (the weight gradient's input) is recomputed from its input and rstd;
+    - each norm's output is cast to 16 bits once, whatever the projections that read it (eager
+      autocast casts it once per projection: q, k, v, gate, up);
+    - SwiGLU's silu(gate) is recomputed from gate (kept are gate, up and their product); GELU's
+      output is kept as in eager;
+    - under selective recompute the down / fc2 projection's output, which backward never reads, is
+      not kept (eager's policy saves every matmul output).
+    Per token and layer that is (12 + 2F) h bytes fewer than eager for a Llama block under bf16
+    autocast (F = ffn / h; 20 h at F = 4: 40 KB for llama-1b), 2 h fewer for GPT-2's, 2 h fewer for
+    either under selective recompute; fp32 (8 + 4F) h and 0."""
     s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
     sbh = s * b * h
     half = 4 if layout.precision == "fp32" else 2
@@ -79,8 +106,9 @@ def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int,
         return res * sbh  # the residual-stream input of the block
     norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * 2
     lse = 4 * b * a * s / t
+    compiled = compiled_blocks(cfg, layout)
     if ac == "selective":  # outputs of the matmuls and attention, plus the block input
-        mlp_out = (2 * F + 1) if cfg.activation == "swiglu" else (F + 1)
+        mlp_out = (2 * F if cfg.activation == "swiglu" else F) + (0 if compiled else 1)  # (+1: down / fc2's)
         return sbh * (res + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
     resid = 2 * res                             # the inputs of the two norms (block in, mid)
     normed = 2 * res if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its output for the weight grad
@@ -90,6 +118,10 @@ def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int,
         qkv_casts = 2 if cfg.mla.enabled else (1 if cfg.fused_qkv else 3)  # (MLA: wq_a / wq and wkv_a)
         casts = half * (qkv_casts + (2 if cfg.activation == "swiglu" else 1))
     mlp = half * (4 * F if cfg.activation == "swiglu" else 2 * F) / t
+    if compiled:  # (the docstring's list)
+        resid, normed = res + half, 0
+        casts = casts if layout.precision in ("fp32", "bf16-pure") else 2 * half
+        mlp = half * (3 * F if cfg.activation == "swiglu" else 2 * F) / t
     if cfg.mla.enabled:
         return sbh * (resid + normed + casts + mlp) + norm_stats + s * b * mla_attention_bytes(cfg, layout)
     attn = half * (1 + 2 * r + 1) / t           # q, k, v, attention output
@@ -236,7 +268,9 @@ def mtp_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, h
     if not cfg.mtp_depth:
         return 0.0
     s, b, h = seq_len // layout.cp, layout.micro_batch, cfg.dim
-    block = activation_bytes_per_layer(cfg, layout, seq_len, convention, checkpointed=False)
+    # (the MTP modules' blocks are not compiled: lmforge compiles model.blocks only)
+    block = activation_bytes_per_layer(cfg, dataclasses.replace(layout, compile=False), seq_len, convention,
+                                       checkpointed=False)
     if convention != "lmforge":
         return cfg.mtp_depth * (block + head)
     half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)

@@ -4,6 +4,7 @@ memory of the phases outside the training step."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from lmforge.config import ModelConfig
@@ -82,7 +83,8 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     rows = min(layout.loss_chunk, n) if layout.loss_chunk else n
     cast = rows * half * cfg.dim if layout.loss_chunk and half == 2 else 0
     logits = per_logit * rows * cfg.vocab_size / layout.tp + cast if layout.holds_last(stage) else 0.0
-    layer = lmforge_activation_per_layer(cfg, layout, seq_len // layout.cp, "none")
+    # (the eager count, an upper bound for a compiled block's forward without autograd too)
+    layer = lmforge_activation_per_layer(cfg, dataclasses.replace(layout, compile=False), seq_len // layout.cp, "none")
     working = buffers.get("fsdp_gathered_weights", 0.0) + layer + logits
     return {"startup": comp["weights"] + (comp["gradients"] if keeps_grads else 0.0), "startup_host": 2 * largest,
             "validation": persistent + working, "validation_working_set": working,

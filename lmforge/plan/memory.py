@@ -103,8 +103,12 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
     MLP = 8F + 4 (SwiGLU) or 4F + 2 (GELU), plus norm statistics and the attention log-sum-exp
     (4bas); full recompute keeps the fp32 block input, 4sbh. Outside the blocks: token ids, the
     final norm, and the output head + loss below. These are byte-exact against autograd's saved
-    tensors on CPU (tests); CUDA kernels may differ slightly, and per-block torch.compile saves
-    less than eager autograd (benchmarks/plan_activation_check.py measures it).
+    tensors on CPU (tests); CUDA kernels may differ slightly. Per-block torch.compile (layout
+    compile, train.compile) saves less: Inductor's partitioner recomputes the RMSNorm outputs,
+    SwiGLU's silu(gate) and the residual after attention and casts each norm output once, (12 + 2F)
+    h bytes fewer per token for a Llama block under autocast, 2h for GPT-2's
+    (`lmforge.plan.activations.lmforge_activation_per_layer` states the rule; byte-exact on the CPU:
+    tests/test_plan_compiled_block.py).
 
     The output head and the loss (`lmforge_loss_bytes`; n = sb tokens of the micro-batch, V the
     vocabulary, d the width, c = min(train.loss_chunk, n), `half` = 2, 4 in fp32 runs; what is
