@@ -220,6 +220,19 @@ def test_config_rules():
     assert mup.width_mult(cfg.model) == 2.0 and mup.attention_factor(cfg.model) == pytest.approx(math.sqrt(0.5))
 
 
+def test_plan_verify_toy_keeps_mup_at_m_2():
+    """`lmforge plan --verify`'s toy model of a μP config stays μP, its base width half the toy width."""
+    from lmforge.plan.layout import Layout
+    from lmforge.verify.toy import toy_run
+
+    cfg = load_config("llama3.1-8b", {"model.parametrization": "mup", "model.mup_base_width": 1024})
+    toy = toy_run(cfg, Layout.parse("dp=2,zero=3,tp=2,pp=2"))
+    toy.config.validate()
+    m = toy.config.model
+    assert m.parametrization == toy.reference.model.parametrization == "mup"
+    assert mup.width_mult(m) == 2.0 and mup.attention_factor(m) == pytest.approx(math.sqrt(0.5))
+
+
 def test_checkpoints_record_the_parametrization_and_refuse_the_other(tmp_path):
     """A μP checkpoint does not resume as SP (nor the reverse); a checkpoint written before the key existed
     is SP; under SP the μP base shapes do not matter."""
