@@ -46,6 +46,9 @@ log = logging.getLogger("lmforge.ckpt")
 # precision, activation checkpointing, ...) may differ between the checkpoint and the resuming run
 # (model.fused_qkv is the q/k/v layout: load_states converts a checkpoint of the other layout)
 _HARMLESS_MODEL_KEYS = ("dropout", "init_std", "fused_qkv")
+# model.parametrization ("sp" / "mup") changes the meaning of the weights (μP's forward multipliers) and the
+# optimizer's per-group learning rates: a μP checkpoint never resumes as SP, nor the reverse
+_MUP_BASE_KEYS = ("mup_base_width", "mup_base_head_dim")
 
 
 def manager_for_run(cfg: Config, out_dir: Path, info: DistInfo, on_event: Callable[[dict], None],
@@ -226,10 +229,15 @@ def _is_ref(node: Any) -> bool:
 def check_compatible(meta: dict, cfg: Config, path: Path) -> None:
     """Refuse a checkpoint whose weights or optimizer state cannot belong to this config."""
     saved = meta.get("config", {})
-    old_model, new_model = saved.get("model", {}), cfg.to_dict()["model"]
+    new_model = cfg.to_dict()["model"]
+    # a key the checkpoint predates had its default then (model.parametrization: "sp")
+    old_model = {**Config().to_dict()["model"], **saved["model"]} if saved.get("model") else {}
+    harmless = _HARMLESS_MODEL_KEYS
+    if old_model.get("parametrization") == new_model.get("parametrization") == "sp":
+        harmless += _MUP_BASE_KEYS  # (the μP base shapes mean nothing under SP)
     diffs = [f"model.{k}: checkpoint {old_model.get(k)!r}, config {new_model.get(k)!r}"
              for k in sorted(set(old_model) | set(new_model))
-             if k not in _HARMLESS_MODEL_KEYS and old_model.get(k) != new_model.get(k)]
+             if k not in harmless and old_model.get(k) != new_model.get(k)]
     if meta.get("optimizer") and meta["optimizer"] != cfg.optim.name:
         diffs.append(f"optim.name: checkpoint {meta['optimizer']!r}, config {cfg.optim.name!r}")
     if diffs:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from lmforge.config.base import ConfigError, divisors
 from lmforge.config.launch import launcher_command
+from lmforge.optim.registry import REGISTRY, SPECS
 from lmforge.parallel.formulas import LOOPED, V_SHAPED, stages_per_rank
 
 if TYPE_CHECKING:
@@ -186,7 +187,17 @@ def check_cross_section(cfg: "Config") -> None:
     check_pipeline(cfg)
     check_features(cfg)
     check_expert_parallel(cfg)
+    check_parametrization(cfg)
     check_multi_token_prediction(cfg)
+
+
+def check_parametrization(cfg: "Config") -> None:
+    """μP (model.parametrization = 'mup') needs an optimizer with a μP learning-rate rule."""
+    if cfg.model.parametrization == "mup" and REGISTRY[cfg.optim.name].mup_rule is None:
+        raise ConfigError(f"model.parametrization = 'mup' has no learning-rate rule for optim.name = "
+                          f"{cfg.optim.name!r} (its update is scaled by the parameter's own norm, which μP's tables do "
+                          f"not cover); use one of {', '.join(s.name for s in SPECS if s.mup_rule)}, or "
+                          f"model.parametrization = 'sp'.")
 
 
 def check_multi_token_prediction(cfg: "Config") -> None:

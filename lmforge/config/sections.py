@@ -160,6 +160,9 @@ class ModelConfig:
     rope_mscale_all_dim: float = _f(0.0, "rope_scaling 'yarn' only: see rope_mscale; also, in multi-head latent attention (model.mla), the softmax scale is multiplied by mscale(factor, rope_mscale_all_dim)^2, as DeepSeek-V3 does (DeepSeek-V3: 1). 0 = unset.")
     sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean (seq x keys) mask built per forward (per chunk under context parallelism), which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
     attn_head_dim: int | None = _f(None, "Width of each attention head; None = dim / n_heads. Set where heads x head_dim differs from dim (Qwen3-30B-A3B: 32 heads of 128 on dim 2048).")
+    parametrization: Literal["sp", "mup"] = _f("sp", "'sp' = standard parametrization (init_std everywhere, one learning rate, attention 1/sqrt(head_dim)); 'mup' = Maximal Update Parametrization (Tensor Programs V; lmforge.model.mup), relative to a model of width model.mup_base_width: hidden matrices start at init_std / sqrt(m) and train at lr / m (Adam family; m = dim / mup_base_width), the attention scale is sqrt(base head_dim) / head_dim, the logits are multiplied by 1 / m; at the base width it is the same model as 'sp', and the best optim.lr found there holds at other widths. Scale ffn_hidden and heads x head_dim with dim (the defaults do). Optimizers: sgd, momentum, adam, adamw, adam8bit, lion, muon (Muon's matrices keep its own shape scale). HF export folds the multipliers into the weights.")
+    mup_base_width: int | None = _f(None, "model.parametrization = 'mup': the width (model.dim) the hyperparameters are tuned at, e.g. the small model of an LR sweep. Required with 'mup'; ignored with 'sp'.")
+    mup_base_head_dim: int | None = _f(None, "model.parametrization = 'mup': the head dim of the base model; the attention scale is sqrt(mup_base_head_dim) / head_dim. None = mup_base_width / n_heads (the heads stay, their width grows with dim), or model.attn_head_dim when that is set (fixed-width heads: the scale stays 1 / sqrt(head_dim)). Set it when the number of heads grows with dim instead.")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
     mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "Multi-head latent attention (off by default)."})
     mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1; lmforge.model.mtp): D sequential modules after the main model; module k takes the previous depth's hidden states (the main model's for k = 1) and the embedding of the token k ahead, [RMSNorm(embedding); RMSNorm(hidden)] projected to dim, through one transformer block (MoE where model.moe makes block n_layers + k - 1 one), its own final norm and the shared output head, and predicts the token k + 1 ahead. The embedding and head are the main model's. Trained only (evaluation and generation ignore it); its losses per depth are in the metrics (mtp_loss_1 .. mtp_loss_D). 0 = off.")
@@ -212,6 +215,7 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1).")
         self.check_attention_options()
+        self.check_parametrization()
         self.moe.check(self.activation, self.n_layers)
         self.mla.check()
         self.check_mla()
@@ -229,6 +233,37 @@ class ModelConfig:
                 raise ConfigError(f"model.{key} = {value!r} does not apply to multi-head latent attention "
                                   f"(model.mla.kv_lora_rank = {self.mla.kv_lora_rank}); set model.{key} = "
                                   f"{needed!r} or model.mla.kv_lora_rank = 0.")
+
+    @property
+    def mup_head_dim(self) -> int:
+        """The base model's head dim under μP (model.mup_base_head_dim, or its default)."""
+        if self.mup_base_head_dim is not None:
+            return self.mup_base_head_dim
+        if self.attn_head_dim is not None:
+            return self.attn_head_dim
+        return (self.mup_base_width or self.dim) // self.n_heads
+
+    def check_parametrization(self) -> None:
+        """Rules of model.parametrization and its μP base shapes."""
+        if self.parametrization not in ("sp", "mup"):
+            raise ConfigError(f"model.parametrization = {self.parametrization!r} must be 'sp' or 'mup'.")
+        at_least(1, "model", **{k: v for k, v in (("mup_base_width", self.mup_base_width),
+                                                  ("mup_base_head_dim", self.mup_base_head_dim)) if v is not None})
+        if self.parametrization != "mup":
+            return
+        if self.mup_base_width is None:
+            raise ConfigError("model.parametrization = 'mup' needs model.mup_base_width: the model.dim the "
+                              f"hyperparameters were tuned at (e.g. {self.dim} for this model, or the width of the "
+                              "small model of your LR sweep).")
+        if self.mla.enabled:
+            raise ConfigError(f"model.parametrization = 'mup' is not supported with multi-head latent attention "
+                              f"(model.mla.kv_lora_rank = {self.mla.kv_lora_rank}) yet: its latent ranks and per-head "
+                              "widths are numbers of their own, not model.dim, so each projection's μP class (hidden, "
+                              "input- or output-like) depends on how they are scaled with width, and its attention "
+                              "scale is its own; set model.mla.kv_lora_rank = 0 or model.parametrization = 'sp'.")
+        if self.mup_base_head_dim is None and self.attn_head_dim is None and self.mup_base_width % self.n_heads:
+            raise ConfigError(f"model.mup_base_width = {self.mup_base_width} is not divisible by model.n_heads = "
+                              f"{self.n_heads}: set model.mup_base_head_dim to the base model's head dim.")
 
     def check_attention_options(self) -> None:
         """Rules of the RoPE-scaling, QK-norm and sliding-window keys."""

@@ -48,6 +48,7 @@ from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_
 from lmforge.ckpt.export import WEIGHT_DTYPES, WeightReader, model_state, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
 from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
+from lmforge.interop.mup_fold import folded_reader
 from lmforge.interop.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_hf_config, deepseek_refs, deepseek_tensors,
                                          model_config_from_deepseek, mtp_layers_present)
 from lmforge.interop.hf_moe import MOE_DECODERS, import_moe, model_config_from_moe, moe_hf_config, save_moe
@@ -450,12 +451,13 @@ def _hf_weight_files(hf_dir: Path) -> dict[str, tuple[Path, dict | None]]:
 
 def write_hf_weights(cfg: ModelConfig, weights: WeightReader, path: Path) -> None:
     """model.safetensors of a transformers folder, written one tensor at a time from an lmforge weight
-    reader (lmforge.ckpt.export): the peak is one output tensor (GPT-2's fused c_attn: three)."""
+    reader (lmforge.ckpt.export): the peak is one output tensor (GPT-2's fused c_attn: three). A μP model's
+    forward multipliers are folded into the weights (lmforge.interop.mup_fold): the folder is a standard model."""
     meta = lambda name: torch.empty(weights.shapes[name], dtype=weights.dtypes[name], device="meta")  # noqa: E731
     has = weights.shapes.__contains__
     specs = [(name, t.dtype, tuple(t.shape)) for name, make in _hf_tensors(cfg, meta, has).items() for t in [make()]]
     with safetensors_writer(path, specs, metadata={"format": "pt"}) as write:
-        for name, make in _hf_tensors(cfg, weights.read, has).items():
+        for name, make in _hf_tensors(cfg, folded_reader(cfg, weights.read), has).items():
             write(name, make().contiguous())
 
 

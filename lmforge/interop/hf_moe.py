@@ -41,6 +41,7 @@ from lmforge.config import ModelConfig
 from lmforge.config.sections import MoEConfig
 from lmforge.folders import HF_CONFIG
 from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
+from lmforge.interop.mup_fold import fold_multipliers
 from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer
 from lmforge.model.materialise import materialise
@@ -246,9 +247,11 @@ def import_moe(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[
 
 def save_moe(cfg: ModelConfig, hf_cfg, weights: dict[str, torch.Tensor], out_dir: Path) -> None:
     """Write lmforge MoE `weights` as a transformers folder of `hf_cfg` (config.json + safetensors,
-    through transformers' own `save_pretrained`)."""
+    through transformers' own `save_pretrained`); a μP model's forward multipliers folded into the weights
+    (lmforge.interop.mup_fold)."""
     import transformers
 
+    weights = {name: fold_multipliers(cfg, name, t) for name, t in weights.items()}
     with torch.device("meta"):
         hf_model = getattr(transformers, hf_cfg.architectures[0])(hf_cfg)
     hf_model.load_state_dict(to_moe_state_dict(cfg, weights), strict=True, assign=True)

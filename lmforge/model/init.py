@@ -17,6 +17,8 @@ The rules (GPT-2 / nanoGPT style; `init_rule`):
   ``mlp.proj``, ``mlp.down``; MoE experts' ``w_down`` and shared experts' ``down``) N(0, init_std /
   sqrt(2 n_layers)); MoE experts' stacked weights (experts along dim 0, so a rank holding some experts
   draws exactly their blocks) and routers N(0, init_std);
+* model.parametrization = "mup": each of these stds x its μP factor (lmforge.model.mup: hidden matrices
+  1/sqrt(m), the MoE router 1/m, embeddings and lm_head 1; m = dim / mup_base_width);
 * biases 0; norm weights 1 (norm biases 0);
 * LoRA adapters (lmforge.model.lora): A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's Kaiming uniform),
   B = 0, so the adapted model starts as the base model; the q/k/v part adapters of a fused attn.wqkv
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from lmforge.config import ModelConfig
+from lmforge.model import mup
 from lmforge.model.layers import QKV_PARTS, read_fused_qkv
 
 BLOCK_ELEMENTS = 1 << 16  # values per generator block (rows of a parameter, at least one row)
@@ -61,13 +64,14 @@ def init_rule(cfg: ModelConfig, module: nn.Module, module_name: str, param_name:
         return InitRule("zeros")
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return InitRule("ones")
+    # model.parametrization = "mup": SP's std x the weight's μP factor (lmforge.model.mup; 1 under SP)
+    std = cfg.init_std * mup.init_std_factor(cfg, mup.param_kind(f"{module_name}.{param_name}", 2))
     if param_name in ("w_gate", "w_up", "w_down"):  # MoE experts (lmforge.model.moe.GroupedExperts): per expert a linear
-        std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if param_name == "w_down" else cfg.init_std
-        return InitRule("normal", std)
+        return InitRule("normal", std / math.sqrt(2 * cfg.n_layers) if param_name == "w_down" else std)
     if isinstance(module, nn.Linear) and module_name.endswith(RESIDUAL_PROJECTIONS):
-        return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        return InitRule("normal", std / math.sqrt(2 * cfg.n_layers))
     assert isinstance(module, (nn.Linear, nn.Embedding)), (module_name, type(module))
-    return InitRule("normal", cfg.init_std)
+    return InitRule("normal", std)
 
 
 def block_rows(shape: Sequence[int]) -> int:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config import ModelConfig
+from lmforge.model import mup
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -261,8 +262,8 @@ def read_fused_qkv(cfg: ModelConfig, read, shape, index) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Causal multi-head attention with grouped-query support, through scaled_dot_product_attention;
-    optional q/k/v biases (model.qkv_bias), QK-norm (model.qk_norm) and a sliding window
-    (model.sliding_window)."""
+    optional q/k/v biases (model.qkv_bias), QK-norm (model.qk_norm), a sliding window
+    (model.sliding_window) and μP's 1/head_dim attention scale (model.parametrization)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -284,6 +285,9 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.window = cfg.sliding_window
         self.dropout = cfg.dropout
+        # μP (model.parametrization = "mup"): q x sqrt(base head_dim / head_dim), so that SDPA's
+        # 1/sqrt(head_dim) becomes sqrt(base head_dim) / head_dim (lmforge.model.mup); 1 under SP
+        self.q_scale = mup.attention_factor(cfg)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of x (batch, seq, dim), each (batch, heads, seq, head_dim), QK-normed if configured."""
@@ -303,6 +307,8 @@ class Attention(nn.Module):
             v = self.wv(x).view(bsz, seq, -1, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lmforge.config import ModelConfig
+from lmforge.model import mup
 from lmforge.model.init import init_source
 from lmforge.model.materialise import materialise
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
@@ -46,6 +47,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(i): make_block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output_mult = mup.output_multiplier(cfg)  # μP's logits multiplier 1/m (1 under SP)
         self.mtp = MTP(cfg, make_block) if cfg.mtp_depth else None  # (multi-token prediction: trained only)
         self.tie_weights()
         if cfg.pos_emb == "rope":
@@ -68,6 +70,12 @@ class Transformer(nn.Module):
             self.rope_sin.copy_(sin)
 
     # ---- forward ----------------------------------------------------------------------------
+
+    def scale_output(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm's output `h` times μP's logits multiplier (model.parametrization = "mup": 1/m,
+        lmforge.model.mup; on the head's input, dim values per token rather than vocab, and the same
+        for the fused loss); `h` itself under SP."""
+        return h if self.output_mult == 1.0 else h * self.output_mult
 
     def forward(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None,
                 targets: torch.Tensor | None = None, loss_chunk: int = 0) -> torch.Tensor:
@@ -100,13 +108,15 @@ class Transformer(nn.Module):
                                       lambda h, y: self.head_nll(h, y, loss_chunk))
                 nll = with_mtp_loss(nll, extra)
             return nll
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.scale_output(self.norm(x)))
 
     def head_nll(self, h: torch.Tensor, targets: torch.Tensor, loss_chunk: int) -> torch.Tensor:
         """Summed token NLL of the output head on normed hidden states h: with `loss_chunk` > 0 fused with
         a plain nn.Linear head, `loss_chunk` tokens at a time; else (train.loss_chunk = 0: the logits, as
         outside the forward), for a LoRA (or other wrapped) head and for a tensor-parallel one
-        (vocab-sharded logits, inside `loss_parallel()`) through the head's own forward."""
+        (vocab-sharded logits, inside `loss_parallel()`) through the head's own forward. μP's logits multiplier
+        (`scale_output`) is applied here, to the main model's and the MTP depths' head inputs alike."""
+        h = self.scale_output(h)
         if loss_chunk and type(self.lm_head) is nn.Linear and not hasattr(self.lm_head.weight, "placements"):
             return linear_cross_entropy_sum(h, self.lm_head.weight, targets, loss_chunk)
         return token_nll_sum(self.lm_head(h), targets)

@@ -38,7 +38,7 @@ from torch import nn
 from torch.optim.adam import adam as torch_functional_adam
 
 from lmforge.optim._common import check_betas, check_non_negative, evaluate_closure, grad_of
-from lmforge.optim.optimizers import embedding_ids, param_groups
+from lmforge.optim.optimizers import embedding_ids, mup_groups, param_groups
 
 if TYPE_CHECKING:
     from lmforge.config import OptimConfig
@@ -367,4 +367,5 @@ def muon_groups(model: nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> 
 
 def build(model: nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> "Muon":
     """The registry's builder: Muon for the matrices, AdamW (optim.lr, betas, eps) for the rest."""
-    return Muon(muon_groups(model, cfg, extra), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    groups = mup_groups(model, muon_groups(model, cfg, extra), cfg.lr, "muon")  # (μP: lmforge.model.mup)
+    return Muon(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)

@@ -7,7 +7,8 @@ for why), each with its `build(model, cfg, extra)`.
 
 Param groups carry the parameter names under `"param_names"`, the key torch itself uses for
 named parameters (torch keeps it, and any other extra key such as `"group"` or `"use_muon"`,
-in `optimizer.param_groups` and in `state_dict()`).
+in `optimizer.param_groups` and in `state_dict()`). A μP model (model.parametrization = "mup") gets
+its per-class learning-rate multipliers as groups of their own (`mup_groups`, lmforge.model.mup).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.config import OptimConfig
+from lmforge.config import ModelConfig, OptimConfig
+from lmforge.model import mup
 from lmforge.optim import registry
 from lmforge.optim.registry import OPTIMIZER_NAMES
 
 __all__ = ["OPTIMIZER_NAMES", "build_optimizer", "describe_groups", "measured_state_bytes",
-           "measured_state_bytes_by_param", "param_groups"]
+           "measured_state_bytes_by_param", "mup_groups", "param_groups", "schedule_lr"]
 
 
 def embedding_ids(model: nn.Module) -> set[int]:
@@ -62,6 +64,60 @@ def param_groups(
         {**decay, "weight_decay": weight_decay, "group": "decay"},
         {**no_decay, "weight_decay": 0.0, "group": "no_decay"},
     ]
+
+
+def model_config_of(model: nn.Module) -> ModelConfig | None:
+    """The ModelConfig of the lmforge Transformer inside `model` (itself, or wrapped: DDP, compile,
+    activation checkpointing), None for another module."""
+    return next((m.cfg for m in model.modules() if isinstance(getattr(m, "cfg", None), ModelConfig)), None)
+
+
+def mup_groups(model: nn.Module, groups: list[dict[str, Any]], lr: float, rule: str | None) -> list[dict[str, Any]]:
+    """`groups` with μP's learning-rate multipliers (lmforge.model.mup) when `model`'s config says
+    model.parametrization = "mup"; unchanged under SP (or for a module that is not an lmforge model).
+
+    Each group is split by its parameters' μP class: the part whose multiplier is the vector-like
+    one keeps the group's name, the hidden matrices go to "<name>.hidden", a readout (MoE router) to
+    "<name>.readout" (and an lm_head whose multiplier differs: "<name>.output"); empty parts are left
+    out. A part's ``lr`` is the group's (else `lr`) x its multiplier, recorded as ``lr_mult``; schedules
+    multiply each group's lr, so they keep the ratios, and ZeRO-1's rebuild and tensor parallelism's
+    split copy the group keys. With decoupled weight decay (rules "adamw", "muon") ``weight_decay`` is
+    divided by the multiplier: lr x weight_decay per step as at the base width. `rule`: the registry's
+    `mup_rule` ("muon": Muon's orthogonalised groups by the "muon" column, its AdamW groups by "adamw")."""
+    cfg = model_config_of(model)
+    if cfg is None or not mup.enabled(cfg):
+        return groups
+    if rule is None:
+        raise ValueError("model.parametrization = 'mup' has no learning-rate rule for this optimizer "
+                         "(lmforge.optim.registry's mup_rule); use sgd, momentum, adam, adamw, adam8bit, lion or muon.")
+    out = []
+    for g in groups:
+        own = ("muon" if g.get("use_muon") else "adamw") if rule == "muon" else rule
+        vector = mup.lr_multiplier(cfg, "vector", own)
+        parts: dict[str, dict[str, Any]] = {}
+        for name, p in zip(g["param_names"], g["params"], strict=True):
+            kind = mup.param_kind(name, p.ndim)
+            mult = mup.lr_multiplier(cfg, kind, own)
+            key = kind if kind in ("hidden", "readout") or mult != vector else ""
+            part = parts.setdefault(key, {"params": [], "param_names": [], "lr_mult": mult})
+            part["params"].append(p)
+            part["param_names"].append(name)
+        if not parts:
+            out.append(g)
+        for key in sorted(parts, key=("", "hidden", "readout", "output").index):
+            part = parts[key]
+            mult = part["lr_mult"]
+            decay = g.get("weight_decay", 0.0)
+            out.append({**g, **part, "group": f"{g['group']}.{key}" if key else g["group"], "lr": g.get("lr", lr) * mult,
+                        "weight_decay": decay / mult if own in mup.DECOUPLED_DECAY else decay})
+    return out
+
+
+def schedule_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate the schedule is at (optim.lr x its factor): group 0's lr without its μP
+    multiplier (``lr_mult``, lmforge.optim.optimizers.mup_groups)."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_mult", 1.0)
 
 
 def describe_groups(groups: list[dict[str, Any]] | torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -150,8 +206,10 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, **extra: Any) -> torch.o
 
 
 def groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
-    """`param_groups` with the section's weight decay settings (what every optimizer but Muon uses)."""
-    return param_groups(model, cfg.weight_decay, cfg.decay_embeddings)
+    """`param_groups` with the section's weight decay settings and, for a μP model, its learning-rate
+    multipliers (`mup_groups`): what every optimizer but Muon uses."""
+    return mup_groups(model, param_groups(model, cfg.weight_decay, cfg.decay_embeddings), cfg.lr,
+                      registry.spec(cfg.name).mup_rule)
 
 
 def betas(cfg: OptimConfig) -> tuple[float, float]:

@@ -101,25 +101,31 @@ class OptimizerSpec:
     # torch's fused kernel also takes DTensor parameters (FSDP2 / TP): torch 2.13 has sharding rules
     # for the fused Adam/AdamW ops only (aten._fused_sgd_ raises NotImplementedError on DTensors)
     dtensor_fused: bool = False
+    # which μP table sets its per-group learning-rate multipliers under model.parametrization = "mup"
+    # (lmforge.model.mup.LR_EXPONENTS): "adam" (entrywise-normalised updates, L2 decay), "adamw" (the same with
+    # decoupled decay), "sgd", "muon"; None = no μP rule (LAMB's trust ratio and Adafactor's relative step
+    # scale each update by the parameter's own norm: not covered by the paper's tables)
+    mup_rule: str | None = None
 
 
 SPECS: tuple[OptimizerSpec, ...] = (
-    OptimizerSpec("sgd", "SGD without momentum (torch.optim.SGD)", "optimizers:build_sgd", StateSize(), fused=True),
+    OptimizerSpec("sgd", "SGD without momentum (torch.optim.SGD)", "optimizers:build_sgd", StateSize(), fused=True, mup_rule="sgd"),
     OptimizerSpec("momentum", "SGD with (optionally Nesterov) momentum (torch.optim.SGD)", "optimizers:build_momentum",
-                  StateSize(full=1), fused=True),
+                  StateSize(full=1), fused=True, mup_rule="sgd"),
     OptimizerSpec("adam", "Adam, weight decay as an L2 term (torch.optim.Adam)", "optimizers:build_adam", _ADAM,
-                  fused=True, dtensor_fused=True),
+                  fused=True, dtensor_fused=True, mup_rule="adam"),
     OptimizerSpec("adamw", "AdamW, decoupled weight decay (torch.optim.AdamW)", "optimizers:build_adamw", _ADAM,
-                  fused=True, dtensor_fused=True),
-    OptimizerSpec("lion", "Lion: sign of an interpolated momentum (Chen et al. 2023)", "lion:build", StateSize(full=1)),
+                  fused=True, dtensor_fused=True, mup_rule="adamw"),
+    OptimizerSpec("lion", "Lion: sign of an interpolated momentum (Chen et al. 2023)", "lion:build", StateSize(full=1),
+                  mup_rule="adamw"),
     OptimizerSpec("adafactor", "Adafactor: factored second moment, no first moment (torch.optim.Adafactor)",
                   "adafactor:build", StateSize(factored=True, step_bytes=4)),
     OptimizerSpec("lamb", "LAMB: Adam with a per-layer trust ratio (You et al. 2019)", "lamb:build",
                   StateSize(full=2)),  # its step is a Python int
     OptimizerSpec("muon", "Muon: orthogonalised momentum for 2-D matrices, AdamW for the rest", "muon:build",
-                  StateSize(full=2, step_bytes=4, matrices=StateSize(full=1))),
+                  StateSize(full=2, step_bytes=4, matrices=StateSize(full=1)), mup_rule="muon"),
     OptimizerSpec("adam8bit", "Adam with block-wise 8-bit quantised moments (Dettmers et al. 2021)",
-                  "adam8bit:build", StateSize(quantised=2)),  # m and v 8-bit + block scales; step a Python int
+                  "adam8bit:build", StateSize(quantised=2), mup_rule="adamw"),  # m and v 8-bit + block scales; step a Python int
 )
 
 REGISTRY: dict[str, OptimizerSpec] = {s.name: s for s in SPECS}

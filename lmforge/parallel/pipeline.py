@@ -115,7 +115,7 @@ class StageChunk(nn.Module):
         for block, cache in zip(self.blocks.values(), caches):
             x = block(x, rope, cache)
         if self.lm_head is not None:
-            x = self.lm_head(self.norm(x))
+            x = self.lm_head(model.scale_output(self.norm(x)))  # (μP's logits multiplier)
         return x
 
 

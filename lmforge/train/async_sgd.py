@@ -35,6 +35,7 @@ import torch
 
 from lmforge.model.loss import count_targets
 from lmforge.model.materialise import materialise
+from lmforge.optim.optimizers import schedule_lr
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.param_server import (ServerLink, WorkerLink, flat_grads, flat_params, load_flat_params,
                                            set_flat_grads)
@@ -116,7 +117,7 @@ class AsyncSGDTrainer(Trainer):
                                     "staleness": stale, "max_staleness": cfg.parallel.max_staleness})
             else:
                 set_flat_grads(params, push.grad)
-                lr = self.optimizer.param_groups[0]["lr"]
+                lr = schedule_lr(self.optimizer)
                 grad_norm = self.update(torch.tensor(push.loss))
                 version += 1
                 st.step += 1

@@ -46,7 +46,7 @@ from lmforge.folders import (CONFIG, EMA_WEIGHTS, FAILED_RECORD, METRICS, PROFIL
                              WEIGHTS, atomic_path, atomic_write, new_run_id, read_failure, read_run_id, record_failure,
                              write_run_record)
 from lmforge.model.transformer import count_params, flops_per_token
-from lmforge.optim.optimizers import build_optimizer
+from lmforge.optim.optimizers import build_optimizer, schedule_lr
 from lmforge.optim.schedules import BatchRampup, build_scheduler
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import destroy_distributed, folder_is_shared, init_distributed
@@ -410,7 +410,7 @@ class Trainer:
             step_tokens = self.global_batch_now() * cfg.data.seq_len
             batches = self.next_micro_batches()
             data_s = time.perf_counter() - self._step_t0
-            lr = self.optimizer.param_groups[0]["lr"]
+            lr = schedule_lr(self.optimizer)  # (without a μP group's multiplier)
             loss, grad_norm = self.train_step(batches)
             st.step += 1
             st.tokens_seen += step_tokens

@@ -97,8 +97,10 @@ def toy_model(model, layout: Layout):
     if mla.enabled:  # the latents kept (the query latent where the family has one) at toy widths
         mla = dataclasses.replace(mla, kv_lora_rank=2 * HEAD_DIM, q_lora_rank=2 * HEAD_DIM if mla.q_lora_rank else 0,
                                   qk_nope_head_dim=HEAD_DIM, qk_rope_head_dim=HEAD_DIM // 2, v_head_dim=HEAD_DIM)
+    # μP kept at m = 2 (a toy-width base; the family's base width would give m << 1): its multipliers exercised
+    base = dict(mup_base_width=HEAD_DIM * heads // 2, mup_base_head_dim=None) if model.parametrization == "mup" else {}
     return dataclasses.replace(
-        model, mla=mla, mtp_depth=min(model.mtp_depth, 1), vocab_size=TOY_VOCAB, dim=HEAD_DIM * heads, n_layers=layers, n_heads=heads,
+        model, **base, mla=mla, mtp_depth=min(model.mtp_depth, 1), vocab_size=TOY_VOCAB, dim=HEAD_DIM * heads, n_layers=layers, n_heads=heads,
         n_kv_heads=None if kv == heads else kv, ffn_hidden=None, ffn_multiple_of=16, attn_head_dim=None,
         max_seq_len=_seq_len(layout), sliding_window=_seq_len(layout) // 2 if model.sliding_window else 0, moe=moe)
 
