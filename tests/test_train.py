@@ -210,7 +210,7 @@ def test_compiled_blocks_match_eager(small_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_whole_model_matches_eager(small_data, tmp_path):
+def test_compiled_whole_model_matches_eager(small_data, tmp_path, monkeypatch):
     """train.compile = model (lmforge.parallel.layout.Layout.compile_model): the whole training forward
     with its loss inside (here the chunked loss) as one fullgraph, in bf16-pure over 2 micro-batches
     per step: the same losses and gradient norms as eager within bf16 rounding (the compiled kernels
@@ -219,6 +219,13 @@ def test_compiled_whole_model_matches_eager(small_data, tmp_path):
     not recompile it)."""
     from torch._dynamo.utils import counters
 
+    import lmforge.model.loss as loss_module
+
+    def probe(device):  # the chunked loss's own decision, untraceable as on a CUDA GPU (its Triton probe:
+        torch._dynamo.graph_break()  # torch 2.11's dynamo refuses importlib's find_spec; gpt2-bf16-pure-model
+        return False  # failed so on the H100, 2026-11-27): inside the whole-model graph it must not be taken
+
+    monkeypatch.setattr(loss_module, "use_compiled_chunk", probe)
     setting = {"model.n_layers": 2, "train.precision": "bf16-pure", "train.micro_batch_size": 4, "train.loss_chunk": 64}
     eager = make_trainer(small_data, tmp_path / "eager", **setting)
     compiled = make_trainer(small_data, tmp_path / "compiled", **setting, **{"train.compile": "model"})

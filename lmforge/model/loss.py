@@ -219,12 +219,14 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     """sum over tokens of -log softmax(hidden @ weight.T)[target] (fp32 scalar), `chunk` tokens at a
     time, never holding more than one chunk of logits. hidden (..., d), weight (vocab, d), targets
     (...) int64 with -100 = ignored. chunk <= 0 or >= the token count: one chunk. `compiled`: the
-    elementwise part through torch.compile (None = where `use_compiled_chunk` says: CUDA)."""
+    elementwise part through torch.compile (None = where `use_compiled_chunk` says: CUDA; never inside a
+    graph being compiled)."""
     n = targets.numel()
     chunk = n if chunk <= 0 else min(chunk, n)
     if not torch.is_grad_enabled():  # (autograd.Function would still report needs_input_grad)
         return _chunked_nll_sum(hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1),
                                 weight.to(_compute_dtype(hidden, weight)), chunk)
-    if compiled is None:
-        compiled = use_compiled_chunk(hidden.device)
+    if compiled is None:  # (inside a whole-model graph, train.compile = model, the outer compile fuses the chunk
+        # already; deciding there would also trace the Triton probe, which dynamo refuses: 2026-11-27 H100)
+        compiled = False if torch.compiler.is_compiling() else use_compiled_chunk(hidden.device)
     return _LinearCrossEntropySum.apply(hidden, weight, targets, chunk, _compute_dtype(hidden, weight), compiled)
