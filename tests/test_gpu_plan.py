@@ -48,7 +48,7 @@ def test_the_default_plan_fits_8_minutes_on_an_h100_and_holds_every_new_row():
     plan = rows.plan(rows.select("", cuda=True), cuda=True, budget_s=9 * 60)
     names = [spec.name for spec, _, _ in plan.rows]
     assert names[:9] == ["env", "tiny-bf16", "fsdp-1", "ddp-1", "ckpt-save", "ckpt-resume", "gpt2-loss_chunk",
-                         "llama-1b", "moe-bf16"] and names[-2:] == ["gpt2-plain", "gpt2-compile"]
+                         "llama-1b", "moe-bf16"] and {"gpt2-plain", "gpt2-compile"} <= set(names)
     assert plan.total_s <= 8 * 60, plan.text(True)
     for spec, seconds, source in plan.rows:  # every row has an expected time and says where it comes from
         assert seconds > 0 and source.startswith(("measured: ", "estimate: ")) and len(source) > 30, spec.name
@@ -75,18 +75,21 @@ def test_functional_rows_pin_compile_off_and_the_1b_row_runs_without_checkpointi
 ISSUE_43 = ["gpt2-bf16-pure", "gpt2-bf16-pure-model", "llama-1b-bf16-pure"]
 
 
-def test_the_bf16_pure_and_whole_model_compile_rows_run_as_a_named_group_outside_the_default_plan():
+def test_the_bf16_pure_and_whole_model_compile_rows_run_as_a_named_group():
     """Issue 43's GPU rows: GPT-2 124M in bf16-pure with per-block and whole-model compile, the 1B in
     bf16-pure; each the row it is read against with train.precision = bf16-pure (and compile = model),
     its settings a valid config that resolves to what it measures, an estimate that says how it was
-    made; not in the default plan (it stays <= 8 min), and `--rows` runs the group in its order."""
+    made; `--rows` runs the group in its order; the default plan holds the whole-model row (it failed on
+    the H100 on 2026-11-27; its fix is not yet confirmed) and the row it is read against, not the 1B's."""
     from lmforge.config import load_config
     from lmforge.config.loading import parse_override_value
     from lmforge.config.rules import resolve_compile
 
     specs = {r.name: r for r in rows.ROWS}
     assert [s.name for s in rows.select(",".join(ISSUE_43), cuda=True)] == ISSUE_43
-    assert not set(ISSUE_43) & {s.name for s in rows.select("", cuda=True)}
+    default = [s.name for s in rows.select("", cuda=True)]
+    assert set(ISSUE_43) & set(default) == {"gpt2-bf16-pure", "gpt2-bf16-pure-model"}
+    assert default.index("gpt2-bf16-pure") < default.index("gpt2-bf16-pure-model")
     base = {"gpt2-bf16-pure": "gpt2-loss_chunk", "gpt2-bf16-pure-model": "gpt2-loss_chunk", "llama-1b-bf16-pure": "llama-1b"}
     for name, ref in base.items():
         spec = specs[name]
