@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from lmforge.config import ConfigError, load_config
-from tests.test_parallel_dp import (SGD, assert_runs_match, corpus,  # noqa: F401  (module-scoped corpus fixture)
-                                    losses, train, train_runs)
+from tests.test_parallel_dp import (SGD, assert_runs_match, corpus, docs_corpus,  # noqa: F401  (module-scoped fixtures)
+                                    docs_run, losses, train, train_runs)
 
 # The separate q/k/v projections (model.fused_qkv = false): at this seed the fused layout's one
 # larger matmul rounds differently in one process and in TP's halves, and step 7's gradient-norm
@@ -42,10 +42,11 @@ def val_losses(run: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> Path:  # noqa: F811
-    """One process: ROOT/adamw (the preset's optimizer, 20 steps) and ROOT/sgd (`SGD`), one launch."""
+def reference(corpus, docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
+    """One process: ROOT/adamw (the preset's optimizer, 20 steps), ROOT/sgd (`SGD`) and ROOT/docs (document
+    masking on best-fit rows: tests/test_parallel_dp.py's `DOCS`), one launch."""
     root = tmp_path_factory.mktemp("mp-single")
-    proc = train_runs(corpus, {root / "adamw": {}, root / "sgd": SGD}, **MP)
+    proc = train_runs(corpus, {root / "adamw": {}, root / "sgd": SGD, root / "docs": docs_run(docs_corpus)}, **MP)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(root / "adamw")) == list(range(1, 21))
     return root
@@ -69,13 +70,15 @@ WITH_SGD = ("tp2-sp", "pp2-1f1b", "fsdp2xtp2", "tp2xpp2", "dp2xpp2")  # also tra
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_model_parallel_layout_matches_one_process(corpus, reference, tmp_path, layout):  # noqa: F811
+def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, reference, tmp_path, layout):  # noqa: F811
     nproc, extra = LAYOUTS[layout]
-    out, sgd = tmp_path / layout, tmp_path / "sgd"
-    proc = train_runs(corpus, {out: {}, **({sgd: SGD} if layout in WITH_SGD else {})}, nproc=nproc, timeout=300,
-                      **MP, **extra)
+    out, sgd, docs = tmp_path / layout, tmp_path / "sgd", tmp_path / "docs"
+    proc = train_runs(corpus, {out: {}, **({sgd: SGD} if layout in WITH_SGD else {}), docs: docs_run(docs_corpus)},
+                      nproc=nproc, timeout=300, **MP, **extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_runs_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)
+    # the document ids (and restarted positions) reach every TP rank, every pipeline stage, every chunk
+    assert_runs_match(docs, reference / "docs", f"{layout}, document masking + best-fit, vs one process", tol=TOL)
     if layout in WITH_SGD:
         assert_runs_match(sgd, reference / "sgd", f"{layout}, SGD without clipping, vs one process", tol=TOL)
     ref_val = val_losses(reference / "adamw")

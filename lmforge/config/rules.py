@@ -62,6 +62,29 @@ def check_cross_section(cfg: "Config") -> None:
     check_pipeline(cfg)
     check_features(cfg)
     check_expert_parallel(cfg)
+    check_data_recipes(cfg)
+
+
+def check_data_recipes(cfg: "Config") -> None:
+    """data.stages' learning-rate hook on a WSD schedule, once; packing and stages apply to pre-training
+    data (supervised fine-tuning rows have their own packing: finetune.pack). (A stage that starts at or
+    after train.steps is allowed: it is not reached, and the run header says so.)"""
+    d, s = cfg.data, cfg.schedule
+    decays = [i for i, stage in enumerate(d.stages) if stage.lr_decay]
+    if len(decays) > 1:
+        raise ConfigError(f"data.stages{decays}: lr_decay = true on more than one stage; the decay starts once, at "
+                          f"one stage.")
+    if decays:
+        stage = d.stages[decays[0]]
+        if s.name != "wsd":
+            raise ConfigError(f"data.stages[{decays[0]}].lr_decay = true starts the decay of a warmup-stable-decay "
+                              f"schedule, but schedule.name = {s.name!r}; set schedule.name = 'wsd'.")
+        if stage.start_step < s.warmup_steps:
+            raise ConfigError(f"data.stages[{decays[0]}].lr_decay = true at start_step = {stage.start_step} falls in "
+                              f"the warmup (schedule.warmup_steps = {s.warmup_steps}); start the stage after it.")
+    if cfg.finetune.data and (d.stages or d.packing != "concat"):
+        raise ConfigError("data.stages and data.packing apply to pre-training token data, not to finetune.data rows "
+                          "(those pack with finetune.pack); leave them at their defaults.")
 
 
 def check_expert_parallel(cfg: "Config") -> None:

@@ -8,19 +8,22 @@ from collections.abc import Iterable
 
 import torch
 
+from lmforge.model.documents import DocumentAttention, document_inputs
 from lmforge.model.loss import IGNORE_INDEX, count_targets, model_nll_sum
 
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], autocast,
-                  device: torch.device, loss_chunk: int = 0) -> dict[str, float]:
+                  device: torch.device, loss_chunk: int = 0, documents: DocumentAttention | None = None
+                  ) -> dict[str, float]:
     """Token-weighted mean cross-entropy (nats) over `batches`, and its exp (perplexity).
 
     Targets equal to -100 are ignored, and every token counts once however batches are sized.
     `loss_chunk` > 0 (train.loss_chunk as the layout runs it): the model's forward takes the targets
     and computes the loss over that many tokens at a time (lmforge.model.loss), so the micro-batch's
     [B, T, vocab] logits never exist (they would be the evaluation's largest buffers); 0: the plain
-    logits (a model that takes no targets: tensor- and pipeline-parallel inference).
+    logits (a model that takes no targets: tensor- and pipeline-parallel inference). `documents`
+    (data.attention = "document"): attention within each document, as in training.
     """
     was_training = model.training
     model.eval()
@@ -28,7 +31,7 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
     total_tokens = 0
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        total_nll += model_nll_sum(model, x, y, loss_chunk, autocast).double()
+        total_nll += model_nll_sum(model, x, y, loss_chunk, autocast, **document_inputs(documents, x)).double()
         total_tokens += int(count_targets(y))
     model.train(was_training)
     if total_tokens == 0:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.documents import DocumentAttention, document_inputs
 from lmforge.model.loss import count_targets, model_nll_sum, normalise
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.clip import clip_grad_norm_, clip_grad_norm_sharded_
@@ -60,6 +61,9 @@ class Layout:
         self.cp = SequenceSharding(dist_info.group("cp"), dist_info.cp_rank, dist_info.cp_size, dist_info.device) \
             if dist_info.cp_size > 1 else None
         self.moe_stats: dict = {}  # the last step's MoE statistics by block index (lmforge.model.moe.MoEStats)
+        # data.attention = "document": how a batch's documents are found (set by the trainer, which knows
+        # the corpus' end-of-document id); None = causal attention over the whole sequence
+        self.documents: DocumentAttention | None = None
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -67,6 +71,7 @@ class Layout:
         """Gradients of the step's micro-batches, accumulated; returns the global step's mean token
         loss (equal on every rank). `precision.step(module)` spans the micro-batches: the module's
         weights are cast to 16 bits once per step, not once per micro-batch (lmforge.train.precision)."""
+        docs = [self.document_inputs(x) for x, _ in micro_batches]  # (of the whole sequences, before CP cuts them)
         micro_batches, sharded = self.local_sequences(micro_batches)
         n_targets = self.global_targets(micro_batches)
         loss_sum = torch.zeros((), device=self.dist.device)
@@ -74,7 +79,7 @@ class Layout:
         with precision.step(self.module), sharded, self.moe_step(len(micro_batches)):
             for i, (x, y) in enumerate(micro_batches):
                 with self.micro_batch_context(i == last):
-                    nll = self.nll_sum(x, y, precision)
+                    nll = self.nll_sum(x, y, precision, **docs[i])
                     precision.backward(normalise(nll, n_targets, self.dp))
                     loss_sum += self.local_value(normalise(nll.detach(), n_targets))
         return self.dp_sum(loss_sum)
@@ -104,10 +109,16 @@ class Layout:
 
         return resolve_loss_chunk(self.cfg, self.dist.device.type, precision.name)
 
-    def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
+    def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision, **docs: torch.Tensor) -> torch.Tensor:
         """Summed token NLL (fp32) of one micro-batch. train.loss_chunk (`loss_chunk`): fused with the
-        output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits)."""
-        return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.autocast)
+        output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits). `docs`:
+        the micro-batch's `document_inputs`."""
+        return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.autocast, **docs)
+
+    def document_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's document arguments for whole sequences x (lmforge.model.documents; none under
+        causal attention)."""
+        return document_inputs(self.documents, x)
 
     def local_sequences(self, micro_batches: list[Batch]) -> tuple[list[Batch], contextlib.AbstractContextManager]:
         """Context parallelism: this rank's two chunks of every sequence of the step (tokens and

@@ -4,6 +4,7 @@ LoRA adapters, FP8 linears)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -13,14 +14,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.config import Config, ConfigError, TrainConfig
-from lmforge.data.loader import PackedLoader, open_tokens
+from lmforge.config import Config, ConfigError, ScheduleConfig, TrainConfig
+from lmforge.data.loader import PackedLoader, open_tokens, stage_record
+from lmforge.data.mixture import MixStage, MixtureStream, format_stage_plan, stage_plan, stage_start_samples
 from lmforge.data.prepare import PreparedData, load_prepared, prepare_default
 from lmforge.data.shards import TokenShards
 from lmforge.folders import CONFIG, PREPARE_RECORD, RUN_FILES, check_target
+from lmforge.model.documents import DocumentAttention
 from lmforge.model.init import init_source
 from lmforge.model.materialise import Source
 from lmforge.model.transformer import Transformer
+from lmforge.optim.schedules import BatchRampup
 
 log = logging.getLogger("lmforge.train")
 
@@ -178,9 +182,11 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
                 f"{cfg.model.vocab_size}: they were written with a larger vocabulary or are corrupt; re-run "
                 f"`lmforge prepare` (data.verify_checksums = 'always' re-hashes every shard at start-up), or raise "
                 f"model.vocab_size.")
-    loader = PackedLoader(train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed, rank=dp_rank,
-                          world_size=dp_size, mask_doc_boundaries=cfg.data.mask_doc_boundaries,
-                          eos_id=data.tokenizer.eos_id)
+    d = cfg.data
+    loader = PackedLoader(train_shards, d.seq_len, t.micro_batch_size, seed=t.seed, rank=dp_rank,
+                          world_size=dp_size, mask_doc_boundaries=d.mask_doc_boundaries,
+                          eos_id=data.tokenizer.eos_id, packing=d.packing, packing_buffer=d.packing_buffer,
+                          stages=mix_stages(cfg, train_shards))
     val_instruct = None
     if ft.data:  # supervised fine-tuning: prompt/response rows, loss on the response only
         from lmforge.data.instruct import InstructLoader
@@ -193,6 +199,96 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
             val_instruct = InstructLoader(ft.val_data or ft.data, seed=0, holdout=holdout, split="val",
                                           **{**sft, "rank": 0, "world_size": 1})
     return Loaders(train_shards, val_shards, loader, val_instruct)
+
+
+def batch_rampup(cfg: Config) -> BatchRampup | None:
+    """The batch-size ramp-up of schedule.batch_rampup_*, or None."""
+    s, t = cfg.schedule, cfg.train
+    if not s.batch_rampup_start:
+        return None
+    return BatchRampup(s.batch_rampup_start, t.global_batch_size, s.batch_rampup_tokens,
+                       s.batch_rampup_increment or t.micro_batch_size * cfg.parallel.dp, cfg.data.seq_len)
+
+
+def mix_stages(cfg: Config, train_shards) -> list[MixStage]:
+    """data.stages as the loader runs them (lmforge.data.mixture): each stage's first global sample (its
+    start_step through the batch schedule) and weights over the prepared sources; before the first
+    stage (or without any) the prepared mixture's weights. An unknown source is a ConfigError, raised
+    before any model is built."""
+    names = list(getattr(train_shards, "names", None) or [""])
+    prepared = list(getattr(train_shards, "weights", None) or [1.0])
+    specs = list(cfg.data.stages)
+    labelled = [(f"data.stages[{i}]", st.name or f"data.stages[{i}]", st) for i, st in enumerate(specs)]
+    if not specs or specs[0].start_step > 0:
+        labelled.insert(0, ("", "the prepared mixture", None))
+    rampup = batch_rampup(cfg)
+    starts = stage_start_samples([st.start_step if st else 0 for _, _, st in labelled], cfg.train.global_batch_size,
+                                 rampup.batch_at if rampup else None, cfg.data.seq_len)
+    out = []
+    for (key, label, st), start in zip(labelled, starts):
+        weights = prepared
+        if st is not None and st.weights:
+            unknown = sorted(set(st.weights) - set(names))
+            if unknown:
+                known = names if names != [""] else "none: data.corpus is one unnamed source (leave weights empty)"
+                raise ConfigError(f"{key}.weights names unknown sources {unknown}; the prepared mixture's sources: "
+                                  f"{known}.")
+            weights = [st.weights.get(n, 0.0) for n in names]
+        step = st.start_step if st else 0
+        out.append(MixStage(start, tuple(w / sum(weights) for w in weights), label,
+                            stage_record(step, names, weights, bool(st and st.lr_decay))))
+    return out
+
+
+def stage_schedule(cfg: Config) -> ScheduleConfig:
+    """schedule.* with data.stages' learning-rate hook: a stage with lr_decay = true starts the WSD decay
+    at its start_step (the decay then spans the rest of the run)."""
+    steps = cfg.train.steps
+    decay = [st for st in cfg.data.stages if st.lr_decay and st.start_step < steps]
+    if not decay:
+        return cfg.schedule
+    return dataclasses.replace(cfg.schedule, decay_fraction=(steps - decay[0].start_step) / steps)
+
+
+def stage_plan_lines(cfg: Config, train_shards) -> tuple[list[str], list[str]]:
+    """The lines about data.stages over the sources of `train_shards` (a TokenMixture or TokenShards): the
+    tokens of each source per stage and its epochs over the run, and the warnings (a source repeated more
+    than data.max_epochs, a stage not reached; lmforge.data.mixture.stage_plan); nothing for one source in
+    one stage. The run header prints them; `lmforge plan` can too, from a prepared folder
+    (`open_tokens(<data.corpus>/train)`)."""
+    stages = mix_stages(cfg, train_shards)
+    sources = list(getattr(train_shards, "shards", None) or [train_shards])
+    if len(sources) == 1 and len(stages) == 1:
+        return [], []
+    names = list(getattr(train_shards, "names", None) or [""])
+    rampup = batch_rampup(cfg)
+    end = stage_start_samples([cfg.train.steps], cfg.train.global_batch_size, rampup.batch_at if rampup else None,
+                              cfg.data.seq_len)[0]
+    plan = stage_plan(MixtureStream(stages, len(sources)), names, [len(st) for st in sources],
+                      [st.record["start_step"] for st in stages], cfg.train.steps, end, cfg.data.seq_len,
+                      cfg.data.max_epochs)
+    late = [f"data: {st.label} starts at step {st.record['start_step']}, at or after train.steps = {cfg.train.steps}: "
+            f"not reached in this run"
+            for st in stages if st.record["start_step"] >= cfg.train.steps]
+    return format_stage_plan(plan), plan.warnings + late
+
+
+def document_attention(cfg: Config, eos_id: int | None, train_shards) -> DocumentAttention | None:
+    """data.attention = "document" for this corpus (lmforge.model.documents), checked before any model is
+    built: documents end at the tokenizer's end-of-document id, which the corpus must have, and it must
+    hold more than one document; None for causal attention."""
+    d = cfg.data
+    if d.attention != "document":
+        return None
+    if eos_id is None:
+        raise ConfigError(f"data.attention = 'document' needs document boundaries, but the tokenizer of "
+                          f"data.corpus = {d.corpus!r} has no end-of-document token; prepare the corpus with an "
+                          f"eos_token (lmforge prepare) or set data.attention = 'causal'.")
+    counts = [s.manifest.get("meta", {}).get("documents") for s in getattr(train_shards, "shards", [train_shards])]
+    if all(isinstance(n, int) for n in counts) and sum(counts) <= 1:
+        raise ConfigError(f"data.attention = 'document': data.corpus = {d.corpus!r} holds a single document, so "
+                          f"there are no document boundaries to mask; set data.attention = 'causal'.")
+    return DocumentAttention(eos_id, restart_positions=d.document_positions == "restart")
 
 
 def build_training_model(cfg: Config, device: torch.device) -> tuple[Transformer, Source]:

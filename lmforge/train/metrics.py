@@ -27,13 +27,14 @@ Fields:
 | `window_elapsed_s` | s        | wall time from the first step's start to the window's end (excludes the initial eval) |
 
 Validation records: `{"step", "val_loss", "val_perplexity"}` at step 0 (before training), every
-`train.eval_every` steps and at the end. Event records: `{"step", "event", "message", ...}` for health signals:
+`train.eval_every` steps and at the end; a prepared mixture of several sources adds `val_loss/<source>`,
+each source's held-out loss (lmforge.train.validation). Event records: `{"step", "event", "message", ...}` for health signals:
 `loss_spike` (loss above (1 + `train.spike_threshold`) x its running mean) and
 `grad_norm_growth` (median grad norm of the last `train.health_window` steps above
 `train.grad_growth_factor` x the lowest such median of the run, and still rising).
 
 TensorBoard (`tb/` in the run folder) gets the same numbers as scalars `train/<field>`,
-`val/loss`, `val/perplexity`, flushed at every log line; W&B (offline mode) gets the same dicts.
+`val/loss`, `val/perplexity`, `val/loss/<source>`, flushed at every log line; W&B (offline mode) gets the same dicts.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ TRAIN_FIELDS: dict[str, str] = {
     "window_elapsed_s": "wall seconds from the first step's start to the end of the logging window",
 }
 VAL_FIELDS: dict[str, str] = {"step": "step of the evaluation", "val_loss": "validation loss (nats/token)",
-                              "val_perplexity": "exp(val_loss)"}
+                              "val_perplexity": "exp(val_loss)",
+                              "val_loss/<source>": "one source's validation loss (a prepared mixture of several)"}
 EVENT_FIELDS: dict[str, str] = {"step": "step the event was seen at", "event": "loss_spike | grad_norm_growth",
                                 "message": "human-readable explanation"}
 
