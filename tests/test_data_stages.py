@@ -91,6 +91,8 @@ def test_every_validation_scores_each_source_beside_the_mix(reference, tmp_path)
     assert [r["step"] for r in val] == [0, 8, 16]
     for r in val:
         assert {"val_loss/web", "val_loss/books"} <= r.keys() and r["val_loss/web"] != r["val_loss/books"]
+        # the mix's: the sources' losses weighted by the prepared mixture (web 0.7, books 0.3)
+        assert abs(r["val_loss"] - (0.7 * r["val_loss/web"] + 0.3 * r["val_loss/books"])) < 1e-9
     summary = json.loads((reference / "summary.json").read_text())
     assert set(summary["val_loss_per_source"]) == {"web", "books"}
     # the anneal trains on the books alone: their loss falls further than the web's over it

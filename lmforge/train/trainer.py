@@ -165,8 +165,7 @@ class Trainer:
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
         self.documents = document_attention(cfg, self.data.tokenizer.eos_id, self.train_shards)  # (data.attention)
-        self.validation = Validation(cfg, self.val_shards, self.val_instruct, self.documents,
-                                     train_sources=getattr(self.train_shards, "names", None))
+        self.validation = Validation(cfg, self.val_shards, self.val_instruct, self.documents, self.train_shards)
         if cfg.data.prefetch:  # the next micro-batches are drawn (CUDA: pinned) while the step runs
             self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
 

@@ -12,8 +12,10 @@ Per source: a prepared mixture of several sources (`lmforge prepare`) records wh
 held-out documents lie in the validation shards (their manifest's meta.sources); each source is then
 scored on its own first train.eval_sequences windows (fewer where it holds fewer) at every
 validation, recorded as `val_loss/<source>` beside the mix's `val_loss` (metrics.jsonl, TensorBoard,
-the report's val_sources.png: lmforge.report.plots). A folder prepared before those ranges were
-recorded validates the mix only (the run log says so).
+the report's val_sources.png: lmforge.report.plots). The mix's loss is then the mean of the sources'
+losses weighted by the prepared mixture's weights (the windows above would all come from the first
+source: the validation shards hold the sources one after the other). A folder prepared before those
+ranges were recorded validates the mix only, on its first windows (the run log says so).
 
 The model attends as it trains (data.attention: within documents, or causally across them).
 """
@@ -21,6 +23,7 @@ The model attends as it trains (data.attention: within documents, or causally ac
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -38,11 +41,13 @@ class Validation:
     """The held-out data of a run and how it is scored (module docstring)."""
 
     def __init__(self, cfg: Config, val_shards, val_instruct=None, documents: DocumentAttention | None = None,
-                 train_sources: list[str] | None = None):
+                 train_shards=None):
         self.cfg = cfg
         self.val_shards, self.val_instruct, self.documents = val_shards, val_instruct, documents
         self.sources = []  # (name, TokenSlice) of each source with enough held-out tokens for a window
-        if val_instruct is None and train_sources and len(train_sources) > 1:
+        names = list(getattr(train_shards, "names", None) or [])
+        self.weights = dict(zip(names, getattr(train_shards, "weights", None) or []))  # the prepared mixture's
+        if val_instruct is None and len(names) > 1:
             slices = source_slices(val_shards)
             if not slices:
                 log.info("validation: %s records no per-source ranges (prepared by an older lmforge): the mix "
@@ -74,10 +79,12 @@ class Validation:
             return evaluate_loss(model, self.batches(shards), autocast, device, loss_chunk=loss_chunk,
                                  documents=self.documents)
 
-        val = score()
-        if self.sources:
-            val["sources"] = {name: score(part)["loss"] for name, part in self.sources}
-        return val
+        if not self.sources:
+            return score()
+        losses = {name: score(part)["loss"] for name, part in self.sources}
+        total = sum(self.weights[name] for name in losses)
+        mix = sum(self.weights[name] * loss for name, loss in losses.items()) / total
+        return {"loss": mix, "perplexity": math.exp(min(mix, 50.0)), "sources": losses}
 
     @staticmethod
     def record(val: dict) -> dict[str, float]:
