@@ -183,3 +183,27 @@ def test_a_corpus_without_document_boundaries_is_refused(small_data):
     with pytest.raises(ConfigError, match="single document"):
         document_attention(cfg, small_data.tokenizer.eos_id, shards)
     assert document_attention(load_config("tiny"), None, shards) is None
+
+
+def test_lmforge_eval_perplexity_attends_within_documents_for_a_document_masked_run():
+    """`lmforge eval`'s sliding-window perplexity of a run trained with data.attention = "document"
+    (lmforge.eval.cli_eval.run_documents) masks as training did: one window over a packed stream gives
+    the masked forward's NLL, not the causal one."""
+    from lmforge.eval.cli_eval import run_documents
+    from lmforge.eval.perplexity import sliding_window_nll
+    from lmforge.model.loss import model_nll_sum
+
+    model = build_model(ModelConfig(**VARIANTS["llama"]), seed=0)
+    stream = packed_row(LENGTHS)[0][0]
+    x, y = stream[None, :-1], stream[None, 1:]
+
+    class Tok:
+        eos_id = EOS
+
+    docs = run_documents(load_config("tiny", {"data.attention": "document"}), Tok())
+    assert run_documents(load_config("tiny"), Tok()) is None
+    masked, n = sliding_window_nll(model, stream, len(stream) - 1, len(stream) - 1, documents=docs)
+    causal, _ = sliding_window_nll(model, stream, len(stream) - 1, len(stream) - 1)
+    with torch.no_grad():
+        want = model_nll_sum(model, x, y, **docs.inputs(x)).item()
+    assert n == len(stream) - 1 and abs(masked - want) < 1e-4 and abs(causal - want) > 1e-2

@@ -320,8 +320,7 @@ class PackedLoader:
         self.seed, self.position = seed, position
         self._perms.clear()
         for packer, cursor in zip(self.packers, (sd.get("packing") or {}).get("cursors", [])):
-            packer.seed = seed
-            packer.load_state(cursor)
+            packer.load_state(cursor, seed)
 
     def _check_stages(self, saved: list[dict], position: int) -> None:
         """The stages that had begun at the checkpoint are this config's, unchanged; a stage of this

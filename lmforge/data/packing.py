@@ -202,7 +202,10 @@ class BestFitRows:
     def state(self) -> list[int]:
         return list(self.position)
 
-    def load_state(self, position) -> None:
+    def load_state(self, position, seed: int | None = None) -> None:
+        """Continue at a saved cursor (`state()`), with the checkpoint's seed where given."""
+        if seed is not None and int(seed) != self.seed:
+            self.seed, self._order = int(seed), {}
         epoch, index, first_row = (int(v) for v in position)
         if epoch < 0 or index < 0 or first_row < 0 or index + 1 >= len(self._epoch(epoch)[1]):
             raise ValueError(f"loader state: best-fit cursor {list(position)} of source {self.source} does not fit "

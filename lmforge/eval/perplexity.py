@@ -41,7 +41,8 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
 
 @torch.no_grad()
 def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int, batch_size: int = 8,
-                       device: torch.device | str = "cpu", loss_chunk: int = 0) -> tuple[float, int]:
+                       device: torch.device | str = "cpu", loss_chunk: int = 0,
+                       documents: DocumentAttention | None = None) -> tuple[float, int]:
     """(summed NLL in nats, number of scored tokens) of a token stream under a sliding window.
 
     Token 0 has no context and is not scored; every later token is scored exactly once. A
@@ -51,6 +52,8 @@ def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int,
     least context). When the stream fits in one window, this is the plain full-context NLL.
     `loss_chunk` > 0: the model's forward computes the loss over that many tokens at a time
     (lmforge.model.loss; as `evaluate_loss`), so a batch's [B, window, vocab] logits never exist.
+    `documents` (a run trained with data.attention = "document"): each window attends within its
+    documents, as the model trained.
     """
     if window < 1 or not 1 <= stride <= window:
         raise ValueError(f"window = {window} and stride = {stride} must satisfy 1 <= stride <= window.")
@@ -78,7 +81,7 @@ def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int,
             y[row, :e - b] = tokens[b + 1:e + 1]
             y[row, :done - b] = IGNORE_INDEX  # targets b+1..done were scored by an earlier window
         x, y = x.to(device), y.to(device)
-        total += model_nll_sum(model, x, y, loss_chunk).double().cpu()
+        total += model_nll_sum(model, x, y, loss_chunk, **document_inputs(documents, x)).double().cpu()
         count += int(count_targets(y))
     model.train(was_training)
     assert count == n - 1, (count, n)
