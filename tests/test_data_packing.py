@@ -268,3 +268,40 @@ def test_stage_plan_counts_tokens_and_warns_on_repetition():
     assert lines[1].startswith("data: stage 1, steps 100-199: 16,000 tokens: b 16,000 (100%)")
     short = stage_plan(stream, ["a", "b"], [8000, 3000], [0, 100], 50, 500, 16, max_epochs=4.0)
     assert short.tokens.tolist() == [[4000, 4000], [0, 0]] and len(format_stage_plan(short)) == 2  # not reached
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"data.stages": [{"start_step": 10, "weights": {"a": 0.0}}]}, r"data.stages\[0\].weights.a = 0.0 must be > 0"),
+    ({"data.stages": [{"start_step": 10, "weights": {"a": -1.0}}]}, r"data.stages\[0\].weights.a = -1.0 must be > 0"),
+    ({"data.stages": [{"start_step": 50}, {"start_step": 30}]},
+     r"data.stages\[1\].start_step = 30 must come after the previous stage's start_step = 50"),
+    ({"data.stages": [{"start_step": 50}, {"start_step": 50}]}, r"must come after the previous"),
+    ({"data.stages": [{"start_step": 50, "lr_decay": True}]}, r"lr_decay = true .* schedule.name = 'cosine'"),
+    ({"data.stages": [{"start_step": 5, "lr_decay": True}], "schedule.name": "wsd"}, r"falls in the warmup"),
+    ({"data.stages": [{"start_step": 50, "lr_decay": True}, {"start_step": 60, "lr_decay": True}],
+      "schedule.name": "wsd"}, r"more than one stage"),
+    ({"data.stages": [{"start_step": 5, "weights": {"a": "x"}}]}, r"data.stages\[0\].weights.a = 'x' must be a number"),
+    ({"data.packing": "bestfit"}, r"data.packing = 'bestfit' is not one of 'concat', 'best_fit'"),
+    ({"data.packing_buffer": 0}, r"data.packing_buffer = 0 must be >= 1"),
+])
+def test_bad_stage_and_packing_configs_are_one_line_errors(bad, message):
+    from lmforge.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config("tiny", bad)
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_source_is_refused_before_any_model_is_built(data):
+    from lmforge.config import ConfigError, load_config
+    from lmforge.train.components import mix_stages
+
+    shards, _, other = data
+    mix = TokenMixture([("a", shards, 0.6), ("b", other, 0.4)])
+    cfg = load_config("tiny", {"data.stages": [{"start_step": 10, "weights": {"b": 1.0, "books": 2.0}}]})
+    with pytest.raises(ConfigError, match=r"data.stages\[0\].weights names unknown sources \['books'\]; the "
+                                          r"prepared mixture's sources: \['a', 'b'\]"):
+        mix_stages(cfg, mix)
+    ok = mix_stages(load_config("tiny", {"data.stages": [{"start_step": 10, "weights": {"b": 1.0}}]}), mix)
+    assert [(s.start, s.weights, s.label) for s in ok] == [(0, (0.6, 0.4), "the prepared mixture"),
+                                                            (320, (0.0, 1.0), "data.stages[0]")]
