@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lmforge.data.loader import PackedLoader, TokenMixture, stage_record
-from lmforge.data.mixture import MixStage, MixtureStream, mixture_block, stage_plan, stage_start_samples
+from lmforge.data.loader import PackedLoader, TokenMixture
+from lmforge.data.mixture import MixStage, MixtureStream, mixture_block, stage_plan, stage_record, stage_start_samples
 from lmforge.data.packing import best_fit_decreasing, document_spans, padded_batch, padding_fraction, split_long
 from lmforge.data.prefetch import Prefetcher
 from lmforge.data.shards import TokenShards, write_token_shards
@@ -305,3 +305,25 @@ def test_an_unknown_source_is_refused_before_any_model_is_built(data):
     ok = mix_stages(load_config("tiny", {"data.stages": [{"start_step": 10, "weights": {"b": 1.0}}]}), mix)
     assert [(s.start, s.weights, s.label) for s in ok] == [(0, (0.6, 0.4), "the prepared mixture"),
                                                             (320, (0.0, 1.0), "data.stages[0]")]
+
+
+def test_lmforge_plan_reads_the_same_stage_plan_as_the_run_header(data):
+    """`lmforge plan`'s entry (lmforge.data.mixture.plan_for_config: mixture.json and manifests only, no
+    torch) prints the lines the run header prints from the opened mixture."""
+    import json
+
+    from lmforge.config import load_config
+    from lmforge.data.loader import open_tokens
+    from lmforge.data.mixture import plan_for_config
+    from lmforge.train.components import stage_plan_lines
+
+    shards, _, other = data
+    root = shards.dir.parent
+    (root / "mixture.json").write_text(json.dumps({"sources": [{"name": "a", "dir": "a", "weight": 0.6},
+                                                               {"name": "b", "dir": "b", "weight": 0.4}]}))
+    cfg = load_config("tiny", {"data.stages": [{"start_step": 100, "weights": {"b": 1.0}, "name": "anneal"},
+                                               {"start_step": 900, "weights": {"a": 1.0}}]})
+    lines, warnings = plan_for_config(cfg, root)
+    assert (lines, warnings) == stage_plan_lines(cfg, open_tokens(root))
+    assert lines[1].startswith("data: anneal, steps 100-249: 614,400 tokens: b 614,400 (100%)")
+    assert any("'b' is repeated" in w for w in warnings) and any("starts at step 900" in w for w in warnings)

@@ -39,7 +39,6 @@ next document from the previous one. x/y shapes are unchanged.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -47,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.data.mixture import MIX_BLOCK, MixStage, MixtureStream, mixture_block
+from lmforge.data.mixture import MIX_BLOCK, MixStage, MixtureStream, mixture_block, mixture_entries, stage_record
 from lmforge.data.packing import BestFitRows, padded_batch
 from lmforge.data.shards import TokenShards
 from lmforge.folders import MANIFEST, MIXTURE
@@ -88,14 +87,7 @@ class TokenMixture:
              verify_checksums: str | bool = "never") -> "TokenMixture":
         """Open ``dir/mixture.json`` (written by ``lmforge prepare``); ``weights`` override."""
         dir = Path(dir)
-        path = dir / MIXTURE
-        if not path.is_file():
-            raise ValueError(f"{path} not found: {dir} is not a prepared train mixture")
-        try:
-            spec = json.loads(path.read_text())
-            entries = [(e["name"], e["dir"], float(e["weight"])) for e in spec["sources"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: invalid mixture file ({e})") from e
+        entries = mixture_entries(dir)
         if weights:
             unknown = set(weights) - {n for n, _, _ in entries}
             if unknown:
@@ -120,15 +112,6 @@ class TokenMixture:
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={w:.3f}" for n, w in zip(self.names, self.weights))
         return f"TokenMixture({str(self.dir)!r}, {parts})"
-
-
-def stage_record(start_step: int, names: Sequence[str], weights: Sequence[float], lr_decay: bool = False) -> dict:
-    """What a checkpoint keeps of a mixture stage (lmforge.data.mixture.MixStage.record): its start step,
-    its normalised weights by source name (0 = not drawn: left out), its learning-rate hook."""
-    total = sum(weights)
-    rec = {"start_step": int(start_step),
-           "weights": {n: round(float(w) / total, 9) for n, w in zip(names, weights) if w > 0}}
-    return {**rec, "lr_decay": True} if lr_decay else rec
 
 
 def open_tokens(dir: Path, verify_checksums: str | bool = "never") -> TokenShards | TokenMixture:

@@ -21,10 +21,15 @@ source is repeated over the run (the run header; `lmforge plan`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from lmforge.config import ConfigError
+from lmforge.folders import MIXTURE
 
 MIX_BLOCK = 1000  # samples per mixture block (weights resolved to 1/MIX_BLOCK)
 
@@ -118,6 +123,61 @@ class MixtureStream:
         return [s.record for s in self.stages if s.start < position]
 
 
+def stage_record(start_step: int, names: Sequence[str], weights: Sequence[float], lr_decay: bool = False) -> dict:
+    """What a checkpoint keeps of a mixture stage (`MixStage.record`): its start step, its normalised
+    weights by source name (0 = not drawn: left out), its learning-rate hook."""
+    total = sum(weights)
+    rec = {"start_step": int(start_step),
+           "weights": {n: round(float(w) / total, 9) for n, w in zip(names, weights) if w > 0}}
+    return {**rec, "lr_decay": True} if lr_decay else rec
+
+
+def mixture_entries(train_dir: Path) -> list[tuple[str, str, float]]:
+    """(name, folder, weight) of each source of a prepared train mixture (`lmforge prepare`'s
+    <output>/train/mixture.json), in order."""
+    path = Path(train_dir) / MIXTURE
+    if not path.is_file():
+        raise ValueError(f"{path} not found: {train_dir} is not a prepared train mixture")
+    try:
+        spec = json.loads(path.read_text())
+        return [(e["name"], e["dir"], float(e["weight"])) for e in spec["sources"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: invalid mixture file ({e})") from e
+
+
+def configured_stages(specs: Sequence, names: Sequence[str], prepared: Sequence[float],
+                      start_samples: Sequence[int]) -> list[MixStage]:
+    """data.stages (`specs`, StageConfig) over sources `names` as the loader runs them: before the first
+    stage (or without any) the prepared weights `prepared`, labelled "the prepared mixture"; each stage's
+    first global sample from `start_samples` (one per `stage_starts(specs)`). A stage naming a source
+    that is not among `names` is a ConfigError naming the key."""
+    labelled = [(f"data.stages[{i}]", st.name or f"data.stages[{i}]", st) for i, st in enumerate(specs)]
+    if not specs or specs[0].start_step > 0:
+        labelled.insert(0, ("", "the prepared mixture", None))
+    assert len(start_samples) == len(labelled), (len(start_samples), len(labelled))
+    out = []
+    for (key, label, st), start in zip(labelled, start_samples):
+        weights = list(prepared)
+        if st is not None and st.weights:
+            unknown = sorted(set(st.weights) - set(names))
+            if unknown:
+                known = list(names) if list(names) != [""] else \
+                    "none: data.corpus is one unnamed source (leave weights empty)"
+                raise ConfigError(f"{key}.weights names unknown sources {unknown}; the prepared mixture's sources: "
+                                  f"{known}.")
+            weights = [st.weights.get(n, 0.0) for n in names]
+        step = st.start_step if st else 0
+        out.append(MixStage(int(start), tuple(w / sum(weights) for w in weights), label,
+                            stage_record(step, names, weights, bool(st and st.lr_decay))))
+    return out
+
+
+def stage_starts(specs: Sequence) -> list[int]:
+    """The start step of each stage `configured_stages` makes of `specs` (the prepared mixture's first)."""
+    steps = [st.start_step for st in specs]
+    return steps if steps and steps[0] == 0 else [0] + steps
+
+
 def stage_start_samples(start_steps: Sequence[int], global_batch: int,
                         batch_at: Callable[[int], int] | None = None, seq_len: int = 1) -> list[int]:
     """Global samples before each optimizer step of `start_steps`: steps x global_batch, or, with a
@@ -164,6 +224,36 @@ def stage_plan(stream: MixtureStream, names: Sequence[str], source_tokens: Seque
     ends = [min(s, end_step) for s in step_starts]
     steps = list(zip(ends, ends[1:] + [end_step]))
     return StagePlan(list(names), [s.label for s in stream.stages], steps, tokens, epochs, warnings)
+
+
+def stage_plan_lines(stages: Sequence[MixStage], names: Sequence[str], source_tokens: Sequence[int], steps: int,
+                     end_sample: int, seq_len: int, max_epochs: float) -> tuple[list[str], list[str]]:
+    """Log lines of a run's stages (`stage_plan`: tokens per source per stage, epochs per source) and its
+    warnings (a source repeated more than `max_epochs`, a stage not reached); nothing for one source in
+    one stage."""
+    if len(names) == 1 and len(stages) == 1:
+        return [], []
+    plan = stage_plan(MixtureStream(stages, len(names)), names, source_tokens,
+                      [st.record["start_step"] for st in stages], steps, end_sample, seq_len, max_epochs)
+    late = [f"data: {st.label} starts at step {st.record['start_step']}, at or after train.steps = {steps}: "
+            f"not reached in this run" for st in stages if st.record["start_step"] >= steps]
+    return format_stage_plan(plan), plan.warnings + late
+
+
+def plan_for_config(cfg, train_dir: Path, batch_at: Callable[[int], int] | None = None) -> tuple[list[str], list[str]]:
+    """`stage_plan_lines` of a config over a prepared train mixture folder (<data.corpus>/train), reading
+    only its mixture.json and manifests (no torch: `lmforge plan`). `batch_at`: the batch-size ramp-up's
+    (lmforge.optim.schedules.BatchRampup.batch_at), None for a constant global batch."""
+    from lmforge.data.shards import TokenShards
+
+    entries = mixture_entries(train_dir)
+    names = [n for n, _, _ in entries]
+    total = sum(w for _, _, w in entries)
+    t, d = cfg.train, cfg.data
+    starts = stage_start_samples(stage_starts(d.stages) + [t.steps], t.global_batch_size, batch_at, d.seq_len)
+    stages = configured_stages(d.stages, names, [w / total for _, _, w in entries], starts[:-1])
+    tokens = [len(TokenShards(Path(train_dir) / sub)) for _, sub, _ in entries]
+    return stage_plan_lines(stages, names, tokens, t.steps, starts[-1], d.seq_len, d.max_epochs)
 
 
 def format_stage_plan(plan: StagePlan) -> list[str]:

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from lmforge.config import Config, ConfigError, ScheduleConfig, TrainConfig
-from lmforge.data.loader import PackedLoader, open_tokens, stage_record
-from lmforge.data.mixture import MixStage, MixtureStream, format_stage_plan, stage_plan, stage_start_samples
+from lmforge.data.loader import PackedLoader, open_tokens
+from lmforge.data.mixture import MixStage, configured_stages, stage_start_samples, stage_starts
+from lmforge.data.mixture import stage_plan_lines as mixture_plan_lines
 from lmforge.data.prepare import PreparedData, load_prepared, prepare_default
 from lmforge.data.shards import TokenShards
 from lmforge.folders import CONFIG, PREPARE_RECORD, RUN_FILES, check_target
@@ -211,33 +212,15 @@ def batch_rampup(cfg: Config) -> BatchRampup | None:
 
 
 def mix_stages(cfg: Config, train_shards) -> list[MixStage]:
-    """data.stages as the loader runs them (lmforge.data.mixture): each stage's first global sample (its
-    start_step through the batch schedule) and weights over the prepared sources; before the first
-    stage (or without any) the prepared mixture's weights. An unknown source is a ConfigError, raised
-    before any model is built."""
+    """data.stages as the loader runs them (lmforge.data.mixture.configured_stages), each stage's first
+    global sample through the batch schedule (ramp-up included). An unknown source is a ConfigError,
+    raised before any model is built."""
     names = list(getattr(train_shards, "names", None) or [""])
     prepared = list(getattr(train_shards, "weights", None) or [1.0])
-    specs = list(cfg.data.stages)
-    labelled = [(f"data.stages[{i}]", st.name or f"data.stages[{i}]", st) for i, st in enumerate(specs)]
-    if not specs or specs[0].start_step > 0:
-        labelled.insert(0, ("", "the prepared mixture", None))
     rampup = batch_rampup(cfg)
-    starts = stage_start_samples([st.start_step if st else 0 for _, _, st in labelled], cfg.train.global_batch_size,
+    starts = stage_start_samples(stage_starts(cfg.data.stages), cfg.train.global_batch_size,
                                  rampup.batch_at if rampup else None, cfg.data.seq_len)
-    out = []
-    for (key, label, st), start in zip(labelled, starts):
-        weights = prepared
-        if st is not None and st.weights:
-            unknown = sorted(set(st.weights) - set(names))
-            if unknown:
-                known = names if names != [""] else "none: data.corpus is one unnamed source (leave weights empty)"
-                raise ConfigError(f"{key}.weights names unknown sources {unknown}; the prepared mixture's sources: "
-                                  f"{known}.")
-            weights = [st.weights.get(n, 0.0) for n in names]
-        step = st.start_step if st else 0
-        out.append(MixStage(start, tuple(w / sum(weights) for w in weights), label,
-                            stage_record(step, names, weights, bool(st and st.lr_decay))))
-    return out
+    return configured_stages(cfg.data.stages, names, prepared, starts)
 
 
 def stage_schedule(cfg: Config) -> ScheduleConfig:
@@ -251,26 +234,15 @@ def stage_schedule(cfg: Config) -> ScheduleConfig:
 
 
 def stage_plan_lines(cfg: Config, train_shards) -> tuple[list[str], list[str]]:
-    """The lines about data.stages over the sources of `train_shards` (a TokenMixture or TokenShards): the
-    tokens of each source per stage and its epochs over the run, and the warnings (a source repeated more
-    than data.max_epochs, a stage not reached; lmforge.data.mixture.stage_plan); nothing for one source in
-    one stage. The run header prints them; `lmforge plan` can too, from a prepared folder
-    (`open_tokens(<data.corpus>/train)`)."""
-    stages = mix_stages(cfg, train_shards)
-    sources = list(getattr(train_shards, "shards", None) or [train_shards])
-    if len(sources) == 1 and len(stages) == 1:
-        return [], []
-    names = list(getattr(train_shards, "names", None) or [""])
+    """The run header's lines about data.stages over the sources of `train_shards`, and its warnings
+    (lmforge.data.mixture.stage_plan_lines; `lmforge plan`: lmforge.data.mixture.plan_for_config)."""
     rampup = batch_rampup(cfg)
     end = stage_start_samples([cfg.train.steps], cfg.train.global_batch_size, rampup.batch_at if rampup else None,
                               cfg.data.seq_len)[0]
-    plan = stage_plan(MixtureStream(stages, len(sources)), names, [len(st) for st in sources],
-                      [st.record["start_step"] for st in stages], cfg.train.steps, end, cfg.data.seq_len,
-                      cfg.data.max_epochs)
-    late = [f"data: {st.label} starts at step {st.record['start_step']}, at or after train.steps = {cfg.train.steps}: "
-            f"not reached in this run"
-            for st in stages if st.record["start_step"] >= cfg.train.steps]
-    return format_stage_plan(plan), plan.warnings + late
+    sources = list(getattr(train_shards, "shards", None) or [train_shards])
+    return mixture_plan_lines(mix_stages(cfg, train_shards), list(getattr(train_shards, "names", None) or [""]),
+                              [len(st) for st in sources], cfg.train.steps, end, cfg.data.seq_len,
+                              cfg.data.max_epochs)
 
 
 def document_attention(cfg: Config, eos_id: int | None, train_shards) -> DocumentAttention | None:
