@@ -14,7 +14,8 @@ scored on its own first train.eval_sequences windows (fewer where it holds fewer
 validation, recorded as `val_loss/<source>` beside the mix's `val_loss` (metrics.jsonl, TensorBoard,
 the report's val_sources.png: lmforge.report.plots). The mix's loss is then the mean of the sources'
 losses weighted by the prepared mixture's weights (the windows above would all come from the first
-source: the validation shards hold the sources one after the other). A folder prepared before those
+source: the validation shards hold the sources one after the other); a source with less than one
+window of held-out tokens is left out of both (the log says so). A folder prepared before those
 ranges were recorded validates the mix only, on its first windows (the run log says so).
 
 The model attends as it trains (data.attention: within documents, or causally across them).
