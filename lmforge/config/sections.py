@@ -177,7 +177,7 @@ class StageConfig:
     start_step: int = _f(0, "The optimizer step (0-based: the step that trains first in this stage) where the stage begins; stages start in increasing order.")
     weights: dict[str, float] = field(default_factory=dict, metadata={"doc": "Weights by source name (the sources of the prepared mixture, `lmforge prepare`), e.g. {web = 0.2, books = 0.8}; normalised to sum to 1; a source left out is not drawn in this stage; each weight must be > 0. Empty = the prepared mixture's weights."})
     lr_decay: bool = _f(False, "This stage starts the learning-rate decay of schedule.name = 'wsd' (the anneal): the decay runs from start_step to train.steps, instead of over the last schedule.decay_fraction of the run.")
-    name: str = _f("", "A label for logs, metrics and the plan ('' = 'stage N').")
+    name: str = _f("", "A label for the run header and the plan ('' = 'data.stages[N]').")
 
     def check(self, i: int) -> None:
         key = f"data.stages[{i}]"
