@@ -181,7 +181,8 @@ def run(args: argparse.Namespace) -> dict:
                         "tokens_per_s": round(n / dt), "real_target_tokens_per_s": round(real / dt),
                         "padding_fraction": round(1 - real / n, 4), "start_s": round(start_s, 3)}
                 print(f"loader {key}: {n / dt / 1e6:.2f} M tokens/s, {real / dt / 1e6:.2f} M real targets/s "
-                      f"(padding {1 - real / n:.1%}; loader built in {start_s:.2f} s)", flush=True)
+                      f"({1 - real / n:.1%} of the targets ignored: padding, or masked boundaries with mask=True; "
+                      f"loader built in {start_s:.2f} s)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results

@@ -16,14 +16,21 @@ trains four ways, each a real `lmforge train` process with the same seed:
 Equal tokens: a best-fit row holds padding, so its runs get steps / (1 - padding fraction) steps
 (the fraction measured on the loader's rows before training), i.e. the same number of real target
 tokens as the concatenated runs (`--equal steps` compares at equal steps instead). Every run is scored
-on the same validation tokens (train.eval_sequences windows of the held-out documents), attending as
-it trained. Printed: the final validation loss of each run, its steps, real training tokens and the
-padding fraction.
+on the same validation tokens two ways, attending as it trained:
+
+* windows: lmforge's own validation (train.eval_sequences concatenated 128-token windows of the
+  held-out documents; most start inside a document and hold the end of one and the start of another);
+* documents: every held-out document on its own, from its first token, one per row (a document longer
+  than a row in pieces, as best-fit packing splits it), padding ignored: what a prompt is at generation.
+
+Printed: each run's steps, real training tokens, both validation losses, and the padding fraction.
+`--reuse` keeps the runs already in `--workdir` and only scores them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -51,6 +58,32 @@ def padding_of(prepared: Path, seq_len: int, batch: int, seed: int, rows: int = 
     return 1 - real / total
 
 
+def document_loss(run: Path, prepared: Path, seq_len: int, batch: int = 32) -> float:
+    """Mean token NLL of every held-out document alone (module docstring), on the run's final weights."""
+    import numpy as np
+    import torch
+
+    from lmforge.ckpt.export import load_run
+    from lmforge.data.packing import document_spans, padded_batch, split_long
+    from lmforge.data.prepare import load_prepared
+    from lmforge.data.shards import TokenShards
+    from lmforge.eval.perplexity import evaluate_loss
+    from lmforge.model.documents import DocumentAttention
+
+    cfg, model = load_run(run, "cpu")
+    data = load_prepared(prepared)
+    val = TokenShards(data.val_dir)
+    eos = data.tokenizer.eos_id
+    starts, lengths, _ = split_long(*document_spans(val, eos), seq_len)
+    rows = np.full((len(starts), seq_len + 1), eos, dtype=np.int64)
+    for i, (a, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        rows[i, :n] = val.read(a, n)
+    x, y = padded_batch(rows, lengths)
+    batches = [(torch.from_numpy(x[i:i + batch]), torch.from_numpy(y[i:i + batch])) for i in range(0, len(x), batch)]
+    documents = DocumentAttention(eos) if cfg.data.attention == "document" else None
+    return evaluate_loss(model, batches, contextlib.nullcontext, torch.device("cpu"), documents=documents)["loss"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=250, help="steps of the concatenated runs (the tiny preset's)")
@@ -59,6 +92,7 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", help="train.precision (fp32: the faster on the CPUs measured)")
     p.add_argument("--workdir", type=Path, default=None, help="keep the corpus and runs here")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--reuse", action="store_true", help="score the finished runs in --workdir, train no new ones")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from data_throughput import build_corpus
@@ -89,14 +123,17 @@ def main() -> None:
                      "train.plot": "false", "train.tensorboard": "false", "checkpoint.every_minutes": 0,
                      "checkpoint.resume": "none", **extra}
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "lmforge", "train",
-                        *[a for k, v in overrides.items() for a in (f"--{k}", str(v))]], check=True)
+        if not (args.reuse and (out / "summary.json").is_file()):
+            subprocess.run([sys.executable, "-m", "lmforge", "train",
+                            *[a for k, v in overrides.items() for a in (f"--{k}", str(v))]], check=True)
         summary = json.loads((out / "summary.json").read_text())
         real = steps * batch * seq * ((1 - pad) if best_fit else 1)
-        results["runs"][name] = {"steps": steps, "val_loss": round(summary["val_loss"], 4),
-                                 "real_target_tokens": round(real), "seconds": round(time.time() - t0)}
-        print(f"{name}: {steps} steps, {real / 1e6:.2f} M real target tokens, val loss {summary['val_loss']:.4f}",
-              flush=True)
+        whole = document_loss(out, prepared, seq)
+        results["runs"][name] = {"steps": summary["steps"], "val_loss_windows": round(summary["val_loss"], 4),
+                                 "val_loss_documents": round(whole, 4), "real_target_tokens": round(real),
+                                 "seconds": round(time.time() - t0)}
+        print(f"{name}: {summary['steps']} steps, {real / 1e6:.2f} M real target tokens, validation loss: windows "
+              f"{summary['val_loss']:.4f}, whole documents {whole:.4f}", flush=True)
     print(json.dumps(results, indent=1))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
