@@ -14,6 +14,13 @@ memory at every save: the behaviour before). Reported per save:
   total_s     until the checkpoint is written, fsynced, checksummed, renamed and validated
               (re-hash + test load of every tensor)
   size        bytes on disk
+
+Every save must succeed: after each one the manager must report no failure, its last save must be
+this step, and the step's folder must hold a validated checkpoint of that step (the manager validates
+each save: re-hash + test load). Otherwise the script lists what failed and exits 1: a failed save
+never reads as a fast one (the "blocking" of a save that failed at staging is near zero).
+`--staging dcp` sends host tensors through DCP's staging with the run's stager too (the path CUDA
+tensors take), so it can be checked on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +40,7 @@ from pathlib import Path
 import torch
 
 from lmforge.ckpt.checkpointer import save_states
-from lmforge.ckpt.manager import CheckpointManager
+from lmforge.ckpt.manager import CheckpointFailure, CheckpointManager, read_meta, step_name
 from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import OptimConfig, load_config
 from lmforge.model.transformer import build_model
@@ -43,7 +51,23 @@ def modes(device: str) -> list[str]:
     return ["async", "async-per-save", "sync"] if device == "cuda" else ["async", "sync"]
 
 
-def one_preset(preset: str, reps: int, root: Path, device: str = "cpu") -> list[dict]:
+def check_save(mgr: CheckpointManager, step: int, failures_before: int) -> list[str]:
+    """What is wrong with save `step` once it is finished ([] when it was written and validated)."""
+    if mgr.failures != failures_before:
+        return [f"save {step} FAILED: {mgr.last_error}"]
+    if mgr.last_save.get("step") != step:
+        return [f"save {step}: the manager's last good save is step {mgr.last_save.get('step')}"]
+    folder = mgr.root / step_name(step)
+    try:
+        meta = read_meta(folder)
+    except (OSError, ValueError) as e:
+        return [f"save {step}: no readable checkpoint in {folder} ({e})"]
+    return [] if meta.get("step") == step else [f"save {step}: {folder} holds step {meta.get('step')}"]
+
+
+def one_preset(preset: str, reps: int, root: Path, device: str = "cpu", modes_: list[str] | None = None,
+               staging: str = "auto") -> tuple[list[dict], list[str]]:
+    """The saves' rows, and what went wrong (empty when every save was written and validated)."""
     cfg = load_config(preset)
     model = build_model(cfg.model, device, seed=0)
     opt = build_optimizer(OptimConfig(name="adamw", lr=1e-4, weight_decay=0.1), model)
@@ -51,30 +75,37 @@ def one_preset(preset: str, reps: int, root: Path, device: str = "cpu") -> list[
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.zero_grad(set_to_none=True)
-    rows = []
-    for mode in modes(device):
+    rows, problems = [], []
+    for mode in modes_ or modes(device):
         # one manager per mode, saving again and again like a run does (keep_last = 1): the first
         # async save allocates the host staging buffers, later ones reuse them
         folder = root / f"{preset}-{mode}"
         mgr = CheckpointManager(folder, async_save=mode != "sync", validate=True, keep_last=1,
-                                staging="dcp-per-save" if mode == "async-per-save" else "auto")
+                                staging="dcp-per-save" if mode == "async-per-save" else staging)
         states = {"model": ModelOptimizerState(model, opt), "rng": RNGState(0)}
         for rep in range(reps):
+            failures = mgr.failures
             t0 = time.perf_counter()
-            save_states(mgr, rep + 1, states, {"optimizer": "adamw"})
+            try:
+                save_states(mgr, rep + 1, states, {"optimizer": "adamw"})
+            except CheckpointFailure as e:  # (checkpoint.max_failed_saves in a row: the manager stops)
+                problems.append(f"{preset} {mode}: save {rep + 1} refused: {e}")
+                break
             blocking = time.perf_counter() - t0
             mgr.wait()
             total = time.perf_counter() - t0
+            wrong = [f"{preset} {mode}: {p}" for p in check_save(mgr, rep + 1, failures)]
+            problems += wrong
             rows.append({"preset": preset, "mode": mode, "rep": rep, "device": device, "staging": mgr.staging,
-                         "params": sum(p.numel() for p in model.parameters()),
-                         "blocking_s": blocking, "total_s": total, "bytes": mgr.last_save["bytes"],
-                         "write_s": mgr.last_save["write_s"]})
+                         "params": sum(p.numel() for p in model.parameters()), "ok": not wrong,
+                         "blocking_s": blocking, "total_s": total, "bytes": mgr.last_save.get("bytes", 0),
+                         "write_s": mgr.last_save.get("write_s", 0.0)})
         mgr.close()
         shutil.rmtree(folder, ignore_errors=True)
-    return rows
+    return rows, problems
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", nargs="+", default=["tiny", "gpt2-124m"])
     ap.add_argument("--reps", type=int, default=3)
@@ -82,9 +113,23 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the model and optimizer state live (default: cuda where it exists)")
-    args = ap.parse_args()
+    ap.add_argument("--modes", default="", help="comma-separated, of async, async-per-save (cuda), sync "
+                                                 "(default: all of the device's)")
+    ap.add_argument("--staging", choices=["auto", "dcp"], default="auto",
+                    help="async saves of host tensors: auto = the manager's host copy; dcp = DCP's staging with "
+                         "the run's stager, as for CUDA tensors")
+    args = ap.parse_args(argv)
+    chosen = [m for m in args.modes.split(",") if m] or modes(args.device)
+    unknown = sorted(set(chosen) - set(modes(args.device)))
+    if unknown:
+        ap.error(f"--modes {args.modes}: no {', '.join(unknown)} on {args.device}; choose from "
+                 f"{', '.join(modes(args.device))}")
     root = Path(args.dir or tempfile.mkdtemp(prefix="lmforge-ckpt-bench-"))
-    rows = [r for preset in args.preset for r in one_preset(preset, args.reps, root, args.device)]
+    rows, problems = [], []
+    for preset in args.preset:
+        got, wrong = one_preset(preset, args.reps, root, args.device, chosen, args.staging)
+        rows += got
+        problems += wrong
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, commit {commit}, "
           f"load average {os.getloadavg()[0]:.1f}, device {args.device}"
@@ -92,7 +137,7 @@ def main() -> None:
     print(f"{'preset':<12} {'mode':<14} {'params':>12} {'size MB':>9} {'blocking s':>11} {'total s':>8} "
           f"(median of saves 2..{args.reps}; first save in the JSON)")
     for preset in args.preset:
-        for mode in modes(args.device):
+        for mode in chosen:
             sel = [r for r in rows if r["preset"] == preset and r["mode"] == mode and (r["rep"] > 0 or args.reps == 1)]
             med = lambda k: statistics.median(r[k] for r in sel)  # noqa: E731
             print(f"{preset:<12} {mode:<14} {sel[0]['params']:>12,} {sel[0]['bytes'] / 1e6:>9.1f} "
@@ -100,7 +145,13 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     shutil.rmtree(root, ignore_errors=True)
+    if problems:
+        print(f"{len(problems)} of {len(rows)} saves FAILED or were not validated:", *problems, sep="\n  ",
+              file=sys.stderr)
+        return 1
+    print(f"all {len(rows)} saves written and validated")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -90,7 +90,8 @@ def step_bytes(model, batches, dtype=torch.bfloat16, loss_chunk: int = 0) -> tup
             step.enter_context(precision.step(model))  # (the copies are made here: the spy sees them)
         with precision.autocast():
             with CastSpy(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                losses = [model(x, targets=x, loss_chunk=loss_chunk) if loss_chunk else
+                in_forward = loss_chunk or getattr(model, "mtp", None) is not None  # (MTP: the trainer's path)
+                losses = [model(x, targets=x, loss_chunk=loss_chunk) if in_forward else
                           F.cross_entropy(model(x).float().flatten(0, 1), x.flatten()) for x in batches]
             copies = alive()
             sum(losses).backward()

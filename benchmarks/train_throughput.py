@@ -194,11 +194,16 @@ def git_commit() -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict:
+def apply_threads(args: argparse.Namespace) -> None:
+    """--threads / --interop-threads (torch.set_num_interop_threads: before any inter-op work starts)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.interop_threads:
-        torch.set_interop_threads(args.interop_threads)
+        torch.set_num_interop_threads(args.interop_threads)
+
+
+def run(args: argparse.Namespace) -> dict:
+    apply_threads(args)
     overrides = {**(QUICK_OVERRIDES if args.quick else {}), **parse_sets(args.set), **BENCH_OVERRIDES}
     if args.threads:
         overrides["train.threads"] = args.threads
@@ -275,6 +280,10 @@ def run(args: argparse.Namespace) -> dict:
                 mem[name] = max(mem[name], torch.cuda.max_memory_allocated(device) / 1e9)
         say(f"[rep {rep + 1}/{args.reps}] " + ", ".join(f"{a} {wall[a][-1] * 1e3:.1f} ms" for a in arms), flush=True)
 
+    moe_path = experts_path(lmforge_step) if cfg.model.moe.num_experts > 0 else None
+    if moe_path:
+        say(f"MoE experts took {moe_path['path']}: {moe_path['grouped_mm_calls']} grouped_mm and "
+            f"{moe_path['bmm_calls']} bmm calls in one step", flush=True)
     if args.profile:  # after the timed steps, so the profiler's own cost never enters a timing
         profile_steps(lmforge_step, device, args.profile, steps=2, step_s=statistics.median(wall["lmforge"]))
         say(f"profile of 2 lmforge steps: {args.profile}", flush=True)
@@ -330,6 +339,8 @@ def run(args: argparse.Namespace) -> dict:
                "peak_mem_gb": mem[name] if device.type == "cuda" else _rss_gb(),
                "step_times_s": wall[name]}
         results["arms"][name] = arm
+    if moe_path:
+        results["moe_path"] = moe_path
     if data_s:  # lmforge's loader on the critical path: memmap gather + host->device copy per step
         d = statistics.median(data_s[args.warmup:] or data_s)
         results["arms"]["lmforge"]["data_s_per_step_median"] = d
@@ -416,6 +427,21 @@ def profile_steps(step, device: torch.device, path: Path, steps: int, step_s: fl
     Path(path).write_text("\n".join(lines) + "\n\n" + table + "\n")
 
 
+def experts_path(step) -> dict:
+    """Which matmul the MoE experts ran, as the ops of one lmforge step show (torch.profiler, host side
+    only): torch._grouped_mm (lmforge.model.moe.grouped_matmul's grouped path) or the padded batched
+    matmul it falls back to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    grouped = sum(n for k, n in calls.items() if "grouped_mm" in k and k.startswith("aten::"))
+    bmm = calls.get("aten::bmm", 0)
+    return {"path": "grouped_mm" if grouped else ("padded bmm" if bmm else "neither"), "grouped_mm_calls": grouped,
+            "bmm_calls": bmm}
+
+
 def _fast_path(opt: torch.optim.Optimizer) -> str:
     d = getattr(opt, "defaults", {})
     return "fused" if d.get("fused") else ("foreach" if d.get("foreach") else "for-loop")
@@ -467,7 +493,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per arm (default 6; quick 3)")
     p.add_argument("--block", type=int, default=None, help="steps per arm per repetition (default 2; quick 1)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch's default)")
-    p.add_argument("--interop-threads", type=int, default=0, help="torch.set_interop_threads (0 = default)")
+    p.add_argument("--interop-threads", type=int, default=0, help="torch.set_num_interop_threads (0 = default)")
     p.add_argument("--guard-arm", action="store_true", help="also time lmforge with the spike guard off")
     p.add_argument("--no-reference", action="store_true", help="lmforge only (e.g. to save GPU memory)")
     p.add_argument("--quick", action="store_true",

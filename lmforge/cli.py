@@ -10,7 +10,9 @@
     lmforge sweep    --base tiny --grid optim.lr=1e-3,3e-4  (lmforge/sweep/cli.py)
     lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
     lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/interop/cli.py)
+    lmforge merge    RUN_DIR --last K --out DIR    (lmforge/ckpt/cli_merge.py)
     lmforge import   --hf HF_DIR --out RUN_DIR     (lmforge/interop/cli.py)
+    lmforge launch   [torchrun options] train ...  (lmforge/launch.py: torchrun, exit statuses mapped)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from lmforge import __version__
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
+from lmforge.config.launch import current_launch
 from lmforge.folders import CONFIG, TOKENIZER, check_run_folder, check_writable
 
 
@@ -96,13 +99,24 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     extra = shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
     try:  # validate before the heavy imports; under torchrun every rank reads the same config
         typed = parse_cli_overrides(rest)
-        cfg = load_config(train_config_source(args.config, typed), {**typed, **parse_cli_overrides(extra)})
+        source = train_config_source(args.config, typed)
+        if args.run is not None:  # that run's own config, in that folder
+            source, typed = continued_run(args.run, args.config, typed)
+        cfg = load_config(source, {**typed, **parse_cli_overrides(extra)}, launch=current_launch())
         check_writable(cfg.train.out_dir.format(preset=cfg.preset), "train.out_dir")
     except ValueError as exc:  # (ConfigError included)
         return report_on_one_rank(f"config error: {exc}")
     # what the user typed names the auto run folder (not LMFORGE_TRAIN_ARGS, a test's shortening)
     cfg.named_by = tuple(typed.items())
     cfg.command = train_command(args.config, rest)
+    if os.environ.get("RANK", "0") == "0":  # a folder in use is refused before the heavy imports
+        from lmforge.train.run_folder import check_folder_free, run_folder
+
+        try:
+            check_folder_free(run_folder(cfg, say=False))
+        except ValueError as exc:  # (rank 0 alone: under torchrun its exit ends the others)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
     from lmforge.ckpt.manager import EXIT_CHECKPOINT_FAILED, CheckpointFailure
     from lmforge.train import trainer_for
     from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted
@@ -146,6 +160,20 @@ def train_config_source(config: str | None, overrides: dict) -> str:
     if init_from and (Path(init_from) / CONFIG).is_file():
         return str(Path(init_from) / CONFIG)
     return "tiny"
+
+
+def continued_run(run: str, config: str | None, typed: dict) -> tuple[str, dict]:
+    """`lmforge train --run RUN_DIR`: the config source (RUN_DIR's config.toml) and the overrides
+    (RUN_DIR as train.out_dir). Checked before torch is imported."""
+    if config is not None:
+        raise ConfigError(f"--run {run} continues that run with its own config.toml; drop --config {config} (or "
+                          f"start a new run with --config and --train.out_dir).")
+    if "train.out_dir" in typed and Path(typed["train.out_dir"]) != Path(run):
+        raise ConfigError(f"--run {run} trains in that folder; drop --train.out_dir {typed['train.out_dir']}.")
+    folder = Path(run)
+    if not (folder / CONFIG).is_file():
+        check_run_folder(folder, has_checkpoint=lambda d: True)  # names what the path is instead
+    return str(folder / CONFIG), {**typed, "train.out_dir": str(folder)}
 
 
 def train_command(config: str | None, rest: list[str]) -> str:
@@ -245,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "line.", epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="preset name or path to a TOML file (default: tiny, or with "
                    "--finetune.init_from RUN_FOLDER that run's config.toml; `lmforge presets` lists the presets)")
+    p.add_argument("--run", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR (after a crash or a "
+                   "preemption: from its newest valid checkpoint) with its own config.toml; overrides still apply")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("generate", help="sample text from a trained run folder")
     p.add_argument("--run", "--ckpt", dest="run", metavar="RUN_DIR", required=True,
@@ -266,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("presets", help="list the presets")
     p.set_defaults(func=cmd_presets)
+    sub.add_parser("launch", help="torchrun with exit statuses a scheduler can act on (lmforge launch --help)",
+                   add_help=False)
     for name, (_, _, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -280,12 +312,21 @@ DELEGATED = {
     "eval": ("lmforge.eval.cli_eval", "eval_main", "perplexity, BLEU/chrF, multiple-choice accuracy, fluency"),
     "export": ("lmforge.interop.cli", "export_main", "write a run as a Hugging Face transformers folder"),
     "import": ("lmforge.interop.cli", "import_main", "turn a transformers Llama/Qwen/Mixtral/GPT-2 folder into a run"),
+    "merge": ("lmforge.ckpt.cli_merge", "merge_main", "average the weights of saved checkpoints into a run folder"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":  # torchrun as the engine, exit statuses mapped (lmforge/launch.py)
+        from lmforge.launch import launch_main
+
+        try:
+            return launch_main(argv[1:], set(DELEGATED) | {"train", "generate", "config", "presets"})
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if argv and argv[0] in DELEGATED:
         import importlib
 

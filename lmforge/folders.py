@@ -15,6 +15,9 @@ one atomic write, one checksum, one token-shard manifest.
       profile/         PROFILE         transformers model folder: config.json (HF_CONFIG), model.safetensors,
       run.json         RUN_RECORD        tokenizer.json, ...
       failed.json      FAILED_RECORD
+      train.lock       TRAIN_LOCK (while a trainer runs)
+      model.ema.safetensors EMA_WEIGHTS (train.ema_decay > 0)
+      merge.json       MERGE_RECORD (a folder `lmforge merge` wrote)
 
 The kinds share file names (model.safetensors, tokenizer.json), so writing one kind into another
 destroys it: `folder_kind` tells them apart by the one file that marks each. A folder written
@@ -40,6 +43,8 @@ from typing import Any
 CONFIG = "config.toml"
 TOKENIZER = "tokenizer.json"
 WEIGHTS = "model.safetensors"
+EMA_WEIGHTS = "model.ema.safetensors"  # the EMA of the weights at the end of a run with train.ema_decay
+MERGE_RECORD = "merge.json"  # what `lmforge merge` averaged into a run folder's model.safetensors
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 SAMPLE = "sample.txt"
@@ -49,6 +54,7 @@ TENSORBOARD = "tb"
 PROFILE = "profile"
 RUN_RECORD = "run.json"  # the run's identity: {"run_id": uuid4 hex, "created": ...}; its S3 backup is keyed by it
 FAILED_RECORD = "failed.json"  # why the last attempt stopped without protecting its work (a full disk, ...)
+TRAIN_LOCK = "train.lock"  # held (flock) by the trainer's rank 0 while a run trains; gone when it ends
 RUN_FILES = (CONFIG, WEIGHTS, TOKENIZER)  # what `lmforge import` writes: a run that loads
 
 # ---- prepared dataset / token shards -------------------------------------------------------
@@ -59,6 +65,9 @@ UNIGRAM_COUNTS = "unigram_counts.bin"  # a shard folder's token counts: vocab_si
 DATASET_RECORD = "dataset.json"  # a cached dataset of `prepare_texts` (its presence: complete)
 SHARD_FORMAT = "lmforge-token-shards"
 SHARD_FORMAT_VERSION = 1
+
+# ---- tasks shipped with lmforge (lmforge/data/tasks/, `lmforge eval --mc NAME`, train.eval_tasks) ------
+BUILTIN_TASKS = {"shakespeare-cloze": "data/tasks/shakespeare_cloze.jsonl"}  # name -> file, under the package
 
 # ---- Hugging Face transformers model folder ------------------------------------------------
 HF_CONFIG = "config.json"

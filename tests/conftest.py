@@ -39,6 +39,22 @@ def make_corpus(root: Path, n_docs: int = 12, words_per_doc: int = 1500, seed: i
     return files
 
 
+def make_tasks(path: Path, n_items: int = 12, seed: int = 0) -> Path:
+    """A multiple-choice task file (lmforge.eval.tasks' format) in `make_corpus`'s words: a few words of
+    context and 3 continuations of unequal length, the first the true one."""
+    import json
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_items):
+        start = rng.randrange(len(WORDS) - 12)
+        choices = [" " + " ".join(WORDS[start + 5:start + 8])] + [" " + " ".join(rng.sample(WORDS, k)) for k in (2, 4)]
+        lines.append(json.dumps({"context": " ".join(WORDS[start:start + 5]).capitalize(), "choices": choices,
+                                 "label": 0}))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
     from lmforge.data.prepare import prepare_texts

@@ -1,6 +1,7 @@
 """Peak resident memory of each rank over the phases of a run that hold the model: materialising it
-(lmforge.parallel.parallelize), a validation forward (`layout.inference_model()`), and streaming the
-final weights to rank 0 (`layout.full_weights()` into model.safetensors).
+(lmforge.parallel.parallelize), a validation forward (`layout.inference_model()`), making the EMA of the
+weights (lmforge.train.ema: "ema") and a validation forward with it swapped in ("ema_eval"), and
+streaming the final weights to rank 0 (`layout.full_weights()` into model.safetensors).
 
     [torchrun --nproc-per-node N] tests/memory_phases_driver.py CORPUS OUT CASES_JSON
 
@@ -58,6 +59,14 @@ def measure(cfg, info, x: torch.Tensor, out: Path | None) -> dict:
         layout = parallelize(model, cfg, info, "fp32", source)
     with phase(record, "eval"):
         evaluate_loss(layout.inference_model(), [(x, x)], contextlib.nullcontext, info.device)
+    from lmforge.train.ema import WeightEMA
+
+    with phase(record, "ema"):
+        ema = WeightEMA(layout.model, 0.9)
+        ema.update(1)
+    with phase(record, "ema_eval"):
+        with ema.swapped_in():
+            evaluate_loss(layout.inference_model(), [(x, x)], contextlib.nullcontext, info.device)
     with phase(record, "save"):
         rank0 = info.rank == 0 and out is not None
         specs = layout.weight_specs()  # (a collective under pipeline parallelism)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,3 +64,16 @@ def test_quick_mode_reports_finite_positive_numbers(tmp_path):
     table = bench.format_table(on_disk)
     assert "| lmforge |" in table and "| reference |" in table and "6N + 12*L*d*s" in table
     assert "MFU vs fp32 peak" in table and "bf16" not in table, table
+
+
+def test_interop_threads_are_set_with_torchs_own_call():
+    """--interop-threads calls torch.set_num_interop_threads (there is no torch.set_interop_threads: the
+    option used to crash). In a fresh process: the inter-op pool can be sized only before it starts."""
+    code = ("import argparse, importlib.util, torch; spec = importlib.util.spec_from_file_location('tt', %r); "
+            "tt = importlib.util.module_from_spec(spec); spec.loader.exec_module(tt); "
+            "tt.apply_threads(argparse.Namespace(threads=1, interop_threads=3)); "
+            "print(torch.get_num_threads(), torch.get_num_interop_threads())"
+            % str(ROOT / "benchmarks" / "train_throughput.py"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "3"]

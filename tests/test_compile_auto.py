@@ -5,7 +5,12 @@ default compiles nothing and says so in its log."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +19,7 @@ from lmforge.config import rules
 from lmforge.config.rules import resolve_compile
 from lmforge.train.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
          "data.seq_len": 32, "data.tokenizer_vocab_size": 320, "train.global_batch_size": 8,
          "train.micro_batch_size": 8, "train.precision": "fp32", "train.eval_sequences": 8, "train.sample_tokens": 0}
@@ -97,3 +103,23 @@ def test_a_cpu_run_with_the_default_compiles_no_block(small_data, tmp_path, capl
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compile:")]
     why = "auto: off on cpu" if setting == "auto" else "train.compile = true"
     assert len(said) == 1 and said[0].startswith(f"compile: per-block torch.compile {'on' if compiled else 'off'} ({why}")
+
+
+@pytest.mark.slow
+def test_lmforge_train_with_compile_true_trains_validates_and_samples_on_the_cpu(tmp_path):
+    """`lmforge train --train.compile true` end to end with sampling on (the GPU suite's training rows
+    pin compile off, so this is where compiled blocks meet evaluation and generation, whose shapes
+    change token by token): the run finishes, says its blocks are compiled, and writes its sample."""
+    out = tmp_path / "run"
+    args = ["--train.compile", "true", "--train.sample_tokens", "8", "--train.steps", "2", "--model.n_layers", "1",
+            "--model.dim", "64", "--model.n_heads", "2", "--data.seq_len", "32", "--train.micro_batch_size", "4",
+            "--train.global_batch_size", "4", "--train.eval_sequences", "8", "--train.eval_every", "0",
+            "--checkpoint.every_steps", "0", "--train.plot", "false", "--train.progress", "lines",
+            "--train.device", "cpu", "--train.precision", "fp32", "--train.threads", "1", "--train.out_dir", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "train", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "compile: per-block torch.compile on (train.compile = true" in proc.stderr + proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["sample"] and (out / "sample.txt").read_text().strip()

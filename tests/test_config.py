@@ -105,7 +105,7 @@ def test_overrides_are_typed_and_applied():
     ({"parallel.pp": 3}, "parallel.pp = 3 must divide model.n_layers"),
     ({"data.tokenizer_vocab_size": 8192}, "data.tokenizer_vocab_size = 8192 exceeds model.vocab_size = 4096"),
     ({"model.dim": 0}, "model.dim = 0 must be >= 1"),
-    ({"model.rope_scaling": "yarn"}, "model.rope_scaling = 'yarn' is not one of"),
+    ({"model.rope_scaling": "dynamic"}, "model.rope_scaling = 'dynamic' is not one of"),
     ({"model.rope_scaling": "linear", "model.rope_factor": 0.5}, "model.rope_factor = 0.5 must be >= 1"),
     ({"model.rope_scaling": "llama3", "model.rope_low_freq_factor": 4.0}, "must satisfy 0 < low < high"),
     ({"model.rope_scaling": "linear", "model.pos_emb": "learned"}, "model.rope_scaling = 'linear' needs model.pos_emb"),

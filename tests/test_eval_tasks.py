@@ -60,18 +60,47 @@ def test_batching_and_padding_do_not_change_scores(trained):
     assert all(abs(a[0] - b[0]) < 1e-4 and a[1] == b[1] for a, b in zip(one, many))
 
 
-def test_multiple_choice_picks_the_learned_answers(trained, tmp_path):
+def hand_scored(model, tok, rows) -> dict[str, float]:
+    """acc / acc_norm of `rows` from log-probabilities summed by hand from the model's full-sequence
+    logits (not through continuation_logprobs or score_mc): the expected value of evaluate_mc for
+    whatever this model happens to prefer."""
+    right = right_norm = 0
+    for row in rows:
+        context, label = row.get("context", row.get("query")), row.get("label", row.get("gold"))
+        lps = []
+        for choice in row["choices"]:
+            ctx, cont = encode_pair(tok, context, choice)
+            with torch.no_grad():
+                logp = model(torch.tensor([ctx + cont[:-1]]))[0].double().log_softmax(-1)
+            lps.append(sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)))
+        norm = [lp / len(c.encode("utf-8")) for lp, c in zip(lps, row["choices"])]
+        right += int(int(np.argmax(lps)) == label)
+        right_norm += int(int(np.argmax(norm)) == label)
+    return {"acc": right / len(rows), "acc_norm": right_norm / len(rows), "n": len(rows)}
+
+
+def test_multiple_choice_scores_what_the_model_prefers(trained, tmp_path):
+    """evaluate_mc against a hand computation of the same model's choices, for the items and for
+    every rotation of their labels (so each item is scored right under one labelling and wrong
+    under the others: the three accuracies sum to the item count). Nothing here depends on what the
+    model learned (it once asserted 1.0, which a machine's rounding could break)."""
     tok, model = trained
     items = load_mc_items(_write_jsonl(tmp_path / "mc.jsonl", ITEMS))
     assert items[2].label == 2 and items[2].context == "a bird sang in the"  # query/gold spelling
-    result = evaluate_mc(model, tok, items)
-    assert result == {"acc": 1.0, "acc_norm": 1.0, "n": 4}
-    # the labels matter: with every label moved to a wrong choice, accuracy drops to 0
-    wrong = [dict(it, label=(it.get("label", it.get("gold")) + 1) % len(it["choices"])) for it in ITEMS]
-    for w in wrong:
-        w.pop("gold", None)
-        w.setdefault("context", w.pop("query", None))
-    assert evaluate_mc(model, tok, load_mc_items(_write_jsonl(tmp_path / "w.jsonl", wrong)))["acc"] == 0.0
+    three = [it for it in ITEMS if len(it["choices"]) == 3]
+    accs = []
+    for shift in range(3):
+        rows = [dict(it, label=(it.get("label", it.get("gold")) + shift) % 3) for it in three]
+        for r in rows:
+            r.pop("gold", None)
+            r.setdefault("context", r.pop("query", None))
+        result = evaluate_mc(model, tok, load_mc_items(_write_jsonl(tmp_path / f"s{shift}.jsonl", rows)))
+        want = hand_scored(model, tok, rows)
+        assert result["n"] == want["n"] == 3
+        assert result["acc"] == pytest.approx(want["acc"]) and result["acc_norm"] == pytest.approx(want["acc_norm"])
+        accs.append(result["acc"])
+    assert sum(accs) == pytest.approx(1.0)  # each item right under exactly one labelling
+    assert evaluate_mc(model, tok, items) == pytest.approx(hand_scored(model, tok, ITEMS))
 
 
 def test_multiple_choice_file_errors(tmp_path):
@@ -102,7 +131,7 @@ def test_eval_command_end_to_end(trained, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "perplexity" in table and "BLEU" in table and "acc_norm" in table and "distinct_2" in table
     assert res["bleu"]["bleu"] == pytest.approx(100.0)
-    assert res["multiple_choice"][str(mc)]["acc"] == 1.0
+    assert res["multiple_choice"][str(mc)]["acc"] == pytest.approx(hand_scored(model, tok, ITEMS)["acc"])
     ppl = res["perplexity"]
     assert ppl["tokens"] == len(ids) - 1 and ppl["perplexity"] == pytest.approx(math.exp(ppl["loss"]))
     assert ppl["perplexity"] < 3.0  # the model learned this text (uniform would be 320)
@@ -135,3 +164,13 @@ def test_eval_defaults_to_the_runs_validation_shards(trained, tmp_path, monkeypa
     monkeypatch.setattr(components, "prepare_data", lambda cfg: (_ for _ in ()).throw(OSError("no network")))
     with pytest.raises(ValueError, match="could not open the run's validation data .*no network.*--data"):
         run_eval(EvalOptions(ckpt=str(run), samples=0))
+
+
+def test_score_mc_normalises_by_bytes():
+    """acc takes the highest summed log-probability, acc_norm the highest per byte of the choice."""
+    from lmforge.eval.tasks import MCItem, score_mc
+
+    items = [MCItem(context="x", choices=[" a", " a much longer answer"], label=1)]
+    # raw: -2 (2 bytes) beats -8 (21 bytes); per byte: -8/21 = -0.38 beats -2/2 = -1
+    assert score_mc(items, [-2.0, -8.0]) == {"acc": 0.0, "acc_norm": 1.0, "n": 1}
+    assert score_mc(items, [-9.0, -8.0]) == {"acc": 1.0, "acc_norm": 1.0, "n": 1}

@@ -242,6 +242,14 @@ def trained_pair(targets: str, steps: int = 4, rank: int = 4, alpha: float = 8.0
     return sep, fused, history
 
 
+# AdamW's step is m / sqrt(v): an element whose gradient is near zero moves by up to lr (1e-2 here)
+# whatever its size, so the rounding of the fused matmul against the separate ones (a few ulps of
+# the gradient) can move a trained adapter element by far more than its own rounding. Measured:
+# 1.07e-5 at one element of 192 after 4 steps ("wq,wv", AVX512-BF16 Xeon, 2026-11-26; 0 elsewhere
+# before); the losses and gradient norms above stay within 1e-6 / 1e-5 relative on every CPU.
+ADAPTER_ATOL = 5e-5
+
+
 @pytest.mark.parametrize("targets", ["wq,wv", "wq,wk,wv,wo", "attn.wk,up"])
 def test_lora_on_some_or_all_of_q_k_v_of_the_fused_layer_trains_as_the_separate_layout(targets):
     """LoRA targets naming some of q/k/v (the common wq,wv) or all of them on the fused wqkv: one
@@ -264,7 +272,7 @@ def test_lora_on_some_or_all_of_q_k_v_of_the_fused_layer_trains_as_the_separate_
     assert history["sep"][-1][0] < history["sep"][0][0]  # (the adapters did train)
     want = lora_parameters(sep)
     for k, p in as_separate_adapters(lora_parameters(fused)).items():
-        torch.testing.assert_close(p, want[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, want[k], rtol=1e-5, atol=ADAPTER_ATOL)
     with torch.no_grad():
         from_tensors = merged_state_dict(fused.state_dict(), rank=4, alpha=8, cfg=FUSED)  # (as a saved file)
         merge_lora(sep)
@@ -273,7 +281,7 @@ def test_lora_on_some_or_all_of_q_k_v_of_the_fused_layer_trains_as_the_separate_
     assert got.keys() == want.keys() == from_tensors.keys()
     for k in got:
         assert torch.equal(from_tensors[k], got[k]), k
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=ADAPTER_ATOL)
 
 
 def test_lora_on_the_fused_layer_keeps_dropout_the_whole_layer_target_and_names_conflicts():

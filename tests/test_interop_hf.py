@@ -373,7 +373,7 @@ def Transformer_like(model, kw: dict):  # noqa: N802
 
 
 @pytest.mark.parametrize("edit, message", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope' is not supported"),
     ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
      "sliding window on some layers only"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),

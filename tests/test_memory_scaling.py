@@ -46,7 +46,9 @@ def check_sharded(name: str, ranks: list[dict], split: int, plan: dict) -> None:
     `lmforge plan`'s phases (lmforge.plan.memory.phase_peaks) agree: the start-up growth is the planned
     device bytes plus at most the planned host working set of the initialisation; the validation and
     save growth are at most the planned working sets plus one block (FSDP2's all-gather buffer of
-    the prefetched block, which the plan does not count) and 16 MB of allocator and process noise."""
+    the prefetched block, which the plan does not count) and 16 MB of allocator and process noise.
+    The EMA of the weights (lmforge.train.ema) is this rank's share too, as planned (`ema`), and a
+    validation with it swapped in holds what a plain one does (the exchange: one tensor at a time)."""
     for r, rec in enumerate(ranks):
         model, largest, block = rec["model_bytes"], rec["largest_param"], rec["model_bytes"] / MODEL["model.n_layers"]
         assert rec["init"] < model / split + 4 * largest + 16 * MB, (name, r, rec["init"] / MB, model / split / MB)
@@ -55,6 +57,8 @@ def check_sharded(name: str, ranks: list[dict], split: int, plan: dict) -> None:
         assert plan["startup"] <= rec["init"] <= plan["startup"] + plan["startup_host"] + 16 * MB, (name, r, rec, plan)
         assert rec["eval"] <= plan["validation_working_set"] + block + 16 * MB, (name, r, rec, plan)
         assert rec["save"] <= plan["final_save_working_set"] + 16 * MB, (name, r, rec, plan)
+        assert plan["ema"] - 16 * MB <= rec["ema"] <= plan["ema"] + 16 * MB, (name, r, rec["ema"] / MB, plan["ema"] / MB)
+        assert rec["ema_eval"] <= plan["validation_working_set"] + block + largest + 16 * MB, (name, r, rec, plan)
 
 
 def planned(layout: str) -> dict:
@@ -63,8 +67,9 @@ def planned(layout: str) -> dict:
     from lmforge.plan.memory import Layout, estimate_memory
 
     cfg = load_config("tiny", MODEL).model
-    plan_layout = Layout.parse(layout, precision="fp32", micro_batch=1, grad_accum=1)
-    return estimate_memory(cfg, plan_layout, "adamw", MODEL["data.seq_len"], weights="lmforge").phases
+    plan_layout = Layout.parse(layout, precision="fp32", micro_batch=1, grad_accum=1, ema=True)
+    mem = estimate_memory(cfg, plan_layout, "adamw", MODEL["data.seq_len"], weights="lmforge")
+    return {**mem.phases, "ema": mem.ema}
 
 
 @pytest.mark.slow
@@ -79,6 +84,7 @@ def test_two_ranks_hold_half_the_model_at_start_up_evaluation_and_save(corpus, t
         check_sharded(name, got[name], 2, planned(plan))
     for rec in got["ddp2"]:  # whole replicas by design: the measurement does see a whole model (twice: + buckets)
         assert rec["init"] > 1.9 * rec["model_bytes"], rec
+        assert rec["ema"] > 0.95 * rec["model_bytes"], rec  # (and a whole EMA, as the weights are whole)
 
 
 @pytest.mark.slow

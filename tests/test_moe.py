@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from lmforge.config import ConfigError, ModelConfig
 from lmforge.config.sections import MoEConfig
-from lmforge.model.moe import MoE, experts_loop, grouped_matmul, moe_layers, padded_bmm
+from lmforge.model.moe import (GroupedExperts, MoE, experts_loop, grouped_matmul, grouped_mm_ok, moe_layers,
+                                padded_bmm)
 from lmforge.model.transformer import Transformer, build_model, count_params, flops_per_token
 
 DIM, HIDDEN = 32, 48
@@ -64,36 +65,35 @@ def naive_moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
-def test_grouped_matmul_equals_per_expert_loop_forward_and_backward(mode):
+@pytest.mark.parametrize("kernel", ["grouped_mm", "padded_bmm"])
+def test_grouped_matmul_equals_per_group_matmuls_forward_and_backward(kernel):
     torch.manual_seed(0)
-    counts = torch.tensor([5, 0, 9, 1, 0, 7])
-    x = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    offs = torch.tensor([5, 5, 14, 15, 15, 22], dtype=torch.int32)  # experts 1 and 4 empty
+    x = torch.randn(26, 16, requires_grad=True)  # rows 22..25: past the last group
     w = torch.randn(6, 16, 24, requires_grad=True)
-    y = grouped_matmul(x, w, counts, mode)
-    ref = torch.cat([x[s:s + n] @ w[e] for e, (s, n) in
-                     enumerate(zip((torch.cumsum(counts, 0) - counts).tolist(), counts.tolist()))])
-    assert torch.allclose(y, ref, atol=1e-5)
-    g = torch.randn_like(y)
+    y = grouped_matmul(x, w, offs) if kernel == "grouped_mm" else padded_bmm(x, w, offs.tolist())
+    ends = offs.tolist()
+    ref = torch.cat([x[s:e] @ w[g] for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends))])
+    assert torch.allclose(y[:22], ref, atol=1e-5)
+    g = torch.cat([torch.randn_like(ref), torch.zeros(4, 24)])  # (nothing reads the rows past the groups)
     gx, gw = torch.autograd.grad(y, (x, w), g)
-    rx, rw = torch.autograd.grad(ref, (x, w), g)
-    assert torch.allclose(gx, rx, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
+    rx, rw = torch.autograd.grad(ref, (x, w), g[:22])
+    assert torch.allclose(gx[:22], rx[:22], atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
     assert gw[1].abs().sum() == 0 and gw[4].abs().sum() == 0  # experts without tokens get no gradient
 
 
-def test_grouped_matmul_falls_back_where_strides_break_the_16_byte_rule():
+def test_experts_fall_back_where_strides_break_the_16_byte_rule():
+    assert grouped_mm_ok(torch.randn(5, 8), 12) and not grouped_mm_ok(torch.randn(5, 7), 12)  # 7 x 4 bytes
+    assert not grouped_mm_ok(torch.randn(5, 8), 6) and not grouped_mm_ok(torch.randn(5, 8, dtype=torch.float64), 12)
+    experts = GroupedExperts(2, 7, 5)
+    x = torch.randn(5, 7)
+    assert not experts.uses_grouped_mm(x) and experts.row_alignment(x) == 1
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
     counts = torch.tensor([2, 3])
-    x, w = torch.randn(5, 7), torch.randn(2, 7, 5)  # 7 x 4 bytes: not a multiple of 16
-    assert torch.allclose(grouped_matmul(x, w, counts, "auto"), padded_bmm(x, w, counts))
-    assert torch.allclose(padded_bmm(x, w, counts), torch.cat([x[:2] @ w[0], x[2:] @ w[1]]), atol=1e-6)
-
-
-def test_experts_loop_reference_matches_grouped_swiglu():
-    layer = make_moe()
-    counts = torch.tensor([3, 0, 4, 2, 1, 5])
-    x = torch.randn(int(counts.sum()), DIM)
-    e = layer.experts
-    assert torch.allclose(e(x, counts), experts_loop(x, counts, e.w_gate, e.w_up, e.w_down), atol=1e-5)
+    ref = experts_loop(x, counts, experts.w_gate, experts.w_up, experts.w_down)
+    assert torch.allclose(experts.sorted_rows(x, counts), ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", [

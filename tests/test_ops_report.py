@@ -111,3 +111,48 @@ def test_report_of_damaged_or_unfinished_runs_renders_what_is_readable(tmp_path,
     for name in ("loss", "lr", "grad_norm", "throughput"):
         assert_valid_png(out / f"{name}.png")
     assert capsys.readouterr().err == ""
+
+
+def test_no_plot_has_overlapping_legends(runs, tmp_path, monkeypatch):
+    """Issue 50 item 6: the single-run throughput plot drew an MFU legend over the tokens/s legend.
+    Every figure the report draws (one run, and two overlaid) has legends whose boxes do not meet."""
+    from matplotlib.figure import Figure
+
+    from lmforge.report.plots import plot_runs
+
+    seen = {}
+    real = Figure.savefig
+
+    def record(fig, path, *a, **kw):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        boxes = [lg.get_window_extent(renderer) for ax in fig.axes if (lg := ax.get_legend()) is not None]
+        seen[str(path)] = boxes
+        return real(fig, path, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    plot_runs([runs[0]], tmp_path / "one")
+    plot_runs(runs, tmp_path / "two")
+    assert len(seen) == 8
+    for path, boxes in seen.items():
+        assert boxes, f"{path}: no legend"
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), f"{path}: legends overlap"
+    # the single run's throughput legend names both curves
+    one = [p for p in seen if p.endswith("one/throughput.png")]
+    assert len(seen[one[0]]) == 1
+
+
+def test_routine_events_are_not_health_events(runs, tmp_path):
+    """A checkpoint is routine: listed under Events, never styled as a warning under Health events."""
+    import json
+
+    run = runs[1]
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in line]
+    assert any(e["event"] == "checkpoint" for e in events)
+    out = tmp_path / "page"
+    assert report_main([str(run), "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    assert "<h3>Events</h3>" in page and "<h3>Health events</h3>" not in page
+    assert "<li class='warn'>checkpoint" not in page

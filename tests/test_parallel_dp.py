@@ -9,7 +9,13 @@ against the gradient averaging) is exercised too. The gradient norm (before clip
 scale of the gradient, which AdamW's update and the clipped loss curve hardly do: a layout that
 summed instead of averaged, or dropped the x dp, would log twice or half the one-process norm.
 Each layout's launch also trains 6 steps of plain SGD without clipping (`SGD`), whose update is
-the gradient itself, so that its loss curve, too, follows the gradient's scale."""
+the gradient itself, so that its loss curve, too, follows the gradient's scale.
+
+The AdamW runs also keep the EMA of the weights (`EMA`, lmforge.train.ema: each rank the EMA of its own
+shards) and score a small multiple-choice task in the loop (`TASKS`, on the sharded model): the final
+EMA, its validation loss and the task's scores must match one process's too (`assert_extras_match`),
+and the run's final checkpoint merged with one process's (lmforge.ckpt.merge, read from the layout's
+shards) must be the average of the two runs' weights."""
 
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.config import ConfigError, load_config
-from tests.conftest import make_corpus
+from tests.conftest import make_corpus, make_tasks
 
 TINY = {
     "model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
@@ -49,6 +55,16 @@ DOCS = {"data.attention": "document", "data.document_positions": "restart", "dat
 """Document masking with positions restarting per document, on best-fit packed rows (lmforge.model.documents,
 lmforge.data.packing), 8 steps on `docs_corpus`'s short documents: every parity launch also runs it,
 against a one-process run of the same (`docs_run`)."""
+
+EMA = {"train.ema_decay": 0.8, "train.ema_start_step": 2}
+"""The EMA of the weights from step 2 on, decay 0.8: the last steps weigh most, so a wrong update, a
+shard of another rank's or a swap that leaves the EMA in the model shows at the end."""
+
+
+def tasks(corpus: Path) -> dict:
+    """train.eval_tasks = the `corpus` fixture's multiple-choice file (tests.conftest.make_tasks)."""
+    return {"train.eval_tasks": str(corpus.parent / "tasks.jsonl")}
+
 
 RUNS_DRIVER = str(Path(__file__).with_name("train_runs_driver.py"))
 
@@ -125,6 +141,49 @@ def assert_runs_match(got: Path, want: Path, what: str, steps: list[int] | None 
     assert all(worst[k] < limit[k] for k in worst), (what, worst, losses(got), losses(want))
 
 
+def weights_rel(got: Path, want: Path, name: str) -> float:
+    """The largest difference between the tensors of two runs' weights file `name`, relative to the
+    largest value of `want`'s tensor."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(got / name)), load_file(str(want / name))
+    assert a.keys() == b.keys(), (got, name)
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+def assert_extras_match(got: Path, want: Path, what: str, tol: float = 1e-5) -> None:
+    """The EMA of the weights and the in-loop task scores of run `got` against run `want`, and merging:
+    the final EMA (model.ema.safetensors) as close to `want`'s as the final weights are to theirs
+    (within 4x, or `tol` of each tensor's largest value: AdamW moves an element whose gradient is
+    near 0 by about its lr either way, so the TP runs' weights differ from one process's by up to
+    2.5e-4 of a tensor's largest value), the final val_loss_ema within `tol` relative, the task
+    scores equal; and `got`'s final checkpoint merged with `want`'s equals the average of their weights
+    (fp32, as `lmforge merge` accumulates)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lmforge.ckpt.merge import merge_checkpoints, select_checkpoints
+
+    worst, live = weights_rel(got, want, "model.ema.safetensors"), weights_rel(got, want, "model.safetensors")
+    val, ref_val = metric(got, "val_loss_ema"), metric(want, "val_loss_ema")
+    assert sorted(val) == sorted(ref_val) and val, (what, val, ref_val)
+    print(f"{what}: EMA of the weights within {worst:.1e} of one process's (the weights: {live:.1e}), val_loss_ema "
+          f"{max_rel(val, ref_val):.1e}")
+    assert worst < max(tol, 4 * live) and max_rel(val, ref_val) < tol, (what, worst, live, val, ref_val)
+    scores = [{k: v for k, v in json.loads(line).items() if k.startswith("task/")}
+              for run in (got, want) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scored = [s for s in scores if s]
+    assert len(scored) == 4 and scored[:2] == scored[2:], (what, scored)  # start and end, each run
+    steps = [max(losses(run)) for run in (got, want)]
+    ckpts = select_checkpoints([run / "checkpoints" / f"step_{step:08d}" for run, step in zip((got, want), steps)])
+    merged = merge_checkpoints(ckpts, got.parent / f"{got.name}-merged", weights=[1, 3])
+    a, b, m = (load_file(str(f)) for f in (got / "model.safetensors", want / "model.safetensors",
+                                            merged / "model.safetensors"))
+    assert m.keys() == b.keys(), what
+    for k in m:  # the two checkpoints (sorted by step; same step: as given), weighted 1/4, 3/4
+        assert torch.equal(m[k], (a[k].float() * 0.25).add_(b[k].float(), alpha=0.75).to(m[k].dtype)), (what, k)
+
+
 def prepare(root: Path, sources: str = '[[prepare.sources]]\npath = "raw/*.txt"\n', val_fraction: float = 0.1) -> Path:
     """`lmforge prepare` (a real process) of the `sources` tables (TOML, paths relative to `root`) into
     ROOT/prepared, vocabulary 320."""
@@ -134,6 +193,7 @@ def prepare(root: Path, sources: str = '[[prepare.sources]]\npath = "raw/*.txt"\
     proc = subprocess.run([sys.executable, "-m", "lmforge", "prepare", "--config", str(root / "prep.toml")],
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    make_tasks(root / "tasks.jsonl")
     return out
 
 
@@ -157,8 +217,8 @@ def single(corpus, docs_corpus, tmp_path_factory) -> Path:
     """The one-process reference: ROOT/adamw (the preset's optimizer, 20 steps), ROOT/sgd (`SGD`) and
     ROOT/docs (`DOCS`)."""
     root = tmp_path_factory.mktemp("single")
-    proc = train_runs(corpus, {root / "adamw": {}, root / "sgd": SGD, root / "docs": docs_run(docs_corpus)},
-                      **{"train.micro_batch_size": 4})
+    proc = train_runs(corpus, {root / "adamw": {**EMA, **tasks(corpus)}, root / "sgd": SGD,
+                               root / "docs": docs_run(docs_corpus)}, **{"train.micro_batch_size": 4})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(root / "adamw")) == sorted(grad_norms(root / "adamw")) == list(range(1, 21))
     assert sorted(losses(root / "sgd")) == list(range(1, 7))
@@ -177,8 +237,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_data_parallel_layout_matches_one_process(corpus, docs_corpus, single, tmp_path, layout):
     out = tmp_path / layout
-    proc = train_runs(corpus, {out: {}, tmp_path / "sgd": SGD, tmp_path / "docs": docs_run(docs_corpus)}, nproc=2,
-                      **LAYOUTS[layout])
+    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}, tmp_path / "sgd": SGD,
+                               tmp_path / "docs": docs_run(docs_corpus)}, nproc=2, **LAYOUTS[layout])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # fp32, same seed/data/global batch: only the reduction order differs (all-reduce / reduce-scatter
     # vs. one process's accumulation). Observed max relative difference over 20 steps ~2e-7 for the
@@ -187,6 +247,7 @@ def test_data_parallel_layout_matches_one_process(corpus, docs_corpus, single, t
     assert_runs_match(out, single / "adamw", f"{layout} vs one process")
     assert_runs_match(tmp_path / "sgd", single / "sgd", f"{layout}, SGD without clipping, vs one process")
     assert_runs_match(tmp_path / "docs", single / "docs", f"{layout}, document masking + best-fit, vs one process")
+    assert_extras_match(out, single / "adamw", f"{layout} vs one process")
     # only rank 0 writes the run folder; FSDP gathers the full state dict for the weights
     for name in ("metrics.jsonl", "model.safetensors", "summary.json", "config.toml"):
         assert (out / name).is_file(), name
@@ -291,7 +352,7 @@ def test_layout_errors_without_torchrun(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="fp16"):
         check_layout(cfg, 2, cuda=False)
     cfg = load_config("tiny", {**BATCH, "parallel.tp": 2})
-    with pytest.raises(ConfigError, match=r"parallel.tp \(2\) x parallel.pp \(1\) = 2 processes"):
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2 needs 2 processes .*this is a single process"):
         init_distributed(cfg)
     assert init_distributed(load_config("tiny")).distributed is False  # one process: no process group
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 1"):  # FSDP2 at shard degree 1

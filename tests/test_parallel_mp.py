@@ -6,25 +6,33 @@ on different ranks). Every layout sees the same seed, data and global batch (8 s
 tokens per step, micro-batches of 2) as the one-process reference, which runs once per module; the
 per-step training losses and gradient norms (before clipping) of 20 steps must agree to 1e-5
 relative (fp32; only the reduction order differs), and so must the validation losses (computed on
-the sharded model itself, lmforge.parallel.inference). `data.mask_doc_boundaries = true` makes
+the sharded model itself, lmforge.parallel.inference), the EMA of the weights, its validation loss
+and the scores of an in-loop multiple-choice task (tests/test_parallel_dp.py's `assert_extras_match`). `data.mask_doc_boundaries = true` makes
 micro-batches hold unequal token counts, so the global-token-count normalisation is exercised. These runs use AdamW clipped at 1.0,
 whose loss curve sees the overall scale of the gradient only weakly; the gradient norm sees it
 directly, and the launches of `WITH_SGD` also train 6 steps of plain SGD without clipping
 (tests/test_parallel_dp.py's `SGD`), whose steps are the gradient itself.
+
+The zero-bubble schedules (interleaved-zb at v = 1 and 2, zbv, dualpipev: 4 stages on 2 ranks, a V
+for the last two) run without and with activation checkpointing in one launch each, and composed
+with FSDP2, HSDP's replicas, TP and CP in one 4-rank launch (`ALSO`); a zbv checkpoint resumes under
+another schedule's placement and in one process.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from lmforge.config import ConfigError, load_config
-from tests.test_parallel_dp import (SGD, assert_runs_match, corpus, docs_corpus,  # noqa: F401  (module-scoped fixtures)
-                                    docs_run, losses, train, train_runs)
+from tests.test_parallel_dp import (EMA, SGD, assert_extras_match, assert_runs_match,  # noqa: F401
+                                    corpus, docs_corpus, docs_run, losses, tasks, train,  # (corpus, docs_corpus:
+                                    train_runs)  # module-scoped fixtures)
 
 # The separate q/k/v projections (model.fused_qkv = false): at this seed the fused layout's one
 # larger matmul rounds differently in one process and in TP's halves, and step 7's gradient-norm
@@ -46,7 +54,8 @@ def reference(corpus, docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
     """One process: ROOT/adamw (the preset's optimizer, 20 steps), ROOT/sgd (`SGD`) and ROOT/docs (document
     masking on best-fit rows: tests/test_parallel_dp.py's `DOCS`), one launch."""
     root = tmp_path_factory.mktemp("mp-single")
-    proc = train_runs(corpus, {root / "adamw": {}, root / "sgd": SGD, root / "docs": docs_run(docs_corpus)}, **MP)
+    proc = train_runs(corpus, {root / "adamw": {**EMA, **tasks(corpus)}, root / "sgd": SGD,
+                               root / "docs": docs_run(docs_corpus)}, **MP)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(root / "adamw")) == list(range(1, 21))
     return root
@@ -62,10 +71,30 @@ LAYOUTS = {  # name: (processes, overrides)
     "fsdp2xtp2": (4, {"parallel.dp_shard": 2, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
     "tp2xpp2": (4, {"parallel.tp": 2, "parallel.pp": 2}),
     "dp2xpp2": (4, {"parallel.dp_replicate": 2, "parallel.pp": 2}),
+    # the zero-bubble schedules (split backward: input gradients first, weight gradients later)
+    "pp2-zb-h1": (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-zb"}),
+    "pp2-interleaved-zb-v2": (2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-zb",
+                                  "parallel.pp_virtual_stages": 2}),
+    "pp2-zbv": (2, {"parallel.pp": 2, "parallel.pp_schedule": "zbv"}),  # (V: rank 0 holds stages 0 and 3)
+    "pp2-dualpipev": (2, {"parallel.pp": 2, "parallel.pp_schedule": "dualpipev"}),
+    # ... composed with FSDP2, HSDP's replicas, TP and CP (4 ranks; one micro-batch per data-parallel rank)
+    "fsdp2xpp2-zbv": (4, {"parallel.dp_shard": 2, "parallel.pp": 2, "parallel.pp_schedule": "zbv",
+                          "train.micro_batch_size": 1}),
 }
 
-
 WITH_SGD = ("tp2-sp", "pp2-1f1b", "fsdp2xtp2", "tp2xpp2", "dp2xpp2")  # also train `SGD` in their launch
+# more runs in the same launch, each against the one-process reference (run name: its overrides):
+# activation checkpointing under each zero-bubble schedule (recomputed once for the input-gradient
+# pass, the graph kept for the weight pass), and the zero-bubble schedules' other compositions
+ZB_CHECKPOINTED = {"pp2-zb-h1": "every_k", "pp2-interleaved-zb-v2": "full", "pp2-zbv": "full", "pp2-dualpipev": "full"}
+ALSO = {layout: {f"ac-{mode}": {**LAYOUTS[layout][1], "train.activation_checkpoint": mode}}
+        for layout, mode in ZB_CHECKPOINTED.items()}
+ALSO["fsdp2xpp2-zbv"] = {
+    "tp2xpp2-dualpipev": {"parallel.tp": 2, "parallel.pp": 2, "parallel.pp_schedule": "dualpipev"},
+    "cp2xpp2-interleaved-zb-v2": {"parallel.cp": 2, "parallel.pp": 2, "parallel.pp_schedule": "interleaved-zb",
+                                  "parallel.pp_virtual_stages": 2},
+    "dp2xpp2-dualpipev-ac-full": {"parallel.dp_replicate": 2, "parallel.pp": 2, "parallel.pp_schedule": "dualpipev",
+                                  "train.micro_batch_size": 1, "train.activation_checkpoint": "full"}}
 
 
 @pytest.mark.slow
@@ -73,14 +102,19 @@ WITH_SGD = ("tp2-sp", "pp2-1f1b", "fsdp2xtp2", "tp2xpp2", "dp2xpp2")  # also tra
 def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, reference, tmp_path, layout):  # noqa: F811
     nproc, extra = LAYOUTS[layout]
     out, sgd, docs = tmp_path / layout, tmp_path / "sgd", tmp_path / "docs"
-    proc = train_runs(corpus, {out: {}, **({sgd: SGD} if layout in WITH_SGD else {}), docs: docs_run(docs_corpus)},
-                      nproc=nproc, timeout=300, **MP, **extra)
+    also = {tmp_path / name: own for name, own in ALSO.get(layout, {}).items()}
+    runs = {out: {**extra, **EMA, **tasks(corpus)}, **({sgd: {**extra, **SGD}} if layout in WITH_SGD else {}),
+            docs: {**extra, **docs_run(docs_corpus)}, **also}
+    proc = train_runs(corpus, runs, nproc=nproc, timeout=300 + 150 * len(also), **MP)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_runs_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)
+    assert_extras_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)  # EMA, tasks, merge
     # the document ids (and restarted positions) reach every TP rank, every pipeline stage, every chunk
     assert_runs_match(docs, reference / "docs", f"{layout}, document masking + best-fit, vs one process", tol=TOL)
     if layout in WITH_SGD:
         assert_runs_match(sgd, reference / "sgd", f"{layout}, SGD without clipping, vs one process", tol=TOL)
+    for run in also:
+        assert_runs_match(run, reference / "adamw", f"{run.name} ({layout}'s launch) vs one process", tol=TOL)
     for run, ref in ((out, reference / "adamw"), (docs, reference / "docs")):
         ref_val = val_losses(ref)
         val = val_losses(run)  # evaluation on the sharded model (no rank gathers it), initial and final
@@ -93,6 +127,26 @@ def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, referenc
 
     _, model = load_run(out)  # the streamed weights load into one unsharded model
     assert len(model.blocks) == 4
+
+
+@pytest.mark.slow
+def test_zero_bubble_checkpoint_resumes_under_another_schedule_and_in_one_process(corpus, tmp_path):  # noqa: F811
+    """A checkpoint written under zbv (rank 0 holds blocks 0 and 3, rank 1 blocks 1 and 2) continues
+    under interleaved-zb's loop (rank 0: blocks 0 and 2) and in one process: the stages save their
+    parameters and optimizer state under the whole model's names, so DCP reshards them; steps 9-16
+    match the zbv run's."""
+    from tests.test_ckpt_fault import finish, launch
+
+    zbv = {**MP, "parallel.pp": 2, "parallel.pp_schedule": "zbv", "train.micro_batch_size": 2}
+    ref = tmp_path / "zbv"
+    finish(launch(corpus, ref, nproc=2, **{**zbv, "checkpoint.keep_every": 8}), ref)
+    for nproc, layout in [(2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-zb",
+                               "parallel.pp_virtual_stages": 2, "train.micro_batch_size": 2}), (1, {})]:
+        out = tmp_path / f"resumed-{nproc}"
+        shutil.copytree(ref / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
+        finish(launch(corpus, out, nproc=nproc, **{**MP, **layout, "checkpoint.every_steps": 0}), out)
+        assert "resumed from" in (tmp_path / f"{out.name}.log").read_text()
+        assert_runs_match(out, ref, f"zbv checkpoint -> {layout or 'one process'}", steps=list(range(9, 17)), tol=TOL)
 
 
 def one_process_vs_tp2_sp(corpus: Path, tmp_path: Path, what: str, **extra) -> tuple[Path, Path]:  # noqa: F811
@@ -150,8 +204,14 @@ def test_async_sgd_parameter_server_learns_and_reports_staleness(corpus, tmp_pat
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     updates = [r for r in recs if "loss" in r]
     assert all(0 <= r["staleness"] <= 1 for r in updates)  # applied gradients respect the bound
-    stats = json.loads((out / "summary.json").read_text())["async_sgd"]
+    summary = json.loads((out / "summary.json").read_text())
+    stats = summary["async_sgd"]
     assert stats["workers"] == 2 and stats["received"] == 20 + stats["dropped"]
+    # its own layout and MFU (were "single" and 0.0: the synchronous loop's windows): the workers'
+    # model FLOPs over the 3 processes' peak and the run's time
+    assert summary["layout"] == "async-sgd (parameter server + 2 workers)"
+    expected = summary["tokens"] * summary["flops_per_token"] / (3 * summary["peak_flops"] * summary["seconds"])
+    assert summary["mfu"] == pytest.approx(expected, rel=0.05) and summary["mfu"] > 0
     assert stats["staleness_max"] >= stats["staleness_mean"] >= 0
     val = val_losses(out)
     assert val[-1] < val[0] - 1.0, val
@@ -174,7 +234,7 @@ BATCH = {"train.global_batch_size": 64, "train.micro_batch_size": 4}
       "model.tie_embeddings": False}, "pp_virtual_stages = 4 = 8 pipeline stages must divide"),
     ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved", "model.tie_embeddings": False},
      "pp_virtual_stages >= 2"),
-    ({"parallel.pp_virtual_stages": 2}, "applies to pp_schedule = 'interleaved' only"),
+    ({"parallel.pp_virtual_stages": 2}, "applies to pp_schedule = 'interleaved' or 'interleaved-zb' only"),
     ({"parallel.pp": 4, "train.global_batch_size": 8, "model.tie_embeddings": False}, "fewer than the stages"),
     ({"parallel.pp": 4, "train.global_batch_size": 24, "parallel.pp_schedule": "interleaved",
       "parallel.pp_virtual_stages": 1, "model.tie_embeddings": False, "model.n_layers": 4}, "pp_virtual_stages >= 2"),
@@ -206,7 +266,7 @@ def test_valid_model_parallel_configs_and_degenerate_cases(monkeypatch):
         cfg = load_config("tiny", {**BATCH, **ok})
         check_layout(cfg, cfg.parallel.world_size, cuda=False)
     cfg = load_config("tiny", {**BATCH, "parallel.tp": 2, "parallel.pp": 2, "model.tie_embeddings": False})
-    with pytest.raises(ConfigError, match="parallel.tp \\(2\\) x parallel.pp \\(2\\) = 4 processes"):
+    with pytest.raises(ConfigError, match=r"needs 4 processes \(dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 x pp 2\)"):
         check_layout(cfg, 2, cuda=False)
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(2, 4, 2) == pytest.approx(1 / 9)

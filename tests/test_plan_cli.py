@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -21,7 +22,7 @@ def test_table_output(capsys):
 
 def test_json_output_and_search(capsys):
     rc = plan_main(["--model", "llama2-70b", "--gpus", "8xH100", "--nodes", "64", "--global-batch-tokens",
-                    str(1024 * 4096), "--tokens", "2e12", "--mfu", "0.45", "--price", "2.5", "--search",
+                    str(1024 * 4096), "--tokens", "2e12", "--price", "2.5", "--search",
                     "--top", "3", "--layout", "zero=3", "--json"])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
@@ -103,6 +104,22 @@ def test_no_fit_hint_names_allow_offload(capsys):
     assert plan_main(["--model", "llama2-70b", "--gpus", "1xA100-40GB", "--search"]) == 0
     out = capsys.readouterr().out
     assert "No layout fits" in out and "--allow-offload" in out
+    assert "DOES NOT FIT" not in out  # (no default layout nobody asked for)
+
+
+def test_search_leads_with_the_search_then_details_its_best(capsys):
+    """Issue 50 item 7: `plan --search` printed a "DOES NOT FIT 3.16 TB" table for a default layout
+    nobody asked for before the search; it now opens with the search and details its best layout.
+    With --layout, the typed layout comes first and the search after it."""
+    assert plan_main(["--model", "gpt3-175b", "--gpus", "64x8xH100", "--search", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Layout search") and "DOES NOT FIT" not in out
+    best = re.search(r"^  1  (\S+)", out, flags=re.M).group(1)
+    assert f"layout {best}\n  note: the search's best layout" in out
+    layout = "dp=8,zero=3,tp=8,pp=8,mb=1,ac=selective,sp=1"
+    assert plan_main(["--model", "gpt3-175b", "--gpus", "64x8xH100", "--search", "--top", "2", "--layout", layout]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("lmforge plan: gpt3-175b") and out.index("Memory per GPU") < out.index("Layout search")
 
 
 def test_auto_precision_follows_the_device(capsys):
@@ -188,3 +205,41 @@ def test_family_presets_are_planned(preset, params, capsys):
     assert rep["memory"]["lmforge"]["params_total"] == params
     assert plan_main(["--model", preset, "--gpus", "8xH100", "--search", "--top", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["search"][0]["fits"]
+
+
+MEGATRON_GPT3 = ["--model", "gpt3-175b", "--gpus", "64x8xH100", "--layout", "dp=8,zero=1,tp=8,pp=8,mb=1,ac=selective,sp=1"]
+
+
+def test_a_presets_fsdp_flag_is_dropped_from_a_typed_layout_it_does_not_apply_to(capsys):
+    """Megatron's own GPT-3 layout, typed as a user would: the preset's FSDP-only
+    parallel.fsdp_reduce_every_micro_batch is dropped (a pipeline reduces once per step; ZeRO-1 is not
+    FSDP) and the output says so; an FSDP layout without a pipeline keeps it; typed or chosen by the
+    user (reduce_every=1, --set) where it does not apply, it is still an error naming it."""
+    assert plan_main(MEGATRON_GPT3) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert "dp=8,zero=1,tp=8,pp=8" in first and "reduce_every" not in first
+    assert "note: parallel.fsdp_reduce_every_micro_batch = true (the preset's) dropped" in out and "pp = 8" in out
+    assert plan_main(MEGATRON_GPT3[:-1] + ["dp=64,zero=1,tp=8,mb=1,ac=full", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert not rep["layout"]["fsdp_reduce_every_micro_batch"] and "ZeRO-1, not FSDP" in rep["notes"][0]
+    assert plan_main(MEGATRON_GPT3[:-1] + ["zero=3,tp=8,mb=1,ac=full", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["layout"]["fsdp_reduce_every_micro_batch"] and rep["notes"] == []
+    assert plan_main(MEGATRON_GPT3[:-1] + ["dp=8,zero=1,tp=8,pp=8,mb=1,reduce_every=1"]) == 2
+    assert "reduce_every = 1 needs pp = 1" in capsys.readouterr().err
+    assert plan_main(MEGATRON_GPT3 + ["--set", "parallel.fsdp_reduce_every_micro_batch=true"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.fsdp_reduce_every_micro_batch = true does not apply" in err and "pp = 8" in err
+
+
+def test_mfu_belongs_to_the_back_of_envelope_estimate(capsys):
+    """The layout model has no flat MFU any more: --mfu without --ideal is refused, --ideal needs it."""
+    assert plan_main(["--model", "gpt2-124m", "--gpus", "8xH100", "--mfu", "0.4"]) == 2
+    assert "--mfu 0.4 is the end-to-end MFU of --ideal" in capsys.readouterr().err
+    assert plan_main(["--model", "gpt2-124m", "--gpus", "8xH100", "--ideal"]) == 2
+    assert "give --mfu" in capsys.readouterr().err
+    assert plan_main(["--model", "gpt2-124m", "--gpus", "H100", "--layout", "mb=16,ga=4"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("matmuls", "attention (SDPA)", "elementwise", "loss", "casts", "optimizer", "host gaps"):
+        assert kind in out, kind

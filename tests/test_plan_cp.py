@@ -21,6 +21,7 @@ from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_
 from lmforge.plan import Layout, estimate_memory, estimate_step, parse_cluster, search_layouts
 from lmforge.plan.cli_plan import plan_main
 from lmforge.plan.flops import cp_comm
+from lmforge.plan.op_time import op_times
 from tests.test_parallel_cp import PROBE
 
 # Saved bytes per rank that the 4-process torchrun probe measured (benchmarks/RESULTS.md, "Context
@@ -143,12 +144,17 @@ def test_cp_traffic_and_balanced_attention_in_the_time_model():
     step = estimate_step(cfg, lay, cluster, s)
     assert step.comm_s["cp"] > 0 and "cp" not in estimate_step(cfg, Layout(dp=16, zero=3, tp=8), cluster, s).comm_s
     # every rank computes the same c^2 (2cp + 1) (query, key) scores (formulas.cp_score_elements): at
-    # equal GPUs and tokens the compute time is the same with or without CP
-    flat = estimate_step(cfg, Layout(dp=16, zero=3, tp=8, micro_batch=1, grad_accum=2, ac="full"), cluster, s,
-                         use_shape_efficiency=False)
-    cp_step = estimate_step(cfg, Layout(dp=1, zero=3, cp=16, tp=8, micro_batch=1, grad_accum=32, ac="full"), cluster,
-                            s, use_shape_efficiency=False)
-    assert cp_step.tokens_per_step == flat.tokens_per_step and cp_step.compute_s == pytest.approx(flat.compute_s)
+    # equal GPUs and tokens the attention time and the matmuls' FLOP time are the same with or without CP
+    # (CP's 16 x more, smaller micro-batches pay the fixed cost per GEMM 16 x more often)
+    flat_lay = Layout(dp=16, zero=3, tp=8, micro_batch=1, grad_accum=2, ac="full")
+    cp_lay = Layout(dp=1, zero=3, cp=16, tp=8, micro_batch=1, grad_accum=32, ac="full")
+    flat, cp_step = (estimate_step(cfg, lay, cluster, s) for lay in (flat_lay, cp_lay))
+    assert cp_step.tokens_per_step == flat.tokens_per_step
+    assert cp_step.time_by_kind["attention"] == pytest.approx(flat.time_by_kind["attention"])
+    t0 = cluster.device.calibration.gemm_fixed_s
+    flops_time = [sum(g.count * (g.seconds - t0) for g in op_times(cfg, lay, s, cluster.device).groups
+                      if g.kind == "matmul") for lay in (flat_lay, cp_lay)]
+    assert flops_time[1] == pytest.approx(flops_time[0])
 
 
 def _search(seq_len: int, sequences: int, gpus: str = "8x8xH100", **kw):

@@ -202,6 +202,14 @@ def test_pipeline_schedules_keep_different_numbers_of_micro_batches():
     assert f.detail["micro_batches_in_flight"] == 8
     assert i.detail["micro_batches_in_flight"] == pytest.approx(8 * (1 + 7 / 16))
     assert g.activations > i.activations > f.activations
+    # the zero-bubble schedules keep each micro-batch's graph until its weight-gradient pass: p micro-batches
+    # on every rank (DualPipeV p + 1/2), the head's activations too; a V puts the head on rank 0
+    zb = {s: estimate_memory(cfg, Layout(pp_schedule=s, virtual_stages=2 if s in ("zbv", "dualpipev") else 1, **kw),
+                             "adamw", 2048) for s in ("interleaved-zb", "zbv", "dualpipev")}
+    assert [zb[s].detail["micro_batches_in_flight"] for s in zb] == [8, 8, 8.5]
+    assert zb["zbv"].stage == 0 and zb["zbv"].params_per_rank > f.params_per_rank  # (embedding + head on rank 0)
+    assert zb["dualpipev"].activations > zb["zbv"].activations > f.activations
+    assert zb["interleaved-zb"].activations > f.activations  # (the last rank's head kept for p micro-batches)
 
 
 def test_layout_parse_and_errors():
@@ -338,6 +346,9 @@ def test_pipeline_stage_params():
     assert last[-1].name == "lm_head.weight"  # the last stage's copy of the tied embedding
     n = sum(s.numel for k in range(4) for s in stage_specs(cfg, 4, k))
     assert n == sum(s.numel for s in param_specs(cfg)) + cfg.vocab_size * cfg.dim
+    v_first = stage_specs(cfg, 4, 0, last_rank=0)  # a V-shaped schedule: rank 0 holds the first and the last stage
+    assert v_first[0].name == "tok_emb.weight" and v_first[-1].name == "lm_head.weight"
+    assert not any(s.where == "last" for s in stage_specs(cfg, 4, 3, last_rank=0))
 
 
 # Small shapes with each preset's structure (tiny: RoPE, RMSNorm, SwiGLU, tied; gpt2: learned

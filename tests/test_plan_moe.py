@@ -14,12 +14,11 @@ from lmforge.plan.memory import Layout, estimate_memory, total_params
 from lmforge.plan.search import enumerate_layouts
 
 # (total, active) parameters as published: Mixtral of Experts (Jiang et al. 2024): 46.7B / 12.9B;
-# Qwen3-30B-A3B (Qwen3 technical report): 30.5B / 3.3B; DeepSeek-V3 (arXiv 2412.19437): 671B / 37B.
+# Qwen3-30B-A3B (Qwen3 technical report): 30.5B / 3.3B; DeepSeek-V3 (arXiv 2412.19437): 671B / 37B,
+# the main model without its multi-token prediction module (count_params' "main" / "main_active").
 PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9), "qwen3-30b-a3b": (30.5e9, 3.3e9), "deepseek-v3-671b": (671e9, 37e9)}
 # Tolerance 2% relative: the published figures are rounded to 2-3 significant digits (3.3B is 3.35B
-# counted from the Hugging Face config, 1.6% above), and DeepSeek-V3's multi-head latent attention is
-# approximated by plain multi-head attention with 128 heads of width 50 (183.5M parameters per layer
-# against MLA's 187.1M; see the preset's description): 670.8B / 37.3B.
+# counted from the Hugging Face config, 1.6% above; DeepSeek-V3's 37B is 37.55B).
 TOL = 0.02
 
 
@@ -29,8 +28,31 @@ def test_moe_presets_have_the_published_total_and_active_parameters(preset):
     total, active = PUBLISHED[preset]
     counts = count_params(cfg)
     assert counts["total"] == total_params(cfg)  # the planner's tensors: every expert of every layer
-    assert abs(counts["total"] - total) / total < TOL, counts["total"]
-    assert abs(counts["active"] - active) / active < TOL, counts["active"]
+    assert abs(counts["main"] - total) / total < TOL, counts["main"]
+    assert abs(counts["main_active"] - active) / active < TOL, counts["main_active"]
+
+
+def test_deepseek_v3_counts_are_those_of_its_released_config():
+    """Exact counts of DeepSeek-V3's config.json (multi-head latent attention, 256 + 1 experts from
+    block 3, one MTP module): the main model 671.03B (the published 671B), 37.55B active (37B); the MTP
+    module 11.61B of its own, and its Hugging Face checkpoint, which also stores the MTP layer's copies
+    of the embedding and head, 684.49B (the model card's 685B)."""
+    import torch
+
+    from lmforge.model.transformer import Transformer
+
+    cfg = load_config("deepseek-v3-671b").model
+    counts = count_params(cfg)
+    assert (counts["main"], counts["main_active"]) == (671_026_404_352, 37_552_282_624)
+    assert (counts["mtp"], counts["total"]) == (11_610_067_968, 682_636_472_320)
+    assert counts["total"] + 2 * cfg.vocab_size * cfg.dim == 684_489_830_400
+    layer_attention = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert layer_attention == 187_107_328  # DeepSeek-V3's MLA per layer
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert model.num_params() == counts["total"]
+    assert sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp.")) == counts["mtp"]
+    assert sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.3.attn.")) == layer_attention
 
 
 def test_expert_weights_are_held_as_the_layout_splits_them():

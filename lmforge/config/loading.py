@@ -198,10 +198,14 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     return raw
 
 
-def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = None, validate: bool = True) -> Config:
+def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = None, validate: bool = True,
+                launch: tuple[int, str] | None = None) -> Config:
     """Build a Config from a preset name or TOML path plus dotted overrides, adapt the preset's
     defaults to the layout (`rules.adapt_defaults`: what the user set explicitly, on the command
-    line or in their own TOML file, is never adapted) and validate it."""
+    line or in their own TOML file, is never adapted) and validate it. `launch` = (processes
+    started, who started them) for a run about to train: with expert parallelism and no dp_shard
+    chosen, dp_shard is inferred from it (`rules.infer_dp_shard`); the process count is then checked
+    first, before any rule that derives from the layout (`rules.check_process_count`)."""
     raw: dict[str, Any] = {}
     name = "custom"
     explicit = set(overrides or {})
@@ -216,11 +220,15 @@ def load_config(preset: str | None = "tiny", overrides: dict[str, Any] | None = 
     raw = apply_overrides(raw, overrides or {})
     _upgrade(raw)
     cfg = build_dataclass(Config, raw, "")
+    cfg.explicit_keys = frozenset(explicit)
     if validate:
-        from lmforge.config.rules import adapt_defaults
+        from lmforge.config.rules import adapt_defaults, check_process_count, infer_dp_shard
 
+        inferred = infer_dp_shard(cfg, launch[0], explicit) if launch is not None else None
         cfg.check_sections()  # what was set, before adapt_defaults derives anything from it
-        cfg.adjustments = adapt_defaults(cfg, explicit)
+        if launch is not None:
+            check_process_count(cfg, *launch)
+        cfg.adjustments = ([inferred] if inferred else []) + adapt_defaults(cfg, explicit)
         cfg.validate()
     return cfg
 

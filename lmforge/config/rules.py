@@ -7,6 +7,8 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from lmforge.config.base import ConfigError, divisors
+from lmforge.config.launch import launcher_command
+from lmforge.parallel.formulas import LOOPED, V_SHAPED, stages_per_rank
 
 if TYPE_CHECKING:
     from lmforge.config.sections import Config
@@ -19,9 +21,11 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
 
     * train.micro_batch_size: the presets fix the global batch (the math of a step); the micro-batch
       shrinks to the largest divisor of the per-rank batch (global / dp) that is <= the preset's and
-      leaves >= pp micro-batches per step (a multiple of pp for interleaved 1F1B).
+      leaves the micro-batches per step the pipeline schedule needs (`pipeline_micro_batches_ok`).
     * schedule.warmup_steps: at most a tenth of train.steps when the preset's warmup would not end
       within the run.
+    * train.hang_min_s: half of parallel.timeout_s where that is lower (the watchdog writes the
+      stacks before a collective times out).
     * parallel.fsdp_reduce_every_micro_batch: a preset's true (the large models' presets: their
       unsharded gradients would not fit between micro-batches) is false under pp > 1, where torch's
       pipeline schedule reduces once per step whatever FSDP2 is told.
@@ -29,16 +33,12 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
     """
     t, s, p = cfg.train, cfg.schedule, cfg.parallel
     notes = []
-    if "train.micro_batch_size" not in explicit and t.global_batch_size % p.dp == 0 and not s.batch_rampup_start:
-        per_rank = t.global_batch_size // p.dp
-        need = p.pp if p.pp > 1 else 1
-
-        def fits(m: int) -> bool:
-            accum = per_rank // m
-            return accum >= need and (p.pp_schedule != "interleaved" or p.pp == 1 or accum % p.pp == 0)
-
-        ok = [m for m in divisors(per_rank) if m <= t.micro_batch_size and fits(m)]
+    auto = t.micro_batch_size == "auto"  # (chosen at run start: lmforge.plan.micro_batch)
+    if "train.micro_batch_size" not in explicit and not auto and t.global_batch_size % p.dp == 0 \
+            and not s.batch_rampup_start:
+        ok = [m for m in valid_micro_batches(cfg) if m <= t.micro_batch_size]
         if ok and ok[-1] != t.micro_batch_size:
+            per_rank, need = t.global_batch_size // p.dp, p.pp if p.pp > 1 else 1
             notes.append(f"train.micro_batch_size {t.micro_batch_size} -> {ok[-1]}: the global batch of "
                          f"{t.global_batch_size} sequences is {per_rank} per data-parallel rank (dp {p.dp})"
                          + (f", in >= {need} micro-batches for {p.pp} pipeline stages" if p.pp > 1 else ""))
@@ -47,11 +47,133 @@ def adapt_defaults(cfg: "Config", explicit: set[str]) -> list[str]:
         new = t.steps // 10
         notes.append(f"schedule.warmup_steps {s.warmup_steps} -> {new}: a tenth of the run's {t.steps} steps")
         s.warmup_steps = new
+    if "train.hang_min_s" not in explicit and t.hang_min_s >= p.timeout_s:
+        notes.append(f"train.hang_min_s {t.hang_min_s:g} -> {p.timeout_s / 2:g}: below parallel.timeout_s = "
+                     f"{p.timeout_s:g}, so the hang watchdog writes the stacks before a collective times out")
+        t.hang_min_s = p.timeout_s / 2
     if "parallel.fsdp_reduce_every_micro_batch" not in explicit and p.fsdp_reduce_every_micro_batch and p.pp > 1:
         notes.append("parallel.fsdp_reduce_every_micro_batch true -> false: with pp > 1 the pipeline schedule "
                      "reduces the gradients once per step")
         p.fsdp_reduce_every_micro_batch = False
     return notes
+
+
+def valid_micro_batches(cfg: "Config") -> list[int]:
+    """The micro-batch sizes the layout can run, smallest first: divisors of the global batch per
+    data-parallel rank (global / dp; async SGD: any divisor of the global batch, one worker's
+    gradient per update) that leave the micro-batches per step the pipeline schedule needs
+    (`pipeline_micro_batches_ok`) and keep a batch ramp-up's start and increments multiples of micro x dp."""
+    t, s, p = cfg.train, cfg.schedule, cfg.parallel
+    if p.async_sgd:
+        return divisors(t.global_batch_size)
+    if t.global_batch_size % p.dp:
+        return []
+
+    def ramp_whole(m: int) -> bool:
+        inc = s.batch_rampup_increment or m * p.dp
+        return (s.batch_rampup_start % (m * p.dp) == 0 and inc % (m * p.dp) == 0
+                and 0 < s.batch_rampup_start <= t.global_batch_size
+                and (t.global_batch_size - s.batch_rampup_start) % inc == 0)
+
+    sizes = pipeline_micro_batches(t.global_batch_size // p.dp, p.pp, p.pp_schedule)
+    return [m for m in sizes if not s.batch_rampup_start or ramp_whole(m)]
+
+
+def pipeline_micro_batches(per_rank: int, pp: int, schedule: str) -> list[int]:
+    """The divisors m of a rank's `per_rank` sequences that leave a step's micro-batches the pipeline
+    `schedule` needs (pp > 1: `pipeline_micro_batches_ok`), smallest first."""
+    return [m for m in divisors(per_rank) if pp == 1 or pipeline_micro_batches_ok(per_rank // m, pp, schedule)]
+
+
+def pipeline_micro_batches_ok(count: int, pp: int, schedule: str) -> bool:
+    """Whether a step of `count` micro-batches fills a pipeline of `pp` ranks under `schedule`: at
+    least pp; a multiple of pp for interleaved and interleaved-zb (torch's rounds of pp micro-batches);
+    at least 2 pp, the number of stages, for zbv and dualpipev (torch's DualPipeV requires it; the
+    V fills from it)."""
+    if schedule in V_SHAPED:
+        return count >= 2 * pp
+    return count >= pp and (schedule not in LOOPED or count % pp == 0)
+
+
+MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the degrees whose product is the world size
+PLAINEST = ("dp_shard", "dp_replicate", "tp", "pp", "cp")  # a suggested layout adds these first
+
+
+def infer_dp_shard(cfg: "Config", world: int, explicit: set[str]) -> str | None:
+    """parallel.dp_shard from the process count, in place, for a launched run with expert parallelism
+    whose user did not choose dp_shard (`explicit`): EP borrows its ranks from dp_shard and adds no
+    processes, so `torchrun --nproc-per-node 2 ... --parallel.ep 2` means dp_shard = 2 = world /
+    (dp_replicate x cp x tp x pp). Returns the log line, or None where nothing was inferred (ep = 1,
+    dp_shard chosen, or a world that the other degrees do not divide: the process-count rule then
+    names the mismatch)."""
+    p = cfg.parallel
+    others = [getattr(p, d) for d in MESH_DEGREES if d != "dp_shard"]
+    if p.ep < 2 or "parallel.dp_shard" in explicit or any(not isinstance(v, int) or v < 1 for v in others):
+        return None
+    rest = p.dp_replicate * p.cp * p.tp * p.pp
+    if world % rest or world // rest == p.dp_shard:
+        return None
+    p.dp_shard = world // rest
+    return (f"parallel.dp_shard -> {p.dp_shard}: inferred from the {world} processes started (world / (dp_replicate "
+            f"{p.dp_replicate} x cp {p.cp} x tp {p.tp} x pp {p.pp})); parallel.ep = {p.ep} borrows its ranks from it")
+
+
+def check_process_count(cfg: "Config", world: int, launch: str) -> None:
+    """The first layout rule: the product of the parallel degrees against the processes started
+    (`world`; `launch` says who started them: "torchrun started 2 processes" or "a single process,
+    not launched by torchrun"). It runs before any model or batch rule, so a wrong process count is
+    named first instead of a rule of a degree that was never going to run. The message lists each
+    degree, what was started, and layouts of `world` processes that this model and data allow."""
+    p = cfg.parallel
+    if p.world_size == world:
+        return
+    product = " x ".join(f"{d} {getattr(p, d)}" for d in MESH_DEGREES)
+    typed = [f"parallel.{d} = {getattr(p, d)}" for d in MESH_DEGREES if getattr(p, d) > 1] or ["no parallel degree"]
+    fits = fitting_layouts(cfg, world)
+    options = "; ".join(" ".join(f"--parallel.{d} {v}" for d, v in f.items()) for f in fits if f)
+    if world == 1:
+        other = "or set every parallel degree to 1 to train in this one process."
+    elif options:
+        other = f"or use a layout of {world} processes: {options}."
+    else:
+        other = f"or change the degrees so that their product is {world}."
+    raise ConfigError(
+        f"{', '.join(typed)} needs {p.world_size} processes ({product}), but {launch}; launch "
+        f"`{launcher_command(p.world_size)}`, {other}")
+
+
+def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, int]]:
+    """Up to `most` layouts of exactly `world` processes that pass this model's and data's layout
+    rules (TP degrees, pipeline stages of whole layers, CP chunks), as {degree: value} of the
+    degrees > 1; those closest to what was typed first (the most typed degrees kept, then the
+    fewest degrees changed)."""
+    p, m, d = cfg.parallel, cfg.model, cfg.data
+    tp_ok = set(valid_tp_degrees(cfg))
+    found = []
+
+    def walk(i: int, left: int, chosen: dict[str, int]) -> None:
+        if i == len(MESH_DEGREES):
+            if left == 1:
+                found.append(dict(chosen))
+            return
+        for v in divisors(left):
+            walk(i + 1, left // v, {**chosen, MESH_DEGREES[i]: v})
+
+    walk(0, world, {})
+
+    def allowed(c: dict[str, int]) -> bool:
+        stages = c["pp"] * (stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if c["pp"] > 1 else 1)
+        return (c["tp"] in tp_ok and m.n_layers % stages == 0 and (c["cp"] == 1 or d.seq_len % (2 * c["cp"]) == 0)
+                and c["dp_shard"] % p.ep == 0 and (c["pp"] == 1 or not m.tie_embeddings))
+
+    def closeness(c: dict[str, int]) -> tuple[int, int, int]:
+        kept = sum(1 for k in MESH_DEGREES if getattr(p, k) > 1 and c[k] > 1)
+        changed = sum(1 for k in MESH_DEGREES if c[k] != getattr(p, k))
+        plainest = sum(PLAINEST.index(k) for k in MESH_DEGREES if c[k] > 1)  # data parallel before cp / pp
+        return (-kept, changed, plainest)
+
+    ranked = sorted((c for c in found if allowed(c)), key=closeness)
+    return [{k: v for k, v in c.items() if v > 1} for c in ranked[:most]]
 
 
 def check_cross_section(cfg: "Config") -> None:
@@ -63,6 +185,7 @@ def check_cross_section(cfg: "Config") -> None:
     check_features(cfg)
     check_expert_parallel(cfg)
     check_data_recipes(cfg)
+    check_multi_token_prediction(cfg)
 
 
 def check_data_recipes(cfg: "Config") -> None:
@@ -85,6 +208,34 @@ def check_data_recipes(cfg: "Config") -> None:
     if cfg.finetune.data and (d.stages or d.packing != "concat"):
         raise ConfigError("data.stages and data.packing apply to pre-training token data, not to finetune.data rows "
                           "(those pack with finetune.pack); leave them at their defaults.")
+    if d.attention == "document":
+        m = cfg.model
+        for key, value, why in (
+                ("model.mla.kv_lora_rank", m.mla.kv_lora_rank, "multi-head latent attention builds its own causal "
+                                                               "mask and takes no document mask"),
+                ("model.mtp_depth", m.mtp_depth, "the MTP modules shift each sequence by k tokens, across document "
+                                                 "boundaries")):
+            if value:
+                raise ConfigError(f"data.attention = 'document' is not supported with {key} = {value} yet ({why}); "
+                                  f"set data.attention = 'causal' or {key} = 0.")
+
+
+def check_multi_token_prediction(cfg: "Config") -> None:
+    """model.mtp_depth: the modules shift each sequence by k tokens and reuse the embedding and the head,
+    so they need whole sequences and both ends of the model on one rank."""
+    m, p = cfg.model, cfg.parallel
+    if not m.mtp_depth:
+        return
+    for key, value, why in (("pp", p.pp, "the MTP modules need the embedding (first stage) and the head (last stage)"),
+                            ("cp", p.cp, "the MTP modules shift each sequence by k tokens across the CP chunks"),
+                            ("async_sgd", p.async_sgd, "its loop computes the language-model loss only")):
+        if value not in (1, False):
+            raise ConfigError(f"model.mtp_depth = {m.mtp_depth} is not supported with parallel.{key} = {value} yet "
+                              f"({why}); set model.mtp_depth = 0 or parallel.{key} to its default.")
+    if p.sequence_parallel:
+        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} is not supported with parallel.sequence_parallel = true "
+                          f"yet (the MTP modules' norms and projection are not sequence-parallel modules); set "
+                          f"parallel.sequence_parallel = false or model.mtp_depth = 0.")
 
 
 def check_expert_parallel(cfg: "Config") -> None:
@@ -116,6 +267,19 @@ def check_batch(cfg: "Config") -> None:
     if s.warmup_steps >= t.steps:
         raise ConfigError(f"schedule.warmup_steps = {s.warmup_steps} must be < train.steps = {t.steps}; lower the "
                           f"warmup or train longer.")
+    if s.batch_rampup_start and (p.pp > 1 or p.async_sgd):
+        raise ConfigError(f"schedule.batch_rampup_start with parallel.{'pp > 1' if p.pp > 1 else 'async_sgd'}: "
+                          "the pipeline schedule / parameter server has a fixed batch; turn the batch ramp-up off.")
+    if t.micro_batch_size == "auto":  # chosen at run start among the sizes the layout can run
+        if not valid_micro_batches(cfg):
+            raise ConfigError(
+                f"train.micro_batch_size = 'auto': no micro-batch fits the layout: train.global_batch_size = "
+                f"{t.global_batch_size} must be divisible by the data-parallel degree ({p.dp} = parallel.dp_replicate "
+                f"x parallel.dp_shard)" + (f", leave >= parallel.pp = {p.pp} micro-batches per step" if p.pp > 1
+                                           else "") + (", and keep schedule.batch_rampup_start and its increment "
+                                                       "multiples of micro-batch x dp" if s.batch_rampup_start else "")
+                + "; change train.global_batch_size or set train.micro_batch_size to a number.")
+        return
     per_step = t.micro_batch_size * p.dp
     if s.batch_rampup_start:
         inc = s.batch_rampup_increment or per_step
@@ -127,9 +291,6 @@ def check_batch(cfg: "Config") -> None:
             raise ConfigError(
                 f"schedule.batch_rampup_start = {s.batch_rampup_start} must be <= train.global_batch_size = "
                 f"{t.global_batch_size}, and their difference a multiple of the increment {inc}.")
-        if p.pp > 1 or p.async_sgd:
-            raise ConfigError(f"schedule.batch_rampup_start with parallel.{'pp > 1' if p.pp > 1 else 'async_sgd'}: "
-                              "the pipeline schedule / parameter server has a fixed batch; turn the batch ramp-up off.")
     if p.async_sgd:  # each server update is one worker's micro-batch: the global batch does not apply
         return
     if t.global_batch_size % per_step:
@@ -196,16 +357,20 @@ def check_context_parallel(cfg: "Config") -> None:
 
 
 def check_pipeline(cfg: "Config") -> None:
-    """Stages of whole layers, enough micro-batches to fill them, embedding and head apart."""
+    """Stages of whole layers, enough micro-batches to fill them, embedding and head apart; what the
+    zero-bubble schedules' split backward rules out (torch.compile, selective checkpointing)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    v = p.pp_virtual_stages
-    stages = p.pp * (v if p.pp > 1 else 1)
+    v = p.stages_per_rank
+    stages = p.pp * v
     if m.n_layers % stages:
-        what = f"parallel.pp = {p.pp}" + (f" x parallel.pp_virtual_stages = {v} = {stages} pipeline stages"
-                                          if p.pp > 1 and v > 1 else "")
+        per = (f"parallel.pp_virtual_stages = {v}" if p.pp_schedule in LOOPED else
+               f"{v} stages per rank ({p.pp_schedule})")
+        what = f"parallel.pp = {p.pp}" + (f" x {per} = {stages} pipeline stages" if v > 1 else "")
         raise ConfigError(f"{what} must divide model.n_layers = {m.n_layers}; "
                           f"choose a divisor of {m.n_layers} or change n_layers.")
-    if p.pp == 1:
+    if p.split_backward:
+        check_split_backward(cfg)
+    if p.pp == 1 or t.micro_batch_size == "auto":  # (auto: only sizes that fill the pipeline are chosen)
         return
     accum = cfg.grad_accum_steps
     if accum < p.pp:
@@ -213,18 +378,43 @@ def check_pipeline(cfg: "Config") -> None:
             f"parallel.pp = {p.pp}: the pipeline runs the step's {accum} micro-batch(es) (global_batch_size "
             f"{t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x dp {p.dp})), fewer than the "
             f"stages; lower train.micro_batch_size so there are >= {p.pp} micro-batches per step.")
-    if p.pp_schedule == "interleaved" and accum % p.pp:
+    if not pipeline_micro_batches_ok(accum, p.pp, p.pp_schedule):
+        need = f">= 2 x parallel.pp = {2 * p.pp} (its stages)" if p.pp_schedule in V_SHAPED else \
+            f"a multiple of parallel.pp = {p.pp}"
         raise ConfigError(
-            f"parallel.pp_schedule = 'interleaved': the step's {accum} micro-batches must be a multiple of "
-            f"parallel.pp = {p.pp}; change train.micro_batch_size or train.global_batch_size.")
+            f"parallel.pp_schedule = {p.pp_schedule!r}: the step's {accum} micro-batches must be {need}; change "
+            f"train.micro_batch_size or train.global_batch_size.")
     if m.tie_embeddings:
         raise ConfigError("parallel.pp > 1 with model.tie_embeddings = true: the embedding (first stage) and "
-                          "the output head (last stage) live on different ranks; set model.tie_embeddings = false.")
+                          "the output head (last stage) live in different stage modules; set "
+                          "model.tie_embeddings = false.")
+
+
+def check_split_backward(cfg: "Config") -> None:
+    """The zero-bubble schedules run each backward as an input-gradient pass and a later weight-gradient
+    pass through the same autograd graph (torch's stage_backward_input / stage_backward_weight)."""
+    t, p = cfg.train, cfg.parallel
+    if t.compile is True:
+        raise ConfigError(
+            f"train.compile = true with parallel.pp_schedule = {p.pp_schedule!r}: torch's zero-bubble schedules "
+            f"do not run compiled stage modules (their split backward; pytorch/pytorch#161904); set "
+            f"train.compile = false (or 'auto'), or pp_schedule = 'interleaved'.")
+    if t.activation_checkpoint == "selective":
+        raise ConfigError(
+            f"train.activation_checkpoint = 'selective' with parallel.pp_schedule = {p.pp_schedule!r}: selective "
+            f"checkpointing allows one backward through a checkpointed region, and the split backward runs two "
+            f"(the input gradient, then the weight gradient: torch raises \"Trying to backward an extra time\"); "
+            f"use activation_checkpoint = 'full' or 'every_k', or pp_schedule = 'interleaved'.")
 
 
 def check_features(cfg: "Config") -> None:
-    """Training features against the layout: loss_chunk, fp16, fp8, periodic checkpoints of async SGD."""
+    """Training features against the layout: loss_chunk, fp16, fp8, periodic checkpoints of async SGD,
+    the hang watchdog before the collective timeout."""
     t, p = cfg.train, cfg.parallel
+    if t.hang_factor > 0 and t.hang_min_s >= p.timeout_s:
+        raise ConfigError(f"train.hang_min_s = {t.hang_min_s:g} must be below parallel.timeout_s = {p.timeout_s:g}: the "
+                          f"hang watchdog writes the stacks before a collective times out; lower train.hang_min_s "
+                          f"(or raise parallel.timeout_s).")
     if t.loss_chunk != "auto" and t.loss_chunk and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"train.loss_chunk = {t.loss_chunk} is not supported with parallel.tp = {p.tp} / "
                           f"parallel.pp = {p.pp} yet; set train.loss_chunk = 0 (or 'auto').")
@@ -237,6 +427,10 @@ def check_features(cfg: "Config") -> None:
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError("train.fp8 = true needs the torchao package (torchao.float8), which is not "
                               "installed: `pip install torchao`, or set train.fp8 = false.")
+    if p.async_sgd and (t.ema_decay or t.eval_tasks):
+        key = "train.ema_decay" if t.ema_decay else "train.eval_tasks"
+        raise ConfigError(f"{key} is not supported with parallel.async_sgd = true (the parameter server's loop keeps "
+                          f"no EMA and scores no tasks); unset {key} or use a synchronous layout.")
     if p.async_sgd and cfg.checkpoint.every_steps:
         raise ConfigError("parallel.async_sgd = true does not write periodic checkpoints (the parameter "
                           "server's state is not checkpointed yet; checkpoint.every_minutes is ignored); set "
@@ -302,7 +496,8 @@ COMPILE_FASTER_ON: frozenset[str] = frozenset({"cuda"})
 COMPILE_MIN_CAPABILITY = (7, 0)  # Triton (inductor's GPU backend) needs a Volta or newer GPU
 
 
-def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None) -> tuple[bool, str]:
+def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int] | None = None,
+                    gpu_compiles: bool | None = None) -> tuple[bool, str]:
     """train.compile as the layout applies it, and why (one phrase for the run's log): the configured
     true / false, or for "auto" on where per-block torch.compile was measured faster
     (COMPILE_FASTER_ON: CUDA) and can run (Triton installed; `capability`, the GPU's compute
@@ -312,10 +507,15 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     for Mixture-of-Experts models (fp32 on CPU, torch 2.13: dynamo's fake-tensor rule of
     torch._grouped_mm wants bf16 inputs, so the first compiled step raises; and the routed experts'
     shapes depend on the data: graph breaks, recompiles) and everywhere else. PP and FSDP2 with
-    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile)."""
+    compile match one process (parity_layouts.py --case pp2-1f1b-compile / fsdp2-compile).
+    `gpu_compiles` (lmforge plan, which plans for a GPU it does not run on): whether the GPU can
+    compile, instead of looking for Triton here."""
     t = cfg.train
     if t.compile != "auto":
         return t.compile, f"train.compile = {str(t.compile).lower()}"
+    if cfg.parallel.split_backward:
+        return False, (f"auto: off with parallel.pp_schedule = {cfg.parallel.pp_schedule!r} (torch's zero-bubble "
+                       f"schedules do not run compiled stages: pytorch/pytorch#161904)")
     if device_type not in COMPILE_FASTER_ON:
         return False, (f"auto: off on {device_type}: a compile of tens of seconds for a few % per step, "
                        f"benchmarks/RESULTS.md; set train.compile = true for a long run")
@@ -325,7 +525,8 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     if cfg.model.moe.num_experts > 0:
         return False, ("auto: off for Mixture-of-Experts models (compiled MoE blocks fail in torch._grouped_mm's "
                        "tracing on CPU and have data-dependent shapes); set train.compile = true to try it")
-    blocker = gpu_compile_blocker(capability)
+    blocker = gpu_compile_blocker(capability) if gpu_compiles is None else (
+        None if gpu_compiles else "the GPU cannot compile")
     if blocker:
         return False, f"auto: off on {device_type}: {blocker}"
     return True, f"auto: on on {device_type} (per-block compile measured 1.19x tokens/s on an H100: benchmarks/RESULTS.md)"

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from lmforge.config.base import ConfigError, at_least, divisors
 from lmforge.config.base import doc_field as _f
 from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY, names_with
+from lmforge.parallel.formulas import LOOPED, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 
 # --------------------------------------------------------------------------------------------
@@ -32,7 +33,10 @@ class MoEConfig:
     router: Literal["softmax", "sigmoid"] = _f("softmax", "Router scores: softmax over the experts, top-k taken from it (Mixtral, Qwen3-MoE), or per-expert sigmoid scores with a selection bias (DeepSeek-V3; the bias moves only with bias_update_rate).")
     renormalize: bool = _f(True, "Divide the top-k weights of a token by their sum (Mixtral, Qwen3 norm_topk_prob, DeepSeek-V3); false = the raw softmax / sigmoid scores.")
     route_scale: float = _f(1.0, "Multiply the routed experts' weights by this (DeepSeek-V3 routed_scaling_factor 2.5).")
+    n_groups: int = _f(1, "Group-limited routing (DeepSeek-V3's node-limited routing: 8 groups): the experts are cut into this many equal groups; each token first picks model.moe.topk_groups groups by the sum of the two highest (biased) scores in each, then its top_k experts inside them. 1 = no groups. Must divide num_experts.")
+    topk_groups: int = _f(1, "Group-limited routing: the groups each token may route to (DeepSeek-V3 4 of 8). Ignored when model.moe.n_groups = 1; needs topk_groups x experts per group >= top_k.")
     aux_loss_coef: float = _f(0.01, "Coefficient of the load-balancing loss E * sum_i f_i P_i (Switch / Mixtral; f_i: share of the token-expert assignments to expert i, P_i: mean router probability), with f and P over the micro-batch's tokens of all data-parallel ranks (global-batch balancing, as Qwen3). 0 = off (DeepSeek-V3 uses the bias update instead).")
+    seq_aux_loss_coef: float = _f(0.0, "Coefficient alpha of DeepSeek-V3's complementary sequence-wise balance loss alpha * sum_i f_i P_i computed per sequence and averaged over the sequences (f_i = E / (top_k T) x the sequence's assignments to expert i, P_i = the mean over the sequence's T tokens of expert i's normalised score), beside the batch-wise aux_loss_coef. Its value (before alpha) is in the metrics as moe/<block>/seq_aux_loss. 0 = off (DeepSeek-V3: 0.0001).")
     z_loss_coef: float = _f(0.0, "Coefficient of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE; 1e-3 there). 0 = off.")
     bias_update_rate: float = _f(0.0, "Auxiliary-loss-free balancing (DeepSeek-V3): after every optimizer step each expert's selection bias moves by this rate towards balance (+rate if the expert got fewer than the mean assignments in the step, -rate if more). The bias only changes which experts are chosen, not their weights. 0 = off (DeepSeek-V3: 1e-3).")
     capacity_factor: float = _f(0.0, "0 = dropless (every assignment is computed). > 0: each expert takes at most ceil(capacity_factor x tokens x top_k / num_experts) assignments of a micro-batch on a rank, in token order; the overflow is dropped (the token keeps only its residual and other experts) and counted in the metrics.")
@@ -49,8 +53,9 @@ class MoEConfig:
     def check(self, activation: str = "swiglu", n_layers: int | None = None) -> None:
         at_least(0, "model.moe", num_experts=self.num_experts, shared_experts=self.shared_experts,
                  first_dense=self.first_dense, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
-                 bias_update_rate=self.bias_update_rate, capacity_factor=self.capacity_factor)
-        at_least(1, "model.moe", top_k=self.top_k, every=self.every)
+                 bias_update_rate=self.bias_update_rate, capacity_factor=self.capacity_factor,
+                 seq_aux_loss_coef=self.seq_aux_loss_coef)
+        at_least(1, "model.moe", top_k=self.top_k, every=self.every, n_groups=self.n_groups, topk_groups=self.topk_groups)
         if not self.enabled:
             return
         if self.top_k > self.num_experts:
@@ -66,9 +71,58 @@ class MoEConfig:
         if n_layers is not None and self.first_dense >= n_layers:
             raise ConfigError(f"model.moe.first_dense = {self.first_dense} leaves no MoE block of model.n_layers = "
                               f"{n_layers}; lower first_dense or set model.moe.num_experts = 0.")
+        self.check_groups()
         if self.router == "softmax" and self.top_k == 1 and self.renormalize:
             raise ConfigError("model.moe.router = 'softmax' with top_k = 1 and renormalize = true gives every token "
                               "weight 1 and the router no gradient; set model.moe.renormalize = false (Switch).")
+
+    def check_groups(self) -> None:
+        """Rules of group-limited routing (n_groups, topk_groups)."""
+        if self.n_groups == 1:
+            return
+        if self.num_experts % self.n_groups:
+            raise ConfigError(f"model.moe.n_groups = {self.n_groups} must divide model.moe.num_experts = "
+                              f"{self.num_experts}; choose among {divisors(self.num_experts)}.")
+        per = self.num_experts // self.n_groups
+        if per < 2:
+            raise ConfigError(f"model.moe.n_groups = {self.n_groups} leaves {per} expert per group; a group is "
+                              f"scored by its two best experts: choose n_groups <= {self.num_experts // 2}.")
+        if not self.topk_groups <= self.n_groups or self.topk_groups * per < self.top_k:
+            raise ConfigError(f"model.moe.topk_groups = {self.topk_groups} must be <= n_groups = {self.n_groups} and "
+                              f"hold top_k = {self.top_k} experts ({per} per group): choose topk_groups >= "
+                              f"{-(-self.top_k // per)}.")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (`model.mla.*`; lmforge.model.mla; DeepSeek-V2 / V3): keys and values
+    come from one low-rank latent per token, queries optionally from another, and a narrow decoupled
+    RoPE key is shared by the heads, so a token's KV cache (and the context-parallel all-gather) is
+    kv_lora_rank + qk_rope_head_dim numbers instead of 2 x heads x head_dim. Off while kv_lora_rank = 0."""
+
+    kv_lora_rank: int = _f(0, "Width of the compressed key/value latent c_KV (an RMSNorm on it; DeepSeek-V3 512). 0 = standard attention (the other model.mla keys unused).")
+    q_lora_rank: int = _f(0, "Width of the compressed query latent c_Q (with its RMSNorm; DeepSeek-V3 1536). 0 = queries projected from the hidden state by one matrix (DeepSeek-V2-Lite).")
+    qk_nope_head_dim: int = _f(128, "Per-head width of the query and key parts without positions, up-projected from the latents (DeepSeek-V3 128).")
+    qk_rope_head_dim: int = _f(64, "Per-head width of the query part that carries RoPE, and the width of the decoupled RoPE key: one per token, projected from the hidden state and shared by every head (DeepSeek-V3 64). Even.")
+    v_head_dim: int = _f(128, "Per-head value width (DeepSeek-V3 128); the output projection takes n_heads x v_head_dim.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query / key head's width: the position-free part + the RoPE part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def check(self) -> None:
+        at_least(0, "model.mla", kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank)
+        if not self.enabled:
+            return
+        at_least(1, "model.mla", qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                 v_head_dim=self.v_head_dim)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.mla.qk_rope_head_dim = {self.qk_rope_head_dim} must be even (RoPE rotates pairs).")
 
 
 @dataclass
@@ -95,18 +149,30 @@ class ModelConfig:
     qkv_bias: bool | None = _f(None, "Biases on the q, k and v projections only (Qwen2 / Qwen2.5: true with bias = false). None = model.bias. Under tensor parallelism they are split with their weights (column-parallel).")
     fused_qkv: bool = _f(True, "One matmul for q, k and v (`attn.wqkv`) instead of three (`attn.wq/wk/wv`; false): measured 4.4% more tokens/s for GPT-2 124M on an H100 (benchmarks/RESULTS.md). Rows grouped by kv head (Megatron's layout: for each kv head g, g's query heads, then k_g, then v_g), so tensor parallelism splits it with a plain row split and checkpoints reshard across TP degrees. Same initial values as the separate projections; HF import/export map q_proj/k_proj/v_proj; checkpoints saved with the other layout load (converted on load). LoRA: targets naming any of wq, wk, wv (all, or some, e.g. wq,wv) put on those parts of the fused layer the adapters the separate layers would get (the same function, gradients, trainable count and initial values; checkpoints resume across layouts); 'wqkv' puts one adapter over all of it. Muon orthogonalises q, k and v apart, as it does the separate matrices (lmforge.optim.muon); element-wise optimizers (AdamW) update identically.")
     qk_norm: bool = _f(False, "QK-norm (Qwen3): an RMSNorm over head_dim (one weight of head_dim values, eps = model.norm_eps) applied to every query and key head before RoPE. Needs model.norm = 'rmsnorm'. Under tensor parallelism the weights are replicated and the heads sharded.")
-    rope_scaling: Literal["none", "llama3", "linear"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), or 'none'.")
+    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), 'yarn' (YaRN, DeepSeek-V3's context extension: the frequencies of dimensions that turn fewer than rope_beta_slow times over the original context divided by rope_factor, those that turn more than rope_beta_fast times kept, a linear ramp between; the cos / sin tables times the attention factor 0.1 ln(rope_factor) + 1 (or its ratio for rope_mscale / rope_mscale_all_dim), as transformers computes it), or 'none'.")
     rope_factor: float = _f(8.0, "rope_scaling 'llama3' / 'linear': the scaling factor (Llama 3.1: 8, Llama 3.2: 32). Must be >= 1.")
     rope_low_freq_factor: float = _f(1.0, "rope_scaling 'llama3' only: low-frequency factor (Llama 3.x: 1).")
     rope_high_freq_factor: float = _f(4.0, "rope_scaling 'llama3' only: high-frequency factor (Llama 3.x: 4). Must be > rope_low_freq_factor.")
-    rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' only: the context length the model was pre-trained at before scaling (Llama 3.x: 8192).")
+    rope_original_max_seq_len: int = _f(8192, "rope_scaling 'llama3' / 'yarn': the context length the model was pre-trained at before scaling (Llama 3.x: 8192, DeepSeek-V3: 4096).")
+    rope_beta_fast: float = _f(32.0, "rope_scaling 'yarn' only: dimensions turning more than this many times over the original context keep their frequency (YaRN beta, DeepSeek-V3: 32).")
+    rope_beta_slow: float = _f(1.0, "rope_scaling 'yarn' only: dimensions turning fewer than this many times are fully interpolated (YaRN alpha, DeepSeek-V3: 1).")
+    rope_mscale: float = _f(0.0, "rope_scaling 'yarn' only: with rope_mscale_all_dim, the attention factor applied to the cos / sin tables is mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), mscale(s, m) = 0.1 m ln(s) + 1 (DeepSeek-V3: 1 and 1, a factor of 1); 0 = unset (the factor is mscale(factor, 1)).")
+    rope_mscale_all_dim: float = _f(0.0, "rope_scaling 'yarn' only: see rope_mscale; also, in multi-head latent attention (model.mla), the softmax scale is multiplied by mscale(factor, rope_mscale_all_dim)^2, as DeepSeek-V3 does (DeepSeek-V3: 1). 0 = unset.")
     sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean (seq x keys) mask built per forward (per chunk under context parallelism), which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
     attn_head_dim: int | None = _f(None, "Width of each attention head; None = dim / n_heads. Set where heads x head_dim differs from dim (Qwen3-30B-A3B: 32 heads of 128 on dim 2048).")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
+    mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "Multi-head latent attention (off by default)."})
+    mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1; lmforge.model.mtp): D sequential modules after the main model; module k takes the previous depth's hidden states (the main model's for k = 1) and the embedding of the token k ahead, [RMSNorm(embedding); RMSNorm(hidden)] projected to dim, through one transformer block (MoE where model.moe makes block n_layers + k - 1 one), its own final norm and the shared output head, and predicts the token k + 1 ahead. The embedding and head are the main model's. Trained only (evaluation and generation ignore it); its losses per depth are in the metrics (mtp_loss_1 .. mtp_loss_D). 0 = off.")
+    mtp_loss_weight: float = _f(0.3, "lambda: the training objective is the language-model loss + lambda / D x the sum of the D depths' losses, each the summed NLL of its targets over the same token count as the main loss (the paper's 1/T). DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1.")
 
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: a head (or, with model.mla, the decoupled RoPE part of one)."""
+        return self.mla.qk_rope_head_dim if self.mla.enabled else self.head_dim
 
     @property
     def attn_qkv_bias(self) -> bool:
@@ -136,7 +202,7 @@ class ModelConfig:
                               f"n_heads among {divisors(self.dim)}, change dim, or set model.attn_head_dim.")
         if self.attn_head_dim is not None and self.attn_head_dim < 1:
             raise ConfigError(f"model.attn_head_dim = {self.attn_head_dim} must be >= 1 (or unset for dim / n_heads).")
-        if self.head_dim % 2 and self.pos_emb == "rope":
+        if self.head_dim % 2 and self.pos_emb == "rope" and not self.mla.enabled:
             raise ConfigError(f"RoPE needs an even head dimension, but model.dim / model.n_heads = {self.head_dim}.")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"model.n_kv_heads = {self.n_kv_heads} must divide model.n_heads = {self.n_heads}; "
@@ -147,6 +213,22 @@ class ModelConfig:
             raise ConfigError(f"model.dropout = {self.dropout} must be in [0, 1).")
         self.check_attention_options()
         self.moe.check(self.activation, self.n_layers)
+        self.mla.check()
+        self.check_mla()
+        at_least(0, "model", mtp_depth=self.mtp_depth, mtp_loss_weight=self.mtp_loss_weight)
+
+    def check_mla(self) -> None:
+        """What multi-head latent attention (model.mla) does not combine with."""
+        if not self.mla.enabled:
+            return
+        clash = {"pos_emb": (self.pos_emb, "rope"), "n_kv_heads": (self.n_kv_heads, None),
+                 "qk_norm": (self.qk_norm, False), "sliding_window": (self.sliding_window, 0),
+                 "bias": (self.bias, False), "qkv_bias": (self.attn_qkv_bias, False)}
+        for key, (value, needed) in clash.items():
+            if value != needed and not (key == "n_kv_heads" and value == self.n_heads):
+                raise ConfigError(f"model.{key} = {value!r} does not apply to multi-head latent attention "
+                                  f"(model.mla.kv_lora_rank = {self.mla.kv_lora_rank}); set model.{key} = "
+                                  f"{needed!r} or model.mla.kv_lora_rank = 0.")
 
     def check_attention_options(self) -> None:
         """Rules of the RoPE-scaling, QK-norm and sliding-window keys."""
@@ -156,8 +238,13 @@ class ModelConfig:
                                   f"model.rope_scaling = 'none' for learned positions.")
             if self.rope_factor < 1.0:
                 raise ConfigError(f"model.rope_factor = {self.rope_factor} must be >= 1.")
-        if self.rope_scaling == "llama3":
+        if self.rope_scaling in ("llama3", "yarn"):
             at_least(1, "model", rope_original_max_seq_len=self.rope_original_max_seq_len)
+        if self.rope_scaling == "yarn" and not 0 < self.rope_beta_slow < self.rope_beta_fast:
+            raise ConfigError(f"model.rope_beta_slow = {self.rope_beta_slow} and model.rope_beta_fast = "
+                              f"{self.rope_beta_fast} must satisfy 0 < slow < fast (YaRN, DeepSeek-V3: 1 and 32).")
+        at_least(0, "model", rope_mscale=self.rope_mscale, rope_mscale_all_dim=self.rope_mscale_all_dim)
+        if self.rope_scaling == "llama3":
             if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
                 raise ConfigError(f"model.rope_low_freq_factor = {self.rope_low_freq_factor} and "
                                   f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must satisfy "
@@ -297,11 +384,11 @@ class TrainConfig:
 
     steps: int = _f(600, "Optimizer steps to run.")
     global_batch_size: int = _f(32, "Sequences per optimizer step across all data-parallel ranks.")
-    micro_batch_size: int = _f(16, "Sequences per forward/backward on one rank; the rest is gradient accumulation.")
+    micro_batch_size: int | Literal["auto"] = _f(16, "Sequences per forward/backward on one rank; the rest is gradient accumulation. 'auto': chosen at run start (rule: lmforge.plan.micro_batch.choose_micro_batch; the run's log says what it chose and why): the largest micro-batch that divides the global batch per data-parallel rank (leaving >= pp micro-batches per step under a pipeline, a multiple of pp for interleaved 1F1B, and the batch ramp-up's steps whole) and that `lmforge plan`'s memory model (lmforge convention) fits in 85% of the memory free at run start (the rest: the plan's error, cuBLAS / cuDNN workspaces, allocator fragmentation); on a CPU at most 16, fitted in 85% of the RAM available. Larger micro-batches mean fewer, larger kernels and fewer launches per step.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "Compute precision: bf16 autocast (fp32 master weights), fp16 autocast with GradScaler, fp32, or auto: decided once, by rank 0 for every rank, from the hardware (bf16 on GPUs with bf16 tensor cores and on CPUs with AMX-BF16 / AVX512-BF16 units, else fp16 on older GPUs and fp32 on CPUs); a resumed auto run keeps the precision its checkpoint records.")
     activation_checkpoint: Literal["none", "full", "every_k", "selective"] = _f("none", "Recompute activations in backward: none, every block (full), every k-th block (every_k), or selective (attention only).")
     ac_every: int = _f(2, "For activation_checkpoint = 'every_k': checkpoint one block in every ac_every.")
-    compile: bool | Literal["auto"] = _f("auto", "Compile each transformer block with torch.compile (true / false), or 'auto': on where it was measured faster and the layout is known to compile well, off elsewhere (rule: lmforge.config.rules.resolve_compile; the run's log says what it chose and why). auto = on on CUDA GPUs with Triton (GPT-2 124M on an H100: 1.19x tokens/s, benchmarks/RESULTS.md), off on CPUs (measured a few % faster per step after a compile of tens of seconds, which runs of fewer than a few hundred steps and the tests never earn back: benchmarks/RESULTS.md) and off with parallel.tp > 1 (compiled blocks failed in DTensor's backward: benchmarks/parity_layouts.py --case tp2-compile) or a Mixture-of-Experts model (model.moe.num_experts > 0: compiled MoE blocks failed to trace torch._grouped_mm on CPU; data-dependent expert shapes).")
+    compile: bool | Literal["auto"] = _f("auto", "Compile each transformer block with torch.compile (true / false), or 'auto': on where it was measured faster and the layout is known to compile well, off elsewhere (rule: lmforge.config.rules.resolve_compile; the run's log says what it chose and why). auto = on on CUDA GPUs with Triton (GPT-2 124M on an H100: 1.19x tokens/s, benchmarks/RESULTS.md), off on CPUs (measured a few % faster per step after a compile of tens of seconds, which runs of fewer than a few hundred steps and the tests never earn back: benchmarks/RESULTS.md) and off with parallel.tp > 1 (compiled blocks failed in DTensor's backward: benchmarks/parity_layouts.py --case tp2-compile) or a Mixture-of-Experts model (model.moe.num_experts > 0: compiled MoE blocks failed to trace torch._grouped_mm on CPU; data-dependent expert shapes); off (and true refused) with the zero-bubble pipeline schedules (parallel.pp_schedule interleaved-zb / zbv / dualpipev: pytorch/pytorch#161904).")
     loss_chunk: int | Literal["auto"] = _f("auto", "Compute the cross-entropy fused with the output projection over chunks of this many tokens (lmforge.model.loss), so the [batch, seq, vocab] logits are never materialised: memory of one chunk of logits instead of all, same FLOPs (the gradients are formed in the forward pass); same loss to float rounding. 0 = off (the plain logits + F.cross_entropy). 'auto' = 4096-token chunks wherever the fused loss is not slower than the plain logits (measured on CPUs: faster in fp32; in bf16 autocast not shown faster, so off there, benchmarks/fused_head.py; on GPUs on, and the GPU suite's head-loss row checks the choice), with model.vocab_size >= 8192 and parallel.tp = parallel.pp = 1 (with TP the loss is torch's vocab-parallel loss_parallel), else 0 (rule: lmforge.config.rules.resolve_loss_chunk). Not with parallel.tp > 1 or parallel.pp > 1.")
     fp8: bool = _f(False, "Train the transformer blocks' nn.Linear layers with FP8 matmuls (torchao.float8 dynamic scaling; the output projection stays in the run's precision). Needs the `torchao` package and a CUDA GPU with FP8 tensor cores (compute capability >= 8.9: L4, H100, H200, B200).")
     seed: int = _f(1337, "Seed for initialisation, data order and sampling.")
@@ -319,13 +406,33 @@ class TrainConfig:
     spike_threshold: float = _f(0.3, "Health: report a loss_spike event when a step's loss exceeds (1 + this) x the running mean of the loss (0 = off).")
     health_window: int = _f(50, "Health: steps per window for the grad-norm growth check (median of the last window vs. the lowest window median of the run).")
     grad_growth_factor: float = _f(2.0, "Health: warn (grad_norm_growth event) when the windowed grad-norm median grows to more than this factor x its lowest value so far (0 = off).")
+    straggler_ratio: float = _f(1.2, "Stragglers (lmforge.train.stragglers): name a rank whose own step time (its data loading and optimizer step, the quickest rank's compute; waits for other ranks excluded) exceeds this x the median rank's, on rank 0's console and as a `straggler` event with its host and phase. Every log window's slowest and fastest rank and their ratio go to the metrics.")
+    straggler_windows: int = _f(3, "Stragglers: log windows in a row a rank must be over train.straggler_ratio before it is named.")
+    hang_factor: float = _f(10.0, "Hang watchdog (lmforge.train.watchdog): a training step not finished after this x the recent median step time (at least train.hang_min_s) is a hang: every thread's stack of every stuck rank goes to <out_dir>/hang/<rank>.txt and a `hang` event is logged (0 = off).")
+    hang_min_s: float = _f(120.0, "Hang watchdog: the least seconds a step may take before it counts as a hang; must be below parallel.timeout_s, so the stacks are written before a collective times out.")
+    hang_action: Literal["exit", "wait"] = _f("exit", "Hang watchdog: after writing the stacks, exit with code 76 (the launcher ends the other ranks; a scheduler restarts from the last checkpoint), or keep waiting (the collective timeout ends the run).")
     profile_steps: str = _f("", "Trace these optimizer steps with torch.profiler, e.g. '10-12' or '5,20' (1-based; empty = off); traces go to <out_dir>/profile.")
     plot: bool = _f(True, "At the end of training, write loss/LR/grad-norm/throughput plots (PNG) into <out_dir>/report when matplotlib is installed.")
+    ema_decay: float = _f(0.0, "Exponential moving average of the weights (lmforge.train.ema): after the optimizer step, ema = decay x ema + (1 - decay) x weights, in fp32, every rank holding the EMA of its own shards (FSDP2 / TP / PP / EP: 4 bytes per parameter of its share; `lmforge plan` counts it). Saved in checkpoints, validated beside the live weights at every validation (val_loss_ema), written at the end as <out_dir>/model.ema.safetensors (`lmforge export --ema`, `lmforge eval --ema`). 0 = off; e.g. 0.99 averages over ~100 updates, 0.999 over ~1000.")
+    ema_start_step: int = _f(0, "EMA: the first optimizer step it includes: at that step the EMA starts as a copy of the weights (leave out warmup, or start it with a WSD schedule's stable phase).")
+    ema_every: int = _f(1, "EMA: update it after every this many optimizer steps (the decay applies per update, so it averages over ~ema_every / (1 - ema_decay) steps).")
+    eval_tasks: str = _f("", "Zero-shot multiple-choice tasks scored inside training (lmforge.train.eval_tasks), comma-separated: local jsonl files in `lmforge eval --mc`'s format, or 'shakespeare-cloze' (shipped with lmforge: a 4-way cloze built from the default corpus's validation text, never trained on). Accuracy and byte-normalised accuracy go to metrics.jsonl, TensorBoard and the report; they run on the sharded model. Nothing is downloaded. '' = none.")
+    eval_tasks_every: int = _f(0, "Score train.eval_tasks every this many optimizer steps (0 = at every validation, train.eval_every); also before the first step and at the end.")
+    eval_tasks_max_examples: int = _f(200, "Score at most the first N items of each task (bounds the cost: the run's log states each evaluation's items, forward passes and seconds).")
 
     def check(self) -> None:
-        at_least(1, "train", steps=self.steps, global_batch_size=self.global_batch_size,
-                  micro_batch_size=self.micro_batch_size, ac_every=self.ac_every, log_every=self.log_every,
-                  eval_sequences=self.eval_sequences)
+        at_least(1, "train", steps=self.steps, global_batch_size=self.global_batch_size, ac_every=self.ac_every,
+                  log_every=self.log_every, eval_sequences=self.eval_sequences, straggler_windows=self.straggler_windows,
+                  **({} if self.micro_batch_size == "auto" else {"micro_batch_size": self.micro_batch_size}))
+        if self.straggler_ratio <= 1.0:
+            raise ConfigError(f"train.straggler_ratio = {self.straggler_ratio} must be > 1 (a rank slower than this x "
+                              f"the median is named; e.g. 1.2).")
+        at_least(0, "train", hang_factor=self.hang_factor, hang_min_s=self.hang_min_s)
+        at_least(0, "train", ema_start_step=self.ema_start_step, eval_tasks_every=self.eval_tasks_every)
+        at_least(1, "train", ema_every=self.ema_every, eval_tasks_max_examples=self.eval_tasks_max_examples)
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"train.ema_decay = {self.ema_decay} must be in [0, 1): 0 = no EMA of the weights, "
+                              f"e.g. 0.999 to average over ~1000 updates.")
         at_least(0, "train", eval_every=self.eval_every, sample_tokens=self.sample_tokens, threads=self.threads,
                   **({} if self.loss_chunk == "auto" else {"loss_chunk": self.loss_chunk}))
         if self.fp8 and self.device == "cpu":
@@ -344,7 +451,7 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel degree (must divide n_heads and kv heads).")
     pp: int = _f(1, "Pipeline-parallel stages (must divide n_layers).")
     cp: int = _f(1, "Context-parallel degree (long sequences; lmforge.parallel.context_parallel): each sequence is cut into 2 x cp chunks and CP rank i keeps chunks i and 2cp-1-i (even causal work); every layer all-gathers K and V over the cp ranks before attention on the rank's own queries and reduce-scatters their gradients in backward. Activations per rank shrink to ~1/cp, plus the gathered K/V of the whole sequence (2 x seq x kv heads x head_dim per layer). cp must divide data.seq_len / 2 (with sequence_parallel also: tp divides data.seq_len / cp). Any kv-head count works: the all-gather is over the sequence, so every CP rank holds all the (its TP share of the) KV heads of the whole sequence, replicated across the cp ranks; GQA only makes the gathered K/V smaller. The CP ranks hold the same parameters, so their gradients are averaged with the data-parallel ones (FSDP2 shards over dp_shard x cp). Composes with dp_replicate / dp_shard, tp (+ sequence_parallel) and pp.")
-    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. Composes with tp (attention only), pp and cp; not yet with dp_replicate > 1.")
+    ep: int = _f(1, "Expert-parallel degree (Mixture-of-Experts models, model.moe; lmforge.parallel.expert_parallel): each MoE layer's routed experts are split over ep ranks and tokens reach them by all-to-all. EP borrows its ranks from parallel.dp_shard (it must divide dp_shard; it adds no processes): dense weights are FSDP2-sharded over all dp_shard ranks, experts over the dp_shard / ep ranks that hold the same experts. Must divide model.moe.num_experts. With dp_replicate > 1 (HSDP: FSDP2 within a replica group, replicas across groups) each replica group holds every expert, split over its ep ranks and sharded over its dp_shard / ep ranks; expert and dense gradients are averaged across the replicas too. Under torchrun, dp_shard is inferred from the process count when not given (world / (dp_replicate x cp x tp x pp): `torchrun --nproc-per-node 2 -m lmforge train --config tiny-moe --parallel.ep 2`). Composes with dp_replicate, tp (attention only), pp and cp.")
     timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
@@ -353,8 +460,8 @@ class ParallelConfig:
     cpu_offload: bool = _f(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy). Needs a CUDA GPU.")
     fsdp_reduce_every_micro_batch: bool = _f(False, "FSDP2 with gradient accumulation (more than one micro-batch per step; lmforge.parallel.fsdp): reduce-scatter the gradients after every micro-batch's backward, so they stay sharded between micro-batches (no extra memory) at grad_accum times the reduce-scatter traffic. false (default): no gradient communication until the step's last micro-batch, which holds each rank's unsharded fp32 gradients (4 B per parameter of its stage and TP share, what DDP holds) between micro-batches; `lmforge plan` counts them (fsdp_accumulated_gradients). Set true where that memory does not fit. HSDP all-reduces across replicas once per step either way. Not with pp > 1: torch's pipeline schedule always reduces once per step.")
     sequence_parallel: bool = _f(False, "Tensor parallel only (tp > 1): also shard the activations along the sequence between the TP matmuls (norms run on 1/tp of the tokens; all-gather before / reduce-scatter after each column/row-parallel pair). Needs data.seq_len divisible by tp and RoPE positions.")
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = _f("1f1b", "Pipeline schedule (pp > 1): gpipe (all forwards, then all backwards), 1f1b (one forward one backward: at most pp micro-batches of activations held), interleaved (interleaved 1F1B over parallel.pp_virtual_stages model chunks per rank: smaller bubble). The pipeline's micro-batches are the step's micro-batches: global_batch_size / (micro_batch_size x dp), which must be >= pp.")
-    pp_virtual_stages: int = _f(1, "Model chunks per pipeline rank for pp_schedule = 'interleaved' (>= 2; rank r holds stages r, r + pp, ...). pp x pp_virtual_stages must divide model.n_layers. 1 for gpipe / 1f1b.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev"] = _f("1f1b", "Pipeline schedule (pp > 1; torch.distributed.pipelining; bubble fractions: lmforge.parallel.formulas.pipeline_bubble): gpipe (all forwards, then all backwards: m micro-batches of activations held), 1f1b (one forward one backward: at most pp micro-batches held), interleaved (interleaved 1F1B over parallel.pp_virtual_stages model chunks per rank, placed in a loop: rank r holds stages r, r + pp, ...; smaller bubble), and the zero-bubble schedules, which split each backward into the input gradient and the weight gradient and run the weight gradients later to fill the bubble: interleaved-zb (torch's ScheduleInterleavedZeroBubble: ZB-H1 of Qi et al. 2023 at pp_virtual_stages = 1, interleaved over v chunks in a loop above), zbv (ZB-V: 2 stages per rank in a V, rank r holds stages r and 2 pp - 1 - r, so rank 0 holds the embedding and the output head) and dualpipev (DeepSeek-V3's DualPipe cut in half: the same V). The split-backward schedules hold pp micro-batches of activations on every rank (dualpipev pp + 1/2), run without torch.compile (pytorch/pytorch#161904) and with activation_checkpoint none, full or every_k (selective checkpointing allows one backward through a region; the split runs two). The pipeline's micro-batches are the step's micro-batches: global_batch_size / (micro_batch_size x dp), which must be >= pp (a multiple of pp for interleaved / interleaved-zb; >= 2 pp for zbv / dualpipev).")
+    pp_virtual_stages: int = _f(1, "Model chunks (stages) per pipeline rank for pp_schedule = 'interleaved' (>= 2) or 'interleaved-zb' (>= 1; 1 = ZB-H1), placed in a loop: rank r holds stages r, r + pp, .... pp x pp_virtual_stages must divide model.n_layers. 1 for gpipe / 1f1b; zbv and dualpipev always place 2 stages per rank (leave it at 1, or 2).")
     async_sgd: bool = _f(False, "Asynchronous SGD through a parameter server (lmforge.parallel.param_server): rank 0 holds the parameters and the optimizer, ranks 1..N-1 are workers that pull parameters, compute the gradient of one micro-batch (train.micro_batch_size sequences) and push it; the server applies each gradient as it arrives (train.steps = server updates; train.global_batch_size does not apply). Needs dp_replicate = world size >= 2 (tp = pp = dp_shard = 1).")
     max_staleness: int = _f(4, "async_sgd: a pushed gradient computed on parameters more than this many server updates old is dropped (not applied) and the worker re-pulls fresh parameters; observed staleness (mean/max) and dropped counts go to the metrics.")
 
@@ -365,6 +472,17 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages (model chunks) each pipeline rank holds under parallel.pp_schedule (1 without
+        a pipeline): lmforge.parallel.formulas.stages_per_rank."""
+        return stages_per_rank(self.pp_schedule, self.pp_virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def split_backward(self) -> bool:
+        """A zero-bubble schedule: the backward split into input- and weight-gradient passes."""
+        return self.pp > 1 and self.pp_schedule in SPLIT_BACKWARD
 
     @property
     def fsdp(self) -> bool:
@@ -381,10 +499,9 @@ class ParallelConfig:
                     f"parallel.ep = {self.ep} borrows its ranks from the FSDP2 shard dimension: it must divide "
                     f"parallel.dp_shard = {self.dp_shard} (zero_stage 0, 2 or 3); set parallel.dp_shard to a multiple "
                     f"of {self.ep}.")
-            if self.dp_replicate > 1 or self.async_sgd:
-                raise ConfigError(
-                    f"parallel.ep = {self.ep} is not yet combined with dp_replicate > 1 (HSDP) or async_sgd; put the "
-                    f"data-parallel ranks in parallel.dp_shard.")
+            if self.async_sgd:
+                raise ConfigError(f"parallel.ep = {self.ep} is not combined with async_sgd (a parameter server of "
+                                  f"whole replicas); set parallel.async_sgd = false or ep = 1.")
         at_least(0, "parallel", max_staleness=self.max_staleness)
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")
@@ -412,13 +529,17 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError("parallel.sequence_parallel = true needs parallel.tp >= 2 (it shards activations "
                               "over the tensor-parallel ranks); set parallel.tp or sequence_parallel = false.")
-        if self.pp_schedule == "interleaved":
-            if self.pp > 1 and self.pp_virtual_stages < 2:
-                raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages >= 2 "
-                                  "(model chunks per rank); set it to 2, or use pp_schedule = '1f1b'.")
-        elif self.pp_virtual_stages != 1:
+        if self.pp_schedule == "interleaved" and self.pp > 1 and self.pp_virtual_stages < 2:
+            raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages >= 2 "
+                              "(model chunks per rank); set it to 2, or use pp_schedule = '1f1b'.")
+        if self.pp_schedule in V_SHAPED and self.pp_virtual_stages not in (1, 2):
+            raise ConfigError(f"parallel.pp_schedule = {self.pp_schedule!r} places exactly 2 stages per rank (a V), "
+                              f"but parallel.pp_virtual_stages = {self.pp_virtual_stages}; leave it at 1 (or 2), or "
+                              f"use pp_schedule = 'interleaved-zb' for {self.pp_virtual_stages} stages per rank.")
+        if self.pp_schedule not in LOOPED + V_SHAPED and self.pp_virtual_stages != 1:
             raise ConfigError(f"parallel.pp_virtual_stages = {self.pp_virtual_stages} applies to pp_schedule = "
-                              "'interleaved' only; set parallel.pp_schedule = 'interleaved' or pp_virtual_stages = 1.")
+                              "'interleaved' or 'interleaved-zb' only; set parallel.pp_schedule = 'interleaved' or "
+                              "pp_virtual_stages = 1.")
         if (self.tp > 1 or self.pp > 1) and self.zero_stage == 1:
             raise ConfigError("parallel.zero_stage = 1 (ZeroRedundancyOptimizer) is not combined with tp / pp; use "
                               "zero_stage 0, 2 or 3 (FSDP2 on parallel.dp_shard).")
@@ -495,7 +616,7 @@ class FinetuneConfig:
     lora_rank: int = _f(0, "LoRA rank; 0 = full fine-tuning (every weight trains).")
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) * B A.")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA branch input.")
-    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq. With model.fused_qkv: any of wq, wk, wv adapt those parts of the fused attn.wqkv as they would the separate layers; wqkv puts one adapter over the whole fused layer.")
+    lora_targets: str = _f("wq,wk,wv,wo", "Comma-separated linear layers to adapt: wq, wk, wv, wo, gate, up, down (SwiGLU), fc, proj (GELU), lm_head (untied only), or dotted suffixes like attn.wq; multi-head latent attention (model.mla) has wq_a, wq_b (or wq without a query latent), wkv_a, wkv_b and wo instead. With model.fused_qkv: any of wq, wk, wv adapt those parts of the fused attn.wqkv as they would the separate layers; wqkv puts one adapter over the whole fused layer.")
     merge_lora: bool = _f(True, "Fold the adapters into the weights before writing model.safetensors (a plain model for generate/eval/export).")
 
     def check(self) -> None:
@@ -529,6 +650,8 @@ class Config:
 
     # what load_config adapted to the layout (log lines; not a config key)
     adjustments: ClassVar[tuple[str, ...]] = ()
+    # the dotted keys the user chose (command line, their own TOML file), as load_config saw them; not a config key
+    explicit_keys: ClassVar[frozenset[str]] = frozenset()
     # the overrides typed on `lmforge train`'s command line, (dotted key, value) in order: they name
     # the auto run folder (lmforge.train.components.run_folder); not a config key
     named_by: ClassVar[tuple[tuple[str, Any], ...]] = ()
@@ -538,6 +661,7 @@ class Config:
 
     @property
     def grad_accum_steps(self) -> int:
+        assert self.train.micro_batch_size != "auto", "train.micro_batch_size = 'auto' is resolved at run start"
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
 
     @property

@@ -1,6 +1,7 @@
 """`lmforge eval`: perplexity, BLEU/chrF, multiple-choice accuracy and a fluency report of a run.
 
     lmforge eval --run RUN_DIR                       # perplexity on the run's validation shards + samples
+    lmforge eval --run RUN_DIR --ema --mc shakespeare-cloze   # the EMA of the weights (train.ema_decay)
     lmforge eval --run RUN_DIR --text book.txt --window 256 --stride 128
     lmforge eval --run RUN_DIR --data prepared/val --bleu pairs.jsonl --mc hellaswag.jsonl --mc piqa.jsonl \\
                  --json results.json
@@ -27,6 +28,7 @@ class EvalOptions:
     """What `lmforge eval` computes; see `build_parser` for the meaning of each field."""
 
     ckpt: str
+    ema: bool = False
     text: str | None = None
     data: str | None = None
     perplexity: bool = True
@@ -93,7 +95,10 @@ def run_documents(cfg, tokenizer):
 def run_eval(opts: EvalOptions) -> dict[str, Any]:
     """Load the run, compute what `opts` asks for, and return the results as a dict."""
     check_run_folder(opts.ckpt)  # the folder and the files named, before torch is imported
-    for flag, path in [("--text", opts.text), ("--data", opts.data), ("--bleu", opts.bleu)] + [("--mc", m) for m in opts.mc]:
+    from lmforge.folders import BUILTIN_TASKS
+
+    for flag, path in [("--text", opts.text), ("--data", opts.data), ("--bleu", opts.bleu)] + [
+            ("--mc", m) for m in opts.mc if m not in BUILTIN_TASKS]:
         if path and not Path(path).exists():
             raise ValueError(f"{flag} {path!r} does not exist.")
     from lmforge.ckpt.export import load_run
@@ -103,16 +108,16 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
     from lmforge.eval.fluency import fluency_report
     from lmforge.eval.generate import generate_text
     from lmforge.eval.perplexity import perplexity_report, sliding_window_nll
-    from lmforge.eval.tasks import evaluate_mc, load_mc_items
+    from lmforge.eval.tasks import evaluate_mc, load_mc_items, resolve_task
 
-    cfg, model = load_run(opts.ckpt, opts.device)
+    cfg, model = load_run(opts.ckpt, opts.device, ema=opts.ema)
     tok_path = Path(opts.ckpt) / TOKENIZER
     tokenizer = Tokenizer.load(tok_path) if tok_path.is_file() else None
     needs_text = opts.bleu or opts.mc or opts.samples
     if needs_text and tokenizer is None:
         raise ValueError(f"{tok_path} is missing: BLEU, multiple-choice and samples need the run's tokenizer "
                          f"(use --samples 0 and only perplexity on --data).")
-    results: dict[str, Any] = {"run": str(opts.ckpt)}
+    results: dict[str, Any] = {"run": str(opts.ckpt) + (" (EMA of the weights)" if opts.ema else "")}
     if opts.perplexity:
         source, tokens = _stream_tokens(opts, cfg, tokenizer)
         if tokens.size and int(tokens.max()) >= cfg.model.vocab_size:
@@ -134,7 +139,7 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
         results["bleu"] = {"file": opts.bleu, **bleu_chrf(hyps, refs)}
         results["bleu_hypotheses"] = hyps
     if opts.mc:
-        results["multiple_choice"] = {f: evaluate_mc(model, tokenizer, load_mc_items(f), opts.batch_size)
+        results["multiple_choice"] = {f: evaluate_mc(model, tokenizer, load_mc_items(resolve_task(f)), opts.batch_size)
                                       for f in opts.mc}
     if opts.samples:
         prompt = opts.prompt if opts.prompt is not None else cfg.train.sample_prompt
@@ -178,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "multiple-choice accuracy, fluency of samples.")
     p.add_argument("--run", "--ckpt", dest="ckpt", metavar="RUN_DIR", required=True,
                    help="run folder (config.toml + model.safetensors); --ckpt: its old name")
+    p.add_argument("--ema", action="store_true", help="evaluate the EMA of the weights (model.ema.safetensors of a "
+                   "run trained with train.ema_decay)")
     g = p.add_argument_group("perplexity (default: the run's validation shards)")
     g.add_argument("--text", help="a UTF-8 text file, tokenized with the run's tokenizer")
     g.add_argument("--data", help="a token-shard folder (manifest.json) or a prepared dataset folder (uses val/)")
@@ -191,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", default="\n", help="cut each generation at this string, after its leading whitespace "
                    "(default: newline, so the first line of text; '' = none)")
     g = p.add_argument_group("multiple choice")
-    g.add_argument("--mc", action="append", default=[], help='jsonl of {"context", "choices", "label"} (repeatable)')
+    g.add_argument("--mc", action="append", default=[], help='jsonl of {"context", "choices", "label"}, or a task shipped '
+                   'with lmforge: shakespeare-cloze (repeatable)')
     g = p.add_argument_group("samples and fluency")
     g.add_argument("--samples", type=int, default=4, help="sampled continuations for the fluency report (0 = none)")
     g.add_argument("--sample-tokens", type=int, default=100)

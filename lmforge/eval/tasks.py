@@ -5,10 +5,15 @@ A task file is jsonl, one item a line: ``{"context": str, "choices": [str, ...],
 by the log-probability of its tokens after the context; ``acc`` picks the highest sum,
 ``acc_norm`` the highest sum per UTF-8 byte of the choice (lm-evaluation-harness's definition),
 which removes the bias towards short answers. Choices usually start with a space (" Paris").
+
+A task is a file, or the name of one shipped with lmforge (lmforge.folders.BUILTIN_TASKS; `resolve_task`):
+``shakespeare-cloze`` is a 4-way cloze built from the default corpus's validation text (the part
+`data.val_fraction` holds out, never trained on; lmforge/data/tasks/README.md says how).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,15 +21,29 @@ from pathlib import Path
 import torch
 
 from lmforge.data.jsonl import read_records
+from lmforge.folders import BUILTIN_TASKS
 from lmforge.model.loss import IGNORE_INDEX, token_nll_sum
+
+
+def resolve_task(name_or_path: str) -> Path:
+    """The file of a task: a shipped task's name (lmforge.folders.BUILTIN_TASKS) or a path; ValueError
+    when neither."""
+    if name_or_path in BUILTIN_TASKS:
+        return Path(__file__).resolve().parents[1] / BUILTIN_TASKS[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"task {name_or_path!r} is neither a file nor a task shipped with lmforge "
+                         f"({', '.join(BUILTIN_TASKS)}).")
+    return path
 
 
 @torch.no_grad()
 def continuation_logprobs(model: torch.nn.Module, requests: Sequence[tuple[Sequence[int], Sequence[int]]],
-                          batch_size: int = 8) -> list[tuple[float, bool]]:
+                          batch_size: int = 8, autocast=contextlib.nullcontext) -> list[tuple[float, bool]]:
     """For each (context ids, continuation ids): (sum of log p(continuation | context), whether
     the continuation is the greedy argmax at every position). Inputs longer than the model's
-    context keep their last max_seq_len + 1 tokens (the context is cut from the left)."""
+    context keep their last max_seq_len + 1 tokens (the context is cut from the left). `autocast`:
+    a callable giving the precision's context, entered around each forward (a training run's)."""
     max_len = model.cfg.max_seq_len
     device = next(model.parameters()).device
     was_training = model.training
@@ -48,8 +67,9 @@ def continuation_logprobs(model: torch.nn.Module, requests: Sequence[tuple[Seque
         for r, (inp, tgt, n) in enumerate(group):
             x[r, :len(inp)] = torch.tensor(inp)  # right padding: causal, so it never affects real positions
             y[r, len(inp) - n:len(inp)] = torch.tensor(tgt[-n:])
-        logits = model(x.to(device))
-        y = y.to(device)
+        with autocast():
+            logits = model(x.to(device))
+        logits, y = logits.float(), y.to(device)
         greedy = ((logits.argmax(-1) == y) | (y == IGNORE_INDEX)).all(-1).tolist()
         out += [(-float(token_nll_sum(logits[r], y[r])), greedy[r]) for r in range(len(group))]
     model.train(was_training)
@@ -96,8 +116,17 @@ def load_mc_items(path: str | Path) -> list[MCItem]:
 
 def evaluate_mc(model: torch.nn.Module, tokenizer, items: Sequence[MCItem], batch_size: int = 8) -> dict[str, float]:
     """acc and acc_norm (byte-length-normalised) over the items, and how many there were."""
-    requests = [encode_pair(tokenizer, item.context, choice) for item in items for choice in item.choices]
-    scores = [lp for lp, _ in continuation_logprobs(model, requests, batch_size)]
+    scores = [lp for lp, _ in continuation_logprobs(model, mc_requests(tokenizer, items), batch_size)]
+    return score_mc(items, scores)
+
+
+def mc_requests(tokenizer, items: Sequence[MCItem]) -> list[tuple[list[int], list[int]]]:
+    """The (context, continuation) token ids of every choice of every item, in order."""
+    return [encode_pair(tokenizer, item.context, choice) for item in items for choice in item.choices]
+
+
+def score_mc(items: Sequence[MCItem], scores: Sequence[float]) -> dict[str, float]:
+    """acc, acc_norm and n of `items` from the log-likelihood of each choice (`mc_requests`' order)."""
     correct = correct_norm = 0
     k = 0
     for item in items:

@@ -1,6 +1,7 @@
 """`lmforge export` and `lmforge import`: run folders to and from Hugging Face transformers folders.
 
     lmforge export --run RUN_DIR --out HF_DIR     # config.json + model.safetensors + tokenizer files
+    lmforge export --run RUN_DIR --out HF_DIR --ema   # the EMA of the weights (train.ema_decay)
     lmforge import --hf HF_DIR --out RUN_DIR      # config.toml + model.safetensors + tokenizer.json
 """
 
@@ -10,16 +11,21 @@ import argparse
 import sys
 
 
-def _run(argv: list[str], prog: str, description: str, source: str, source_help: str, convert) -> int:
-    """Parse `--<source> PATH --out DIR`, run `convert(path, out)`, print the result or the error."""
+def _run(argv: list[str], prog: str, description: str, source: str, source_help: str, convert,
+         ema: bool = False) -> int:
+    """Parse `--<source> PATH --out DIR` (and `--ema` where given), run `convert(path, out, ...)`, print
+    the result or the error."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument(f"--{source}", *(("--ckpt",) if source == "run" else ()), dest=source, required=True,
                    metavar="RUN_DIR" if source == "run" else "HF_DIR", help=source_help)
     p.add_argument("--out", required=True, help="output folder (new or empty)")
     p.add_argument("--force", action="store_true", help="replace files already in --out")
+    if ema:
+        p.add_argument("--ema", action="store_true", help="export the EMA of the weights (a run trained with "
+                       "train.ema_decay: model.ema.safetensors, or its newest checkpoint's) instead of the weights")
     args = p.parse_args(argv)
     try:
-        out = convert(getattr(args, source), args.out, overwrite=args.force)
+        out = convert(getattr(args, source), args.out, overwrite=args.force, **({"ema": args.ema} if ema else {}))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -28,17 +34,17 @@ def _run(argv: list[str], prog: str, description: str, source: str, source_help:
 
 
 def export_main(argv: list[str]) -> int:
-    def export(run, out, overwrite):
+    def export(run, out, overwrite, ema):
         from lmforge.folders import CHECKPOINTS, check_run_folder
 
         check_run_folder(run, has_checkpoint=lambda d: (d / CHECKPOINTS).is_dir())  # before torch; verified later
         from lmforge.interop.hf import export_hf
 
-        return export_hf(run, out, overwrite=overwrite)
+        return export_hf(run, out, overwrite=overwrite, ema=ema)
 
     return _run(argv, "lmforge export", "Write a run as a transformers folder (Llama, Qwen2, Qwen3, Mistral, "
                 "Mixtral, Qwen3-MoE or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
-                "lmforge run folder (config.toml + model.safetensors)", export)
+                "lmforge run folder (config.toml + model.safetensors)", export, ema=True)
 
 
 def import_main(argv: list[str]) -> int:

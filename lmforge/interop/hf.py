@@ -16,12 +16,14 @@ Layouts (lmforge name -> transformers name):
   `k_norm`, no biases), `MistralForCausalLM` (model.sliding_window; Qwen2/3 take a window on every
   layer as use_sliding_window with max_window_layers 0), and RoPE scaling (`llama3`, `linear`) in
   any of them (`rope_scaling` / transformers 5's `rope_parameters`).
+* DeepSeek-V3 (`DeepseekV3ForCausalLM`): a model with multi-head latent attention (model.mla), its
+  MoE and multi-token prediction layers (lmforge.interop.hf_deepseek), streamed like the dense ones.
 * GPT-2 (`GPT2LMHeadModel`): LayerNorm + GELU(tanh) + learned positions. GPT-2's `Conv1D`
   stores weights as (in, out), the transpose of `nn.Linear`, and fuses q/k/v into `c_attn`;
   an lmforge GPT-2 without biases exports zero biases (the same function).
 
-Anything else (e.g. RoPE with LayerNorm, GQA in GPT-2, exact-erf GELU, YaRN RoPE, QK-norm with
-biases, a sliding window on some layers only) is rejected with a ValueError that names the
+Anything else (e.g. RoPE with LayerNorm, GQA in GPT-2, exact-erf GELU, QK-norm with biases, a
+sliding window on some layers only) is rejected with a ValueError that names the
 setting neither side can represent.
 
 `lmforge import` keeps the folder's tokenizer.json and, beside it in the run, a tokenizer_config.json
@@ -46,6 +48,8 @@ from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_
 from lmforge.ckpt.export import WeightReader, model_state, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
 from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
+from lmforge.interop.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_hf_config, deepseek_refs, deepseek_tensors,
+                                         model_config_from_deepseek, mtp_layers_present)
 from lmforge.interop.hf_moe import MOE_DECODERS, import_moe, model_config_from_moe, moe_hf_config, save_moe
 from lmforge.model.layers import QKV_PARTS, qkv_conversions, qkv_layout, read_fused_qkv, split_qkv
 from lmforge.model.materialise import materialise
@@ -158,6 +162,8 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
     kind = hf.get("model_type")
     if kind in MOE_DECODERS:  # (Mixtral, Qwen3-MoE: lmforge.interop.hf_moe)
         return model_config_from_moe(hf, source)
+    if kind == DEEPSEEK:  # (lmforge.interop.hf_deepseek)
+        return model_config_from_deepseek(hf, source)
     if kind in DECODERS:
         return _decoder_config(hf, source, kind)
     if kind == "gpt2":
@@ -175,7 +181,18 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
             norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), activation="gelu", bias=True,
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
     raise ValueError(f"{source}: model_type = {kind!r} is not supported; lmforge imports "
-                     f"{', '.join(repr(k) for k in [*DECODERS, *MOE_DECODERS, 'gpt2'])}.")
+                     f"{', '.join(repr(k) for k in [*DECODERS, *MOE_DECODERS, DEEPSEEK, 'gpt2'])}.")
+
+
+def hf_model_config(hf_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of a transformers folder: its config.json's (`model_config_from_hf`), with
+    DeepSeek-V3's multi-token prediction depth limited to the MTP layers its weights hold (transformers
+    writes num_nextn_predict_layers = 1 without them)."""
+    hf_dir = Path(hf_dir)
+    hf = read_hf_config(hf_dir)
+    if hf.get("model_type") != DEEPSEEK:
+        return model_config_from_hf(hf, str(hf_dir / HF_CONFIG))
+    return model_config_from_deepseek(hf, str(hf_dir / HF_CONFIG), mtp_layers_present(hf, _hf_weight_files(hf_dir)))
 
 
 def _decoder_config(hf: dict, source: str, kind: str) -> ModelConfig:
@@ -278,6 +295,8 @@ def _hf_tensors(cfg: ModelConfig, get: Callable[[str], torch.Tensor],
     """transformers name -> a function making that tensor from lmforge's (`get(name)`; `has(name)`:
     whether the model has it). Nothing is read until a function is called, so an export holds one
     output tensor at a time (called on meta tensors: the shapes and dtypes, for free)."""
+    if cfg.mla.enabled:  # DeepSeek-V3 (lmforge.interop.hf_deepseek)
+        return deepseek_tensors(cfg, get, has)
     get, has = _separate_qkv(cfg, get, has)
     if hf_family(cfg) != "gpt2":
         return {theirs: functools.partial(get, ours) for ours, theirs in _decoder_names(cfg).items()}
@@ -376,6 +395,8 @@ def hf_weight_refs(cfg: ModelConfig, hf_dir: str | Path) -> dict[str, TensorRef]
         raise ValueError(f"{hf_dir}: weight {key!r} is missing; the weights do not match config.json (layers, "
                          f"biases or tied embeddings).")
 
+    if cfg.mla.enabled:  # DeepSeek-V3 (lmforge.interop.hf_deepseek), its expert_bias buffers included
+        return deepseek_refs(cfg, ref, bool(read_hf_config(hf_dir).get("rope_interleave", True)))
     if hf_family(cfg) != "gpt2":
         return qkv_refs(cfg, {ours: ref(theirs) for ours, theirs in _decoder_names(cfg).items()})
     out = {"tok_emb.weight": ref("wte.weight"), "pos_emb.weight": ref("wpe.weight"),
@@ -447,12 +468,13 @@ HF_FILES = (HF_CONFIG, "generation_config.json", WEIGHTS, TOKENIZER, TOKENIZER_C
 
 
 def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, tokenizer=None,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, ema: bool = False) -> Path:
     """Write a transformers folder (config.json, generation_config.json, model.safetensors, and
     tokenizer.json + tokenizer_config.json when a tokenizer is known) for an lmforge run folder or
     model. `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained`
     then load it offline. `tokenizer`: an lmforge Tokenizer (default: the run's tokenizer.json).
-    Existing files are replaced only with `overwrite`; a run folder is never written into."""
+    Existing files are replaced only with `overwrite`; a run folder is never written into. `ema`: the
+    run's EMA of the weights (train.ema_decay: model.ema.safetensors) instead of its weights."""
     from lmforge.data.tokenizer import Tokenizer
 
     # every check before the first write: a refused export creates nothing (no empty --out folder)
@@ -462,7 +484,7 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
         cfg, weights = run_or_model.cfg, WeightReader.of_model(run_or_model)
     else:
         run_dir = Path(run_or_model)
-        cfg, weights = run_weights(run_dir)
+        cfg, weights = run_weights(run_dir, ema=ema)
         if tokenizer is None and (run_dir / TOKENIZER).is_file():
             tokenizer = Tokenizer.load(run_dir / TOKENIZER)
     ids = {}
@@ -470,10 +492,13 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = {cfg.vocab_size}.")
         ids = {"eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id}
-    hf_cfg = moe_hf_config(cfg, **ids) if cfg.moe.enabled else hf_config(cfg, **ids)
+    if cfg.mla.enabled:  # (DeepSeek-V3: streamed as the dense models are)
+        hf_cfg = deepseek_hf_config(cfg, **ids)
+    else:
+        hf_cfg = moe_hf_config(cfg, **ids) if cfg.moe.enabled else hf_config(cfg, **ids)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.moe.enabled:  # (Mixtral / Qwen3-MoE: the whole model in memory, through transformers)
+    if cfg.moe.enabled and not cfg.mla.enabled:  # (Mixtral / Qwen3-MoE: the whole model in memory, through transformers)
         save_moe(cfg, hf_cfg, {name: weights.read(name) for name in weights.shapes}, out)
     else:
         hf_cfg.save_pretrained(out)
@@ -507,7 +532,7 @@ def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[M
     hf_dir = Path(hf_dir)
     if read_hf_config(hf_dir).get("model_type") in MOE_DECODERS:
         return import_moe(hf_dir, device)
-    cfg = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
+    cfg = hf_model_config(hf_dir)
     refs = hf_weight_refs(cfg, hf_dir)
 
     def values(name, module, module_name, param_name, shape, index, dtype):
@@ -518,6 +543,10 @@ def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[M
     with torch.device("meta"):
         model = Transformer(cfg)
     materialise(model, device, values)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():  # (persistent buffers a folder holds: DeepSeek-V3's expert bias)
+            if name in refs:
+                buf.copy_(refs[name].read(tuple(buf.shape), (None,) * buf.dim(), name))
     model.eval()
     return cfg, model
 
@@ -547,15 +576,17 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     Existing files are replaced only with `overwrite`; a transformers folder is never written into."""
     hf_dir, out = Path(hf_dir), Path(out_dir)
     check_target(out, "run", RUN_FILES + (TOKENIZER_CONFIG,), "--out", overwrite)
-    cfg = model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / HF_CONFIG))
-    if cfg.moe.enabled:  # (Mixtral / Qwen3-MoE: read whole by transformers; persistent buffers too)
+    cfg = hf_model_config(hf_dir)
+    if cfg.moe.enabled and not cfg.mla.enabled:  # (Mixtral / Qwen3-MoE: read whole by transformers; buffers too)
         state = model_state(import_moe(hf_dir)[1])
         specs = [(name, t.dtype, tuple(t.shape)) for name, t in state.items()]
         read = lambda name, shape: state[name]  # noqa: E731
     else:
         refs = hf_weight_refs(cfg, hf_dir)
         with torch.device("meta"):
-            specs = [(name, p.dtype, tuple(p.shape)) for name, p in Transformer(cfg).named_parameters()]
+            meta = Transformer(cfg)
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in [*meta.named_parameters(), *meta.named_buffers()]
+                 if name in refs]  # (persistent buffers the folder holds too: DeepSeek-V3's expert bias)
         read = lambda name, shape: refs[name].read(shape, (None,) * len(shape), name)  # noqa: E731
     tokenizer = import_hf_tokenizer(hf_dir)  # read everything before the first write
     out.mkdir(parents=True, exist_ok=True)

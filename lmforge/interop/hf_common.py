@@ -20,6 +20,12 @@ def hf_rope_keys(cfg: ModelConfig) -> dict:
                                "low_freq_factor": cfg.rope_low_freq_factor,
                                "high_freq_factor": cfg.rope_high_freq_factor,
                                "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    elif cfg.rope_scaling == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rope_factor,
+                               "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+                               "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                               **({"mscale": cfg.rope_mscale} if cfg.rope_mscale else {}),
+                               **({"mscale_all_dim": cfg.rope_mscale_all_dim} if cfg.rope_mscale_all_dim else {})}
     return out
 
 
@@ -30,13 +36,19 @@ def rope_from_hf(hf: dict, source: str) -> dict:
     out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if rope_type == "default":
         return out
-    if rope_type not in ("linear", "llama3"):
+    if rope_type not in ("linear", "llama3", "yarn"):
         raise ValueError(f"{source}: rope type {rope_type!r} is not supported by lmforge; it has the default, "
-                         f"'linear' and 'llama3' RoPE (model.rope_scaling).")
+                         f"'linear', 'llama3' and 'yarn' RoPE (model.rope_scaling).")
     if float(rope.get("attention_factor") or 1.0) != 1.0:
         raise ValueError(f"{source}: rope attention_factor = {rope['attention_factor']} is not supported (lmforge "
-                         f"does not scale the RoPE tables).")
+                         f"scales the RoPE tables by YaRN's own factor only, from factor / mscale / mscale_all_dim).")
     out.update(rope_scaling=rope_type, rope_factor=float(rope["factor"]))
+    if rope_type == "yarn":
+        if rope.get("truncate", True) is False:
+            raise ValueError(f"{source}: yarn truncate = false is not supported (lmforge rounds the ramp's ends).")
+        out.update(rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+                   rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
+                   rope_mscale=float(rope.get("mscale") or 0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0))
     if rope_type == "llama3":
         out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
                    rope_high_freq_factor=float(rope["high_freq_factor"]),

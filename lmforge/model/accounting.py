@@ -12,27 +12,69 @@ from lmforge.config import ModelConfig
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts from the config alone (no allocation), split by kind."""
-    d, v, h = cfg.dim, cfg.vocab_size, cfg.head_dim
-    b = 1 if cfg.bias else 0
-    norm = d * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
-    qkv_b = 1 if cfg.attn_qkv_bias else 0
-    attn = d * h * (cfg.n_heads + 2 * cfg.kv_heads) + qkv_b * h * (cfg.n_heads + 2 * cfg.kv_heads)
-    attn += cfg.n_heads * h * d + b * d + (2 * h if cfg.qk_norm else 0)
-    f = cfg.ffn_dim
-    mlp = (3 * d * f + b * (2 * f + d)) if cfg.activation == "swiglu" else (2 * d * f + b * (f + d))
-    block = attn + mlp + 2 * norm
-    moe, n_moe = moe_params(cfg), sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
-    blocks = cfg.n_layers * block + n_moe * (moe["total"] - mlp)
+    """Parameter counts from the config alone (no allocation), split by kind.
+
+    "total" is every parameter the model holds, the multi-token prediction modules (model.mtp_depth)
+    included, the embedding and head once (shared by the main model and the MTP modules); "active"
+    what a training token's forward uses (the routed experts it does not visit left out; = total
+    for a dense model). "mtp" / "mtp_active" are the MTP modules' own share of them, and "main" /
+    "main_active" the main model's: the figures DeepSeek-V3 publishes (671B / 37B), which leave the
+    MTP module out (its Hugging Face checkpoint, 685B, adds the MTP module's 11.6B and its own copies
+    of the embedding and head, 2 x 0.93B)."""
+    d, v = cfg.dim, cfg.vocab_size
+    norm = norm_params(cfg)
+    blocks = blocks_active = 0
+    for i in range(cfg.n_layers):
+        total, active = block_params(cfg, i)
+        blocks, blocks_active = blocks + total, blocks_active + active
+    mtp = mtp_active = 0
+    for k in range(cfg.mtp_depth):  # two input norms, the 2d -> d projection, a block, its final norm
+        total, active = block_params(cfg, cfg.n_layers + k)
+        mtp, mtp_active = mtp + 3 * norm + 2 * d * d + total, mtp_active + 3 * norm + 2 * d * d + active
     embedding = v * d
     position = cfg.max_seq_len * d if cfg.pos_emb == "learned" else 0
     head = 0 if cfg.tie_embeddings else v * d
-    total = embedding + position + blocks + norm + head
+    total = embedding + position + blocks + norm + head + mtp
+    active = total - (blocks - blocks_active) - (mtp - mtp_active)
+    n_moe = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers + cfg.mtp_depth))
     return {"total": total, "embedding": embedding, "position": position, "blocks": blocks,
             "lm_head": head, "non_embedding": total - embedding - position,
             # a token's parameters: the routed experts it does not visit left out (= total for a dense model)
-            "active": total - n_moe * (moe["total"] - moe["active"]),
-            "experts": n_moe * moe["experts"]}
+            "active": active, "experts": n_moe * moe_params(cfg)["experts"],
+            "mtp": mtp, "mtp_active": mtp_active, "main": total - mtp, "main_active": active - mtp_active}
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    """One normalisation layer over dim (LayerNorm with biases: weight and bias)."""
+    return cfg.dim * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    """One block's attention: q, k, v, o (with biases, QK-norm), or multi-head latent attention's
+    down- and up-projections and the two latent norms (lmforge.model.mla)."""
+    d, h, H = cfg.dim, cfg.head_dim, cfg.n_heads
+    if cfg.mla.enabled:
+        m = cfg.mla
+        q = (d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * m.qk_head_dim) if m.q_lora_rank else \
+            d * H * m.qk_head_dim
+        kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_head_dim +
+                                                                                                m.v_head_dim)
+        return q + kv + H * m.v_head_dim * d
+    qkv_b = 1 if cfg.attn_qkv_bias else 0
+    attn = d * h * (H + 2 * cfg.kv_heads) + qkv_b * h * (H + 2 * cfg.kv_heads)
+    return attn + H * h * d + (d if cfg.bias else 0) + (2 * h if cfg.qk_norm else 0)
+
+
+def block_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(total, active) parameters of block `layer` (n_layers + k - 1: MTP depth k's block): attention,
+    the dense MLP or the MoE feed-forward, two norms."""
+    d, f, b = cfg.dim, cfg.ffn_dim, 1 if cfg.bias else 0
+    common = attention_params(cfg) + 2 * norm_params(cfg)
+    if cfg.moe.is_moe_layer(layer):
+        moe = moe_params(cfg)
+        return common + moe["total"], common + moe["active"]
+    mlp = (3 * d * f + b * (2 * f + d)) if cfg.activation == "swiglu" else (2 * d * f + b * (f + d))
+    return common + mlp, common + mlp
 
 
 def moe_params(cfg: ModelConfig) -> dict[str, int]:
@@ -49,7 +91,10 @@ def moe_params(cfg: ModelConfig) -> dict[str, int]:
 def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int] | None = None) -> float:
     """Training FLOPs per token, PaLM convention: 6 * N_matmul + 12 * L * d * s when every weight trains.
     A Mixture-of-Experts model counts its *active* parameters (router, top_k routed experts, shared
-    experts: `count_params(cfg)["active"]`), the weights one token's matmuls use.
+    experts: `count_params(cfg)["active"]`), the weights one token's matmuls use. Multi-token
+    prediction (model.mtp_depth = D) adds each depth's module (its block counted as one more layer)
+    and one more use of the output projection per depth: L + D layers and D + 1 heads. Multi-head
+    latent attention: its own weights, and `attention_width` in place of d.
 
     N_matmul counts the weights that take part in a matrix multiply per token: every block weight
     and the output projection (vocab x dim, whether tied or not). The embedding lookup and a
@@ -65,9 +110,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int]
     """
     if trainable is None:
         counts = count_params(cfg)
-        n_matmul = counts["blocks"] - (counts["total"] - counts["active"]) + cfg.vocab_size * cfg.dim
-        return 6.0 * n_matmul + 12.0 * cfg.n_layers * cfg.dim * seq_len
+        heads = 1 + cfg.mtp_depth  # the output projection: the main model's and each MTP depth's
+        n_matmul = counts["active"] - counts["embedding"] - counts["position"] - counts["lm_head"] \
+            - norm_params(cfg) + heads * cfg.vocab_size * cfg.dim
+        return 6.0 * n_matmul + 12.0 * (cfg.n_layers + cfg.mtp_depth) * attention_width(cfg) * seq_len
     return training_flops(cfg, seq_len, trainable)["total"]
+
+
+def attention_width(cfg: ModelConfig) -> float:
+    """w in the attention term 12 * L * w * s: d in the PaLM convention (q . k and p . v over heads of
+    total width d); for multi-head latent attention the mean of its query/key and value widths, n_heads
+    x (qk_nope + qk_rope + v) / 2 (DeepSeek-V3: 128 x 320 / 2 = 20480 against d = 7168)."""
+    if cfg.mla.enabled:
+        return cfg.n_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) / 2
+    return float(cfg.dim)
 
 
 def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int]) -> dict[str, float]:
@@ -96,7 +152,7 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
     Returns per-token FLOPs {"matmul" (the matrix multiplies, adapters included), "elementwise"
     (biases and norm weights, by the convention above), "attention", "total"}.
     """
-    d, L = cfg.dim, cfg.n_layers
+    d, L, width = cfg.dim, cfg.n_layers, attention_width(cfg)
     q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     f = cfg.ffn_dim
     norm_size = d * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
@@ -126,15 +182,24 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
             out_grad = out_grad or h_grad or n_b > 0
         return out_grad
 
-    def norm(prefix: str, x_grad: bool) -> bool:
+    def norm(prefix: str, x_grad: bool, size: int = norm_size) -> bool:
         w_trains = trains(prefix + ".weight") or trains(prefix + ".bias")
-        total["elementwise"] += cost(norm_size, x_grad, w_trains)
+        total["elementwise"] += cost(size, x_grad, w_trains)
         return x_grad or w_trains
 
-    grad = trains("tok_emb.weight") or trains("pos_emb.weight")  # does the residual stream need a gradient?
-    for i in range(L):
-        b = f"blocks.{i}."
-        h = norm(b + "attn_norm", grad)
+    def attention(b: str, h: bool) -> bool:
+        """q, k, v of block prefix `b` from an input needing a gradient if `h`: whether they need one."""
+        if cfg.mla.enabled:  # lmforge.model.mla: the down-projections, the latent norms, the up-projections
+            m, heads = cfg.mla, cfg.n_heads
+            if m.q_lora_rank:
+                cq = norm(b + "attn.q_norm", linear(b + "attn.wq_a", d, m.q_lora_rank, h, bias=False), m.q_lora_rank)
+                q = linear(b + "attn.wq_b", m.q_lora_rank, heads * m.qk_head_dim, cq, bias=False)
+            else:
+                q = linear(b + "attn.wq", d, heads * m.qk_head_dim, h, bias=False)
+            latent = linear(b + "attn.wkv_a", d, m.kv_lora_rank + m.qk_rope_head_dim, h, bias=False)
+            c = norm(b + "attn.kv_norm", latent, m.kv_lora_rank)
+            kv = linear(b + "attn.wkv_b", m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim), c, bias=False)
+            return q or latent or kv
         qb = cfg.attn_qkv_bias
         if cfg.fused_qkv:  # one matmul of the three's width: the same FLOPs (its own LoRA adapter, if any)
             fused = linear(b + "attn.wqkv", d, q_width + 2 * kv_width, h, bias=qb)
@@ -146,9 +211,15 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
             qkv += [trains(b + "attn.q_norm.weight"), trains(b + "attn.k_norm.weight")]
             total["elementwise"] += sum(cost(cfg.head_dim, any(qkv[:3]), trains(b + f"attn.{n}.weight"))
                                         for n in ("q_norm", "k_norm"))
-        a_grad = any(qkv)
-        total["attention"] += 4.0 * d * seq_len + (8.0 * d * seq_len if a_grad else 0.0)
-        grad = linear(b + "attn.wo", q_width, d, a_grad) or grad
+        return any(qkv)
+
+    def block(b: str, i: int, grad: bool) -> bool:
+        """Block `i` (prefix `b`) on a residual stream needing a gradient if `grad`: whether its output does."""
+        h = norm(b + "attn_norm", grad)
+        a_grad = attention(b, h)
+        total["attention"] += 4.0 * width * seq_len + (8.0 * width * seq_len if a_grad else 0.0)
+        o_width = cfg.n_heads * cfg.mla.v_head_dim if cfg.mla.enabled else q_width
+        grad = linear(b + "attn.wo", o_width, d, a_grad, bias=False if cfg.mla.enabled else None) or grad
         h = norm(b + "mlp_norm", grad)
         if cfg.moe.is_moe_layer(i):  # MoE: the router, top_k routed experts per token, the shared experts
             m, he = cfg.moe, cfg.moe.expert_hidden or f
@@ -160,14 +231,25 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
                 s_gate = linear(b + "mlp.shared.gate", d, m.shared_experts * he, h)
                 s_up = linear(b + "mlp.shared.up", d, m.shared_experts * he, h)
                 out = linear(b + "mlp.shared.down", m.shared_experts * he, d, s_gate or s_up) or out
-            grad = out or grad
-        elif cfg.activation == "swiglu":
+            return out or grad
+        if cfg.activation == "swiglu":
             gate, up = linear(b + "mlp.gate", d, f, h), linear(b + "mlp.up", d, f, h)
-            grad = linear(b + "mlp.down", f, d, gate or up) or grad
-        else:
-            grad = linear(b + "mlp.proj", f, d, linear(b + "mlp.fc", d, f, h)) or grad
+            return linear(b + "mlp.down", f, d, gate or up) or grad
+        return linear(b + "mlp.proj", f, d, linear(b + "mlp.fc", d, f, h)) or grad
+
+    head = "tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"
+    emb = trains("tok_emb.weight") or trains("pos_emb.weight")  # does the residual stream need a gradient?
+    grad = emb
+    for i in range(L):
+        grad = block(f"blocks.{i}.", i, grad)
     final = grad or trains("norm.weight") or trains("norm.bias")  # (the final norm is not counted)
-    linear("lm_head", d, cfg.vocab_size, final, weight="tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight")
+    linear("lm_head", d, cfg.vocab_size, final, weight=head)
+    for k in range(cfg.mtp_depth):  # lmforge.model.mtp: norms (counted, as a block's), projection, block, head
+        b = f"mtp.{k}."
+        normed = [norm(b + "emb_norm", trains("tok_emb.weight")), norm(b + "hidden_norm", grad)]
+        x = linear(b + "proj", 2 * d, d, any(normed), bias=False)
+        grad = block(b + "block.", L + k, x)
+        linear("lm_head", d, cfg.vocab_size, norm(b + "norm", grad), weight=head)
     total["total"] = total["matmul"] + total["elementwise"] + total["attention"]
     return total
 

@@ -25,22 +25,29 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None,
                 cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (max_seq_len, head_dim // 2) for rotary position embeddings, with
-    `cfg`'s RoPE scaling (model.rope_scaling) when given."""
+    `cfg`'s RoPE scaling (model.rope_scaling) when given: its frequencies, and for YaRN the attention
+    factor both tables are multiplied by (as transformers applies it)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if cfg is not None:
         inv_freq = scaled_inv_freq(inv_freq, cfg)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
-    return angles.cos(), angles.sin()
+    factor = rope_attention_factor(cfg) if cfg is not None else 1.0
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def scaled_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """RoPE frequencies under model.rope_scaling, as Hugging Face's `rope_type` 'linear' and 'llama3'
-    compute them: 'linear' divides every frequency by the factor (positions / factor); 'llama3'
+    """RoPE frequencies under model.rope_scaling, as Hugging Face's `rope_type` 'linear', 'llama3' and
+    'yarn' compute them: 'linear' divides every frequency by the factor (positions / factor); 'llama3'
     divides the low frequencies (wavelength > original context / low_freq_factor), keeps the high
-    ones (wavelength < original context / high_freq_factor) and interpolates smoothly in between."""
+    ones (wavelength < original context / high_freq_factor) and interpolates smoothly in between;
+    'yarn': `yarn_inv_freq`."""
     if cfg.rope_scaling == "linear":
         return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling == "yarn":
+        return yarn_inv_freq(inv_freq, cfg)
     if cfg.rope_scaling != "llama3":
         return inv_freq
     factor, low, high, old = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
@@ -51,6 +58,42 @@ def scaled_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old / high) & ~(wavelen > old / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, arXiv 2309.00071; DeepSeek-V3's context extension): pair i of the
+    rope_dim dimensions turns original_max_seq_len * inv_freq_i / 2 pi times over the original
+    context. Pairs below the one turning rope_beta_fast times keep their frequency (extrapolation),
+    pairs past the one turning rope_beta_slow times are divided by rope_factor (interpolation), with a
+    linear ramp between; the two boundaries are rounded outwards (floor / ceil: transformers' default
+    `truncate`)."""
+    dim, base, old = 2 * inv_freq.shape[0], cfg.rope_theta, cfg.rope_original_max_seq_len
+
+    def pair_turning(turns: float) -> float:  # the (fractional) dimension that turns `turns` times
+        return dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_turning(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(pair_turning(cfg.rope_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # (as transformers: no division by zero)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(s) + 1 (1 for s <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN multiplies the cos / sin tables by (so q.k by its square): mscale(factor,
+    rope_mscale) / mscale(factor, rope_mscale_all_dim) when both are set (DeepSeek-V3: 1), else
+    mscale(factor); 1 without YaRN."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_mscale(cfg.rope_factor)
 
 
 def window_mask(q_start: int, q_len: int, k_len: int, window: int, device: torch.device) -> torch.Tensor | None:
@@ -73,14 +116,25 @@ def window_mask(q_start: int, q_len: int, k_len: int, window: int, device: torch
 class SequenceShard(Protocol):
     """This rank's share of every sequence under context parallelism (implemented by
     lmforge.parallel.context_parallel): its tokens' positions, and attention of its queries over the
-    keys/values of the whole sequence (under a document mask: `document_masks`' per-chunk masks)."""
+    keys/values of the whole sequence (`attention`: from this rank's k and v, under a document mask with
+    `document_masks`' per-chunk masks; or, for attention that gathers something smaller than K/V, such
+    as multi-head latent attention's latent, `gather` of any per-token tensor and `attend` over K/V made
+    from the gathered sequence). `group` / `size`: the CP ranks that share each sequence (sequence-wise
+    statistics sum over them)."""
 
     positions: torch.Tensor  # (local seq,) int64: positions of this rank's tokens in the sequence
+    group: object
+    size: int
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                   window: int = 0, masks=None) -> torch.Tensor: ...
 
     def document_masks(self, doc_ids: torch.Tensor, window: int, dropout_p: float): ...
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+               window: int = 0) -> torch.Tensor: ...
 
 
 _shard: SequenceShard | None = None  # set while a context-parallel training step runs
@@ -97,6 +151,11 @@ def sequence_sharded(shard: SequenceShard | None) -> Iterator[None]:
         yield
     finally:
         _shard = previous
+
+
+def current_shard() -> SequenceShard | None:
+    """The context-parallel shard of the step running now (None outside a sharded step)."""
+    return _shard
 
 
 def token_positions(start: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -316,7 +375,11 @@ class Attention(nn.Module):
 
 
 class KVCache:
-    """Per-layer key/value cache for incremental decoding (grows along the sequence dim)."""
+    """Per-layer cache for incremental decoding (grows along the sequence dim, 2): what the layer's
+    attention needs of the tokens before: its keys and values (`Attention`: k, v of shape (batch,
+    kv heads, seq, head_dim)), or for multi-head latent attention the normalised latent and the
+    rotated RoPE key (`lmforge.model.mla`: (batch, 1, seq, kv_lora_rank) and (batch, 1, seq,
+    qk_rope_head_dim)), from which it re-makes every head's K and V."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
@@ -360,14 +423,18 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). `attn` / `mlp`: other
+    modules in place of the default attention and MLP (lmforge.model.transformer.make_block: multi-head
+    latent attention, Mixture-of-Experts)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attn: nn.Module | None = None, mlp: nn.Module | None = None):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = attn if attn is not None else Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.activation == "swiglu" else GeluMLP(cfg)
+        if mlp is None:
+            mlp = SwiGLU(cfg) if cfg.activation == "swiglu" else GeluMLP(cfg)
+        self.mlp = mlp
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -1,7 +1,9 @@
 """The decoder-only transformer: token embedding -> N pre-norm blocks -> norm -> logits.
 
 GPT-2 (learned positions, LayerNorm, GELU, tied embeddings, biases) and Llama (RoPE, RMSNorm,
-SwiGLU, GQA, untied) are the same class with different `ModelConfig` values.
+SwiGLU, GQA, untied) are the same class with different `ModelConfig` values; so is DeepSeek-V3
+(multi-head latent attention: lmforge.model.mla; Mixture-of-Experts: lmforge.model.moe; multi-token
+prediction modules after the main model, trained only: lmforge.model.mtp).
 
 Construction is on the meta device (no memory, no init cost, whatever the size). `build_model`
 materialises a whole model on one device; a parallel run instead splits and shards the meta model
@@ -21,7 +23,16 @@ from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401
 from lmforge.model.layers import (Block, KVCache, attention_mask, local_positions, make_norm, rope_rows, rope_tables,
                                   token_positions)
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
+from lmforge.model.mla import MLAttention
 from lmforge.model.moe import MoE
+from lmforge.model.mtp import MTP, with_mtp_loss
+
+
+def make_block(cfg: ModelConfig, layer: int) -> Block:
+    """Block `layer` (0-based; n_layers + k - 1 for multi-token prediction's depth k): multi-head latent
+    attention under model.mla, the Mixture-of-Experts feed-forward where model.moe puts one."""
+    return Block(cfg, attn=MLAttention(cfg) if cfg.mla.enabled else None,
+                 mlp=MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else None)
 
 
 class Transformer(nn.Module):
@@ -33,15 +44,13 @@ class Transformer(nn.Module):
         self.emb_dropout = nn.Dropout(cfg.dropout)
         # A ModuleDict keyed "0".."n-1" (not a ModuleList): pipeline stages delete the blocks they
         # do not own and the remaining names stay those of the full model, so checkpoints match.
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        for i, block in self.blocks.items():  # Mixture-of-Experts feed-forwards (model.moe): lmforge.model.moe
-            if cfg.moe.is_moe_layer(int(i)):
-                block.mlp = MoE(cfg, int(i))
+        self.blocks = nn.ModuleDict({str(i): make_block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = MTP(cfg, make_block) if cfg.mtp_depth else None  # (multi-token prediction: trained only)
         self.tie_weights()
         if cfg.pos_emb == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg=cfg)
+            cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg=cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -54,7 +63,7 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         """(Re)compute the non-persistent buffers (RoPE tables) on their device, e.g. after `to_empty`."""
         if self.cfg.pos_emb == "rope":
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+            cos, sin = rope_tables(self.cfg.rope_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
                                    device=self.rope_cos.device, cfg=self.cfg)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
@@ -69,7 +78,9 @@ class Transformer(nn.Module):
         With `targets` (batch, seq; -100 = ignored): the summed token NLL instead (fp32 scalar),
         computed by `lmforge.model.loss.linear_cross_entropy_sum` over `loss_chunk` tokens at a
         time, fused with the output projection, so the full logits never exist (train.loss_chunk).
-        Inside forward so DDP/FSDP hooks see the output projection's use as usual.
+        Inside forward so DDP/FSDP hooks see the output projection's use as usual. With multi-token
+        prediction (model.mtp_depth) the modules run here in training (lmforge.model.mtp): the value is
+        still the language-model NLL, its backward that of the whole objective.
 
         `doc_ids` (batch, whole sequence; lmforge.model.documents): attention within each document;
         `positions` (the same shape): per-token positions (documents restarting at 0). Both describe
@@ -92,11 +103,22 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.blocks.values()):
             x = block(x, rope, kv_caches[i] if kv_caches else None, mask=mask)
         if targets is not None:
-            h = self.norm(x)
-            if type(self.lm_head) is nn.Linear:  # a LoRA (or other wrapped) head runs its own forward
-                return linear_cross_entropy_sum(h, self.lm_head.weight, targets, loss_chunk)
-            return token_nll_sum(self.lm_head(h), targets)
+            nll = self.head_nll(self.norm(x), targets, loss_chunk)
+            if self.mtp is not None and self.training and torch.is_grad_enabled():
+                extra = self.mtp.loss(x, tokens, targets, rope, self.tok_emb,
+                                      lambda h, y: self.head_nll(h, y, loss_chunk))
+                nll = with_mtp_loss(nll, extra)
+            return nll
         return self.lm_head(self.norm(x))
+
+    def head_nll(self, h: torch.Tensor, targets: torch.Tensor, loss_chunk: int) -> torch.Tensor:
+        """Summed token NLL of the output head on normed hidden states h: with `loss_chunk` > 0 fused with
+        a plain nn.Linear head, `loss_chunk` tokens at a time; else (train.loss_chunk = 0: the logits, as
+        outside the forward), for a LoRA (or other wrapped) head and for a tensor-parallel one
+        (vocab-sharded logits, inside `loss_parallel()`) through the head's own forward."""
+        if loss_chunk and type(self.lm_head) is nn.Linear and not hasattr(self.lm_head.weight, "placements"):
+            return linear_cross_entropy_sum(h, self.lm_head.weight, targets, loss_chunk)
+        return token_nll_sum(self.lm_head(h), targets)
 
     # ---- accounting -------------------------------------------------------------------------
 

@@ -53,6 +53,10 @@ Attention (`SequenceSharding.attention`, called by the model's attention through
   key prefix (causal & same document & the window), which `attention` hands to SDPA (a boolean
   (b, 1, c, keys) tensor: CPU) or to FlexAttention (a block mask: CUDA), exact on both.
   (`data.mask_doc_boundaries` alone only ignores the targets whose input is end-of-document.)
+* Multi-head latent attention (lmforge.model.mla): the all-gather moves each token's latent and RoPE
+  key (kv_lora_rank + qk_rope_head_dim values, the same on every TP rank; DeepSeek-V3: 576 against
+  2 x 128 heads x 192 for its K/V), `gather`, and each rank expands the whole sequence's K and V from
+  them before the same chunked attention (`attend`); the gradients reduce-scatter back the same way.
 * GQA: the all-gather moves the KV heads as they are (kv_heads / tp per rank), and the kernels take
   them so (flash on CUDA and on the CPU: GQA native; only CUDA's memory-efficient fallback gets them
   expanded, above). Gathering along the sequence puts every KV head of the whole
@@ -87,7 +91,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from lmforge.model.documents import document_mask, masked_attention
 from lmforge.model.layers import sequence_sharded
-from lmforge.parallel.formulas import cp_comm_bytes, cp_kv_bytes, recomputed_layers
+from lmforge.parallel.formulas import cp_comm_bytes, cp_kv_bytes, cp_latent_bytes, recomputed_layers
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); GPU images may be older
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -239,12 +243,25 @@ class SequenceSharding:
         """q (b, heads, 2c, d) of this rank's chunks; k, v (b, kv heads, 2c, d) -> (b, heads, 2c, d);
         `window` > 0: sliding-window attention (model.sliding_window); `masks`: the chunks' document
         masks (`document_masks`, which hold the causal and window rules too)."""
-        kv = _GatherSequence.apply(torch.stack((k, v)), self)  # (2, b, kv heads, T, d)
+        kv = self.gather(torch.stack((k, v)))  # (2, b, kv heads, T, d)
+        return self.attend(q, kv[0], kv[1], dropout_p, window, masks)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(n, b, h, 2c, d): n tensors of this rank's two chunks stacked -> (n, b, h, T, d), the whole
+        sequence in order, all-gathered over the CP group (backward: reduce-scatter). K and V
+        (`attention`), or multi-head latent attention's latent and RoPE key (lmforge.model.mla)."""
+        return _GatherSequence.apply(t, self)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+               window: int = 0, masks=None) -> torch.Tensor:
+        """q (b, heads, 2c, d) of this rank's chunks over k, v (b, kv heads, T, d) of the whole sequence
+        (gathered) -> (b, heads, 2c, d): each chunk's queries over the keys up to its own (causal), or
+        within `masks` (`document_masks`)."""
         c = q.shape[2] // 2
         outs = []
         for half, chunk in enumerate(self.chunks_of[self.rank]):
             keys = (chunk + 1) * c  # this chunk's queries see the keys of chunks 0 .. chunk
-            q_chunk, k_prefix, v_prefix = q[:, :, half * c:(half + 1) * c], kv[0, :, :, :keys], kv[1, :, :, :keys]
+            q_chunk, k_prefix, v_prefix = q[:, :, half * c:(half + 1) * c], k[:, :, :keys], v[:, :, :keys]
             if masks is not None:  # within each document (lmforge.model.documents)
                 outs.append(masked_attention(q_chunk, k_prefix, v_prefix, masks[half], dropout_p))
             elif 0 < window < keys:  # the window leaves some of these keys out of some queries' view
@@ -272,11 +289,16 @@ class SequenceSharding:
     def describe(self, cfg, dtype_bytes: int) -> Iterator[str]:
         """A log line: the chunks, and the step's traffic by the closed form (lmforge.parallel.formulas)."""
         m, t = cfg.model, cfg.train
-        kv = cp_kv_bytes(t.micro_batch_size, cfg.data.seq_len, m.kv_heads, m.head_dim, dtype_bytes, cfg.parallel.tp)
+        if m.mla.enabled:  # the latent and the RoPE key are gathered, not K/V (lmforge.model.mla)
+            kv = cp_latent_bytes(t.micro_batch_size, cfg.data.seq_len, m.mla.kv_lora_rank + m.mla.qk_rope_head_dim,
+                                 dtype_bytes)
+        else:
+            kv = cp_kv_bytes(t.micro_batch_size, cfg.data.seq_len, m.kv_heads, m.head_dim, dtype_bytes, cfg.parallel.tp)
         comm = cp_comm_bytes(kv, self.size, m.n_layers, cfg.grad_accum_steps,
                              recomputed_layers(t.activation_checkpoint, m.n_layers, t.ac_every))
         yield (f"context parallel: {self.size} ranks, rank i holds chunks i and {2 * self.size - 1}-i of "
-               f"{cfg.data.seq_len // (2 * self.size)} tokens of every {cfg.data.seq_len}-token sequence; K/V "
+               f"{cfg.data.seq_len // (2 * self.size)} tokens of every {cfg.data.seq_len}-token sequence; "
+               f"{'the MLA latent and RoPE key' if m.mla.enabled else 'K/V'} "
                f"all-gathered per layer ({kv / 2**20:.2f} MiB per micro-batch), their gradients reduce-scattered: "
                f"{comm['collective_bytes'] / 2**20:.1f} MiB through the collectives per step and rank, "
                f"{comm['wire_bytes'] / 2**20:.1f} MiB sent by a ring")

@@ -12,16 +12,23 @@ data-parallel ranks, each reading its own micro-batches.
   init draws per expert block), so every layout starts from the one-process weights.
 * **FSDP2** (lmforge.parallel.fsdp) shards the dense parameters over all of "dp_shard" as before and
   each block's experts over "dp_shard_mod_ep" only (`shard_experts`): the ranks that hold a replica
-  of the same experts. Their gradients are reduce-scattered (averaged) over exactly those ranks and
+  of the same experts. With dp_replicate > 1 (HSDP) both are replicated across the replica groups
+  (FSDP2 on ("dp_replicate", "dp_shard") and ("dp_replicate", "dp_shard_mod_ep")): every replica
+  group holds all experts, split over its own EP ranks. Their gradients are reduce-scattered
+  (averaged) over exactly those ranks (and all-reduced across the replicas) and
   scaled by 1/ep (`GroupedExperts.grad_scale`, applied to the weights' gradient in backward), because
   each expert's gradient already sums the tokens of the whole EP group: the sum over all dp ranks'
   tokens x dp / N, averaged over dp / ep replicas, times 1 / ep, is the one-process gradient. (FSDP2's
   `set_gradient_divide_factor` would say the same, but its PREMUL_SUM reduction does not exist on gloo.)
 * **Dispatch / combine** (`EPDispatcher`): the (token, expert) rows, sorted by expert on each rank,
   go to the rank holding their expert (`all_to_all_single` with uneven splits, after an all-to-all of
-  the per-expert counts), are re-ordered expert-major, run through the local experts' grouped GEMM,
-  and return the same way; backward is the reverse all-to-all (`_AllToAll`). gloo and NCCL both
-  implement it.
+  the per-expert counts), are re-ordered expert-major, run through the local experts' grouped GEMM
+  (`GroupedExperts.sorted_rows`: aligned on the device where the grouped GEMM runs), and return the
+  same way; backward is the reverse all-to-all (`_AllToAll`). gloo and NCCL both implement it. This
+  is the one MoE path that syncs with the host (once per layer, plus the boolean index of a capacity
+  drop): all_to_all_single takes uneven split sizes as host integers, so the counts are read there,
+  as torchtitan's dispatcher does; the routed path of one process or of data parallelism without EP
+  reads nothing on the host (lmforge.model.moe).
 * **Other dimensions.** TP shards attention only (an MoE block's feed-forward is computed whole on
   each TP rank, which hold the same tokens); pipeline stages keep their blocks' experts; the
   gradient-norm clip counts an expert shard once (lmforge.parallel.clip: its mesh dims
@@ -70,7 +77,9 @@ class _AllToAll(torch.autograd.Function):
 
 class EPDispatcher:
     """Runs a MoE layer's experts where they live: `__call__(rows, counts, experts)` with this rank's
-    expert-sorted rows and per-expert counts (all E experts) -> the rows' expert outputs, same order."""
+    expert-sorted rows and per-expert counts (all E experts) -> the rows' expert outputs, same order.
+    It reads the split sizes on the host once per call (all_to_all_single's uneven splits are host
+    integers: inherent to it)."""
 
     def __init__(self, group, ep: int):
         self.group, self.ep = group, ep
@@ -80,23 +89,22 @@ class EPDispatcher:
         per_rank = counts.view(ep, -1)  # (destination rank, its local expert)
         received = torch.empty_like(per_rank)  # (source rank, my local expert)
         dist.all_to_all_single(received, per_rank.contiguous(), group=self.group)
-        send, recv = per_rank.sum(1).tolist(), received.sum(1).tolist()  # (one host sync, as torchtitan's)
+        send, recv = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()  # (the host sync all_to_all_single needs)
         x = _AllToAll.apply(rows, recv, send, self.group)  # grouped by source rank, then local expert
-        perm = expert_major(received)
+        perm = expert_major(received, sum(recv))
         y = experts(x[perm], received.sum(0))
         y = y.new_zeros(y.shape).index_copy(0, perm, y)  # back to source-rank order
         return _AllToAll.apply(y, send, recv, self.group)
 
 
-def expert_major(counts: torch.Tensor) -> torch.Tensor:
-    """Rows laid out by (source rank, expert) segments of sizes `counts` (ranks x experts) -> the row
-    indices in (expert, source rank) order."""
+def expert_major(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows laid out by (source rank, expert) segments of sizes `counts` (ranks x experts; `total`
+    rows in all, known on the host) -> the row indices in (expert, source rank) order."""
     ranks, experts = counts.shape
     sizes = counts.reshape(-1)
     starts = torch.cumsum(sizes, 0) - sizes
     seg = torch.arange(ranks * experts, device=counts.device).view(ranks, experts).t().reshape(-1)
     lengths, seg_starts = sizes[seg], starts[seg]
-    total = int(lengths.sum())
     offset = torch.repeat_interleave(seg_starts - (torch.cumsum(lengths, 0) - lengths), lengths, output_size=total)
     return offset + torch.arange(total, device=counts.device)
 
@@ -122,9 +130,10 @@ def shard_experts(block: nn.Module, info: DistInfo, **fsdp_kw) -> None:
     scaled by 1 / ep (see the module docstring)."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in moe_layers(block).values() if info.ep_size > 1 else ():
-        fully_shard(layer.experts, mesh=info.sub_mesh("dp_shard_mod_ep_cp" if info.cp_size > 1 else "dp_shard_mod_ep"),
-                    **fsdp_kw)
+    shard = "dp_shard_mod_ep_cp" if info.cp_size > 1 else "dp_shard_mod_ep"
+    for layer in moe_layers(block).values() if info.ep_size > 1 else ():  # (HSDP: replicas x the expert shards)
+        mesh = info.sub_mesh("dp_replicate", shard) if info.replicas > 1 else info.sub_mesh(shard)
+        fully_shard(layer.experts, mesh=mesh, **fsdp_kw)
         layer.experts.grad_scale = 1.0 / info.ep_size
 
 
@@ -163,8 +172,9 @@ def moe_step(model: nn.Module, micro_batches: int, dp: int, out: dict) -> Iterat
 def moe_metrics(stats: dict[int, MoEStats]) -> dict[str, float | list[int]]:
     """Flat metrics of a step's MoE statistics (a host sync: read at log lines), per layer i:
     moe/i/tokens_per_expert (the step's (token, expert) assignments per expert, a list),
-    moe/i/max_load (the busiest expert's assignments / the mean: 1 = balanced), moe/i/aux_loss and
-    moe/i/z_loss (means over the micro-batches, before their coefficients), moe/i/dropped (assignments
+    moe/i/max_load (the busiest expert's assignments / the mean: 1 = balanced), moe/i/aux_loss,
+    moe/i/z_loss and moe/i/seq_aux_loss (the sequence-wise balance loss; means over the micro-batches,
+    before their coefficients), moe/i/dropped (assignments
     over capacity) and moe/i/dropped_frac (of all assignments)."""
     out: dict = {}
     for i, s in stats.items():
@@ -174,6 +184,7 @@ def moe_metrics(stats: dict[int, MoEStats]) -> dict[str, float | list[int]]:
         out[f"moe/{i}/max_load"] = float(load.max()) / mean if mean else 0.0
         out[f"moe/{i}/aux_loss"] = s.aux_loss
         out[f"moe/{i}/z_loss"] = s.z_loss
+        out[f"moe/{i}/seq_aux_loss"] = s.seq_aux_loss
         out[f"moe/{i}/dropped"] = s.dropped
         out[f"moe/{i}/dropped_frac"] = s.dropped / total if total else 0.0
     return out

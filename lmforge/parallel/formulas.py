@@ -4,13 +4,103 @@ planner (`lmforge.plan`). Standard library only: the planner imports it without 
 from __future__ import annotations
 
 
-def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of a pipelined step: (p-1)/v / (m + (p-1)/v), i.e. (p-1)/(m+p-1) for GPipe and
-    1F1B and (p-1)/(v m + p-1) for interleaved 1F1B with v chunks per rank (m micro-batches, p ranks)."""
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
+"""parallel.pp_schedule's choices, in the order of torch.distributed.pipelining's classes (PP_SCHEDULE_CLASSES)."""
+PP_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                       "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                       "dualpipev": "ScheduleDualPipeV"}
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
+"""Schedules that split each backward into an input-gradient pass (B) and a weight-gradient pass (W)
+run later to fill the bubble (torch's `stage_backward_input` / `stage_backward_weight`)."""
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules with two stages per rank in a V: rank r holds stages r and 2 pp - 1 - r, so rank 0 holds
+the first and the last stage (the embedding and the output head)."""
+LOOPED = ("interleaved", "interleaved-zb")
+"""Schedules with parallel.pp_virtual_stages stages per rank in a loop: rank r holds r, r + pp, ..."""
+
+
+def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
+    """Model chunks (pipeline stages) one pipeline rank holds: 2 in a V (zbv, dualpipev), the virtual
+    stages v in a loop (interleaved, interleaved-zb), else 1."""
+    if schedule in V_SHAPED:
+        return 2
+    return virtual_stages if schedule in LOOPED else 1
+
+
+def rank_stages(schedule: str, pp: int, rank: int, virtual_stages: int = 1) -> list[int]:
+    """The stage indices pipeline rank `rank` of `pp` holds, in the order its schedule lists them:
+    [r, 2pp-1-r] in a V, [r, r + pp, r + 2pp, ...] in a loop (torch's "loop" and "v" placements)."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(stages_per_rank(schedule, virtual_stages))]
+
+
+def stage_rank(schedule: str, pp: int, stage: int) -> int:
+    """The pipeline rank that holds `stage` (the inverse of `rank_stages`)."""
+    if schedule in V_SHAPED and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+def pipeline_bubble(pp: int, micro_batches: int, virtual_stages: int = 1, schedule: str | None = None,
+                    recompute: float = 0.0) -> float:
+    """Idle fraction of a pipelined step, bubble / (m (F + B + W) + bubble), where F, B and W are the
+    times of one micro-batch's forward, input-gradient and weight-gradient passes through all of a
+    rank's layers (m micro-batches, p = pp ranks, v stages per rank). The model takes F = B = W (a
+    matmul's input and weight gradients each cost its forward's FLOPs), plus the `recompute`d share
+    of the forward in B (activation checkpointing re-runs it before the input gradient):
+
+    * gpipe, 1f1b: (p-1)(F+B+W), i.e. (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al. 2021);
+    * interleaved: (p-1)(F+B+W)/v, i.e. (p-1)/(vm+p-1) (Narayanan et al. 2021);
+    * interleaved-zb: (p-1)(F+B-W)/v: ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism",
+      sec. 2.1; at v = 1 torch's schedule is ZB-H1, the 1/v as for interleaved 1F1B);
+    * zbv: (p-1)B/2: ZB-V (Qi et al. sec. 6) with a synchronous optimizer step: the V's ramp of p-1
+      half-stage passes stays (the paper's zero bubble also hides it behind the next step with its
+      optimizer post-validation, which a step with gradient clipping cannot);
+    * dualpipev: (PP/2-1)(F&B+B'-3W) over PP = 2p half-stage chunks (DeepSeek-V3 report, Table 2,
+      whose B' is the full backward, B + W here; the DualPipe README gives DualPipeV the same), with
+      F&B = F + B + W (no overlap of communication with compute modelled): (p-1)(F+2B-W)/2.
+
+    tests/test_parallel_pp_schedules.py replays torch's own action lists of each schedule with these
+    times and finds exactly these fractions (dualpipev at F = B = W; with recompute its formula is
+    an upper bound, within 25%). `schedule` None: interleaved where virtual_stages > 1, else 1f1b."""
+    schedule = schedule or ("interleaved" if virtual_stages > 1 else "1f1b")
     if pp < 1 or micro_batches < 1 or virtual_stages < 1:
         raise ValueError(f"pp = {pp}, micro_batches = {micro_batches}, virtual_stages = {virtual_stages} must be >= 1")
-    b = (pp - 1) / virtual_stages
-    return b / (micro_batches + b)
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+    if pp == 1:
+        return 0.0
+    f, b, w = 1.0, 1.0 + recompute, 1.0
+    v = stages_per_rank(schedule, virtual_stages)
+    bubble = (pp - 1) * {"gpipe": f + b + w, "1f1b": f + b + w, "interleaved": (f + b + w) / v,
+                         "interleaved-zb": (f + b - w) / v, "zbv": b / 2,
+                         "dualpipev": (f + 2 * b - w) / 2}[schedule]
+    return bubble / (micro_batches * (f + b + w) + bubble)
+
+
+def pipeline_in_flight(schedule: str, pp: int, micro_batches: int, rank: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of one
+    micro-batch through all of the rank's layers: gpipe all m; 1f1b min(p - rank, m) (the warm-up
+    forwards); interleaved p (1 + (p-1)/(p v)) on rank 0 (Narayanan et al.), its own warm-up
+    elsewhere; the split-backward schedules keep a micro-batch's activations from its forward to
+    its weight-gradient pass (torch's `stage_backward_input` retains the graph for W), and hold p
+    on every rank (ZB-H1 and ZB-V: 1F1B's peak, Qi et al.) or p + 1/2 (DualPipeV: DeepSeek's PP + 1
+    half-stage chunks). Capped at m. tests/test_parallel_pp_schedules.py counts these from torch's
+    action lists."""
+    p, m = pp, micro_batches
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule in ("interleaved-zb", "zbv"):
+        return float(min(p, m))
+    if schedule == "dualpipev":
+        return min(p + 0.5, float(m))
+    warmup = float(min(p - rank, m))
+    if schedule == "interleaved" and rank == 0:
+        return min(p * (1 + (p - 1) / (p * virtual_stages)), float(m))
+    return warmup
 
 
 def cp_kv_bytes(micro_batch: int, seq_len: int, kv_heads: int, head_dim: int, dtype_bytes: int, tp: int = 1) -> int:
@@ -19,6 +109,14 @@ def cp_kv_bytes(micro_batch: int, seq_len: int, kv_heads: int, head_dim: int, dt
     saves them for backward (the K/V term of a CP rank's activations, whatever cp), and it is the
     size of each all-gather output and of each reduce-scatter input."""
     return 2 * micro_batch * seq_len * (kv_heads // tp) * head_dim * dtype_bytes
+
+
+def cp_latent_bytes(micro_batch: int, seq_len: int, latent_width: int, dtype_bytes: int) -> int:
+    """Context parallelism with multi-head latent attention (lmforge.model.mla): bytes of one layer's
+    gathered latent and RoPE key (`latent_width` = kv_lora_rank + qk_rope_head_dim per token, the same
+    on every TP rank) for the whole sequences of a micro-batch: what its all-gather moves in place of
+    K and V (`cp_kv_bytes`)."""
+    return micro_batch * seq_len * latent_width * dtype_bytes
 
 
 def cp_activation_bytes(single_rank_bytes: float, kv_bytes: float, cp: int) -> float:

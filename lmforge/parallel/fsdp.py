@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.mtp import mtp_blocks
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.expert_parallel import shard_experts
 from lmforge.parallel.layout import ShardedLayout
@@ -85,7 +86,15 @@ def micro_batch_sync(module: nn.Module, cfg: Config, last: bool) -> Iterator[Non
 
 
 def reshard_after_forward(cfg: Config) -> bool:
+    """Whether FSDP2 frees the gathered parameters after each forward. Never under a zero-bubble
+    pipeline schedule (parallel.pp_schedule interleaved-zb / zbv / dualpipev): torch's split backward
+    finds the weights in the stage module's parameters (`stage_backward_input`), which are the
+    gathered ones only while they stay gathered; a pipeline stage keeps them gathered from one
+    micro-batch to the next anyway (torch's schedule: set_reshard_after_backward(False)), so this costs
+    no memory there."""
     p = cfg.parallel
+    if p.split_backward:
+        return False
     if p.zero_stage == 2:
         return False
     if p.zero_stage == 3:
@@ -108,7 +117,7 @@ def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str) ->
     if p.cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
     reshard = reshard_after_forward(cfg)
-    for block in model.blocks.values():
+    for block in [*model.blocks.values(), *mtp_blocks(model)]:  # (+ multi-token prediction's blocks)
         shard_experts(block, info, reshard_after_forward=reshard,  # (EP: over the expert replicas)
                       **{k: v for k, v in kw.items() if k != "mesh"})
         fully_shard(block, reshard_after_forward=reshard, **kw)

@@ -15,10 +15,10 @@ answer on every rank:
   works: one real token and tp - 1 discarded ones per step). `.cfg.max_seq_len` is lowered by
   tp - 1 so that padding never runs past the position tables.
 * **Pipeline parallel**: the stages run in order, each on the rank that holds it (interleaved
-  schedules: several per rank), the activations sent point to point over the pp group with a
-  small header (dtype, shape) first, as the training schedule does; each rank keeps the KV caches
-  of its own blocks. The last stage's answer (fp32 logits or the NLL) is broadcast over the pp
-  group.
+  and V schedules: several per rank, lmforge.parallel.formulas.rank_stages), the activations sent
+  point to point over the pp group with a small header (dtype, shape) first, as the training
+  schedule does; each rank keeps the KV caches of its own blocks. The last stage's answer (fp32
+  logits or the NLL) is broadcast over the pp group from the rank holding it (rank 0 in a V).
 
 Within one tensor-parallel group every rank computes the same thing (collectives inside the
 forward); every data-parallel replica evaluates the same batches, as in the other layouts.
@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.model.layers import KVCache
 from lmforge.model.loss import token_nll_sum
+from lmforge.parallel.formulas import stage_rank
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64]
 _HEADER = 8  # int64 words: dtype code, ndim, up to 6 sizes
@@ -111,16 +112,17 @@ class ShardedInference:
         info, group = self.layout.dist, self.layout.dist.group("pp")
         n_stages = self.pp * len(self.chunks)
         mine = dict(zip(self.layout.stage_ids, self.chunks))
+        sched = self.layout.cfg.parallel.pp_schedule  # (a V keeps stages pp-1 and pp on one rank)
+        owner = [stage_rank(sched, self.pp, s) for s in range(n_stages)]
         x = tokens
         for s in range(n_stages):
-            owner, prev_owner = s % self.pp, (s - 1) % self.pp
-            if owner != info.pp_rank:
+            if owner[s] != info.pp_rank:
                 continue
-            if s > 0:
-                x = _recv(prev_owner, group, info.device)
+            if s > 0 and owner[s - 1] != owner[s]:
+                x = _recv(owner[s - 1], group, info.device)
             x = mine[s](x, kv_caches, **docs)
-            if s < n_stages - 1:
-                _send(x, (s + 1) % self.pp, group)
+            if s < n_stages - 1 and owner[s + 1] != owner[s]:
+                _send(x, owner[s + 1], group)
         return x if self.layout.last else None
 
     def _from_last_stage(self, out: torch.Tensor | None, shape: tuple) -> torch.Tensor:
@@ -128,7 +130,7 @@ class ShardedInference:
         info, group = self.layout.dist, self.layout.dist.group("pp")
         if out is None:
             out = torch.empty(shape, dtype=torch.float32, device=info.device)
-        dist.broadcast(out, src=dist.get_global_rank(group, self.pp - 1), group=group)
+        dist.broadcast(out, src=dist.get_global_rank(group, self.layout.last_rank), group=group)
         return out
 
 

@@ -39,6 +39,7 @@ from torch import nn
 from lmforge.config import Config
 from lmforge.model.documents import DocumentAttention, document_inputs
 from lmforge.model.loss import count_targets, model_nll_sum, normalise
+from lmforge.model.mtp import mtp_metrics, take_mtp_stats
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.clip import clip_grad_norm_, clip_grad_norm_sharded_
 from lmforge.parallel.context_parallel import SequenceSharding
@@ -84,17 +85,25 @@ class Layout:
                     loss_sum += self.local_value(normalise(nll.detach(), n_targets))
         return self.dp_sum(loss_sum)
 
-    def moe_step(self, micro_batches: int) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def moe_step(self, micro_batches: int) -> Iterator[None]:
         """Around a step's forwards and backwards: Mixture-of-Experts layers' aux-loss scale, then their
-        statistics into `self.moe_stats` (lmforge.parallel.expert_parallel; nothing for a dense model)."""
-        return moe_step(self.model, micro_batches, self.dp, self.moe_stats)
+        statistics into `self.moe_stats` (lmforge.parallel.expert_parallel; nothing for a dense model),
+        and multi-token prediction's per-depth losses under "mtp" (lmforge.model.mtp)."""
+        with moe_step(self.model, micro_batches, self.dp, self.moe_stats):
+            yield
+        mtp = take_mtp_stats(self.model)
+        if mtp is not None:
+            self.moe_stats["mtp"] = mtp
 
     def moe_metrics(self, stats: dict) -> dict:
         """A step's MoE metrics (`moe_stats`, lmforge.parallel.expert_parallel.moe_metrics) of every MoE
-        layer: pipeline stages exchange theirs (a collective at log lines; every rank calls it)."""
+        layer: pipeline stages exchange theirs (a collective at log lines; every rank calls it); and
+        the MTP losses, summed over the data-parallel ranks (a collective too)."""
+        out = mtp_metrics(self.dp_sum(stats["mtp"].clone())) if "mtp" in stats else {}
         if not self.cfg.model.moe.enabled:
-            return {}
-        out = moe_metrics(stats)
+            return out
+        out.update(moe_metrics({i: s for i, s in stats.items() if i != "mtp"}))
         if self.dist.pp_size > 1:
             parts: list = [None] * self.dist.pp_size
             dist.all_gather_object(parts, out, group=self.dist.group("pp"))
@@ -113,7 +122,8 @@ class Layout:
         """Summed token NLL (fp32) of one micro-batch. train.loss_chunk (`loss_chunk`): fused with the
         output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits). `docs`:
         the micro-batch's `document_inputs`."""
-        return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.autocast, **docs)
+        return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.autocast,
+                             targets_in_forward=self.cfg.model.mtp_depth > 0, **docs)  # (MTP: lmforge.model.mtp)
 
     def document_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's document arguments for whole sequences x (lmforge.model.documents; none under

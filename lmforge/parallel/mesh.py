@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 
 from lmforge.config import Config, ConfigError
+from lmforge.config.launch import launch_description, launched_by_torchrun
+from lmforge.config.rules import check_process_count
 
 log = logging.getLogger("lmforge.parallel")
 
@@ -112,14 +114,20 @@ class DistInfo:
         return tuple(q for d in FLAT_DIMS.get(name, (name,)) for q in parts.get(d, (d,)))
 
     @property
+    def replicas(self) -> int:
+        """The size of the mesh's "dp_replicate" dim (HSDP's replica groups; 1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.size(self.mesh.mesh_dim_names.index("dp_replicate"))
+
+    @property
     def dp_group(self):
         """Process group of all data-parallel ranks of this TP/PP coordinate (None = the world)."""
         if self.mesh is None or self.dp_size == self.world_size:
             return None
-        sizes = dict(zip(self.mesh.mesh_dim_names, self.mesh.mesh.shape))
-        if sizes["dp_replicate"] == 1 or sizes["dp_shard"] == 1:
-            return self.group("dp_shard" if sizes["dp_replicate"] == 1 else "dp_replicate")
-        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        if self.replicas == 1 or self.replicas == self.dp_size:
+            return self.group("dp_shard" if self.replicas == 1 else "dp_replicate")
+        if "dp" not in self.flat:  # (made once, on every rank alike: dp_group is asked for on all ranks)
+            self.flat["dp"] = self.mesh[("dp_replicate",) + self.dim_parts("dp_shard")]._flatten("dp")
+        return self.flat["dp"].get_group()
 
     @property
     def dp_cp_size(self) -> int:
@@ -136,22 +144,10 @@ class DistInfo:
         return None if self.dp_cp_size == self.world_size else self.flat["dp_cp"].get_group()
 
 
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def check_layout(cfg: Config, world_size: int, cuda: bool) -> None:
     """Up-front checks of the parallel layout against the launch (no collective involved)."""
     p = cfg.parallel
-    if p.world_size != world_size:
-        how = ("torchrun started " f"{world_size} process(es)") if world_size > 1 or launched_by_torchrun() \
-            else "this is a single process (not launched by torchrun)"
-        raise ConfigError(
-            f"the parallel layout needs parallel.dp_replicate ({p.dp_replicate}) x parallel.dp_shard "
-            f"({p.dp_shard}) x {f'parallel.cp ({p.cp}) x ' if p.cp > 1 else ''}parallel.tp ({p.tp}) x "
-            f"parallel.pp ({p.pp}) = {p.world_size} processes, but "
-            f"{how} (world size {world_size}); launch with `torchrun --nproc-per-node {p.world_size} -m lmforge "
-            f"train ...` or change the layout so the product equals {world_size}.")
+    check_process_count(cfg, world_size, launch_description(world_size))
     if p.ddp_comm_hook == "bf16" and not cuda:
         raise ConfigError(
             "parallel.ddp_comm_hook = 'bf16': torch's bf16_compress_hook only runs with CUDA + NCCL; on a CPU "
@@ -210,9 +206,9 @@ def init_distributed(cfg: Config) -> DistInfo:
         coord = dict(zip(EP_MESH_DIMS, mesh.get_coordinate()))
         coord["dp_shard"] = coord["dp_shard_mod_ep"] * p.ep + coord["ep"]
         flat = {name: mesh[dims]._flatten(name) for name, dims in EP_FLAT_DIMS.items() if p.cp > 1 or "cp" not in dims}
-        if p.cp > 1:  # (FSDP2 and the token count over dp_shard x cp: every part of both)
-            for name in ("dp_shard_cp", "dp_cp"):
-                flat[name] = mesh["dp_shard_mod_ep", "ep", "cp"]._flatten(name)
+        if p.cp > 1:  # (FSDP2 over dp_shard x cp, the token count over dp_replicate x dp_shard x cp: every part)
+            flat["dp_shard_cp"] = mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
+            flat["dp_cp"] = mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("dp_cp")
     else:
         mesh = init_device_mesh(device.type, (p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
         coord = dict(zip(MESH_DIMS, mesh.get_coordinate()))

@@ -92,8 +92,10 @@ def parallelize(model: Transformer, cfg: Config, dist_info: DistInfo, precision:
     lines = [f"compile: per-block torch.compile {'on' if compiled else 'off'} ({why})"] + list(layout.describe())
     if p.ep > 1:
         e = cfg.model.moe.num_experts
+        replicas = f", replicated over dp_replicate = {p.dp_replicate} replica groups" if p.dp_replicate > 1 else ""
         lines.append(f"expert parallel: {e} experts per MoE layer over ep = {p.ep} ranks ({e // p.ep} each), "
-                     f"all-to-all dispatch; experts FSDP2-sharded over dp_shard / ep = {p.dp_shard // p.ep} ranks")
+                     f"all-to-all dispatch; experts FSDP2-sharded over dp_shard / ep = {p.dp_shard // p.ep} ranks"
+                     f"{replicas}")
     if layout.cp is not None:  # context parallelism runs inside every layout (lmforge.parallel.layout)
         layout.name += "+cp"
         lines += layout.cp.describe(cfg, 2 if precision in ("bf16", "fp16") else 4)

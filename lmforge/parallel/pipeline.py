@@ -1,16 +1,21 @@
 """Pipeline parallelism with `torch.distributed.pipelining` (manual stage modules, no tracing).
 
-The model is split into ``pp x v`` stages of consecutive blocks (v = ``parallel.pp_virtual_stages``
-for the interleaved schedule, else 1). Pipeline rank r holds stages r, r + pp, r + 2pp, ... (the
-"loop" placement ScheduleInterleaved1F1B expects). Stage 0 also holds the token (and position)
-embedding; the last stage holds the final norm, the output head and the loss.
+The model is split into ``pp x v`` stages of consecutive blocks, v stages per pipeline rank
+(`ParallelConfig.stages_per_rank`: ``parallel.pp_virtual_stages`` for interleaved / interleaved-zb,
+2 for zbv / dualpipev, else 1), placed as the schedule expects
+(lmforge.parallel.formulas.rank_stages): in a loop, rank r holds stages r, r + pp, r + 2pp, ...
+(ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), or in a V, rank r holds stages r and
+2pp - 1 - r (ScheduleZBVZeroBubble, ScheduleDualPipeV: rank 0 holds the first and the last stage).
+Stage 0 also holds the token (and position) embedding; the last stage holds the final norm, the
+output head and the loss.
 
     stage_ids = split_model(model, cfg, pp_rank)    # parallelize step 1: drop the parts this rank does not hold
     layout = Pipelined(model, cfg, info, precision, stage_ids)   # step 5, after TP / AC / compile
     loss = layout.forward_backward(micro_batches, precision)     # the whole step through the schedule
 
 Names stay those of the full model (``blocks`` is a ModuleDict keyed by layer index), so a stage's
-state dict is a slice of the full one and checkpoints / streamed weights line up.
+state dict is a slice of the full one and checkpoints / streamed weights line up, whatever the
+schedule (a checkpoint saved under one schedule resumes under another, or in one process).
 
 The micro-batches of the schedule are the step's micro-batches (concatenated along the batch dim
 and re-split by the schedule, so micro-batch i holds exactly the sequences of the trainer's
@@ -22,8 +27,20 @@ mesh: DDP's bucket rebuild breaks under a pipeline schedule). Evaluation and sam
 where they lie (lmforge.parallel.inference): no rank gathers the model. The loss lives on
 the last stage and is all-reduced so every rank logs the same number.
 
-Bubble fraction (idle share of each rank per step): (p - 1) / (m + p - 1) for GPipe and 1F1B,
-(p - 1) / (v m + p - 1) for interleaved 1F1B with v chunks per rank (m micro-batches, p ranks).
+Zero-bubble schedules (interleaved-zb, zbv, dualpipev) split each micro-batch's backward in two:
+`stage_backward_input` (the input gradient, sent on at once) keeps the autograd graph and hooks the
+nodes where the weights' paths meet it; `stage_backward_weight` later runs the weights' part from
+there and adds it into ``.grad``. The stage modules need nothing special for it: a block is plain
+autograd (the MoE layers' custom functions included), and full / every_k activation checkpointing
+(non-reentrant) recomputes a region once for the input pass and keeps it for the weight pass.
+Selective checkpointing allows a single backward through a region (torch raises "Trying to backward
+an extra time") and torch.compile'd blocks are refused by torch's schedules (pytorch/pytorch#161904):
+config rules say so up front (lmforge.config.rules.check_pipeline). Stage 0's input is the token ids
+(no gradient), so torch runs its whole backward in the weight pass.
+
+Bubble fraction (idle share of each rank per step) and the micro-batches of activations held:
+lmforge.parallel.formulas.pipeline_bubble / pipeline_in_flight, e.g. (p - 1) / (m + p - 1) for
+GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B (m micro-batches, p ranks).
 """
 
 from __future__ import annotations
@@ -38,7 +55,7 @@ from lmforge.config import Config
 from lmforge.model.layers import KVCache, attention_mask, local_positions, rope_rows, token_positions
 from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
-from lmforge.parallel.formulas import pipeline_bubble
+from lmforge.parallel.formulas import PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_rank
 from lmforge.parallel.fsdp import apply_fsdp
 from lmforge.parallel.inference import ShardedInference
 from lmforge.parallel.layout import Batch, ShardedLayout
@@ -52,11 +69,11 @@ def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
 
 
 def split_model(model: nn.Module, cfg: Config, pp_rank: int) -> list[int]:
-    """Keep only this pipeline rank's stages in `model` (in place); returns its stage indices."""
+    """Keep only this pipeline rank's stages in `model` (in place); returns its stage indices, in the
+    order its schedule lists them (lmforge.parallel.formulas.rank_stages)."""
     p = cfg.parallel
-    v = p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1
-    n_stages = p.pp * v
-    stage_ids = [pp_rank + i * p.pp for i in range(v)]
+    n_stages = p.pp * p.stages_per_rank
+    stage_ids = rank_stages(p.pp_schedule, p.pp, pp_rank, p.pp_virtual_stages)
     keep = {str(i) for s in stage_ids for i in stage_layers(cfg.model.n_layers, n_stages, s)}
     for name in [n for n in model.blocks if n not in keep]:
         del model.blocks[name]
@@ -107,9 +124,6 @@ class StageChunk(nn.Module):
         return x
 
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
-
-
 class Pipelined(ShardedLayout):
     """This rank's stages and their schedule; `forward_backward` runs one optimizer step."""
 
@@ -132,10 +146,12 @@ class Pipelined(ShardedLayout):
             self.chunks.append(chunk)
             self.stages.append(pipelining.PipelineStage(chunk, s, n_stages, dist_info.device,
                                                         group=dist_info.group("pp")))
-        cls = getattr(pipelining, SCHEDULES[p.pp_schedule])
-        stages = self.stages if p.pp_schedule == "interleaved" else self.stages[0]
-        self.schedule = cls(stages, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
-        self.bubble = pipeline_bubble(p.pp, self.microbatches, self.v)
+        cls = getattr(pipelining, PP_SCHEDULE_CLASSES[p.pp_schedule])
+        multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # (a list of this rank's stages)
+        self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches=self.microbatches,
+                            loss_fn=self._loss, scale_grads=False)
+        self.bubble = pipeline_bubble(p.pp, self.microbatches, p.pp_virtual_stages, p.pp_schedule)
+        self.last_rank = stage_rank(p.pp_schedule, p.pp, n_stages - 1)  # (holds the loss: pp - 1, or 0 in a V)
         self._n_targets = torch.ones(())
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -177,6 +193,10 @@ class Pipelined(ShardedLayout):
 
     def describe(self) -> Iterator[str]:
         p = self.cfg.parallel
+        where = ""
+        if self.v > 1:
+            where = (" (in a V: rank r holds stages r and 2pp-1-r)" if p.pp_schedule in V_SHAPED else
+                     " (in a loop: rank r holds stages r, r+pp, ...)")
         yield (f"pipeline: {p.pp_schedule} schedule, {p.pp} ranks x {self.v} stage(s) each = {p.pp * self.v} "
-               f"stages, {self.microbatches} micro-batches per step; bubble fraction (p-1)/"
-               f"({'v' if self.v > 1 else ''}m+p-1) = {self.bubble:.3f}")
+               f"stages{where}, {self.microbatches} micro-batches per step; planned bubble fraction "
+               f"{self.bubble:.3f} (lmforge.parallel.formulas.pipeline_bubble)")

@@ -5,7 +5,10 @@ Per transformer block (on the "tp" sub-mesh of the DeviceMesh):
 * attention: q/k/v (or the fused wqkv, model.fused_qkv) column-parallel (each rank holds
   n_heads/tp query heads and kv_heads/tp kv heads: attention is local, the reshape uses -1 heads; q/k/v biases split with their weights),
   output projection ``wo`` row-parallel; QK-norm weights (model.qk_norm) replicated, applied to
-  the rank's heads as a DTensor sharded along the heads (`_qk_norm_plan`);
+  the rank's heads as a DTensor sharded along the heads (`_qk_norm_plan`); multi-head latent
+  attention (model.mla): the query and K/V up-projections (wq or wq_b, wkv_b) column-parallel, wo
+  row-parallel, the latent down-projections and their norms replicated (why: lmforge.model.mla);
+  multi-token prediction's blocks (model.mtp_depth) split as the others;
 * MLP: gate/up (SwiGLU) or fc (GELU) column-parallel, down/proj row-parallel;
 * token embedding vocab-parallel (RowwiseParallel on the embedding: each rank holds vocab/tp rows);
 * output head column-parallel with DTensor logits sharded over the vocabulary, consumed by
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.mla import MLAttention
 from lmforge.model.moe import is_moe
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.fsdp import apply_fsdp, fsdp_description, micro_batch_sync
@@ -63,15 +67,19 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
             plan["norm"] = SequenceParallel()
         plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
                                           use_local_output=local_logits)
-    for name, block in model.blocks.items():
-        pre = f"blocks.{name}"
+    blocks = {f"blocks.{name}": block for name, block in model.blocks.items()}
+    if getattr(model, "mtp", None) is not None:  # multi-token prediction's blocks (lmforge.model.mtp): the same split
+        blocks.update({f"mtp.{k}.block": depth.block for k, depth in model.mtp.items()})
+    for pre, block in blocks.items():
         row_out = {"output_layouts": Shard(1)} if sp else {}
         # the fused wqkv (model.fused_qkv) too: its rows are grouped by kv head, so the plain row
-        # split gives each rank whole groups (lmforge.model.layers.qkv_layout)
-        for n in ("wqkv",) if getattr(block.attn, "fused", False) else ("wq", "wk", "wv"):
+        # split gives each rank whole groups (lmforge.model.layers.qkv_layout); multi-head latent
+        # attention: its up-projections (whole heads: each head's rows are contiguous), the latent
+        # down-projections and norms replicated (lmforge.model.mla)
+        for n in _column_parallel_attention(block.attn):
             plan[f"{pre}.attn.{n}"] = ColwiseParallel()
         plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
-        if getattr(block.attn, "q_norm", None) is not None:
+        if getattr(block.attn, "q_norm", None) is not None and not isinstance(block.attn, MLAttention):  # (QK-norm)
             plan.update(_qk_norm_plan(pre))
         if is_moe(block.mlp):  # TP shards attention only: each TP rank runs the MoE feed-forward whole
             pass
@@ -95,6 +103,13 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
                 plan[f"{pre}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                         use_local_output=True)
     return plan
+
+
+def _column_parallel_attention(attn: nn.Module) -> tuple[str, ...]:
+    """The column-parallel projections of a block's attention (its heads split over the TP ranks)."""
+    if isinstance(attn, MLAttention):
+        return ("wq_b" if hasattr(attn, "wq_b") else "wq", "wkv_b")
+    return ("wqkv",) if getattr(attn, "fused", False) else ("wq", "wk", "wv")
 
 
 def _qk_norm_plan(pre: str) -> dict:
@@ -160,6 +175,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool, lo
             and model.lm_head.weight is model.tok_emb.weight)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # (LoRA: the base weights)
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, local_logits))
+    for m in model.modules():  # multi-head latent attention: its shared RoPE key's gradient, summed over TP
+        if isinstance(m, MLAttention):
+            m.tp_group = tp_mesh.get_group()
     for name, p in model.named_parameters():  # torch's SequenceParallel re-creates norm weights trainable
         if name in frozen:
             p.requires_grad_(False)

@@ -2,7 +2,7 @@
 
     lmforge plan --model PRESET_OR_TOML [--set KEY=VALUE ...] --gpus 8xA100-80GB [--nodes N]
                  [--layout dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full] [--global-batch-tokens T]
-                 [--seq-len S] [--tokens D] [--mfu 0.4] [--flops palm|6N] [--ideal] [--price 2.0]
+                 [--seq-len S] [--tokens D] [--flops palm|6N] [--ideal --mfu 0.4] [--price 2.0]
                  [--optimizer adamw] [--precision bf16] [--weights lmforge,megatron,zero-paper|all]
                  [--devices extra.toml] [--usable 0.9]
                  [--search [--allow-offload [--host-memory-gb 2048]] [--top 10]] [--json]
@@ -10,7 +10,8 @@
 Defaults come from the model's config: sequence length `data.seq_len`, global batch
 `train.global_batch_size` x seq_len tokens, training tokens those of the config's run
 (`train.steps` steps, the batch ramp-up included),
-optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device has it, else fp16, else fp32), micro-batch `train.micro_batch_size`,
+optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device has it, else fp16, else fp32), micro-batch `train.micro_batch_size`
+("auto": the largest whose planned peak fits in 85% of the GPU), compile `train.compile` (as resolved on CUDA),
 activation checkpointing `train.activation_checkpoint`, the chunked loss `train.loss_chunk` (as resolved on
 CUDA; 0 under tp or pp > 1; layout key loss_chunk=N overrides it), tp/pp/cp from `[parallel]`; the default
 layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
@@ -18,18 +19,25 @@ layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_
 Memory is shown under each convention asked for (`--weights`, default all three: "lmforge" =
 what lmforge allocates, "megatron" = Megatron-LM's estimator (18 B/param), "zero-paper" = the
 ZeRO paper's 16 B/param); the search fit-checks with "lmforge" whenever it is among them (planning an lmforge
-run), else with the first one named, and says which.
+run), else with the first one named, and says which. The step time is the model per op kind of
+`lmforge.plan.op_time` (its constants: `lmforge.plan.hardware.H100_CALIBRATION`); `--ideal --mfu X`
+is the back-of-envelope estimate at an end-to-end MFU instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
 from lmforge.plan.flops import config_train_tokens, estimate_step
 from lmforge.plan.hardware import load_devices, parse_cluster
-from lmforge.plan.memory import CONVENTIONS, Layout, estimate_memory, planned_loss_chunk
+from lmforge.config.rules import pipeline_micro_batches
+from lmforge.plan.conventions import CONVENTIONS
+from lmforge.plan.layout import Layout, planned_compile, planned_loss_chunk
+from lmforge.plan.memory import estimate_memory
+from lmforge.plan.micro_batch import AUTO_HEADROOM, largest_fitting
 from lmforge.plan.report import candidates_table, memory_table, step_table, to_json
 from lmforge.plan.search import search_layouts
 
@@ -81,18 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: data.seq_len)")
     p.add_argument("--tokens", type=float, default=None,
                    help="training tokens D (default: the config's run, train.steps steps with its batch ramp-up)")
-    p.add_argument("--mfu", type=float, default=0.4,
-                   help="model FLOPs utilisation (PaLM: model FLOPs, recompute not counted, / peak). With --ideal: the "
-                        "run's end-to-end MFU, applied as is. Otherwise: the MFU of large matmuls without recompute; "
-                        "the layout model derives each layout's MFU and HFU from it (default 0.4)")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="with --ideal: the run's end-to-end model FLOPs utilisation (PaLM: model FLOPs, recompute not "
+                        "counted, / peak), applied as is. Without --ideal the step time comes from the time model per "
+                        "op kind (lmforge/plan/op_time.py, constants in lmforge/plan/hardware.py)")
     p.add_argument("--flops", default="palm", choices=("palm", "6N"),
                    help="FLOPs per token: palm = 6N_matmul + 12*L*h*s (default) or 6N = 6 x all parameters")
     p.add_argument("--ideal", action="store_true",
-                   help="back-of-envelope: time = D x FLOPs/token / (GPUs x peak x MFU), --mfu as is (no shape "
-                        "heuristic, bubble, communication or recompute time: they are inside the MFU)")
+                   help="back-of-envelope: time = D x FLOPs/token / (GPUs x peak x MFU), --mfu as is (no op-kind "
+                        "model, bubble, communication or recompute time: they are inside the MFU)")
     p.add_argument("--price", type=float, default=None, help="price per GPU-hour for the cost estimate")
     p.add_argument("--optimizer", default=None, help="optimizer (default: optim.name)")
-    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32", "fp8"), help="default: train.precision")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32", "fp8", "bf16-pure"),
+                   help="default: train.precision. bf16-pure: bf16 weights and activations, fp32 master weights and "
+                        "gradients in the optimizer")
     p.add_argument("--weights", default="all",
                    help="memory conventions to show, comma-separated: lmforge (what lmforge allocates), megatron "
                         "(Megatron-LM's estimator, 18 B/param), zero-paper (the ZeRO paper's 16 B/param), or all "
@@ -121,7 +131,13 @@ def _check_args(args: argparse.Namespace) -> None:
     finite_positive("--tokens", args.tokens)
     finite_positive("--price", args.price, allow_zero=True)
     finite_positive("--host-memory-gb", args.host_memory_gb)
-    if not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
+    if args.ideal and args.mfu is None:
+        raise ValueError("--ideal applies an end-to-end MFU as is: give --mfu (e.g. --mfu 0.4)")
+    if args.mfu is not None and not args.ideal:
+        raise ValueError(f"--mfu {args.mfu:g} is the end-to-end MFU of --ideal; without --ideal the step time comes "
+                         f"from the time model per op kind (its constants: lmforge/plan/hardware.py): add --ideal or "
+                         f"drop --mfu")
+    if args.mfu is not None and not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
         raise ValueError(f"--mfu {args.mfu:g} must be in (0, 1] (a fraction of the peak, e.g. 0.4)")
     if not (math.isfinite(args.usable) and 0 < args.usable <= 1):
         raise ValueError(f"--usable {args.usable:g} must be in (0, 1] (a fraction of the device memory, e.g. 0.9)")
@@ -140,40 +156,89 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--allow-offload widens the layout search; add --search")
 
 
-def _default_layout(cfg, world: int, seq_sequences: int, precision: str, layout_text: str | None,
-                    seq_len: int | None = None) -> Layout:
+def _default_layout(cfg, cluster, seq_sequences: int, precision: str, layout_text: str | None,
+                    seq_len: int, optimizer: str) -> tuple[Layout, list[str]]:
+    """The layout to plan, from `--layout` over the config's settings, and notes on what was derived:
+    dp fills the cluster; the micro-batch is the config's lowered to a divisor of the per-replica batch
+    ("auto": the largest the memory plan fits in `AUTO_HEADROOM` of the device); compile and
+    loss_chunk as lmforge resolves them on CUDA; a flag of the config's that does not apply to the
+    layout is dropped, with a note, unless the user chose it."""
     par, tr = cfg.parallel, cfg.train
-    base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": tr.micro_batch_size,
+    auto_mb = tr.micro_batch_size == "auto"
+    base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": 1 if auto_mb else tr.micro_batch_size,
             "ac": tr.activation_checkpoint, "ac_every": tr.ac_every, "precision": precision,
-            "zero": 3 if par.dp_shard > 1 else 0, "fsdp_reduce_every_micro_batch": par.fsdp_reduce_every_micro_batch}
+            "zero": 3 if par.dp_shard > 1 else 0}
     explicit = {item.split("=", 1)[0].strip().lower() for item in (layout_text or "").split(",") if "=" in item}
+    notes: list[str] = []
     given = Layout.parse(layout_text or "", **base)
     if "loss_chunk" not in explicit:  # train.loss_chunk as lmforge runs it on GPUs under this tp / pp
         given.loss_chunk = planned_loss_chunk(cfg, precision, given.tp, given.pp)
+    if "compile" not in explicit:  # train.compile as lmforge resolves it on CUDA under this tp
+        given.compile = planned_compile(cfg, given.tp, given.pp, given.pp_schedule)
     given.validate(cfg.model, seq_len)  # values, then vs. the model
     model_ranks = given.cp * given.tp * given.pp  # the GPUs that one data-parallel replica spans
     if not ({"dp"} & explicit):
-        if world % model_ranks:
+        if cluster.world_size % model_ranks:
             raise ValueError(f"cp x tp x pp = {given.cp} x {given.tp} x {given.pp} = {model_ranks} does not divide "
-                             f"the {world} GPUs")
-        given.dp = world // model_ranks
-    if given.world_size != world:
+                             f"the {cluster.world_size} GPUs")
+        given.dp = cluster.world_size // model_ranks
+    if given.world_size != cluster.world_size:
         raise ValueError(f"layout uses dp x cp x tp x pp = {given.dp} x {given.cp} x {given.tp} x {given.pp} = "
-                         f"{given.world_size} GPUs but --gpus gives {world}; the plan is for every GPU of the cluster: "
-                         f"leave dp= out (it fills the cluster) or set dp = {world // model_ranks or 1}, or change --gpus")
-    if not ({"mb", "micro_batch"} & explicit) and seq_sequences % given.dp == 0:
-        # the config's micro-batch, lowered to the largest divisor of the per-replica batch
+                         f"{given.world_size} GPUs but --gpus gives {cluster.world_size}; the plan is for every GPU of "
+                         f"the cluster: leave dp= out (it fills the cluster) or set dp = "
+                         f"{cluster.world_size // model_ranks or 1}, or change --gpus")
+    if given.zero and given.shard_ranks == 1:
+        given.zero = 0
+    _inherit_reduce_every(cfg, given, explicit, notes)
+    typed_mb = {"mb", "micro_batch"} & explicit
+    if not typed_mb and seq_sequences % given.dp == 0:
         per_dp = seq_sequences // given.dp
-        given.micro_batch = max(k for k in range(1, min(given.micro_batch, per_dp) + 1) if per_dp % k == 0)
+        if auto_mb:
+            notes.append(_auto_micro_batch(cfg, cluster, given, per_dp, seq_len, optimizer))
+        else:  # the config's micro-batch, lowered to the largest divisor of the per-replica batch
+            given.micro_batch = max(k for k in range(1, min(given.micro_batch, per_dp) + 1) if per_dp % k == 0)
     if not ({"ga", "grad_accum", "m"} & explicit):
         per = given.micro_batch * given.dp
         if seq_sequences % per:
             raise ValueError(f"global batch of {seq_sequences} sequences is not divisible by micro-batch "
                              f"{given.micro_batch} x dp {given.dp}; change --global-batch-tokens or mb=")
         given.grad_accum = seq_sequences // per
-    if given.zero and given.shard_ranks == 1:
-        given.zero = 0
-    return given
+    return given, notes
+
+
+def _inherit_reduce_every(cfg, given: Layout, typed: set[str], notes: list[str]) -> None:
+    """parallel.fsdp_reduce_every_micro_batch from the config, where it applies (FSDP without a
+    pipeline). A preset's true that does not apply to the layout typed is dropped, with a note; one the
+    user chose (their --set or TOML file) is an error, as a typed reduce_every=1 is."""
+    key = "parallel.fsdp_reduce_every_micro_batch"
+    if {"reduce_every", "fsdp_reduce_every_micro_batch"} & typed or not cfg.parallel.fsdp_reduce_every_micro_batch:
+        return
+    if given.fsdp and given.pp == 1:
+        given.fsdp_reduce_every_micro_batch = True
+        return
+    why = (f"pp = {given.pp}: torch's pipeline schedule reduces FSDP2's gradients once per step" if given.pp > 1
+           else f"the layout's data parallelism is {'ZeRO-1' if given.zero == 1 else 'DDP'}, not FSDP (zero=2/3)"
+           if given.shard_ranks > 1 else "the layout has no data-parallel ranks to reduce-scatter over")
+    if key in cfg.explicit_keys:
+        raise ValueError(f"{key} = true does not apply to the layout {given.short()}: {why}; set it to false "
+                         f"(--set {key}=false) or plan an FSDP layout without a pipeline")
+    notes.append(f"{key} = true (the preset's) dropped: it applies to FSDP without a pipeline, and {why}")
+
+
+def _auto_micro_batch(cfg, cluster, given: Layout, per_dp: int, seq_len: int, optimizer: str) -> str:
+    """train.micro_batch_size = "auto": the largest size the layout can run whose lmforge-convention
+    peak fits in AUTO_HEADROOM of the device's memory (lmforge.plan.micro_batch); sets it, returns a note."""
+    sizes = pipeline_micro_batches(per_dp, given.pp, given.pp_schedule)
+    if not sizes:
+        raise ValueError(f"train.micro_batch_size = 'auto': no micro-batch leaves >= pp = {given.pp} micro-batches of "
+                         f"the {per_dp} sequences per data-parallel rank; change --global-batch-tokens or type mb=")
+    budget = AUTO_HEADROOM * cluster.device.memory_bytes
+    m, planned, refused = largest_fitting(
+        sizes, lambda k: dataclasses.replace(given, micro_batch=k, grad_accum=per_dp // k), cfg.model, optimizer,
+        seq_len, budget)
+    given.micro_batch = m
+    return (f"train.micro_batch_size = auto -> {m}: the largest of {sizes} whose planned peak (lmforge) fits in "
+            f"{AUTO_HEADROOM:.0%} of {cluster.device.memory_gb:g} GB: {planned / 1e9:.2f} GB{refused}")
 
 
 def _resolve_precision(precision: str, device) -> str:
@@ -213,15 +278,15 @@ def plan_main(argv: list[str]) -> int:
         sequences = batch_tokens // seq_len
         precision = _resolve_precision(args.precision or cfg.train.precision, cluster.device)
         optimizer = args.optimizer or cfg.optim.name
-        train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg))
-        layout = _default_layout(cfg, cluster.world_size, sequences, precision, args.layout, seq_len)
+        layout, notes = _default_layout(cfg, cluster, sequences, precision, args.layout, seq_len, optimizer)
+        train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg, layout.micro_batch))
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
-                             price_per_gpu_hour=args.price, flops_convention=args.flops,
-                             use_shape_efficiency=not args.ideal, ideal=args.ideal, convention=fit_convention)
+                             price_per_gpu_hour=args.price, flops_convention=args.flops, ideal=args.ideal,
+                             convention=fit_convention, optimizer=optimizer)
         cands = None
         if args.search:
-            cands = search_layouts(cfg.model, cluster, sequences, seq_len, optimizer=optimizer, mfu=args.mfu,
+            cands = search_layouts(cfg.model, cluster, sequences, seq_len, optimizer=optimizer,
                                    precision=precision, weights=fit_convention, show=conventions,
                                    usable_fraction=args.usable, top=args.top, model_name=cfg.preset,
                                    config=cfg, allow_offload=args.allow_offload, host_memory_gb=args.host_memory_gb)
@@ -234,19 +299,32 @@ def plan_main(argv: list[str]) -> int:
                   "global_batch_tokens": batch_tokens, "optimizer": optimizer, "precision": precision,
                   "layout": layout.to_dict(), "usable_fraction": args.usable, "conventions": list(conventions),
                   "memory": {m.convention: m.as_dict() | {"fits": m.total <= budget} for m in mems},
-                  "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal}
+                  "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal, "notes": notes}
         if cands is not None:
             report["search_fit_convention"] = cands.fit_convention
             report["search_refused_by_lmforge"] = cands.refused
             report["search"] = [c.as_dict() for c in cands]
         print(to_json(report))
         return 0
+    if cands is not None and args.layout is None:  # the search first; then its best layout in detail
+        print(candidates_table(cands, cluster, args.usable))
+        if not cands:
+            return 0
+        layout, notes = cands[0].layout, [f"the search's best layout (--layout {cands[0].layout.short()} plans it alone)"]
+        mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset)
+                for w in conventions]
+        step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
+                             price_per_gpu_hour=args.price, flops_convention=args.flops, ideal=args.ideal,
+                             convention=fit_convention, optimizer=optimizer)
+        print()
     print(f"lmforge plan: {cfg.preset} on {cluster} ({cluster.world_size} GPUs), layout {layout.short()}")
+    for note in notes:
+        print(f"  note: {note}")
     print()
     print(memory_table(mems, cluster.device.memory_bytes, args.usable))
     print()
     print(step_table(step, cluster, args.mfu, precision))
-    if cands is not None:
+    if cands is not None and args.layout is not None:
         print()
         print(candidates_table(cands, cluster, args.usable))
     return 0

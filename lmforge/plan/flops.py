@@ -13,18 +13,25 @@ Conventions:
   the FLOPs the GPUs really execute, recomputation included: HFU = MFU x recompute factor (full
   recompute re-runs the forward: 4/3; selective ~1.03, a documented estimate; every_k in
   proportion to the blocks checkpointed). The planner prints both.
-- The assumed MFU (`mfu=`, `--mfu`):
-  - `ideal=True` (`--ideal`): the run's end-to-end MFU, applied as is: training time =
-    D x FLOPs/token / (GPUs x peak x MFU). Bubble, communication and recompute are inside it (a
-    run with full recompute at this MFU has HFU = 4/3 MFU, which must not exceed 1).
-  - otherwise (the layout model, used by the search): the MFU that a layout with large matmuls and
-    no recompute reaches before bubble and exposed communication. The GPUs then execute at that
-    rate (HFU = MFU there), scaled by the matmul-shape heuristic; recomputation is extra hardware
-    work at the same rate; the pipeline bubble and exposed communication stretch the step. The
-    layout's resulting end-to-end MFU and HFU are reported.
+- Step time (the layout model, used by the search; `lmforge.plan.op_time`): the device time of the
+  kernels one rank runs in a step, per op kind (matmuls by their FLOPs and a fixed cost per GEMM,
+  attention at its measured rate, elementwise, loss, cast and optimizer bytes at the device's
+  bandwidth), plus the host gaps between kernels shorter than the host's time per launch; the
+  constants are the device's calibration (`lmforge.plan.hardware.H100_CALIBRATION`, fitted to an
+  H100's profile; other devices: the same fractions of their spec sheets). Recomputation runs its
+  kernels again; the pipeline bubble and exposed communication stretch the step. The layout's
+  resulting end-to-end MFU and HFU are reported, with the time per op kind.
+- `ideal=True` (`--ideal`, with `mfu=` / `--mfu`): the back-of-envelope estimate instead, the run's
+  end-to-end MFU applied as is: training time = D x FLOPs/token / (GPUs x peak x MFU). Bubble,
+  communication and recompute are inside it (a run with full recompute at this MFU has HFU = 4/3
+  MFU, which must not exceed 1).
 - Training time = D / tokens per second. GPU-hours = time x GPUs; cost = GPU-hours x price.
-- Pipeline bubble (fraction of the step spent idle) = (p-1)/v / (m + (p-1)/v) for p stages, m
-  micro-batches, v virtual stages per rank (interleaved 1F1B; v = 1 otherwise): (p-1)/(m+p-1).
+- Pipeline bubble (fraction of the step spent idle): each schedule's published formula in the
+  times F, B, W of a micro-batch's forward, input-gradient and weight-gradient passes, with
+  F = B = W and the recomputed forward added to B (`lmforge.parallel.formulas.pipeline_bubble`):
+  (p-1)/v / (m + (p-1)/v) for p stages, m micro-batches, v virtual stages per rank (interleaved
+  1F1B; v = 1 otherwise: (p-1)/(m+p-1)); ZB-H1 / interleaved-zb (p-1)(F+B-W)/v, ZB-V (p-1)B/2,
+  DualPipeV (p-1)(F+2B-W)/2 idle per m(F+B+W) of work.
 - Communication: each collective costs a latency plus its bytes on the wire over the link
   bandwidth (ring algorithms, bytes per GPU, n ranks: all-reduce 2(n-1)/n x S, all-gather /
   reduce-scatter (n-1)/n x S; a send S). Latency: `ceil(log2 n)` steps of 5 us over NVLink or
@@ -62,10 +69,6 @@ Conventions:
   - CPU offload: 8 bytes/param of the rank's shard over PCIe (25 GB/s) plus a host optimizer step
     streaming 16 bytes/param at 50 GB/s, exposed.
   These are first-order estimates for ranking layouts, not a network simulator.
-- `shape_efficiency` (used to rank layouts): matmuls shrink with a small micro-batch or a large
-  TP degree; the assumed MFU applies to large matmuls and is scaled by
-  (T/(T+128)) x ((h/t)/((h/t)+128)) / (h/(h+128)), T = micro_batch x seq_len / cp tokens. A heuristic,
-  stated so it can be checked against measurements.
 """
 
 from __future__ import annotations
@@ -78,8 +81,12 @@ from lmforge.config import Config, ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
 from lmforge.parallel.formulas import cp_comm_bytes, pipeline_bubble, recomputed_layers  # noqa: F401 (re-exported)
 from lmforge.plan.hardware import Cluster, Device
-from lmforge.plan.memory import (Layout, cfg_key, check_convention, cp_kv_layer_bytes, stage_specs, total_params,
-                                 tp_shape)
+from lmforge.plan.activations import cp_kv_layer_bytes
+from lmforge.plan.conventions import check_convention
+from lmforge.plan.layout import Layout
+from lmforge.plan.model_states import literature_state_bytes_per_param
+from lmforge.plan.op_time import op_times
+from lmforge.plan.params import cfg_key, stage_specs, total_params, tp_shape
 
 _CACHE: dict[tuple, tuple[float, int]] = {}
 
@@ -101,14 +108,16 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int, convention: str = "pal
     return model_flops_per_token(model_cfg, seq_len)
 
 
-def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int, ep: int = 1) -> tuple[float, int]:
+def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int, ep: int = 1, last_rank: int | None = None
+                   ) -> tuple[float, int]:
     """(parameters, parameter tensors) one rank of pipeline stage 0 holds under TP degree `tp` (and
-    EP degree `ep`: E / ep of each MoE layer's routed experts). The data-parallel traffic counts
-    them all over the dp group; an expert's gradient is in fact reduced over the dp / ep ranks
-    holding it, a smaller group (a slight overestimate of the ring's (n-1)/n)."""
-    key = ("stage0", cfg_key(model_cfg), pp, tp, ep)
+    EP degree `ep`: E / ep of each MoE layer's routed experts; `last_rank` 0: the head too, as in a
+    V-shaped schedule). The data-parallel traffic counts them all over the dp group; an expert's
+    gradient is in fact reduced over the dp / ep ranks holding it, a smaller group (a slight
+    overestimate of the ring's (n-1)/n)."""
+    key = ("stage0", cfg_key(model_cfg), pp, tp, ep, last_rank)
     if key not in _CACHE:
-        specs = stage_specs(model_cfg, pp, 0)
+        specs = stage_specs(model_cfg, pp, 0, last_rank)
         _CACHE[key] = (sum(math.prod(tp_shape(sp, tp, ep)) for sp in specs), len(specs))
     return _CACHE[key]
 
@@ -146,12 +155,6 @@ def training_time_seconds(total_flops: float, n_gpus: int, peak_flops: float, mf
     if n_gpus < 1:
         raise ValueError(f"GPU count {n_gpus} must be >= 1")
     return total_flops / (n_gpus * peak_flops * mfu)
-
-
-def shape_efficiency(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> float:
-    tokens = layout.micro_batch * seq_len // layout.cp  # a CP rank's matmuls see its seq_len / cp tokens
-    h, ht = model_cfg.dim, model_cfg.dim / layout.tp
-    return (tokens / (tokens + 128)) * (ht / (ht + 128)) / (h / (h + 128))
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ def cp_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, i
     layers of the rank's pipeline stage, with one more K/V all-gather per layer that activation
     checkpointing re-runs in backward (`formulas.recomputed_layers`)."""
     layers = model_cfg.n_layers // layout.pp
-    return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len), layout.cp, layers, layout.grad_accum,
+    return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len, gathered=True), layout.cp, layers, layout.grad_accum,
                          recomputed_layers(layout.ac, layers, layout.ac_every))
 
 
@@ -240,6 +243,8 @@ class StepEstimate:
     step_s: float = 0.0
     tokens_per_s: float = 0.0
     tokens_per_s_per_gpu: float = 0.0
+    time_by_kind: dict[str, float] = field(default_factory=dict)  # device seconds per op kind, "host" gaps
+    launches: float = 0.0             # kernels one rank launches per step
     mfu: float = 0.0                  # model FLOPs utilisation (PaLM): recompute not counted
     hfu: float = 0.0                  # hardware FLOPs utilisation: recompute counted
     recompute_factor: float = 1.0
@@ -259,18 +264,24 @@ class StepEstimate:
         return d
 
 
-def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, mfu: float = 0.4,
+def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int, mfu: float | None = None,
                   train_tokens: float | None = None, price_per_gpu_hour: float | None = None,
-                  flops_convention: str = "palm", use_shape_efficiency: bool = True, ideal: bool = False,
-                  convention: str = "lmforge") -> StepEstimate:
-    """Step time of `layout` on `cluster`. `ideal`: `mfu` is the run's end-to-end MFU, applied as
-    is. Otherwise `mfu` is the MFU of large matmuls without recompute (scaled, when
-    `use_shape_efficiency`, by the matmul-shape heuristic); recompute is extra hardware work at that
-    rate, and the pipeline bubble and exposed communication (DP bytes as `convention` sends them)
-    stretch the step. The returned `mfu` / `hfu` are the resulting end-to-end figures."""
+                  flops_convention: str = "palm", ideal: bool = False, convention: str = "lmforge",
+                  optimizer: str = "adamw", chunk_loss_compiled: bool = True) -> StepEstimate:
+    """Step time of `layout` on `cluster`: the kernels of one rank's step per op kind
+    (`lmforge.plan.op_time`; `optimizer` sets the optimizer step's bytes, `chunk_loss_compiled` whether
+    the chunked loss's elementwise part is one compiled kernel, as lmforge runs it on CUDA GPUs with
+    Triton), stretched by the pipeline bubble and the exposed communication (DP bytes as
+    `convention` sends them). `ideal`: `mfu` is the run's end-to-end MFU, applied as is. The
+    returned `mfu` / `hfu` are the resulting end-to-end figures."""
     layout.validate(model_cfg, seq_len)
     check_convention(convention)
-    if not 0 < mfu <= 1:
+    if ideal and mfu is None:
+        raise ValueError("ideal=True applies an end-to-end MFU as is: give mfu")
+    if mfu is not None and not ideal:
+        raise ValueError(f"mfu = {mfu} is the end-to-end MFU of the back-of-envelope estimate (ideal=True); the "
+                         f"layout model times each op kind from the device's calibration")
+    if mfu is not None and not 0 < mfu <= 1:
         raise ValueError(f"mfu = {mfu} must be in (0, 1]")
     if layout.world_size > cluster.world_size:
         raise ValueError(f"layout needs {layout.world_size} GPUs (dp x cp x tp x pp) but the cluster "
@@ -293,10 +304,13 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
                            step_s=step, tokens_per_s=tokens / step, tokens_per_s_per_gpu=tokens / step / n_gpus,
                            mfu=mfu, hfu=mfu * rf, recompute_factor=rf, ideal=True, n_gpus=n_gpus)
         return _with_totals(est, train_tokens, price_per_gpu_hour)
-    rate = mfu * (shape_efficiency(model_cfg, layout, seq_len) if use_shape_efficiency else 1.0)
-    compute = hardware_flops / (n_gpus * peak * rate)  # (CP ranks' attention work is balanced: docstring)
+    ops = op_times(model_cfg, layout, seq_len, dev, optimizer_state_bytes=literature_state_bytes_per_param(optimizer),
+                   chunk_loss_compiled=chunk_loss_compiled)
+    compute = ops.total_s  # one rank's kernels (CP ranks' attention work is balanced: docstring)
     m = layout.grad_accum
-    bubble = pipeline_bubble(layout.pp, m, layout.virtual_stages) if layout.pp > 1 else 0.0
+    # (the bubble: the schedule's published formula, the recomputed forward counted in the input gradient)
+    bubble = pipeline_bubble(layout.pp, m, layout.virtual_stages, layout.pp_schedule, recompute=3 * (rf - 1)) \
+        if layout.pp > 1 else 0.0
     busy = compute / (1 - bubble)
 
     # Communication (placement: TP innermost, then CP, DP, PP outermost). A rank holds seq_len / cp
@@ -304,7 +318,7 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
     s, b, h = seq_len // layout.cp, layout.micro_batch, model_cfg.dim
     act_bytes = 2 * s * b * h
     layers = model_cfg.n_layers // layout.pp
-    t, v = layout.tp, layout.virtual_stages
+    t, v = layout.tp, layout.stages_per_rank
     comm: dict[str, float] = {}
     if t > 1:
         per_layer = 6 if layout.ac == "full" else 4  # all-reduces; SP: as many all-gather + reduce-scatter pairs
@@ -320,7 +334,7 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
                                                                                         traffic["wire_bytes"])
     dp_overlap = 0.0
     if layout.shard_ranks > 1:  # gradients averaged over dp x cp
-        params, tensors = _stage0_params(model_cfg, layout.pp, t, layout.ep)
+        params, tensors = _stage0_params(model_cfg, layout.pp, t, layout.ep, layout.last_rank)
         once_calls, once_bytes, mb_calls, mb_bytes = _dp_traffic(layout, convention, params, tensors, m, layers)
         link = _Link.of(cluster, t * layout.shard_ranks, layout.shard_ranks)
         once, per_mb = link.collective(once_calls, once_bytes), link.collective(mb_calls, mb_bytes)
@@ -329,7 +343,8 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
         dp_overlap = min(once, backward / m) + min(per_mb, compute)
         dp_overlap = min(dp_overlap, comm["dp"], compute)
     if layout.cpu_offload:
-        shard = _stage0_params(model_cfg, layout.pp, t)[0] / (layout.shard_ranks if layout.zero else 1)
+        shard = _stage0_params(model_cfg, layout.pp, t, last_rank=layout.last_rank)[0] / (
+            layout.shard_ranks if layout.zero else 1)
         # gradients down and weights up over PCIe (4 + 4 bytes), and the optimizer update on the
         # host streaming ~16 bytes/param through host memory; not overlapped.
         comm["offload"] = shard * (8 / OFFLOAD_PCIE_BPS + 16 / OFFLOAD_HOST_BPS)
@@ -339,7 +354,8 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
                        hardware_flops_per_step=hardware_flops, compute_s=compute, bubble_fraction=bubble,
                        comm_s=comm, exposed_comm_s=exposed, step_s=step, tokens_per_s=tokens / step,
                        tokens_per_s_per_gpu=tokens / step / n_gpus, mfu=model_flops / (step * n_gpus * peak),
-                       hfu=hardware_flops / (step * n_gpus * peak), recompute_factor=rf, n_gpus=n_gpus)
+                       hfu=hardware_flops / (step * n_gpus * peak), recompute_factor=rf, n_gpus=n_gpus,
+                       time_by_kind=ops.by_kind(), launches=ops.launches)
     return _with_totals(est, train_tokens, price_per_gpu_hour)
 
 
@@ -354,16 +370,19 @@ def _with_totals(est: StepEstimate, train_tokens: float | None, price_per_gpu_ho
     return est
 
 
-def config_train_tokens(config: Config) -> int:
+def config_train_tokens(config: Config, micro_batch: int | None = None) -> int:
     """Tokens the config's run trains on: `train.steps` optimizer steps of `train.global_batch_size`
     sequences of `data.seq_len` tokens, the batch ramp-up (`schedule.batch_rampup_*`) included as
     the trainer applies it (`lmforge.optim.schedules.BatchRampup`, restated here without torch: the
-    batch grows from the start batch in whole increments, linearly in the tokens seen)."""
+    batch grows from the start batch in whole increments, linearly in the tokens seen). `micro_batch`:
+    the run's micro-batch where train.micro_batch_size is "auto" (the ramp-up's default increment)."""
     t, s, seq = config.train, config.schedule, config.data.seq_len
     full = t.global_batch_size * seq
     if not s.batch_rampup_start or s.batch_rampup_tokens <= 0:
         return t.steps * full
-    increment = s.batch_rampup_increment or t.micro_batch_size * config.parallel.dp
+    micro = micro_batch if micro_batch is not None else t.micro_batch_size
+    assert micro != "auto", "train.micro_batch_size = 'auto': pass the run's micro_batch"
+    increment = s.batch_rampup_increment or micro * config.parallel.dp
     n_increments = (t.global_batch_size - s.batch_rampup_start) // increment
     seen = steps = 0
     while steps < t.steps and seen < s.batch_rampup_tokens:

@@ -11,6 +11,11 @@ Conventions (stated once, used everywhere in `lmforge.plan`):
 - `host_memory_gb` is the host RAM of one node (the reference system's: DGX-1 / DGX A100 / DGX
   H100 ...), which CPU offload of a whole node's GPUs must fit in; `None` where no reference system
   fixes it (the CLI's `--host-memory-gb` then supplies it).
+- `hbm_gbps` is the device memory's bandwidth (GB/s); the step-time model needs it (its elementwise,
+  loss and optimizer kernels move bytes at a measured fraction of it: `Calibration`).
+- The step-time model's constants (`Calibration`) were measured on one H100; every device takes the
+  same fractions of its own dense peak and memory bandwidth, and the same latencies (a GEMM's fixed
+  cost, the host's time per launch): an estimate for devices not measured, stated as such.
 - Bandwidths are GB/s per device, *one direction*: `intra_node_gbps` is the NVLink/ICI (or PCIe)
   bandwidth to the other devices of the same node, `inter_node_gbps` is the network bandwidth per
   device across nodes (one NIC per GPU: 100/200/400 Gb/s InfiniBand = 12.5/25/50 GB/s).
@@ -23,6 +28,7 @@ Extra devices come from a TOML file, one table per device:
     fp16_tflops = 1307
     fp32_tflops = 163
     fp8_tflops = 2615
+    hbm_gbps = 5300
     intra_node_gbps = 448
     inter_node_gbps = 50
     gpus_per_node = 8
@@ -37,6 +43,67 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+# A run's precision -> the matrix units' precision it computes in ("bf16-pure": bf16 weights and
+# activations with fp32 master weights in the optimizer; its matmuls are bf16 matmuls).
+_COMPUTE = {"bf16-pure": "bf16"}
+
+
+def compute_precision(precision: str) -> str:
+    """The peak a run of `precision` computes at: the precision itself, bf16 for "bf16-pure"."""
+    return _COMPUTE.get(precision, precision)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The step-time model's constants (lmforge.plan.op_time), measured on one device: fractions of
+    its spec sheet where a rate scales with the device, seconds where it is a latency. Another device
+    gets the same fractions of its own spec sheet (`Device.rates`)."""
+
+    matmul_fraction: float       # practical dense GEMM rate / dense spec peak
+    gemm_fixed_s: float          # per GEMM kernel beyond f / rate: ramp-up and the last partial wave
+    attention_fraction: float    # SDPA's PaLM-counted FLOPs (12 L h s per token) per second / dense peak
+    elementwise_fraction: float  # bytes per second of memory-bound kernels / HBM spec bandwidth
+    optimizer_fraction: float    # bytes per second of the optimizer-step and clip kernels / HBM spec
+    host_launch_s: float         # host time per kernel launch (the device waits where a kernel is shorter)
+    source: str = ""
+
+
+# Fitted on one NVIDIA H100 80GB HBM3 (SXM: 989 TFLOP/s dense bf16, 3,350 GB/s HBM3), torch 2.11.0+cu130,
+# 2026-11-26, to the profile of GPT-2 124M (16 x 1024 tokens x 4 micro-batches, bf16 autocast,
+# per-block compile, compiled chunk loss, fused QKV: 151.6 ms a step; benchmarks/RESULTS.md, "GPU:
+# one H100, 2026-11-26", the profile's right-hand column), one constant per profile line; the numbers
+# and the derivation: benchmarks/plan_measured_h100.toml and `python benchmarks/plan_calibration.py`
+# (tests/test_plan_time.py checks that these are what it derives):
+H100_CALIBRATION = Calibration(
+    # 790 TFLOP/s: a large bf16 GEMM measured on the lent H100 (the project's environment facts,
+    # DESIGN.md section 2); not fitted to the training rows
+    matmul_fraction=0.799,
+    # the profile's matmul line, 67.8 ms for 4.86e13 FLOPs in 624 GEMMs: (67.8 ms - FLOPs / 790e12) / 624
+    gemm_fixed_s=10.1e-6,
+    # the attention line, 18.2 ms for 7.42e12 PaLM-counted FLOPs (cuDNN SDPA, head_dim 64)
+    attention_fraction=0.412,
+    # the loss line, 8.9 ms for one compiled kernel per 4096-token chunk reading the bf16 logits twice
+    # and writing their gradient once: 6 bytes x 65,536 tokens x 50,304 logits
+    elementwise_fraction=0.663,
+    # the optimizer line, 3.4 ms for fused AdamW + the clip over 124.5M parameters (40 bytes each)
+    optimizer_fraction=0.437,
+    # the host gaps, 151.6 - 142.2 = 9.4 ms: the host time per launch that leaves them, given every
+    # kernel's modelled device time
+    host_launch_s=17.7e-6,
+    source="H100 SXM, torch 2.11, 2026-11-26: GPT-2 124M profile (benchmarks/RESULTS.md)")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A device's rates for the step-time model in one precision (`Device.rates`)."""
+
+    matmul_flops: float          # practical dense GEMM FLOP/s in the run's compute precision
+    fp8_matmul_flops: float      # the same for FP8 block linears (0 where the device has no fp8 peak)
+    gemm_fixed_s: float
+    attention_flops: float       # PaLM-counted attention FLOP/s (SDPA runs in 16 bits: bf16 / fp16 peak)
+    elementwise_bps: float
+    optimizer_bps: float
+    host_launch_s: float
 
 
 @dataclass(frozen=True)
@@ -56,13 +123,15 @@ class Device:
     aliases: tuple[str, ...] = field(default=())
     notes: str = ""
     host_memory_gb: float | None = None   # host RAM per node (bounds CPU offload); None = unknown
+    calibration: Calibration = H100_CALIBRATION  # the step-time model's constants (the only device measured)
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gb * 1e9
 
     def peak_flops(self, precision: str) -> float:
-        """Dense peak FLOP/s (not TFLOP/s) for `precision`; ValueError if unsupported."""
+        """Dense peak FLOP/s (not TFLOP/s) for `precision` ("bf16-pure": bf16); ValueError if unsupported."""
+        precision = compute_precision(precision)
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
         tflops = getattr(self, f"{precision}_tflops")
@@ -71,6 +140,25 @@ class Device:
             raise ValueError(
                 f"{self.name} has no {precision} matrix peak; supported: {', '.join(supported)}")
         return float(tflops) * 1e12
+
+    def rates(self, precision: str) -> Rates:
+        """The step-time model's rates for a run in `precision`: the calibration's fractions of this
+        device's dense peak and HBM bandwidth (its latencies as measured). Attention runs in 16 bits
+        except in fp32 runs; FP8 runs keep the output head in bf16."""
+        if not self.hbm_gbps:
+            raise ValueError(f"{self.name} lists no hbm_gbps (memory bandwidth, GB/s), which the step-time model "
+                             f"needs; add it to the devices file")
+        cal = self.calibration
+        compute = compute_precision(precision)
+        matmul = "bf16" if compute == "fp8" else compute
+        attention = "fp32" if compute == "fp32" else ("bf16" if self.bf16_tflops else "fp16")
+        return Rates(matmul_flops=cal.matmul_fraction * self.peak_flops(matmul),
+                     fp8_matmul_flops=cal.matmul_fraction * (self.fp8_tflops or 0.0) * 1e12,
+                     gemm_fixed_s=cal.gemm_fixed_s,
+                     attention_flops=cal.attention_fraction * self.peak_flops(attention),
+                     elementwise_bps=cal.elementwise_fraction * self.hbm_gbps * 1e9,
+                     optimizer_bps=cal.optimizer_fraction * self.hbm_gbps * 1e9,
+                     host_launch_s=cal.host_launch_s)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -129,7 +217,7 @@ def load_devices(extra_toml: str | Path | None = None, base: dict[str, Device] |
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"device file {str(path)!r}: invalid TOML: {exc}") from exc
-    names = {f.name for f in dataclasses.fields(Device)}
+    names = {f.name for f in dataclasses.fields(Device)} - {"calibration"}
     required = {"memory_gb", "intra_node_gbps", "inter_node_gbps"}
     for dev_name, table in raw.items():
         if not isinstance(table, dict):

@@ -52,7 +52,7 @@ def _grid(rows: list[tuple[str, ...]], align: str) -> list[str]:
 
 def memory_table(mems: list[MemoryBreakdown], device_bytes: float | None = None, usable_fraction: float = 0.9) -> str:
     """One column per convention (lmforge, megatron, zero-paper) of bytes per GPU and bytes/param."""
-    comps = ["weights", "gradients", "master_weights", "optimizer_states"]
+    comps = ["weights", "gradients", "master_weights", "optimizer_states"] + (["ema"] if any(m.ema for m in mems) else [])
     head = ("component",) + tuple(x for m in mems for x in (f"{m.convention} /GPU", "B/param"))
     rows: list[tuple[str, ...]] = [head]
     for c in comps:
@@ -83,7 +83,13 @@ def memory_table(mems: list[MemoryBreakdown], device_bytes: float | None = None,
     return "\n".join(lines)
 
 
-def step_table(step: StepEstimate, cluster: Cluster, assumed_mfu: float, precision: str) -> str:
+_KIND_WORDS = {"matmul": "matmuls (FLOPs / rate + per-GEMM cost)", "attention": "attention (SDPA)",
+               "elementwise": "elementwise (bytes / bandwidth)", "loss": "loss (passes over the logits)",
+               "casts": "casts, copies, gradient sums", "optimizer": "optimizer step and clip",
+               "host": "host gaps (short kernels)"}
+
+
+def step_table(step: StepEstimate, cluster: Cluster, assumed_mfu: float | None, precision: str) -> str:
     rows = [("quantity", "value"),
             ("FLOPs per token", f"{step.flops_per_token:.4g}"),
             ("tokens per step", f"{step.tokens_per_step:,}"),
@@ -93,8 +99,11 @@ def step_table(step: StepEstimate, cluster: Cluster, assumed_mfu: float, precisi
     if step.ideal:
         rows.append(("assumed MFU (end to end, as is)", f"{assumed_mfu:.1%}"))
     else:
-        rows += [("assumed MFU (large matmuls, no recompute)", f"{assumed_mfu:.1%}"),
-                 ("compute time per step", human_seconds(step.compute_s)),
+        rows.append((f"one rank's step, by op kind ({cluster.device.name}; {step.launches:,.0f} kernels)", ""))
+        for kind, secs in step.time_by_kind.items():
+            if secs:
+                rows.append((f"  {_KIND_WORDS[kind]}", f"{human_seconds(secs)} ({secs / step.compute_s:.0%})"))
+        rows += [("compute time per step", human_seconds(step.compute_s)),
                  ("pipeline bubble", f"{step.bubble_fraction:.1%}")]
         for k, v in step.comm_s.items():
             rows.append((f"{k.upper()} communication", human_seconds(v)))
@@ -110,7 +119,9 @@ def step_table(step: StepEstimate, cluster: Cluster, assumed_mfu: float, precisi
                  ("GPU-hours", f"{step.gpu_hours:,.0f}")]
         if step.cost is not None:
             rows.append((f"cost at ${step.price_per_gpu_hour:g}/GPU-hour", f"${step.cost:,.0f}"))
-    return "\n".join(["Compute and time:"] + _grid(rows, "<>"))
+    head = "Compute and time:" if step.ideal else (
+        "Compute and time (time model per op kind, constants fitted to an H100: lmforge/plan/hardware.py):")
+    return "\n".join([head] + _grid(rows, "<>"))
 
 
 def _refusal_kinds(refused: dict[str, int]) -> list[tuple[str, int]]:

@@ -21,8 +21,14 @@ learned positions, PP with tied embeddings) are left out, and `SearchResult.refu
 
 Ranking: fastest first, except that the simplest layout within `margin` (default 3%) of the
 fastest goes first: the time model is first-order, and differences that small are below its
-resolution, while every added mechanism (CPU offload, pipeline, interleaving, CP, TP, a higher ZeRO
-stage, recompute) costs engineering and risk. Simplicity is judged in that order.
+resolution, while every added mechanism (CPU offload, pipeline, interleaving, the zero-bubble
+schedules' split backward and V placement, CP, TP, a higher ZeRO stage, recompute) costs
+engineering and risk. Simplicity is judged in that order.
+
+Pipeline schedules: 1F1B, interleaved 1F1B (v = 2) and the zero-bubble ZB-H1 (interleaved-zb, v =
+1), ZB-V (zbv) and DualPipeV, each with its bubble and the activations it keeps in flight
+(`lmforge.parallel.formulas`), the V schedules' head on rank 0 with the embedding, and without
+torch.compile or selective recompute (which their split backward rules out).
 """
 
 from __future__ import annotations
@@ -34,13 +40,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.config import Config, ConfigError, ModelConfig
+from lmforge.config.rules import pipeline_micro_batches_ok
+from lmforge.parallel.formulas import SPLIT_BACKWARD
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
-from lmforge.plan.memory import Layout, MemoryBreakdown, check_convention, estimate_memory, planned_loss_chunk
+from lmforge.plan.conventions import check_convention
+from lmforge.plan.layout import Layout, planned_compile, planned_loss_chunk
+from lmforge.plan.memory import MemoryBreakdown, estimate_memory
 
 SIMPLER_MARGIN = 0.03
 CP_MIN_TOKENS_PER_RANK = 4096  # the search tries context parallelism down to this many tokens per rank
 _AC_RANK = {"none": 0, "selective": 1, "every_k": 2, "full": 3}
+# pipeline schedules, simplest first: interleaving, then the split backward, then the V placement
+_SCHEDULE_RANK = {"1f1b": 0, "gpipe": 0, "interleaved": 1, "interleaved-zb": 2, "zbv": 3, "dualpipev": 4}
 
 
 @dataclass
@@ -114,11 +126,13 @@ def ep_degrees(model_cfg: ModelConfig, dp: int, cp: int = 1) -> list[int]:
 def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, *,
                       zero_stages: tuple[int, ...] = (0, 1, 2, 3), ac_modes: tuple[str, ...] = ("none", "selective", "full"),
                       precision: str = "bf16", max_micro_batch: int = 16, allow_offload: bool = False,
-                      interleaved: bool = True, seq_len: int | None = None,
+                      interleaved: bool = True, zero_bubble: bool = True, seq_len: int | None = None,
                       cp_min_tokens: int = CP_MIN_TOKENS_PER_RANK, reduce_every: bool = False,
                       loss_chunk: int = 0) -> list[Layout]:
     """Every layout that uses all GPUs and divides the global batch (in sequences) exactly; with
-    `seq_len`, context-parallel degrees too (`cp_degrees`); with `reduce_every`, FSDP layouts that
+    `seq_len`, context-parallel degrees too (`cp_degrees`); with pp > 1 the schedules 1f1b, interleaved
+    (v = 2, `interleaved`) and the zero-bubble ZB-H1, zbv and dualpipev (`zero_bubble`), each where the
+    layers and the micro-batches allow it; with `reduce_every`, FSDP layouts that
     accumulate (grad_accum > 1, no pipeline) also with fsdp_reduce_every_micro_batch (sharded
     gradients between micro-batches, at grad_accum x the reduce-scatter traffic). `loss_chunk`
     (train.loss_chunk as resolved) goes to the layouts with tp = pp = 1, which run the chunked loss."""
@@ -137,6 +151,9 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
             schedules: list[tuple[str, int]] = [("1f1b", 1)]
             if pp > 1 and interleaved and model_cfg.n_layers % (pp * 2) == 0:
                 schedules.append(("interleaved", 2))
+            if pp > 1 and zero_bubble:  # ZB-H1 (interleaved-zb at v = 1); the V schedules: 2 stages per rank
+                schedules += [("interleaved-zb", 1)] + ([("zbv", 2), ("dualpipev", 2)]
+                                                        if model_cfg.n_layers % (pp * 2) == 0 else [])
             for mb in _pow2_upto(min(per_dp, max_micro_batch)):
                 if per_dp % mb:
                     continue
@@ -150,6 +167,10 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                     for offload in ((False, True) if allow_offload and zero >= 2 else (False,)):
                         for ac in ac_modes:
                             for sched, v in schedules:
+                                if pp > 1 and not pipeline_micro_batches_ok(ga, pp, sched):
+                                    continue  # (e.g. zbv / dualpipev: >= 2 pp micro-batches)
+                                if ac == "selective" and sched in SPLIT_BACKWARD:
+                                    continue  # (one backward per selectively checkpointed region: config rule)
                                 # SP splits a CP rank's seq_len / cp tokens over the TP ranks
                                 sp_ok = tp > 1 and (seq_len is None or (seq_len // cp) % tp == 0)
                                 every = reduce_every and zero >= 2 and ga > 1 and pp == 1
@@ -176,7 +197,8 @@ def lmforge_config_for(config: Config, layout: Layout, seq_len: int) -> Config:
         zero_stage=zero if sharded else 0, sequence_parallel=layout.sp, pp_schedule=layout.pp_schedule,
         pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload,
         fsdp_reduce_every_micro_batch=layout.fsdp_reduce_every_micro_batch, ep=layout.ep)
-    precision = "bf16" if layout.precision == "fp8" else layout.precision
+    # (fp8 is train.fp8 over bf16; bf16-pure's layout rules are bf16's)
+    precision = "bf16" if layout.precision in ("fp8", "bf16-pure") else layout.precision
     train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch, precision=precision,
                                 global_batch_size=layout.sequences_per_step, activation_checkpoint=layout.ac,
                                 ac_every=layout.ac_every)
@@ -210,8 +232,8 @@ def complexity(layout: Layout) -> tuple:
     """Sort key of how much machinery a layout needs (smaller = simpler). Context parallelism, the
     newest mechanism (a K/V all-gather in every layer, chunked sequences, tested on CPU only), ranks
     after pipelining and before TP, a smaller degree first."""
-    return (layout.cpu_offload, layout.pp > 1, layout.virtual_stages > 1, layout.cp, layout.tp > 1, layout.sp,
-            layout.zero, layout.fsdp_reduce_every_micro_batch, _AC_RANK[layout.ac], layout.ep)
+    return (layout.cpu_offload, layout.pp > 1, _SCHEDULE_RANK[layout.pp_schedule] if layout.pp > 1 else 0, layout.cp,
+            layout.tp > 1, layout.sp, layout.zero, layout.fsdp_reduce_every_micro_batch, _AC_RANK[layout.ac], layout.ep)
 
 
 def _rank(cands: list[Candidate], margin: float) -> list[Candidate]:
@@ -256,7 +278,7 @@ def _reason(c: Candidate, cluster: Cluster) -> str:
 
 
 def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, *,
-                   optimizer: str = "adamw", mfu: float = 0.4, precision: str = "bf16",
+                   optimizer: str = "adamw", precision: str = "bf16",
                    weights: str = "lmforge", show: tuple[str, ...] = (), usable_fraction: float = 0.9,
                    top: int | None = 10, include_unfit: bool = False, model_name: str = "model",
                    config: Config | None = None, margin: float = SIMPLER_MARGIN,
@@ -284,6 +306,10 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
     if config is not None:  # the run's train.loss_chunk, as lmforge resolves it on GPUs
         enum_kw.setdefault("loss_chunk", planned_loss_chunk(config, precision))
     layouts = enumerate_layouts(model_cfg, cluster, global_batch, precision=precision, seq_len=seq_len, **enum_kw)
+    run = config if config is not None else Config(model=model_cfg)
+    compiles = {tp: planned_compile(run, tp) for tp in {lay.tp for lay in layouts}}
+    for lay in layouts:  # train.compile as the run resolves it on CUDA (auto: off with TP, for MoE, under ZB)
+        lay.compile = compiles[lay.tp] and not lay.split_backward
     if not layouts:
         raise ValueError(f"no layout of {cluster.world_size} GPUs divides the global batch of {global_batch} "
                          f"sequences; use a multiple of the GPU count")
@@ -311,7 +337,7 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
         fits = mem.total <= budget and host <= host_budget
         if not fits and not include_unfit:
             continue
-        step = estimate_step(model_cfg, lay, cluster, seq_len, mfu=mfu, convention=weights)
+        step = estimate_step(model_cfg, lay, cluster, seq_len, convention=weights, optimizer=optimizer)
         cands.append(Candidate(lay, mem, step, fits, host_bytes_per_node=host))
     ranked = _rank(cands, margin)
     shown = ranked if top is None else ranked[:top]

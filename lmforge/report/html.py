@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.folders import CONFIG, METRICS, SAMPLE, SUMMARY
-from lmforge.report.plots import PLOTS, load_run_metrics, plot_runs, run_label
+from lmforge.report.plots import PLOTS, load_run_metrics, load_task_metrics, plot_runs, run_label, task_names
+from lmforge.train.metrics import TASK_PREFIX
 
 _CSS = """
 body { font-family: -apple-system, 'Segoe UI', Roboto, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -29,12 +30,19 @@ pre { background: #f8f8f8; padding: .8em; overflow-x: auto; font-size: .85em; wh
 """
 
 FINAL_KEYS = [("val_loss", "val loss", "{:.4f}"), ("val_perplexity", "val ppl", "{:.2f}"),
+              ("val_loss_ema", "val loss (EMA)", "{:.4f}"),
               ("train_loss", "train loss", "{:.4f}"), ("initial_val_loss", "initial val loss", "{:.4f}"),
               ("steps", "steps", "{:,}"), ("tokens", "tokens", "{:,}"), ("seconds", "time (s)", "{:.1f}"),
               ("tokens_per_second", "tokens/s", "{:,.0f}"), ("mfu", "MFU", "{:.2%}"),
               ("data_share", "data time", "{:.1%}"), ("checkpoint_s", "ckpt blocking (s)", "{:.2f}"),
               ("peak_mem_gb", "peak mem (GB)", "{:.2f}"), ("loss_spikes", "loss spikes", "{}"),
               ("grad_norm_warnings", "grad-norm warnings", "{}")]
+
+
+# events a healthy run logs as it goes (listed plainly under "Events"); every other event (a loss
+# spike, a skipped update, a rollback, a failed or invalid checkpoint or backup, ...) is a health event
+ROUTINE_EVENTS = frozenset({"checkpoint", "backup", "backup_skipped", "backup_adopted", "restored_from_backup",
+                            "preempted"})
 
 
 def find_runs(paths: list[Path]) -> list[Path]:
@@ -88,6 +96,21 @@ def _read_text(path: Path) -> str:
         return ""
 
 
+def _tasks_table(records: list[dict]) -> str:
+    """The Downstream tasks table of a run (train.eval_tasks): accuracy, byte-normalised accuracy and
+    chance of each task at each evaluation; '' without task records."""
+    names = task_names(records)
+    if not names:
+        return ""
+    head = "".join(f"<th>{html.escape(n)} acc</th><th>{html.escape(n)} acc_norm</th>" for n in names)
+    rows = "".join(f"<tr><td>{r['step']}</td>" + "".join(
+        f"<td>{_fmt(r.get(f'{TASK_PREFIX}{n}/acc'), '{:.3f}')}</td><td>{_fmt(r.get(f'{TASK_PREFIX}{n}/acc_norm'), '{:.3f}')}</td>"
+        for n in names) + "</tr>" for r in records)
+    chance = ", ".join(f"{html.escape(n)} {_fmt(records[-1].get(f'{TASK_PREFIX}{n}/chance'), '{:.3f}')}" for n in names)
+    return (f"<h3>Downstream tasks</h3><table><tr><th>step</th>{head}</tr>{rows}</table>"
+            f"<p class='muted'>Zero-shot multiple choice scored in training (train.eval_tasks); chance: {chance}.</p>")
+
+
 def build_report(run_paths: list[Path], out_dir: Path, embed: bool = False, title: str | None = None) -> Path:
     """Plots + `index.html` in `out_dir`; returns the HTML path."""
     runs = find_runs(run_paths)
@@ -136,15 +159,23 @@ def build_report(run_paths: list[Path], out_dir: Path, embed: bool = False, titl
             f"<tr><th class='l'>{html.escape(str(k))}</th><td class='l'>{html.escape(str(v))}</td></tr>"
             for k, v in rows.items()) + "</table>")
         _, val, events = load_run_metrics(r)
-        if events:
-            parts.append("<h3>Health events</h3><ul>" + "".join(
-                f"<li class='warn'>{html.escape(str(e.get('message', e.get('event', ''))))}</li>" for e in events[:50])
-                + (f"<li>... {len(events) - 50} more</li>" if len(events) > 50 else "") + "</ul>")
+        health = [e for e in events if e.get("event") not in ROUTINE_EVENTS]
+        routine = [e for e in events if e.get("event") in ROUTINE_EVENTS]
+        for title, chosen, css in (("Health events", health, " class='warn'"), ("Events", routine, "")):
+            if chosen:
+                parts.append(f"<h3>{title}</h3><ul>" + "".join(
+                    f"<li{css}>{html.escape(str(e.get('message', e.get('event', ''))))}</li>" for e in chosen[:50])
+                    + (f"<li>... {len(chosen) - 50} more</li>" if len(chosen) > 50 else "") + "</ul>")
         if val:
-            parts.append("<h3>Validation</h3><table><tr><th>step</th><th>val loss</th><th>perplexity</th></tr>"
+            ema = any("val_loss_ema" in v for v in val)
+            parts.append("<h3>Validation</h3><table><tr><th>step</th><th>val loss</th><th>perplexity</th>"
+                         + ("<th>val loss, EMA of the weights</th>" if ema else "") + "</tr>"
                          + "".join(f"<tr><td>{v['step']}</td><td>{_fmt(v['val_loss'], '{:.4f}')}</td>"
-                                   f"<td>{_fmt(v.get('val_perplexity'), '{:.2f}')}</td></tr>" for v in val)
+                                   f"<td>{_fmt(v.get('val_perplexity'), '{:.2f}')}</td>"
+                                   + (f"<td>{_fmt(v.get('val_loss_ema'), '{:.4f}')}</td>" if ema else "")
+                                   + "</tr>" for v in val)
                          + "</table>")
+        parts.append(_tasks_table(load_task_metrics(r)))
         sample = _read_text(r / SAMPLE) or s.get("sample", "")
         if sample:
             parts.append(f"<h3>Sample</h3><pre>{html.escape(str(sample))}</pre>")

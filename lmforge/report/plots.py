@@ -10,10 +10,11 @@ import math
 from pathlib import Path
 
 from lmforge.folders import METRICS
-from lmforge.train.metrics import split_metrics
+from lmforge.train.metrics import TASK_PREFIX, split_metrics, task_metrics
 
-PLOTS = ("loss", "lr", "grad_norm", "throughput", "expert_load", "val_sources")
-# (expert_load: Mixture-of-Experts runs only; val_sources: runs validated per source of a prepared mixture)
+# (expert_load: Mixture-of-Experts runs only; val_sources: runs validated per source of a prepared
+# mixture; tasks: runs with train.eval_tasks)
+PLOTS = ("loss", "lr", "grad_norm", "throughput", "expert_load", "val_sources", "tasks")
 
 
 
@@ -32,19 +33,36 @@ def load_run_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[dict]]
     """(train, val, event) records of a run's metrics.jsonl; ([], [], []) without one. Lines that
     are not whole JSON records (the last line of a killed run, a damaged file) are skipped, so
     a report always renders what is readable."""
+    records = [rec for rec in _records(run_dir) if "event" in rec or _is_number(rec.get("step"))
+               and _is_number(rec.get("val_loss", rec.get("loss")))]
+    return split_metrics(records)
+
+
+def load_task_metrics(run_dir: Path) -> list[dict]:
+    """The task records (train.eval_tasks) of a run's metrics.jsonl, by step; [] without any."""
+    return task_metrics([rec for rec in _records(run_dir) if _is_number(rec.get("step"))])
+
+
+def task_names(records: list[dict]) -> list[str]:
+    """The tasks that task records score, in first-seen order."""
+    names = [k.removeprefix(TASK_PREFIX).rsplit("/", 1)[0] for r in records for k in r if k.startswith(TASK_PREFIX)]
+    return list(dict.fromkeys(names))
+
+
+def _records(run_dir: Path) -> list[dict]:
+    """The whole JSON objects of a run's metrics.jsonl (other lines skipped)."""
     path = Path(run_dir) / METRICS
     if not path.is_file():
-        return [], [], []
+        return []
     records = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and ("event" in rec or _is_number(rec.get("step"))
-                                      and _is_number(rec.get("val_loss", rec.get("loss")))):
+        if isinstance(rec, dict):
             records.append(rec)
-    return split_metrics(records)
+    return records
 
 
 def _is_number(value) -> bool:
@@ -87,9 +105,11 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
             ax.set_yscale("log")
         return fig, ax
 
-    def save(fig, ax, name: str) -> None:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+    def save(fig, ax, name: str, *twins) -> None:
+        # one legend for the axes and their twins (a second axis' own legend lands on the first's)
+        handles, labels = (sum(x, []) for x in zip(*(a.get_legend_handles_labels() for a in (ax, *twins))))
+        if handles:
+            ax.legend(handles, labels, fontsize=8)
         fig.tight_layout()
         path = out_dir / f"{name}.png"
         fig.savefig(path)
@@ -105,6 +125,9 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
         xs, ys = _finite([r["step"] for r in val], [r["val_loss"] for r in val])
         if xs:
             ax.plot(xs, ys, color=c, lw=1.5, ls="--", marker="o", ms=4, label=f"{label} val")
+        xs, ys = _finite([r["step"] for r in val], [r.get("val_loss_ema") for r in val])
+        if xs:  # (train.ema_decay: the EMA of the weights, validated beside them)
+            ax.plot(xs, ys, color=c, lw=1.2, ls=":", marker="s", ms=3, label=f"{label} val, EMA")
         spikes = [e for e in events if e.get("event") == "loss_spike" and _is_number(e.get("loss"))
                   and _is_number(e.get("step"))]
         if spikes:
@@ -131,14 +154,15 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
         train = data[d][0]
         ax.plot([r["step"] for r in train], [_window(r, "tokens_per_s") for r in train],
                 color=colors[i % len(colors)], label=f"{run_label(d, run_dirs)} tokens/s")
+    twins = []
     if single and data[run_dirs[0]][0] and {"window_mfu", "mfu"} & data[run_dirs[0]][0][-1].keys():
         ax2 = ax.twinx()
         train = data[run_dirs[0]][0]
         ax2.plot([r["step"] for r in train], [100 * _window(r, "mfu") for r in train], color="gray",
                  ls=":", label="MFU %")
         ax2.set_ylabel("MFU (%)")
-        ax2.legend(loc="lower right", fontsize=8)
-    save(fig, ax, "throughput")
+        twins.append(ax2)
+    save(fig, ax, "throughput", *twins)
     if any(_moe_layers(data[d][0]) for d in run_dirs):
         plot_expert_load(plt, run_dirs, data, colors, out_dir, paths)
     if any(_val_sources(data[d][1]) for d in run_dirs):
@@ -153,6 +177,20 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
                 ax.plot(xs, ys, color=c if not single else colors[(j + 1) % len(colors)], lw=1.2,
                         ls=styles[j % len(styles)], marker=".", label=f"{label} {source}")
         save(fig, ax, "val_sources")
+    tasks = {d: load_task_metrics(d) for d in run_dirs}
+    if any(tasks.values()):
+        fig, ax = figure("downstream tasks: accuracy (solid), byte-normalised (dashed), chance (dotted)", "accuracy")
+        k = 0
+        for d in run_dirs:
+            for name in task_names(tasks[d]):
+                c, label = colors[k % len(colors)], f"{run_label(d, run_dirs)} {name}"
+                k += 1
+                steps = [r["step"] for r in tasks[d]]
+                for metric, ls in (("acc", "-"), ("acc_norm", "--"), ("chance", ":")):
+                    xs, ys = _finite(steps, [r.get(f"{TASK_PREFIX}{name}/{metric}") for r in tasks[d]])
+                    ax.plot(xs, ys, color=c, ls=ls, marker="o" if metric == "acc" else None, ms=3,
+                            label=label if metric == "acc" else None)
+        save(fig, ax, "tasks")
     return paths
 
 

@@ -81,8 +81,18 @@ class AsyncSGDTrainer(Trainer):
         history, stats = self.serve()
         if stats["preempted"]:
             self.stop_for_preemption_async()
-        return self.finish(initial, history, time.perf_counter() - start, start_step=0, checkpoint=False,
-                           extra_summary={"async_sgd": stats})
+        elapsed = time.perf_counter() - start
+        return self.finish(initial, history, elapsed, start_step=0, checkpoint=False,
+                           extra_summary={"async_sgd": stats, **self.async_operability(elapsed, stats)})
+
+    def async_operability(self, elapsed: float, stats: dict) -> dict:
+        """summary.json's layout and MFU of this loop (the synchronous loop's come from its windows):
+        the model FLOPs of every gradient the workers computed (dropped stale ones included: they
+        were computed) over the whole job's GPUs (the server's too) x their peak x the time."""
+        flops = self.state.tokens_seen * self.flops_per_token
+        peak = self.peak.flops * self.dist.world_size * max(elapsed, 1e-9)
+        return {"layout": f"async-sgd (parameter server + {stats['workers']} workers)",
+                "mfu": flops / peak if self.peak.flops else 0.0}
 
     def serve(self) -> tuple[list[dict], dict]:
         """The server's loop; returns the per-update records and the staleness statistics."""

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.config import Config, ConfigError, ScheduleConfig, TrainConfig
+from lmforge.config import Config, ConfigError, ScheduleConfig
 from lmforge.data.loader import PackedLoader, open_tokens
 from lmforge.data.mixture import MixStage, configured_stages, stage_start_samples, stage_starts
 from lmforge.data.mixture import stage_plan_lines as mixture_plan_lines
 from lmforge.data.prepare import PreparedData, load_prepared, prepare_default
 from lmforge.data.shards import TokenShards
-from lmforge.folders import CONFIG, PREPARE_RECORD, RUN_FILES, check_target
+from lmforge.folders import PREPARE_RECORD
 from lmforge.model.documents import DocumentAttention
 from lmforge.model.init import init_source
 from lmforge.model.materialise import Source
@@ -51,114 +51,6 @@ def prepare_data(cfg: Config) -> PreparedData:
         return load_prepared(path)
     return prepare_default(cache_dir(cfg), tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab_size,
                            val_fraction=cfg.data.val_fraction)
-
-
-def check_out_dir(out_dir: Path) -> None:
-    """Refuse a run folder that is another kind of lmforge/transformers folder: a run writes
-    config.toml, tokenizer.json and model.safetensors there, which would clobber its files."""
-    try:
-        check_target(out_dir, "run", RUN_FILES, "train.out_dir")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-# Keys that do not change what a run computes (where and how it runs, what it prints): two configs
-# that differ only here are the same run. Everything else (model, data, optimizer, schedule, batch,
-# steps, seed, precision, ...) defines the run.
-_OPERATIONAL = ("preset", "description", "train.out_dir", "train.progress", "train.tensorboard", "train.wandb",
-                "train.plot", "train.threads", "train.log_every", "train.profile_steps", "train.device",
-                "train.micro_batch_size", "train.eval_every", "train.sample_tokens", "train.sample_prompt",
-                "parallel.", "checkpoint.", "guard.")
-
-
-def config_differences(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, value in a, value in b) for every run-defining key that differs."""
-    out = []
-    for key in sorted(set(a) | set(b)):
-        full = f"{prefix}{key}"
-        va, vb = a.get(key), b.get(key)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += config_differences(va, vb, f"{full}.")
-        elif va != vb and not any(full == op or (op.endswith(".") and full.startswith(op)) for op in _OPERATIONAL):
-            out.append((full, va, vb))
-    return out
-
-
-# Command-line keys that do not name the auto run folder: how a run prints, where it writes, and
-# whether it resumes (`--checkpoint.resume none` starts the same folder over).
-_NOT_IN_NAME = ("description", "train.out_dir", "train.progress", "train.threads", "train.log_every", "train.plot",
-                "train.tensorboard", "train.wandb", "checkpoint.resume")
-
-
-def auto_folder_name(base: str, named_by: tuple[tuple[str, object], ...]) -> str:
-    """`base` (e.g. 'tiny') followed by every command-line override as the last part of its key and
-    its value, in the order typed: ('parallel.dp_replicate', 2) -> 'tiny-dp_replicate2'. A suffix
-    longer than 80 characters keeps its first 70 and a digest of all of them."""
-    parts = [f"{key.rsplit('.', 1)[-1]}{_short(value)}" for key, value in named_by if key not in _NOT_IN_NAME]
-    suffix = "-".join(parts)
-    if len(suffix) > 80:
-        suffix = f"{suffix[:70]}-{_digest(dict(named_by))}"
-    return f"{base}-{suffix}" if suffix else base
-
-
-def run_folder(cfg: Config) -> Path:
-    """The run folder: train.out_dir with '{preset}', '~' and $VARS expanded. When that is the default
-    folder, its name also carries every command-line override (`cfg.named_by`, set by `lmforge
-    train`), layout keys included: `--parallel.dp_replicate 2` trains in runs/tiny-dp_replicate2, so
-    each changed command trains its own run and the same command continues it. When that folder
-    holds a run of another config (a changed TOML file; a Trainer built without a command line), a
-    sibling named after the differences (e.g. runs/tiny-lr0.003-n_layers6) instead: a changed
-    command never continues or overwrites another run by accident. A folder given explicitly is
-    continued as given (a compatible checkpoint resumes, resharded to the new layout; changed keys
-    are listed in the log)."""
-    default = TrainConfig().out_dir
-    folder = Path(os.path.expandvars(cfg.train.out_dir.format(preset=cfg.preset))).expanduser()
-    if cfg.train.out_dir != default:
-        return folder
-    folder = folder.with_name(auto_folder_name(folder.name, cfg.named_by))
-    mine = cfg.to_dict()
-    candidate = folder
-    for attempt in range(3):
-        existing = _folder_config(candidate)
-        diffs = [] if existing is None else config_differences(existing, mine)
-        if existing is None or not diffs:
-            if candidate != folder:
-                log.info("run folder: %s holds a run of another config; this one goes to %s", folder, candidate)
-            return candidate
-        if attempt == 0:
-            named = [(k.rsplit(".", 1)[-1], v) for k, _, v in diffs]
-            suffix = "-".join(f"{k}{_short(v)}" for k, v in named)
-            candidate = folder.with_name(f"{folder.name}-{suffix}" if len(suffix) <= 60 else
-                                         f"{folder.name}-{_digest(mine)}")
-        else:
-            candidate = folder.with_name(f"{candidate.name}-{_digest(mine)}")
-    raise ConfigError(f"train.out_dir: {folder} and its alternatives hold runs of other configs; set "
-                      f"--train.out_dir to a new folder.")
-
-
-def _folder_config(folder: Path) -> dict | None:
-    """The config.toml of a run folder as a dict (None: no run there)."""
-    from lmforge.config import load_config
-
-    path = folder / CONFIG
-    if not path.is_file():
-        return None
-    try:
-        return load_config(str(path), validate=False).to_dict()
-    except ValueError:
-        return {"unreadable": str(path)}  # differs from every config: never continued by default
-
-
-def _short(value) -> str:
-    text = f"{value:g}" if isinstance(value, float) else str(value)
-    return "".join(c if c.isalnum() or c in ".+" else "_" for c in text)[:20]
-
-
-def _digest(d: dict) -> str:
-    import hashlib
-    import json
-
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 @dataclass

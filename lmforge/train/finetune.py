@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from lmforge.ckpt.streaming import TensorRef
 from lmforge.config import ModelConfig
-from lmforge.folders import CONFIG, HF_CONFIG, WEIGHTS, describe_kind, folder_kind
+from lmforge.folders import CONFIG, WEIGHTS, describe_kind, folder_kind
 from lmforge.model.lora import is_adapter
 from lmforge.model.materialise import Source
 from lmforge.model.transformer import Transformer
@@ -52,11 +52,9 @@ def checkpoint_model_config(path: str | Path) -> ModelConfig | None:
 
         return load_config(str(path / CONFIG)).model
     if kind == "transformers":
-        import json
+        from lmforge.interop.hf import hf_model_config
 
-        from lmforge.interop.hf import model_config_from_hf
-
-        return model_config_from_hf(json.loads((path / HF_CONFIG).read_text()), str(path / HF_CONFIG))
+        return hf_model_config(path)
     return None
 
 

@@ -28,13 +28,16 @@ Fields:
 
 Validation records: `{"step", "val_loss", "val_perplexity"}` at step 0 (before training), every
 `train.eval_every` steps and at the end; a prepared mixture of several sources adds `val_loss/<source>`,
-each source's held-out loss (lmforge.train.validation). Event records: `{"step", "event", "message", ...}` for health signals:
+each source's held-out loss (lmforge.train.validation); with train.ema_decay also `val_loss_ema` and
+`val_perplexity_ema`, the same validation of the EMA of the weights (lmforge.train.ema), once it has
+started. Task records (train.eval_tasks, lmforge.train.eval_tasks): `{"step", "task/<name>/acc",
+"task/<name>/acc_norm", "task/<name>/n", "task/<name>/chance", "eval_tasks_s"}`. Event records: `{"step", "event", "message", ...}` for health signals:
 `loss_spike` (loss above (1 + `train.spike_threshold`) x its running mean) and
 `grad_norm_growth` (median grad norm of the last `train.health_window` steps above
 `train.grad_growth_factor` x the lowest such median of the run, and still rising).
 
 TensorBoard (`tb/` in the run folder) gets the same numbers as scalars `train/<field>`,
-`val/loss`, `val/perplexity`, `val/loss/<source>`, flushed at every log line; W&B (offline mode) gets the same dicts.
+`val/loss`, `val/perplexity`, `val/loss/<source>` (`val/loss_ema`, ...), `tasks/<name>/acc`, ..., flushed at every log line; W&B (offline mode) gets the same dicts.
 """
 
 from __future__ import annotations
@@ -73,7 +76,10 @@ TRAIN_FIELDS: dict[str, str] = {
 }
 VAL_FIELDS: dict[str, str] = {"step": "step of the evaluation", "val_loss": "validation loss (nats/token)",
                               "val_perplexity": "exp(val_loss)",
-                              "val_loss/<source>": "one source's validation loss (a prepared mixture of several)"}
+                              "val_loss/<source>": "one source's validation loss (a prepared mixture of several)",
+                              "val_loss_ema": "validation loss of the EMA of the weights (train.ema_decay)",
+                              "val_perplexity_ema": "exp(val_loss_ema)"}
+TASK_PREFIX = "task/"  # task records' keys: task/<name>/<metric> (lmforge.train.eval_tasks)
 EVENT_FIELDS: dict[str, str] = {"step": "step the event was seen at", "event": "loss_spike | grad_norm_growth",
                                 "message": "human-readable explanation"}
 
@@ -85,11 +91,13 @@ class Sink(Protocol):
 
 
 def record_kind(record: dict[str, Any]) -> str:
-    """'train', 'val' or 'event'."""
+    """'train', 'val', 'tasks' or 'event'."""
     if "event" in record:
         return "event"
     if "val_loss" in record:
         return "val"
+    if any(key.startswith(TASK_PREFIX) for key in record):
+        return "tasks"
     return "train"
 
 
@@ -102,6 +110,8 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
             continue
         if kind == "val":
             out[f"val/{key.removeprefix('val_')}"] = float(value)
+        elif kind == "tasks":
+            out[f"tasks/{key.removeprefix(TASK_PREFIX)}"] = float(value)
         elif kind == "event":
             out[f"events/{record['event']}/{key}"] = float(value)
         else:
@@ -221,8 +231,15 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def task_metrics(records: list[dict[str, Any]]) -> list[dict]:
+    """The task records (train.eval_tasks), by step; a step logged twice (a resume): the later wins."""
+    by_step = {rec["step"]: rec for rec in records if record_kind(rec) == "tasks"}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def split_metrics(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train, val, event) records. A resumed run may log a step twice: the later record wins."""
+    """(train, val, event) records (task records: `task_metrics`). A resumed run may log a step twice:
+    the later record wins."""
     train: dict[int, dict] = {}
     val: dict[int, dict] = {}
     events = []
@@ -232,7 +249,7 @@ def split_metrics(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]
             train[rec["step"]] = rec
         elif kind == "val":
             val[rec["step"]] = rec
-        else:
+        elif kind == "event":
             events.append(rec)
     return [train[k] for k in sorted(train)], [val[k] for k in sorted(val)], events
 

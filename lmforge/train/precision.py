@@ -43,9 +43,12 @@ policy gathers the parameters directly in 16 bits, so `step` leaves every module
 `FSDPModule` alone.
 
 What is copied: the fp32 parameters of `nn.Linear` and lmforge's LoRA modules (their forward is
-`F.linear` over their own parameters, which autocast would cast). TP's DTensor parameters give
-DTensor copies with the same placements. The chunked loss (train.loss_chunk) reads the head's
-copy too, and its weight gradient returns through it in 16 bits, as the plain head's does. Left
+`F.linear` over their own parameters, which autocast would cast) and of MoE's `GroupedExperts` (the
+experts' stacked weights, one grouped GEMM per projection, which autocast does not cast: CPU, torch
+2.13; lmforge.model.moe casts the experts' input to autocast's dtype and finds the weights in it
+already). TP's DTensor parameters give DTensor copies with the same placements. The chunked loss
+(train.loss_chunk) reads the head's copy too, and its weight gradient returns through it in 16
+bits, as the plain head's does. Left
 to themselves: torchao's `Float8Linear` (it casts its fp32 weight to fp8 itself), embeddings and
 norms (autocast keeps them in fp32).
 Outside a step (evaluation, sampling) the modules hold their fp32 parameters and autocast casts
@@ -64,12 +67,14 @@ import torch
 from torch import nn
 
 from lmforge.model.lora import FusedQKVLoRA, LoRALinear, QKVAdapter
+from lmforge.model.moe import GroupedExperts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # modules whose forward is F.linear over their own parameters: their 16-bit copies are made per step
-# (a QKVAdapter's parameters: F.linear in its FusedQKVLoRA's forward)
-COPIED_MODULES = (nn.Linear, LoRALinear, FusedQKVLoRA, QKVAdapter)
+# (a QKVAdapter's parameters: F.linear in its FusedQKVLoRA's forward), and MoE's stacked experts (a
+# grouped GEMM per projection over their own weights, in the dtype of their autocast-cast input)
+COPIED_MODULES = (nn.Linear, LoRALinear, FusedQKVLoRA, QKVAdapter, GroupedExperts)
 
 
 @dataclass

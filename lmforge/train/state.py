@@ -25,10 +25,16 @@ class TrainState:
     skip_batches: set[int] = field(default_factory=set)  # batches that rolled the run back: never trained on
     rollbacks: int = 0
     last_loss: float = math.nan
+    # the whole run's, over every leg (a resumed run continues them: summary.json counts the run, not
+    # the last process): training seconds up to `step` (each leg's time from its first step to its
+    # last checkpoint) and the validation loss before the first step
+    seconds: float = 0.0
+    initial_val_loss: float = math.nan
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "batches_drawn": self.batches_drawn,
-                "skip_batches": sorted(self.skip_batches), "rollbacks": self.rollbacks, "last_loss": self.last_loss}
+                "skip_batches": sorted(self.skip_batches), "rollbacks": self.rollbacks, "last_loss": self.last_loss,
+                "seconds": self.seconds, "initial_val_loss": self.initial_val_loss}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """The position comes from `sd`; what rollbacks learned is kept: the union of the batches to
@@ -39,6 +45,8 @@ class TrainState:
         self.skip_batches |= {int(b) for b in sd.get("skip_batches", [])}
         self.rollbacks = max(self.rollbacks, int(sd.get("rollbacks", 0)))
         self.last_loss = float(sd.get("last_loss", math.nan))
+        self.seconds = float(sd.get("seconds", 0.0))  # (a checkpoint of an older lmforge: this leg's only)
+        self.initial_val_loss = float(sd.get("initial_val_loss", math.nan))
 
 
 class SchedulerPosition:

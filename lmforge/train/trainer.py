@@ -40,8 +40,8 @@ from lmforge.config.rules import check_resolved_precision
 from lmforge.data.prefetch import Prefetcher
 from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
 from lmforge.eval.generate import generate_text
-from lmforge.folders import (CONFIG, FAILED_RECORD, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER, WEIGHTS,
-                             atomic_path, atomic_write, new_run_id, read_failure, read_run_id, record_failure,
+from lmforge.folders import (CONFIG, EMA_WEIGHTS, FAILED_RECORD, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER,
+                             WEIGHTS, atomic_path, atomic_write, new_run_id, read_failure, read_run_id, record_failure,
                              write_run_record)
 from lmforge.model.documents import describe_document_attention
 from lmforge.model.transformer import count_params, flops_per_token
@@ -50,18 +50,24 @@ from lmforge.optim.schedules import build_scheduler
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import destroy_distributed, folder_is_shared, init_distributed
 from lmforge.parallel.parallelize import parallelize
-from lmforge.train.components import (batch_rampup, build_loaders, build_training_model, cache_dir, check_out_dir,
-                                      config_differences, document_attention, prepare_data, run_folder,
-                                      seed_everything, stage_plan_lines, stage_schedule)
+from lmforge.train.components import (batch_rampup, build_loaders, build_training_model, cache_dir,
+                                      document_attention, prepare_data, seed_everything, stage_plan_lines,
+                                      stage_schedule)
+from lmforge.train.ema import WeightEMA
+from lmforge.train.eval_tasks import TaskEvaluator
 from lmforge.train.guard import SpikeGuard
 from lmforge.train.metrics import HealthMonitor, MetricsWriter, ThroughputWindow, Timers, format_duration, make_sinks, \
     memory_gb
+from lmforge.train.micro_batch import decide_micro_batch
 from lmforge.train.precision import Resolved, make_precision, resolve_precision
+from lmforge.train.run_folder import RunFolderInUse, RunLock, check_out_dir, config_differences, run_folder
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
+from lmforge.train.stragglers import PhaseClock, StragglerMonitor
 from lmforge.train.validation import Validation
+from lmforge.train.watchdog import HangWatchdog
 
 log = logging.getLogger("lmforge.train")
 
@@ -138,11 +144,12 @@ class Trainer:
         self.device = self.dist.device
         for note in cfg.adjustments:  # (what load_config fitted to the layout)
             log.info("config: %s", note)
-        seed_everything(t.seed)
         if self.out_dir is None:  # rank 0 decides which sibling folder; each rank keeps its own expansion
             chosen = run_folder(cfg)
             self.out_dir = chosen.with_name(self.rank0_decides(chosen.name))
         check_out_dir(self.out_dir)
+        self.hold_run_folder()
+        seed_everything(t.seed)
 
         # the checkpoint to resume (rank 0's choice), checked against this config before any data work
         # or hardware probing (a refused resume answers at once); before the precision: it records
@@ -154,6 +161,10 @@ class Trainer:
         self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
         if self.resumed_from is not None:
             check_compatible(read_meta(self.resumed_from), cfg, self.resumed_from)
+
+        # the precision, then the micro-batch it fits (train.micro_batch_size = "auto"), before the loaders
+        precision = self.decide_precision()
+        self.resolve_micro_batch(precision.name)
 
         # data
         self.data = self._data or self.prepare_data()
@@ -176,7 +187,6 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, trainable)
         self.flops_rule = "6N + 12*L*d*s" if len(trainable) == len(list(model.parameters())) else \
             "forward + input gradients of all weights, weight gradients of the trainable ones only"
-        precision = self.decide_precision()
         self.layout = self.build_layout(model, precision.name)
         self.model = self.layout.model
         self.optimizer = self.layout.prepare_optimizer(build_optimizer(cfg.optim, self.model))
@@ -188,6 +198,8 @@ class Trainer:
         # operability: health signals, timers, profiler, the MFU peak (metrics open with the run folder)
         self.health = HealthMonitor(t.spike_threshold, t.health_window, t.grad_growth_factor)
         self.timers = Timers()  # `with self.timers("checkpoint"):` around blocking saves -> ckpt_s
+        self.phase_clock = PhaseClock(self.device)  # each step's phases (lmforge.train.stragglers)
+        self._step_t0: float | None = None
         self.profiler = StepProfiler(t.profile_steps, self.out_dir / PROFILE, self.device)
         self.peak = self.rank0_decides(device_peak(self.device, self.precision.name) if is_rank0() else None)
 
@@ -204,6 +216,10 @@ class Trainer:
                        "scaler": ScalerState(self.precision.scaler), "rng": RNGState(self.dist.rank)}
         if self.guard is not None:
             self.states["guard"] = self.guard
+        self.ema = WeightEMA.for_run(self.model, t)  # (train.ema_decay: lmforge.train.ema)
+        if self.ema is not None:
+            self.states["ema"] = self.ema
+        self.tasks = TaskEvaluator.for_run(cfg, self.data.tokenizer, self.precision.autocast)  # (train.eval_tasks)
         if self.resumed_from is not None:
             self.load_checkpoint(self.resumed_from)
         self.finished = self.rank0_decides(self.resumed_from is not None and self.state.step >= t.steps
@@ -235,6 +251,20 @@ class Trainer:
                 f"without protecting its work: {failed.get('error')}")})
         self.ckpt.prepare()
 
+    def hold_run_folder(self) -> None:
+        """Rank 0 takes the run folder's lock for the run's life (lmforge.train.run_folder.RunLock): a
+        second trainer on the folder stops here, every rank with the same one-line error."""
+        self.run_lock = RunLock(self.out_dir)
+        refused = None
+        if is_rank0():
+            try:
+                self.run_lock.acquire()
+            except RunFolderInUse as e:
+                refused = str(e)
+        refused = self.rank0_decides(refused)
+        if refused:
+            raise RunFolderInUse(refused)
+
     def finish_decides(self, value):
         """Rank 0's value on every rank that runs `finish` (a synchronous run: all of them)."""
         return self.rank0_decides(value)
@@ -260,6 +290,18 @@ class Trainer:
                 "precision: %s (%s)",
                 resolved.name, resolved.reason)
         return resolved
+
+    def resolve_micro_batch(self, precision: str) -> None:
+        """train.micro_batch_size = "auto" resolved once, by rank 0 for every rank, from the memory free on
+        its device (lmforge.train.micro_batch: the planner's rule, lmforge.plan.micro_batch); logged."""
+        t = self.cfg.train
+        if t.micro_batch_size != "auto":
+            return
+        choice = self.rank0_decides(decide_micro_batch(self.cfg, precision, self.device) if is_rank0() else None)
+        t.micro_batch_size = choice.size
+        self.cfg.validate()
+        log.log(logging.INFO if choice.budget_bytes is None or choice.planned_bytes <= choice.budget_bytes
+                else logging.WARNING, "train.micro_batch_size: %s", choice.reason)
 
     def build_layout(self, model, precision: str) -> Layout:
         """The parallel layout the loop drives, with this rank's part of the model materialised
@@ -305,6 +347,10 @@ class Trainer:
             if is_rank0() and not record_failure(self.out_dir, self.state.step, str(e)):
                 log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
             raise
+        except RuntimeError as e:  # a collective that timed out: every thread's stack, as for a hang
+            if "timed out" in str(e).lower() and getattr(self, "watchdog", None) is not None:
+                self.watchdog.dump(f"a collective timed out (parallel.timeout_s = {self.cfg.parallel.timeout_s:g}): {e}")
+            raise
         finally:
             self.close()
 
@@ -320,6 +366,10 @@ class Trainer:
             self.ckpt.close()
         if getattr(self, "dist", None) is not None and self.dist.distributed:
             destroy_distributed()
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
+        if getattr(self, "run_lock", None) is not None:
+            self.run_lock.release()
         self.preemption.uninstall()
 
     def end_together(self) -> None:
@@ -348,18 +398,22 @@ class Trainer:
         self.log_run_header()
         progress = Progress(t.steps, t.progress, initial=st.step)
         initial = self.validate(progress)
+        self.score_tasks(progress)
         history: list[dict] = []
         pending: list[tuple] = []  # steps since the last log line: read (host sync) only when logging
         window = ThroughputWindow(self.flops_per_token, self.peak, cfg.parallel.world_size, self.device,
                                   self.timers)
+        self.start_clock(window.start)
         start_step, last_save_time = st.step, time.time()
+        self.start_rank_health()
 
         while st.step < t.steps:
+            self.watchdog.step_begin(st.step + 1)
+            self._step_t0 = time.perf_counter()
             self.profiler.step_begin(st.step + 1)
             step_tokens = self.global_batch_now() * cfg.data.seq_len
-            data_t0 = time.perf_counter()
             batches = self.next_micro_batches()
-            data_s = time.perf_counter() - data_t0
+            data_s = time.perf_counter() - self._step_t0
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.train_step(batches)
             st.step += 1
@@ -374,26 +428,37 @@ class Trainer:
             if due.log or self._rollback_requested:
                 if self.device.type == "cuda":  # the log line's one sync, before timing the window
                     torch.cuda.synchronize(self.device)
-                self.log_window(pending, window.take(), history, progress)
+                self.log_window(pending, {**window.take(), **self.rank_comparison()}, history, progress)
                 eta = (t.steps - st.step) * (time.perf_counter() - window.start) / max(st.step - start_step, 1)
                 progress.update(st.step, history[-1], eta)
             if self._rollback_requested:
-                self.rollback()
+                with self.watchdog.paused():
+                    self.rollback()
                 continue
             if due.evaluate:
                 eval_t0 = time.perf_counter()
-                self.validate(progress)
+                with self.watchdog.paused():
+                    self.validate(progress)
+                window.add_eval(time.perf_counter() - eval_t0)
+            if self.tasks is not None and self.tasks.due(st.step):
+                eval_t0 = time.perf_counter()
+                with self.watchdog.paused():
+                    self.score_tasks(progress)
                 window.add_eval(time.perf_counter() - eval_t0)
             if (not due.last or not cfg.checkpoint.save_final) and self.checkpoint_due(last_save_time, due):
                 st.last_loss = float(loss)
-                self.save_checkpoint()
+                with self.watchdog.paused():
+                    self.save_checkpoint()
                 last_save_time = time.time()
-            if self.preemption.requested():  # (every rank, every step: one tiny all-reduce)
+            with self.phase_clock("sync"):
+                stop = self.preemption.requested()  # (every rank, every step: one tiny all-reduce)
+            self.watchdog.step_end()
+            if stop:
                 self.stop_for_preemption(pending, window, history, progress)
 
         progress.close()
         self.profiler.close()
-        return self.finish(initial, history, time.perf_counter() - window.start, start_step)
+        return self.finish(initial, history, self.run_seconds(), start_step)
 
     # ------------------------------------------------------------------------------------------
     # one optimizer step
@@ -403,9 +468,17 @@ class Trainer:
         """One optimizer step: forward/backward over the micro-batches, then the update. Returns (mean
         loss, grad norm) as tensors: reading them forces a host sync, so the loop does it only when
         it logs. The spike guard decides on the device where the optimizer can skip there (torch's
-        fused Adam/AdamW, `guard_verdict_on_device`); otherwise it reads both once per step."""
-        loss = self.forward_backward(micro_batches)
-        return loss, self.update(loss)
+        fused Adam/AdamW, `guard_verdict_on_device`); otherwise it reads both once per step. The
+        phases are timed for the straggler report (lmforge.train.stragglers): `data` is this
+        rank's time from the step's start to its compute."""
+        clock = self.phase_clock
+        if self._step_t0 is not None:  # (the loop's step; a driver calling train_step alone has none)
+            clock.add("data", time.perf_counter() - self._step_t0)
+            self._step_t0 = None
+        with clock("compute"):
+            loss = self.forward_backward(micro_batches)
+        with clock("optimizer"):
+            return loss, self.update(loss)
 
     def forward_backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulated gradients of the step's micro-batches; the global step's mean token loss."""
@@ -431,6 +504,8 @@ class Trainer:
             scaler.update()
         self.layout.zero_grad(opt)  # (DDP: in place, into its buckets)
         self.scheduler.step()
+        if self.ema is not None:  # (on the device, no host sync)
+            self.ema.update(self.state.step + 1)
         return grad_norm
 
     def global_batch_now(self) -> int:
@@ -571,9 +646,37 @@ class Trainer:
             return bool(due.item())
         return False
 
+    def start_rank_health(self) -> None:
+        """The straggler report's phase clock and cross-rank comparison (every rank: the comparison's
+        host names are gathered here), and the hang watchdog's thread (lmforge.train.watchdog)."""
+        t = self.cfg.train
+        self.stragglers = StragglerMonitor(t.straggler_ratio, t.straggler_windows, self.dist.host_group,
+                                           self.dist.distributed)
+        self.watchdog = HangWatchdog(self.out_dir, self.dist.rank, t.hang_factor, t.hang_min_s, t.hang_action,
+                                     on_hang=self.log_event).start()
+
+    def rank_comparison(self) -> dict:
+        """This log window's slowest and fastest rank (a collective on the host group: every rank
+        logs at the same steps); a rank slow for long enough is named as a `straggler` event."""
+        fields, events = self.stragglers.window(self.phase_clock.take())
+        for event in events:
+            self.log_event(event)
+        return fields
+
+    def start_clock(self, t0: float) -> None:
+        """This leg's training starts at `t0` (time.perf_counter), after the legs the state has counted."""
+        self._clock = (self.state.seconds, t0)
+
+    def run_seconds(self) -> float:
+        """Training seconds of the whole run so far: the legs before this one (up to the checkpoint it
+        resumed) and this one's since its first step."""
+        before, t0 = getattr(self, "_clock", (self.state.seconds, time.perf_counter()))
+        return before + time.perf_counter() - t0
+
     def save_checkpoint(self) -> None:
         """Checkpoint `self.states` at the current step (every rank calls this)."""
         self.book_guard()  # (the guard state saved is the one after this step's verdict)
+        self.state.seconds = self.run_seconds()
         meta = {"loss": self.state.last_loss, "tokens_seen": self.state.tokens_seen, "config": self.cfg.to_dict(),
                 "layout": self.layout.name, "optimizer": self.cfg.optim.name, "precision": self.precision.name}
         with self.timers("checkpoint"):
@@ -635,13 +738,25 @@ class Trainer:
                                         loss_chunk=self.layout.loss_chunk(self.precision))
 
     def validate(self, progress: Progress | None = None) -> dict[str, float]:
-        """Validation loss and perplexity, recorded in the metrics and shown."""
+        """Validation loss and perplexity, recorded in the metrics and shown. The run's first is kept
+        (TrainState.initial_val_loss) across resumes."""
         val = self.evaluate()
-        self.metrics.write({"step": self.state.step, **self.validation.record(val)})
+        ema = self.ema.evaluate(self.evaluate) if self.ema is not None else {}  # (the EMA swapped in: val_loss_ema)
+        if math.isnan(self.state.initial_val_loss) and self.state.step == 0:
+            self.state.initial_val_loss = val["loss"]
+        self.metrics.write({"step": self.state.step, **self.validation.record(val), **ema})
         self.metrics.flush()
         line = self.validation.line(self.state.step, val)
+        line += f"; EMA of the weights {ema['val_loss_ema']:.4f}" if ema else ""
         progress.write(line) if progress is not None else log.info("%s", line)
         return val
+
+    def score_tasks(self, progress: Progress | None = None) -> dict:
+        """train.eval_tasks scored on the sharded model (lmforge.train.eval_tasks): metrics and a line each."""
+        if self.tasks is None:
+            return {}
+        say = progress.write if progress is not None else log.info
+        return self.tasks.run(self.state.step, self.layout.inference_model(), self.metrics, say)
 
     def corpus_entropy(self) -> float:
         """The training corpus' unigram entropy (lmforge.data.prepare.unigram_entropy): the value
@@ -734,11 +849,16 @@ class Trainer:
         summary.json, plots. Every rank of a synchronous run calls it (sharded forwards and the
         weight gathering are collective)."""
         cfg, t, st = self.cfg, self.cfg.train, self.state
+        first_val = st.initial_val_loss if math.isfinite(st.initial_val_loss) else initial["loss"]
         final = self.evaluate()
-        self.metrics.write({"step": st.step, **self.validation.record(final)})
+        ema = self.ema.evaluate(self.evaluate) if self.ema is not None else {}
+        self.metrics.write({"step": st.step, **self.validation.record(final), **ema})
         baseline = "" if math.isnan(self.entropy) else f"; unigram entropy {self.entropy:.3f}"
         log.info("final: val loss %.4f (started at %.4f%s), perplexity %.1f, %s tokens in %s", final["loss"],
-                 initial["loss"], baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
+                 first_val, baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
+        if ema:
+            log.info("final: EMA of the weights (train.ema_decay %g): val loss %.4f", t.ema_decay, ema["val_loss_ema"])
+        tasks = self.score_tasks()
         sample = ""
         if t.sample_tokens:  # every rank runs it (sharded forwards are collective); same seed -> same text
             sample = generate_text(self.layout.inference_model(), self.data.tokenizer, t.sample_prompt,
@@ -751,6 +871,9 @@ class Trainer:
                 self.save_checkpoint()
             with self.timers("checkpoint"):
                 weights_error = self.save_final_weights(self.out_dir / WEIGHTS)
+                if self.ema is not None and self.ema.started and not weights_error:  # (every rank: a collective)
+                    with self.ema.swapped_in():
+                        weights_error = self.save_final_weights(self.out_dir / EMA_WEIGHTS)
         self.ckpt.close()  # the last save is written, validated and backed up before we report
         if self.ckpt.consecutive_failures or weights_error:  # (every rank alike) no summary: a rerun resumes
             what = [f"the last checkpoint failed ({self.ckpt.last_error})"] if self.ckpt.consecutive_failures else []
@@ -762,13 +885,14 @@ class Trainer:
 
         result = TrainResult(
             steps=st.step, tokens=st.tokens_seen, train_loss=st.last_loss, val_loss=final["loss"],
-            val_perplexity=final["perplexity"], initial_val_loss=initial["loss"], unigram_entropy=self.entropy,
+            val_perplexity=final["perplexity"], initial_val_loss=first_val, unigram_entropy=self.entropy,
             sample=sample, out_dir=str(self.out_dir), seconds=elapsed,
             tokens_per_second=st.tokens_seen / max(elapsed, 1e-9), history=history)
         summary = {k: v for k, v in result.__dict__.items() if k != "history"}
         summary.update(self.operability_summary(history))
         if final.get("sources"):  # (validation per source of a prepared mixture)
             summary["val_loss_per_source"] = final["sources"]
+        summary.update({**ema, **({"eval_tasks": tasks} if tasks else {})})
         summary.update(extra_summary or {})
         if is_rank0():
             atomic_write(self.out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,249 @@
+"""Activation bytes: per layer in each convention (Korthikanti et al., Megatron's estimator, what
+lmforge's autograd saves), outside the blocks, under context parallelism, and the micro-batches a
+pipeline stage holds in flight (lmforge.plan.memory's docstring states the formulas)."""
+
+from __future__ import annotations
+
+from lmforge.config import ModelConfig
+from lmforge.model.accounting import mlp_activation_width
+from lmforge.parallel.formulas import (cp_activation_bytes, cp_kv_bytes, cp_latent_bytes, cp_score_elements,
+                                       pipeline_in_flight, recomputed_layers)
+from lmforge.plan.conventions import LITERATURE, check_convention
+from lmforge.plan.layout import Layout
+from lmforge.plan.loss_memory import lmforge_loss_bytes
+
+
+def micro_batches_in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak
+    (lmforge.parallel.formulas.pipeline_in_flight)."""
+    return pipeline_in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, stage, layout.virtual_stages)
+
+
+def _literature_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str,
+                                     fused_attention: bool) -> float:
+    """Korthikanti et al.'s per-layer bytes, generalised to GQA and the MLP type (module docstring)."""
+    s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
+    sbh = s * b * h
+    sp_div = t if layout.sp else 1
+    if ac == "full":
+        return 2 * sbh / sp_div
+    r = cfg.kv_heads / cfg.n_heads
+    k_mlp = 6 if cfg.activation == "swiglu" else 4
+    replicated = 10.0
+    split = 4 + 4 * r + k_mlp * mlp_activation_width(cfg) / h
+    core = 0.0 if (fused_attention or ac == "selective") else 5 * a * s / h
+    if layout.sp or t == 1:
+        return sbh / t * (replicated + split + core)
+    return sbh * (replicated + (split + core) / t)
+
+
+def megatron_sp_formula(layout: Layout, ac: str | None = None) -> bool:
+    """Whether Megatron's report uses its sequence-parallel activation formula: only with SP and
+    selective recompute (`ac`: the layer's mode, default the layout's); any other layout gets its
+    formula "without SP"."""
+    return layout.sp and (layout.ac if ac is None else ac) == "selective"
+
+
+def _megatron_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str,
+                                   fused_attention: bool) -> float:
+    """Megatron-LM's per-layer bytes as its `theoretical_memory_usage.py` computes them (module
+    docstring): sbh(18 + 4 ffn/h)/t with SP and selective recompute, else sbh(10 + 24/t), whatever
+    the MLP type or the query groups; a fully recomputed layer keeps its input, 2sbh (/t with SP)."""
+    s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
+    sbh = s * b * h
+    if ac == "full":
+        return 2 * sbh / (t if layout.sp else 1)
+    if megatron_sp_formula(layout, ac):
+        return sbh * (18 + 4 * mlp_activation_width(cfg) / h) / t
+    scores = 0.0 if (fused_attention or ac == "selective") else 5 * a * s * s * b / t
+    return sbh * (10 + 24 / t) + scores
+
+
+def residual_bytes(layout: Layout) -> int:
+    """Bytes of a residual-stream element: fp32 under autocast (fp32 weights) and in fp32 runs, bf16 in
+    bf16-pure runs (bf16 weights and activations)."""
+    return 2 if layout.precision == "bf16-pure" else 4
+
+
+def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str) -> float:
+    """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring). bf16-pure
+    (an estimate, not yet measured: the mode is built apart): the residual stream, the norms' inputs and
+    outputs are bf16, and each norm's output feeds its projections as it is (no casts)."""
+    s, b, h, a, t = seq_len, layout.micro_batch, cfg.dim, cfg.n_heads, layout.tp
+    sbh = s * b * h
+    half = 4 if layout.precision == "fp32" else 2
+    res = residual_bytes(layout)
+    r = cfg.kv_heads / cfg.n_heads
+    F = mlp_activation_width(cfg) / h  # (MoE: the routed and shared experts' width per token)
+    if ac == "full":
+        return res * sbh  # the residual-stream input of the block
+    norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * 2
+    lse = 4 * b * a * s / t
+    if ac == "selective":  # outputs of the matmuls and attention, plus the block input
+        mlp_out = (2 * F + 1) if cfg.activation == "swiglu" else (F + 1)
+        return sbh * (res + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
+    resid = 2 * res                             # the inputs of the two norms (block in, mid)
+    normed = 2 * res if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its output for the weight grad
+    if layout.precision in ("fp32", "bf16-pure"):  # each norm's output feeds its projections as it is: 2 tensors
+        casts = 2 * res
+    else:  # autocast casts the norm output once per projection: q, k, v (one fused wqkv: once) and fc1 (gate and up)
+        qkv_casts = 2 if cfg.mla.enabled else (1 if cfg.fused_qkv else 3)  # (MLA: wq_a / wq and wkv_a)
+        casts = half * (qkv_casts + (2 if cfg.activation == "swiglu" else 1))
+    mlp = half * (4 * F if cfg.activation == "swiglu" else 2 * F) / t
+    if cfg.mla.enabled:
+        return sbh * (resid + normed + casts + mlp) + norm_stats + s * b * mla_attention_bytes(cfg, layout)
+    attn = half * (1 + 2 * r + 1) / t           # q, k, v, attention output
+    wo_in = half / t if cfg.pos_emb == "rope" else 0.0
+    return sbh * (resid + normed + casts + attn + wo_in + mlp) + norm_stats + lse
+
+
+def mla_attention_bytes(cfg: ModelConfig, layout: Layout) -> float:
+    """Bytes per token that multi-head latent attention (lmforge.model.mla) saves, besides the casts of
+    its input (measured on the CPU with tests/test_plan_mla_mtp.py): each latent (the query one if
+    model.mla.q_lora_rank, the K/V one) through its RMSNorm, which runs in fp32 under autocast (its
+    input upcast, its output kept for the weight's gradient, the rstd) and whose output is cast to 16
+    bits for the up-projection; SDPA's q, k, v and output over n_heads / t heads of the padded width
+    max(qk, v) and its log-sum-exp; the output projection's input (n_heads / t x v_head_dim). (The
+    literature's and Megatron's conventions keep their multi-head attention formulas.)"""
+    m, heads = cfg.mla, cfg.n_heads / layout.tp
+    half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)
+    autocast = layout.precision not in ("fp32", "bf16-pure")
+    latents = m.kv_lora_rank + m.q_lora_rank
+    norms = latents * (2 * res + (half if autocast else 0)) + 4 * (2 if m.q_lora_rank else 1)
+    width = max(m.qk_head_dim, m.v_head_dim)
+    # v: zero-padded to the width (a tensor of its own) where it is narrower than q / k, else a view of
+    # the K/V up-projection's output, whose storage (k^C and v of every head) SDPA's saved v keeps
+    v = width if m.v_head_dim < m.qk_head_dim else m.qk_nope_head_dim + m.v_head_dim
+    return norms + heads * (half * (3 * width + v) + 4 + half * m.v_head_dim)
+
+
+def attention_dtype_bytes(layout: Layout) -> int:
+    """Bytes of an element of q, k, v in lmforge's attention: 16-bit under autocast (fp8 runs keep
+    attention in bf16), 4 in fp32 runs."""
+    return 4 if layout.precision == "fp32" else 2
+
+
+def cp_kv_layer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, gathered: bool = False) -> int:
+    """The K and V of one layer for the whole sequences of a micro-batch, on one (TP) rank: what a
+    context-parallel rank all-gathers and saves (`lmforge.parallel.formulas.cp_kv_bytes`). Multi-head
+    latent attention gathers its latent and RoPE key instead (`gathered`: those bytes, what the
+    collectives move: `formulas.cp_latent_bytes`) and saves them with the K and V it expands from them
+    (every head's, n_heads / t x the padded width, v as `mla_attention_bytes` counts it)."""
+    dtype = attention_dtype_bytes(layout)
+    if not cfg.mla.enabled:
+        return cp_kv_bytes(layout.micro_batch, seq_len, cfg.kv_heads, cfg.head_dim, dtype, layout.tp)
+    m = cfg.mla
+    latent = cp_latent_bytes(layout.micro_batch, seq_len, m.kv_lora_rank + m.qk_rope_head_dim, dtype)
+    if gathered:
+        return latent
+    width = max(m.qk_head_dim, m.v_head_dim)
+    v = width if m.v_head_dim < m.qk_head_dim else m.qk_nope_head_dim + m.v_head_dim
+    return latent + layout.micro_batch * seq_len * cfg.n_heads // layout.tp * (width + v) * dtype
+
+
+def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str,
+                               checkpointed: bool | None = None, fused_attention: bool = True) -> float:
+    """Activation bytes of one transformer layer for one micro-batch on one GPU. `checkpointed`
+    overrides the layout's mode (True = full recompute, False = none); `fused_attention=False`
+    gives the literature's unfused formula (with the 5as/h score term).
+
+    Context parallelism (cp > 1): the rank holds 1/cp of every sequence's tokens but the K and V of
+    the whole sequence (all-gathered, saved for backward): (A - KV) / cp + KV with A the layer's
+    bytes for the whole sequence and KV its K/V (`lmforge.parallel.formulas.cp_activation_bytes`;
+    every term of A is linear in the sequence length once attention is fused). Full recompute keeps
+    only the block input of the rank's tokens, A / cp. The literature conventions count the same
+    all-gather design (Llama 3's, Megatron's `--cp-comm-type allgather`) with their 16-bit K/V; their
+    unfused [s, s] score term becomes the rank's c^2 (2cp + 1) scores per head (`cp_score_elements`)."""
+    ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
+    if check_convention(convention) == "lmforge":
+        whole = lmforge_activation_per_layer(cfg, layout, seq_len, ac)
+        kv = cp_kv_layer_bytes(cfg, layout, seq_len)
+        scores = 0.0
+    else:
+        per = _megatron_activation_per_layer if convention == "megatron" else _literature_activation_per_layer
+        whole = per(cfg, layout, seq_len, ac, fused_attention=True)
+        kv = cp_kv_bytes(layout.micro_batch, seq_len, cfg.kv_heads, cfg.head_dim, 2, layout.tp)
+        scores = per(cfg, layout, seq_len, ac, fused_attention) - whole
+    if layout.cp == 1:
+        return whole + scores
+    if ac == "full":
+        return whole / layout.cp
+    if cfg.mla.enabled and convention == "lmforge":  # (not measured yet: derived from what one process saves)
+        # the whole sequence's latent (gathered) and K/V; the rank's share of everything else, without the
+        # 16-bit copy of the latent a rank's own up-projection would keep (it takes the gathered one)
+        autocast = layout.precision not in ("fp32", "bf16-pure")
+        own = whole - (kv - cp_kv_layer_bytes(cfg, layout, seq_len, gathered=True)) \
+            - (layout.micro_batch * seq_len * cfg.mla.kv_lora_rank * 2 if autocast else 0)
+        return own / layout.cp + kv
+    return cp_activation_bytes(whole, kv, layout.cp) + scores * cp_score_elements(seq_len, layout.cp) / seq_len**2
+
+
+def outside_blocks(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, stage: int) -> dict[str, float]:
+    """Activations outside the blocks: embedding output on the first stage, final norm + logits on
+    the last (one micro-batch). Under context parallelism a rank holds seq_len / cp tokens of each
+    sequence; in lmforge its token ids and targets are then separate tensors (the chunks, cut from
+    the loader's rows), and every stage indexes the RoPE rows of its positions (fp32 cos and sin,
+    shared by the blocks: 'positions', saved by the blocks that run without full recompute)."""
+    s, b, h, V, t = seq_len // layout.cp, layout.micro_batch, cfg.dim, cfg.vocab_size, layout.tp
+    sbh = s * b * h
+    out: dict[str, float] = {}
+    if convention == "megatron":  # token ids (int64) and the embedding's dropout mask; output-layer inputs
+        sp = megatron_sp_formula(layout)
+        if stage == 0:
+            out["embedding"] = (8 * s * b + sbh) / (t if sp else 1)
+        if layout.holds_last(stage):
+            out["output"] = 4 * (sbh + s * b * V) / t if sp else 2 * (s * b * V / t + sbh)
+            out["output"] += mtp_bytes(cfg, layout, seq_len, convention, out["output"])
+        return out
+    if convention in LITERATURE:
+        sp_div = t if layout.sp else 1
+        if stage == 0:
+            out["embedding"] = sbh / sp_div  # dropout mask
+        if layout.holds_last(stage):
+            out["output"] = 4 * sbh / sp_div + 4 * s * b * V / t  # final norm + head input, fp32 logits
+            out["output"] += mtp_bytes(cfg, layout, seq_len, convention, out["output"])
+        return out
+    half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)
+    if stage == 0:
+        out["embedding"] = 8 * s * b + (8 * s if cfg.pos_emb == "learned" else 0)  # int64 ids, positions
+    layers = cfg.n_layers // layout.pp
+    if layout.cp > 1 and cfg.pos_emb == "rope" and checkpointed_layers(layout, layers) < layers:
+        out["positions"] = 2 * s * (cfg.head_dim // 2) * 4  # this rank's rows of the cos / sin tables
+    if layout.holds_last(stage):
+        normed = res if cfg.norm == "rmsnorm" else 0
+        stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b
+        targets = 8 * s * b if layout.cp > 1 else 0  # (one process: a view of the ids' storage)
+        kept, _ = lmforge_loss_bytes(cfg, layout, seq_len)
+        if layout.loss_chunk:  # the head's input is read by the loss itself: no 16-bit copy saved
+            out["output"] = sbh * (res + normed) + stats + kept + targets
+        else:  # + the head input's 16-bit copy, the fp32 log-softmax (kept) and nll_loss's fp32 total weight
+            copy = 0 if layout.precision == "bf16-pure" else half  # (bf16-pure: the norm output is the head input)
+            out["output"] = sbh * (res + normed + copy) + stats + kept + 4 + targets
+        # each MTP depth's head and loss: as the main one's, with targets of its own (shifted: a new tensor)
+        out["output"] += mtp_bytes(cfg, layout, seq_len, convention, out["output"] - targets + 8 * s * b)
+    return out
+
+
+def mtp_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, head: float) -> float:
+    """Activations of the multi-token prediction modules (model.mtp_depth; lmforge.model.mtp), on the last
+    stage with the output head (counted in outside_blocks' "output"), for one micro-batch: per depth a
+    block (never activation-checkpointed: the per-layer formula without recompute), its head and loss
+    (`head`: the bytes of one, as the caller counts the main one) and, in lmforge's convention, what
+    the module adds before its block (measured on the CPU, tests/test_plan_mla_mtp.py): the shifted
+    token ids (int64) the embedding keeps, the embedding output and the two norms' outputs (the
+    residual's dtype; the hidden norm's input is already kept by the norm before the head), their
+    rstds, and the 16-bit copy of the concatenation [emb; h] the projection takes."""
+    if not cfg.mtp_depth:
+        return 0.0
+    s, b, h = seq_len // layout.cp, layout.micro_batch, cfg.dim
+    block = activation_bytes_per_layer(cfg, layout, seq_len, convention, checkpointed=False)
+    if convention != "lmforge":
+        return cfg.mtp_depth * (block + head)
+    half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)
+    inputs = s * b * (8 + h * (3 * res + 2 * half) + 2 * 4)
+    return cfg.mtp_depth * (block + head + inputs)
+
+
+def checkpointed_layers(layout: Layout, layers: int) -> int:
+    """Layers that keep only their input (selective recompute keeps more: its own per-layer formula)."""
+    return 0 if layout.ac == "selective" else recomputed_layers(layout.ac, layers, layout.ac_every)

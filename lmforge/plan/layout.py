@@ -1,0 +1,229 @@
+"""The parallel layout a plan is for (`Layout`: degrees, micro-batching, recompute, precision,
+the loss's chunking), parsed from "dp=8,zero=3,..." and checked against the model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from lmforge.config import ModelConfig
+from lmforge.config.base import divisors
+from lmforge.config.rules import resolve_compile, resolve_loss_chunk
+from lmforge.parallel.formulas import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
+
+
+AC_MODES = ("none", "full", "every_k", "selective")
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "bf16-pure")
+
+
+@dataclass
+class Layout:
+    """A parallel layout. world size = dp x cp x tp x pp; global batch = micro_batch x grad_accum x dp
+    sequences (with pipelining, grad_accum is the number of micro-batches m per step). The cp ranks
+    of a context-parallel layout share each sequence (2 chunks each) and average their gradients
+    with the dp ones, so ZeRO / FSDP shard over dp x cp (`shard_ranks`)."""
+
+    dp: int = 1
+    zero: int = 0                 # 0 = DDP (replicated), 1, 2, 3 (= FSDP full sharding)
+    cp: int = 1                   # context parallelism (lmforge.parallel.context_parallel)
+    tp: int = 1
+    sp: bool = False              # sequence parallelism (with tp > 1)
+    pp: int = 1
+    pp_schedule: str = "1f1b"     # gpipe | 1f1b | interleaved | interleaved-zb | zbv | dualpipev
+    virtual_stages: int = 1       # interleaved / interleaved-zb: model chunks per pipeline rank (v); zbv and
+    #                               dualpipev always hold 2 (a V), whatever this says (1 or 2)
+    micro_batch: int = 1
+    grad_accum: int = 1
+    ac: str = "none"              # none | full | every_k | selective
+    ac_every: int = 2
+    cpu_offload: bool = False
+    precision: str = "bf16"       # bf16 | fp16 | fp32 | fp8 (autocast over fp32 weights) | bf16-pure (bf16
+    #                               weights and activations, fp32 master weights and gradients in the optimizer)
+    fsdp_reduce_every_micro_batch: bool = False  # FSDP2: reduce-scatter after every micro-batch (not pp > 1)
+    ep: int = 1                   # expert parallelism (MoE): experts split over ep of the dp ranks
+    loss_chunk: int = 0           # train.loss_chunk as resolved (`planned_loss_chunk`): 0 = plain logits +
+    #                               F.cross_entropy, N = the head fused with the loss over N-token chunks
+    compile: bool = True          # train.compile as resolved (`planned_compile`): per-block torch.compile
+    ema: bool = False             # an fp32 EMA of the weights (train.ema_decay > 0), held like the weights
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks each pipeline rank holds (lmforge.parallel.formulas.stages_per_rank)."""
+        return stages_per_rank(self.pp_schedule, self.virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def split_backward(self) -> bool:
+        """A zero-bubble schedule (input and weight gradients in separate passes)."""
+        return self.pp > 1 and self.pp_schedule in SPLIT_BACKWARD
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank holding the final norm, the head and the loss: pp - 1, or 0 in a V."""
+        return 0 if self.pp_schedule in V_SHAPED else self.pp - 1
+
+    def holds_last(self, stage: int) -> bool:
+        """Whether pipeline rank `stage` holds the last stage (the head and the loss)."""
+        return stage == self.last_rank
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks that average gradients, and that ZeRO / FSDP shard over: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters sharded over dp x cp (ZeRO-2/3 = FSDP2 `fully_shard` in lmforge)."""
+        return self.zero >= 2 and self.shard_ranks > 1
+
+    def validate(self, model_cfg: ModelConfig | None = None, seq_len: int | None = None) -> "Layout":
+        """Check the values, then (given) against the model and the sequence length: the rules of
+        lmforge's config (tp divides the heads, pp x v the layers, cp divides seq_len / 2, and with
+        SP tp divides seq_len / cp)."""
+        for key in ("dp", "cp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "ac_every", "ep"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"layout {key} = {value!r} must be an integer >= 1")
+        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
+            raise ValueError(f"layout loss_chunk = {self.loss_chunk!r} must be an integer >= 0 (0 = the plain "
+                             f"logits; N = the cross-entropy fused with the head over N-token chunks)")
+        if self.loss_chunk and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"layout loss_chunk = {self.loss_chunk} needs tp = pp = 1 (lmforge runs the chunked "
+                             f"loss only there, as train.loss_chunk does); set loss_chunk=0 with tp = {self.tp}, "
+                             f"pp = {self.pp}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"layout zero = {self.zero!r} must be 0, 1, 2 or 3")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"layout pp_schedule = {self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+        if self.ac not in AC_MODES:
+            raise ValueError(f"layout ac = {self.ac!r} is not one of {', '.join(AC_MODES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"layout precision = {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.sp and self.tp < 2:
+            raise ValueError(f"layout sp = 1 needs tp >= 2 (sequence parallelism shards activations over the "
+                             f"tensor-parallel ranks), got tp = {self.tp}; set tp= or drop sp=1")
+        if self.pp_schedule in V_SHAPED and self.virtual_stages not in (1, 2):
+            raise ValueError(f"layout sched = {self.pp_schedule} places 2 stages per rank (a V); virtual_stages = "
+                             f"{self.virtual_stages} must be 1 or 2")
+        if self.virtual_stages > 1 and self.pp_schedule not in LOOPED + V_SHAPED:
+            raise ValueError(f"layout virtual_stages = {self.virtual_stages} needs pp_schedule = interleaved or "
+                             f"interleaved-zb")
+        if self.fsdp_reduce_every_micro_batch and self.pp > 1:
+            raise ValueError("layout reduce_every = 1 needs pp = 1: torch's pipeline schedule reduces FSDP2's "
+                             "gradients once per step; drop reduce_every=1")
+        if self.ep > 1 and self.dp % self.ep:
+            raise ValueError(f"layout ep = {self.ep} must divide dp = {self.dp} (expert parallelism borrows "
+                             f"data-parallel ranks)")
+        if model_cfg is not None:
+            if self.ep > 1 and (not model_cfg.moe.enabled or model_cfg.moe.num_experts % self.ep):
+                raise ValueError(f"layout ep = {self.ep} must divide the model's routed experts "
+                                 f"({model_cfg.moe.num_experts}); a dense model takes ep = 1")
+            if model_cfg.n_heads % self.tp or model_cfg.kv_heads % self.tp:
+                raise ValueError(f"layout tp = {self.tp} must divide n_heads = {model_cfg.n_heads} "
+                                 f"and kv heads = {model_cfg.kv_heads}")
+            if model_cfg.n_layers % (self.pp * self.stages_per_rank):
+                raise ValueError(f"layout pp = {self.pp} (x {self.stages_per_rank} stages per rank) must divide "
+                                 f"n_layers = {model_cfg.n_layers}")
+        if seq_len is not None and self.cp > 1:
+            if seq_len % (2 * self.cp):
+                ok = [k for k in divisors(seq_len // 2) if k > 1][:6] if seq_len % 2 == 0 else []
+                hint = f"choose cp among {ok}" if ok else "use an even sequence length"
+                raise ValueError(f"layout cp = {self.cp} must divide seq_len / 2 = {seq_len / 2:g}: context "
+                                 f"parallelism cuts each sequence into 2 x cp = {2 * self.cp} equal chunks (rank i "
+                                 f"keeps chunks i and 2cp-1-i); {hint}, or change --seq-len")
+            if self.sp and (seq_len // self.cp) % self.tp:
+                raise ValueError(f"layout sp = 1 with cp = {self.cp}: each CP rank's {seq_len // self.cp} tokens "
+                                 f"(seq_len / cp) must be divisible by tp = {self.tp}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def short(self) -> str:
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        s = (f"dp={self.dp},zero={self.zero}{cp},tp={self.tp},pp={self.pp},mb={self.micro_batch},ga={self.grad_accum},"
+             f"ac={self.ac}")
+        if self.sp:
+            s += ",sp=1"
+        if self.pp > 1:
+            s += f",sched={self.pp_schedule}"
+            if self.virtual_stages > 1 and self.pp_schedule in LOOPED:
+                s += f",v={self.virtual_stages}"
+        if self.cpu_offload:
+            s += ",offload=1"
+        if self.fsdp_reduce_every_micro_batch:
+            s += ",reduce_every=1"
+        if self.ep > 1:
+            s += f",ep={self.ep}"
+        if self.loss_chunk:
+            s += f",loss_chunk={self.loss_chunk}"
+        if self.precision == "bf16-pure":
+            s += ",precision=bf16-pure"
+        if not self.compile:
+            s += ",compile=0"
+        if self.ema:
+            s += ",ema=1"
+        return s
+
+    _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
+             "pp_schedule": "pp_schedule", "schedule": "pp_schedule", "v": "virtual_stages",
+             "virtual_stages": "virtual_stages", "mb": "micro_batch", "micro_batch": "micro_batch",
+             "ga": "grad_accum", "grad_accum": "grad_accum", "m": "grad_accum", "ac": "ac",
+             "ac_every": "ac_every", "offload": "cpu_offload", "cpu_offload": "cpu_offload",
+             "precision": "precision", "dtype": "precision", "reduce_every": "fsdp_reduce_every_micro_batch",
+             "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch", "ep": "ep",
+             "loss_chunk": "loss_chunk", "compile": "compile", "ema": "ema"}
+
+    @classmethod
+    def parse(cls, text: str, **defaults: Any) -> "Layout":
+        """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
+        ac_every offload precision reduce_every ep loss_chunk compile ema); unknown keys or bad values raise
+        ValueError naming them."""
+        kw: dict[str, Any] = dict(defaults)
+        for item in filter(None, (p.strip() for p in (text or "").split(","))):
+            if "=" not in item:
+                raise ValueError(f"layout item {item!r} must be key=value (e.g. dp=8)")
+            key, value = (s.strip() for s in item.split("=", 1))
+            field_name = cls._KEYS.get(key.lower())
+            if field_name is None:
+                raise ValueError(f"unknown layout key {key!r}; valid: {', '.join(sorted(set(cls._KEYS)))}")
+            if field_name in ("sp", "cpu_offload", "fsdp_reduce_every_micro_batch", "compile", "ema"):
+                if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
+                    raise ValueError(f"layout {key} = {value!r} must be 0/1/true/false")
+                kw[field_name] = value.lower() in ("1", "true", "yes")
+            elif field_name in ("pp_schedule", "ac", "precision"):
+                kw[field_name] = value.lower()
+            else:
+                try:
+                    kw[field_name] = int(value)
+                except ValueError:
+                    raise ValueError(f"layout {key} = {value!r} must be an integer") from None
+        return cls(**kw).validate()
+
+
+def planned_loss_chunk(config, precision: str, tp: int = 1, pp: int = 1) -> int:
+    """`Layout.loss_chunk` for a run of `config` (a `lmforge.config.Config`) on GPUs in `precision`
+    under tp / pp: train.loss_chunk as lmforge resolves it on CUDA
+    (`lmforge.config.rules.resolve_loss_chunk`: "auto" = 4096-token chunks for a vocabulary of at
+    least 8192), and 0 where the layout has tp > 1 or pp > 1 (lmforge runs the plain logits there)."""
+    if tp > 1 or pp > 1:
+        return 0
+    return resolve_loss_chunk(config, "cuda", precision)
+
+
+def planned_compile(config, tp: int = 1, pp: int = 1, pp_schedule: str = "1f1b") -> bool:
+    """`Layout.compile` for a run of `config` on CUDA GPUs (with Triton) under tensor-parallel degree
+    `tp` and pipeline `pp` / `pp_schedule`: train.compile as lmforge resolves it there
+    (`lmforge.config.rules.resolve_compile`: "auto" = on, but off with tp > 1, a Mixture-of-Experts
+    model or a zero-bubble schedule)."""
+    cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=tp, pp=pp,
+                                                                   pp_schedule=pp_schedule))
+    return resolve_compile(cfg, "cuda", gpu_compiles=True)[0]
