@@ -160,6 +160,8 @@ def test_the_kernel_choice():
 @pytest.mark.parametrize("bad, message", [
     ({"data.document_positions": "restart"}, "applies to data.attention = 'document' only"),
     ({"data.attention": "documents"}, "is not one of 'causal', 'document'"),
+    ({"data.attention": "document", "model.mla.kv_lora_rank": 32}, r"not supported with model.mla.kv_lora_rank = 32"),
+    ({"data.attention": "document", "model.mtp_depth": 1}, r"not supported with model.mtp_depth = 1"),
 ])
 def test_config_errors(bad, message):
     from lmforge.config import ConfigError

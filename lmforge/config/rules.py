@@ -532,6 +532,14 @@ def resolve_compile(cfg: "Config", device_type: str, capability: tuple[int, int]
     return True, f"auto: on on {device_type} (per-block compile measured 1.19x tokens/s on an H100: benchmarks/RESULTS.md)"
 
 
+def document_kernel_rule(device_type: str, dropout_p: float, flex_runs: bool) -> str:
+    """The attention kernel of data.attention = "document" (lmforge.model.documents): "flex"
+    (FlexAttention's block mask) on CUDA where FlexAttention compiles (`flex_runs`) and without
+    dropout, else "sdpa" (a dense boolean mask). Shared by the run and the planner (which plans a GPU
+    with Triton, as it plans train.compile)."""
+    return "flex" if device_type == "cuda" and dropout_p == 0.0 and flex_runs else "sdpa"
+
+
 def gpu_compile_blocker(capability: tuple[int, int] | None = None) -> str | None:
     """Why torch.compile cannot make GPU kernels here (one phrase), or None where it can: Triton
     installed and `capability` (the GPU's compute capability, where known) at least

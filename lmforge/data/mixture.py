@@ -256,6 +256,24 @@ def plan_for_config(cfg, train_dir: Path, batch_at: Callable[[int], int] | None 
     return stage_plan_lines(stages, names, tokens, t.steps, starts[-1], d.seq_len, d.max_epochs)
 
 
+def mean_document_tokens(train_dir: Path) -> int:
+    """Mean tokens per document of the stream a prepared train mixture's weights draw (a source of weight
+    w and L tokens per document gives w / L documents per token), from its manifests' document counts
+    (no torch: `lmforge plan`, lmforge.plan.documents); 0 where a source's manifest does not record them."""
+    from lmforge.data.shards import TokenShards
+
+    entries = mixture_entries(train_dir)
+    total = sum(w for _, _, w in entries)
+    per_token = 0.0
+    for _, sub, w in entries:
+        shards = TokenShards(Path(train_dir) / sub)
+        documents = shards.manifest.get("meta", {}).get("documents")
+        if not isinstance(documents, int) or documents < 1 or not len(shards):
+            return 0
+        per_token += w / total * documents / len(shards)
+    return round(1 / per_token) if per_token else 0
+
+
 def format_stage_plan(plan: StagePlan) -> list[str]:
     """Log lines of a `StagePlan`: one per stage reached (its steps, tokens per source), one for the
     epochs (its warnings are `plan.warnings`)."""

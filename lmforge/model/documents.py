@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lmforge.config.rules import gpu_compile_blocker
+from lmforge.config.rules import document_kernel_rule, gpu_compile_blocker
 
 DOCUMENT_KERNELS = ("flex", "sdpa")
 
@@ -87,9 +87,9 @@ def document_inputs(documents: DocumentAttention | None, tokens: torch.Tensor) -
 
 def document_kernel(device_type: str, dropout_p: float = 0.0) -> str:
     """The attention kernel of the document mask on this device (module docstring)."""
-    if device_type != "cuda" or dropout_p != 0.0 or not _flex_available():
-        return "sdpa"
-    return "flex" if gpu_compile_blocker(torch.cuda.get_device_capability()) is None else "sdpa"
+    flex_runs = device_type == "cuda" and _flex_available() and \
+        gpu_compile_blocker(torch.cuda.get_device_capability()) is None
+    return document_kernel_rule(device_type, dropout_p, flex_runs)
 
 
 def describe_document_attention(documents: DocumentAttention | None, device_type: str, dropout: float,

@@ -25,7 +25,7 @@ from lmforge.model.documents import DocumentAttention
 from lmforge.model.init import init_source
 from lmforge.model.materialise import Source
 from lmforge.model.transformer import Transformer
-from lmforge.optim.schedules import BatchRampup
+from lmforge.optim.schedules import config_batch_rampup
 
 log = logging.getLogger("lmforge.train")
 
@@ -94,22 +94,13 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
     return Loaders(train_shards, val_shards, loader, val_instruct)
 
 
-def batch_rampup(cfg: Config) -> BatchRampup | None:
-    """The batch-size ramp-up of schedule.batch_rampup_*, or None."""
-    s, t = cfg.schedule, cfg.train
-    if not s.batch_rampup_start:
-        return None
-    return BatchRampup(s.batch_rampup_start, t.global_batch_size, s.batch_rampup_tokens,
-                       s.batch_rampup_increment or t.micro_batch_size * cfg.parallel.dp, cfg.data.seq_len)
-
-
 def mix_stages(cfg: Config, train_shards) -> list[MixStage]:
     """data.stages as the loader runs them (lmforge.data.mixture.configured_stages), each stage's first
     global sample through the batch schedule (ramp-up included). An unknown source is a ConfigError,
     raised before any model is built."""
     names = list(getattr(train_shards, "names", None) or [""])
     prepared = list(getattr(train_shards, "weights", None) or [1.0])
-    rampup = batch_rampup(cfg)
+    rampup = config_batch_rampup(cfg)
     starts = stage_start_samples(stage_starts(cfg.data.stages), cfg.train.global_batch_size,
                                  rampup.batch_at if rampup else None, cfg.data.seq_len)
     return configured_stages(cfg.data.stages, names, prepared, starts)
@@ -128,7 +119,7 @@ def stage_schedule(cfg: Config) -> ScheduleConfig:
 def stage_plan_lines(cfg: Config, train_shards) -> tuple[list[str], list[str]]:
     """The run header's lines about data.stages over the sources of `train_shards`, and its warnings
     (lmforge.data.mixture.stage_plan_lines; `lmforge plan`: lmforge.data.mixture.plan_for_config)."""
-    rampup = batch_rampup(cfg)
+    rampup = config_batch_rampup(cfg)
     end = stage_start_samples([cfg.train.steps], cfg.train.global_batch_size, rampup.batch_at if rampup else None,
                               cfg.data.seq_len)[0]
     sources = list(getattr(train_shards, "shards", None) or [train_shards])

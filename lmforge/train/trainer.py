@@ -46,11 +46,11 @@ from lmforge.folders import (CONFIG, EMA_WEIGHTS, FAILED_RECORD, METRICS, PROFIL
 from lmforge.model.documents import describe_document_attention
 from lmforge.model.transformer import count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer
-from lmforge.optim.schedules import build_scheduler
+from lmforge.optim.schedules import build_scheduler, config_batch_rampup
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import destroy_distributed, folder_is_shared, init_distributed
 from lmforge.parallel.parallelize import parallelize
-from lmforge.train.components import (batch_rampup, build_loaders, build_training_model, cache_dir,
+from lmforge.train.components import (build_loaders, build_training_model, cache_dir,
                                       document_attention, prepare_data, seed_everything, stage_plan_lines,
                                       stage_schedule)
 from lmforge.train.ema import WeightEMA
@@ -193,7 +193,7 @@ class Trainer:
         # (data.stages: a stage may start the WSD decay)
         self.scheduler = build_scheduler(stage_schedule(cfg), self.optimizer, cfg.optim.lr, t.steps)
         self.precision = make_precision(precision.name, self.device)
-        self.rampup = batch_rampup(cfg)
+        self.rampup = config_batch_rampup(cfg)
 
         # operability: health signals, timers, profiler, the MFU peak (metrics open with the run folder)
         self.health = HealthMonitor(t.spike_threshold, t.health_window, t.grad_growth_factor)
