@@ -87,7 +87,8 @@ def document_inputs(documents: DocumentAttention | None, tokens: torch.Tensor) -
 
 def document_kernel(device_type: str, dropout_p: float = 0.0) -> str:
     """The attention kernel of the document mask on this device (module docstring)."""
-    flex_runs = device_type == "cuda" and _flex_available() and \
+    # (the GPU is asked only where the rule would take FlexAttention: a CPU-only torch has no CUDA to ask)
+    flex_runs = device_type == "cuda" and dropout_p == 0.0 and _flex_available() and \
         gpu_compile_blocker(torch.cuda.get_device_capability()) is None
     return document_kernel_rule(device_type, dropout_p, flex_runs)
 
