@@ -8,6 +8,7 @@
     lmforge plan     --model PRESET --gpus 8xH100  (lmforge/plan/cli_plan.py)
     lmforge report   --run RUN_DIR [...]           (lmforge/report/cli.py)
     lmforge sweep    --base tiny --grid optim.lr=1e-3,3e-4  (lmforge/sweep/cli.py)
+    lmforge scale    sweep --models 64x2,128x4 --budgets 1e12,1e13 | fit RUNS...  (lmforge/scale/cli.py)
     lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
     lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/interop/cli.py)
     lmforge merge    RUN_DIR --last K --out DIR    (lmforge/ckpt/cli_merge.py)
@@ -309,6 +310,7 @@ DELEGATED = {
     "plan": ("lmforge.plan.cli_plan", "plan_main", "memory, time and cost of a model on a cluster; best layout"),
     "report": ("lmforge.report.cli", "report_main", "plots and an HTML summary of one or more runs"),
     "sweep": ("lmforge.sweep.cli", "sweep_main", "grid or random hyperparameter search"),
+    "scale": ("lmforge.scale.cli", "scale_main", "IsoFLOP grids of runs; scaling-law fits (FIT.json)"),
     "eval": ("lmforge.eval.cli_eval", "eval_main", "perplexity, BLEU/chrF, multiple-choice accuracy, fluency"),
     "export": ("lmforge.interop.cli", "export_main", "write a run as a Hugging Face transformers folder"),
     "import": ("lmforge.interop.cli", "import_main", "turn a transformers Llama/Qwen/Mixtral/GPT-2 folder into a run"),

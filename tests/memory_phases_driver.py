@@ -62,7 +62,7 @@ def measure(cfg, info, x: torch.Tensor, out: Path | None) -> dict:
     from lmforge.train.ema import WeightEMA
 
     with phase(record, "ema"):
-        ema = WeightEMA(layout.model, 0.9)
+        ema = WeightEMA(layout.model, 0.9, roots=layout.forward_roots())
         ema.update(1)
     with phase(record, "ema_eval"):
         with ema.swapped_in():

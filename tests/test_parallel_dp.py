@@ -293,8 +293,9 @@ def test_world_size_mismatch_is_a_clear_error_not_a_hang(corpus, tmp_path):
     """torchrun starts 2 processes, the layout says 1: every rank stops before any collective."""
     proc = train(corpus, tmp_path / "run", nproc=2, timeout=120)
     assert proc.returncode != 0
-    assert "parallel.dp_replicate (1) x parallel.dp_shard (1)" in proc.stderr, proc.stderr[-2000:]
-    assert "world size 2" in proc.stderr
+    assert ("the layout of one process (every parallel degree 1) needs 1 process (dp_replicate 1 x dp_shard 1 x cp 1 x "
+            "tp 1 x pp 1), but torchrun started 2" in proc.stderr), proc.stderr[-2000:]
+    assert "--parallel.dp_shard 2" in proc.stderr  # the layouts that would fit are named
 
 
 STALL_DRIVER = str(Path(__file__).with_name("stall_driver.py"))

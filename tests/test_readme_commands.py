@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -67,6 +68,7 @@ def fixtures(cwd: Path) -> None:
     (cwd / "sft.jsonl").write_text("".join(json.dumps({"prompt": f"Q{i}: who speaks?", "response": " ROMEO."}) + "\n"
                                            for i in range(40)))
     (cwd / "sweep.toml").write_text('[grid]\n"optim.lr" = [1e-3, 3e-3]\n')
+    shutil.copytree(ROOT / "benchmarks" / "scaling", cwd / "benchmarks" / "scaling")  # the scaling-law section's runs
 
 
 @pytest.mark.slow

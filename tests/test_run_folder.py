@@ -226,3 +226,31 @@ def test_one_trainer_per_run_folder(small_data, tmp_path):
         with pytest.raises(RunFolderInUse):
             RunLock(tmp_path / "held").acquire()
     assert not (tmp_path / "held").exists()
+
+
+def test_a_trainer_set_up_but_not_training_hands_its_folder_to_the_next_in_the_same_process(tmp_path):
+    """A notebook cell run again (or a test driving train_step by hand) builds a second trainer on
+    the folder of one that is not training: it takes the lock over; the first's release no longer
+    drops it. One that is training keeps it (see test above), and another process is refused."""
+    import subprocess
+    import sys
+
+    from lmforge.folders import TRAIN_LOCK
+    from lmforge.train.run_folder import RunFolderInUse, RunLock
+
+    folder = tmp_path / "run"
+    first = RunLock(folder).acquire()
+    second = RunLock(folder).acquire()  # first is not running: handed over
+    first.release()  # a no-op now: the second holds it
+    assert (folder / TRAIN_LOCK).is_file()
+    probe = ("import sys; from lmforge.train.run_folder import RunLock, RunFolderInUse\n"
+             "try:\n    RunLock(sys.argv[1]).acquire(); print('took')\n"
+             "except RunFolderInUse:\n    print('refused')")
+    other = lambda: subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True,  # noqa: E731
+                                   timeout=60).stdout.strip()
+    assert other() == "refused"
+    second.running = True
+    with pytest.raises(RunFolderInUse):
+        RunLock(folder).acquire()
+    second.release()
+    assert not (folder / TRAIN_LOCK).exists() and other() == "took"

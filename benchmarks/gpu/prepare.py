@@ -67,9 +67,11 @@ def size_of(folder: Path) -> int:
 
 
 def run_call(rel: str, carried: bool, budget_min: float) -> tuple[str, dict]:
-    """The device command (and the `run` arguments) that runs the suite with the prepared folder."""
+    """The device command (and the `run` arguments) that runs the suite with the prepared folder. The
+    archive leaves the training rows' run folders out (their checkpoints made it 16+ MiB on 2026-11-27,
+    over what the tool brings back); their logs, JSON and profiles travel."""
     command = (f"python3 benchmarks/gpu/suite.py --out {OUT_TMP} --wheels {rel}/wheels --cache {rel}/cache "
-               f"--budget-min {budget_min:g}; rc=$?; tar czf $OUT/gpu-suite.tgz -C {Path(OUT_TMP).parent} "
+               f"--budget-min {budget_min:g}; rc=$?; tar czf $OUT/gpu-suite.tgz --exclude=runs -C {Path(OUT_TMP).parent} "
                f"{Path(OUT_TMP).name}; cp {OUT_TMP}/gpu_suite.md {OUT_TMP}/gpu_suite.json $OUT/; exit $rc")
     assert len(command) <= COMMAND_LIMIT, len(command)
     return command, {"command": command, "carry": [rel] if carried else [], "timeout_s": 600}

@@ -32,17 +32,18 @@ class RowSpec:
     args: dict = field(default_factory=dict)  # the step's own settings
     required: bool = True  # a failed required row fails the suite; an optional one is reported only
     where: str = "both"  # "gpu": on a GPU only; "cpu": the --cpu-smoke stand-in of GPU-only rows; "both"
+    default: bool = True  # in the default plan; False: proven on a GPU and unchanged since, run by --rows / all
 
 
 def throughput(name: str, preset: str, sets: tuple[str, ...], estimate_s: float, estimate_how: str, *,
                limit_s: float = 420, reference: bool = False, profile: bool = False, required: bool = True,
-               needs: str = "", against: str = "", check: str = "", what: str = "") -> RowSpec:
+               needs: str = "", against: str = "", check: str = "", what: str = "", default: bool = True) -> RowSpec:
     """A benchmarks/train_throughput.py row on the GPU: tokens/s, MFU, peak memory against the plan.
     `needs`: a module the row needs (skipped with the reason without it); `against`: an earlier row
     whose tokens/s and MFU it is compared with; `check`: "compile_choice" (gpt2-compile's rule check)."""
     return RowSpec(name, "throughput", estimate_s, estimate_how, limit_s, what or f"{preset} tokens/s and MFU",
                    {"preset": preset, "sets": sets, "reference": reference, "profile": profile, "needs": needs,
-                    "against": against, "check": check}, required, "gpu")
+                    "against": against, "check": check}, required, "gpu", default)
 
 
 ROWS: tuple[RowSpec, ...] = (
@@ -78,25 +79,32 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("families", "families", 20,
             f"{START_S} s start + 3 x (setup ~2 s + 20 steps of a 2-layer model + two validations) of ~5 s", 240,
             "benchmarks/family_shapes.py: 2-layer Llama-3.1 (RoPE scaling), Qwen2.5 (q/k/v bias), Qwen3 "
-            "(QK-norm), 20 steps in bf16, validated with the chunked loss at vocab 8192 against the plain one"),
+            "(QK-norm), 20 steps in bf16, validated with the chunked loss at vocab 8192 against the plain one",
+            default=False),
     throughput("fp8-1b", "llama-1b", LLAMA_1B + ("train.fp8=true",), 55,
                "as llama-1b (55 s measured: the same model, build and per-block compile), without its profile; "
                "torchao's float8 linears compile with the blocks", limit_s=420, required=False,
-               needs="torchao.float8", against="llama-1b", what="llama-1b with train.fp8 (torchao, carried as a wheel) against the bf16 llama-1b row"),
+               needs="torchao.float8", against="llama-1b", default=False,
+               what="llama-1b with train.fp8 (torchao, carried as a wheel) against the bf16 llama-1b row"),
     RowSpec("fp8-config", "fp8_config", 10, "", 120, "torchao.float8 imports; the fp8 config loads",
             required=False, where="cpu"),
-    # proven on 2026-11-26 (benchmarks/RESULTS.md): last, so a budget spent early loses the least
-    RowSpec("head-loss", "head_loss", 58, "", 300,
-            "output head + cross-entropy, plain vs fused chunked; fails if train.loss_chunk = auto picks the slower"),
+    # the references the targets are read against (the plain loop; compile = auto's choice)
+
     throughput("gpt2-plain", "gpt2-124m", GPT2 + ("train.compile=false", "train.loss_chunk=0"), 24, "",
                limit_s=300, reference=True, what="GPT-2 124M eager, plain loss, against the plain PyTorch loop"),
     throughput("gpt2-compile", "gpt2-124m", GPT2 + ("train.compile=true", "train.loss_chunk=0"), 36, "",
                check="compile_choice", what="compile alone; fails if train.compile = auto picks the slower of it and gpt2-plain"),
+    # proven on 2026-11-26 and 2026-11-27 (benchmarks/RESULTS.md) and unchanged since: not in the default
+    # plan (`--rows families,fp8-1b,head-loss,async-2,optim`, or `--rows all`)
+    RowSpec("head-loss", "head_loss", 58, "", 300,
+            "output head + cross-entropy, plain vs fused chunked; fails if train.loss_chunk = auto picks the slower",
+            default=False),
     RowSpec("async-2", "train", 20, "", 240, "asynchronous SGD, server + worker on the one GPU (gloo default group)",
             {"steps": 30, "torchrun": 2, "extra": (
                 "--parallel.dp_replicate", "2", "--parallel.async_sgd", "true", "--train.global_batch_size", "8",
-                "--train.micro_batch_size", "4", "--checkpoint.every_steps", "0")}),
-    RowSpec("optim", "optim", 16, "", 300, "tests/test_optim_cuda.py: fused / foreach optimizers on CUDA"),
+                "--train.micro_batch_size", "4", "--checkpoint.every_steps", "0")}, default=False),
+    RowSpec("optim", "optim", 16, "", 300, "tests/test_optim_cuda.py: fused / foreach optimizers on CUDA",
+            default=False),
 )
 
 
@@ -106,10 +114,12 @@ def rows_for(cuda: bool) -> list[RowSpec]:
 
 
 def select(names: str, cuda: bool) -> list[RowSpec]:
-    """--rows a,b,c: those rows, in that order ("" = the default order)."""
+    """--rows a,b,c: those rows, in that order ("" = the default plan; "all" = every row, in order)."""
     table = {r.name: r for r in rows_for(cuda)}
-    if not names:
+    if names.strip() == "all":
         return list(table.values())
+    if not names:  # (the CPU smoke run, CI's check of every row's scripts, runs them all)
+        return [r for r in table.values() if r.default or not cuda]
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in table]
     if unknown:

@@ -65,6 +65,17 @@ class Row:
     expected_s: float = 0.0
 
 
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi (no torch import: a run of --rows without `env` names it too;
+    `env` replaces it with torch's name)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[0].strip() if out else "GPU (not yet seen)"
+
+
 class Suite:
     def __init__(self, args: argparse.Namespace):
         self.args, self.out = args, Path(args.out).resolve()
@@ -73,7 +84,7 @@ class Suite:
         self.deadline = self.started + 60 * args.budget_min
         self.rows: list[Row] = []
         self.cuda = not args.cpu_smoke
-        self.device_name = "cpu (--cpu-smoke)" if args.cpu_smoke else "GPU (not yet seen)"
+        self.device_name = "cpu (--cpu-smoke)" if args.cpu_smoke else gpu_name()
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         paths = [str(ROOT)]
         if getattr(args, "wheels", ""):
@@ -495,8 +506,13 @@ def install_wheels(folder: Path) -> str:
 
 
 def git_commit() -> str:
+    """HEAD's short hash, "+ changes" where the tree differs from it (the device tool's copy keeps the
+    last landed commit as HEAD under the session's working tree)."""
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return proc.stdout.strip() or "unknown"
+    head = proc.stdout.strip() or "unknown"
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                             text=True, cwd=ROOT).stdout.strip()
+    return f"{head} + changes" if head != "unknown" and changed else head
 
 
 def planned_memory_gb(res: dict) -> float | None:

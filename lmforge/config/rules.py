@@ -128,7 +128,8 @@ def check_process_count(cfg: "Config", world: int, launch: str) -> None:
     if p.world_size == world:
         return
     product = " x ".join(f"{d} {getattr(p, d)}" for d in MESH_DEGREES)
-    typed = [f"parallel.{d} = {getattr(p, d)}" for d in MESH_DEGREES if getattr(p, d) > 1] or ["no parallel degree"]
+    typed = [f"parallel.{d} = {getattr(p, d)}" for d in MESH_DEGREES if getattr(p, d) > 1] or [
+        "the layout of one process (every parallel degree 1)"]
     fits = fitting_layouts(cfg, world)
     options = "; ".join(" ".join(f"--parallel.{d} {v}" for d, v in f.items()) for f in fits if f)
     if world == 1:
@@ -138,7 +139,8 @@ def check_process_count(cfg: "Config", world: int, launch: str) -> None:
     else:
         other = f"or change the degrees so that their product is {world}."
     raise ConfigError(
-        f"{', '.join(typed)} needs {p.world_size} processes ({product}), but {launch}; launch "
+        f"{', '.join(typed)} needs {p.world_size} process{'es' if p.world_size > 1 else ''} ({product}), but "
+        f"{launch}; launch "
         f"`{launcher_command(p.world_size)}`, {other}")
 
 

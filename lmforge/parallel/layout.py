@@ -183,6 +183,12 @@ class Layout:
 
     # ---- evaluation and weights ---------------------------------------------------------------
 
+    def forward_roots(self) -> list[nn.Module]:
+        """The modules this rank's forwards run through, every parameter of the layout under them:
+        `self.module` (DDP's wrapper, FSDP2's root), or a pipeline rank's stage chunks, FSDP2 roots of
+        their own that `self.model` does not hold (what must be resharded to drop every gathered copy)."""
+        return [self.module]
+
     def inference_model(self):
         """What evaluation and sampling run on, on every rank: the training model itself (one process,
         DDP's inner module, FSDP2: a forward gathers each block's shards and frees them again), or for

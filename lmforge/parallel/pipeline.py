@@ -187,6 +187,9 @@ class Pipelined(ShardedLayout):
         dist.all_reduce(total, op=dist.ReduceOp.SUM)  # over dp x cp (partial sums) and pp (only the last stage)
         return total
 
+    def forward_roots(self) -> list[nn.Module]:
+        return list(self.chunks)  # (with dp > 1 each is an FSDP2 root: the model holds its blocks, not it)
+
     def inference_model(self) -> ShardedInference:
         """Evaluation and sampling through the stages where they lie (lmforge.parallel.inference)."""
         return ShardedInference(self)

@@ -5,7 +5,7 @@
                  [--seq-len S] [--tokens D] [--flops palm|6N] [--ideal --mfu 0.4] [--price 2.0]
                  [--optimizer adamw] [--precision bf16] [--weights lmforge,megatron,zero-paper|all]
                  [--devices extra.toml] [--usable 0.9]
-                 [--search [--allow-offload [--host-memory-gb 2048]] [--top 10]] [--json]
+                 [--search [--allow-offload [--host-memory-gb 2048]] [--top 10]] [--json] [--loss FIT.json] [--verify]
 
 Defaults come from the model's config: sequence length `data.seq_len`, global batch
 `train.global_batch_size` x seq_len tokens, training tokens those of the config's run
@@ -37,6 +37,7 @@ from lmforge.config.rules import pipeline_micro_batches
 from lmforge.plan.conventions import CONVENTIONS
 from lmforge.plan.documents import corpus_document_tokens, prepared_train_dir
 from lmforge.plan.layout import Layout, planned_compile, planned_documents, planned_loss_chunk
+from lmforge.plan.loss_prediction import loss_lines, predict_loss
 from lmforge.plan.memory import estimate_memory
 from lmforge.plan.micro_batch import AUTO_HEADROOM, largest_fitting
 from lmforge.plan.report import candidates_table, memory_table, step_table, to_json
@@ -117,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host RAM per node in GB, for --allow-offload (default: the device's reference system)")
     p.add_argument("--top", type=int, default=10, help="candidates to show with --search (>= 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--loss", default=None, metavar="FIT.json",
+                   help="a scaling-law fit (`lmforge scale fit`): print the run's predicted final loss with its "
+                        "interval, and the compute-optimal N and D for its compute budget")
+    p.add_argument("--verify", action="store_true",
+                   help="certify the planned layout on this machine's CPU: scaled down (each degree to its smallest "
+                        "divisor > 1) at toy width and depth, a few steps on gloo against one process (loss, gradient "
+                        "norm), a resume at another world size, each rank's memory against this plan; PASS/FAIL per "
+                        "check (lmforge/verify/certify.py)")
     return p
 
 
@@ -153,6 +162,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--nodes {args.nodes} must be >= 1")
     if args.host_memory_gb is not None and not args.allow_offload:
         raise ValueError("--host-memory-gb bounds CPU offload; it needs --search --allow-offload")
+    if args.verify and args.json:
+        raise ValueError("--verify prints its checks as lines; drop --json")
     if args.allow_offload and not args.search:
         raise ValueError("--allow-offload widens the layout search; add --search")
 
@@ -307,6 +318,7 @@ def plan_main(argv: list[str]) -> int:
                              price_per_gpu_hour=args.price, flops_convention=args.flops, ideal=args.ideal,
                              convention=fit_convention, optimizer=optimizer)
         data_lines, data_warnings = data_plan(cfg)
+        loss = None if args.loss is None else predict_loss(args.loss, cfg, train_tokens)
         cands = None
         if args.search:
             cands = search_layouts(cfg.model, cluster, sequences, seq_len, optimizer=optimizer,
@@ -324,6 +336,8 @@ def plan_main(argv: list[str]) -> int:
                   "memory": {m.convention: m.as_dict() | {"fits": m.total <= budget} for m in mems},
                   "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal, "notes": notes,
                   "data": data_lines, "data_warnings": data_warnings}
+        if loss is not None:
+            report["loss"] = loss
         if cands is not None:
             report["search_fit_convention"] = cands.fit_convention
             report["search_refused_by_lmforge"] = cands.refused
@@ -355,6 +369,13 @@ def plan_main(argv: list[str]) -> int:
     if cands is not None and args.layout is not None:
         print()
         print(candidates_table(cands, cluster, args.usable))
+    if loss is not None:
+        print()
+        print("\n".join(loss_lines(loss)))
+    if args.verify:
+        from lmforge.verify.certify import verify_layout
+
+        return verify_layout(cfg, layout, optimizer)
     return 0
 
 

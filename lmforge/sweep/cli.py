@@ -20,6 +20,16 @@ Any `--section.key value` that is not a sweep option is a base override applied 
     [range]
     "schedule.warmup_steps" = [5, 50, "int"]
 
+Trials whose keys vary together are listed one by one (each crossed with the grid, if any), e.g.
+an IsoFLOP grid (`lmforge scale sweep` writes one):
+
+    [[trial]]
+    "model.dim" = 64
+    "train.steps" = 400
+    [[trial]]
+    "model.dim" = 128
+    "train.steps" = 100
+
 Re-running the same command resumes: finished trials (with summary.json) are skipped. A folder
 holds one sweep: a different sweep (other keys, values, trial count, seed, config or base) never
 overwrites it. With --out (or `out` in the spec) that is an error; the default folder
@@ -130,12 +140,16 @@ def parse_sweep_args(argv: list[str] | None) -> SweepArgs:
     for text in args.range:
         d = parse_range(text)
         space[d.key] = d
+    listed = file.get("trial", [])
+    if not isinstance(listed, list) or not all(isinstance(t, dict) and t for t in listed):
+        raise ConfigError(f"--spec {args.spec}: `trial` must be [[trial]] tables of dotted keys, e.g. "
+                          f"[[trial]] \"model.dim\" = 64 \"train.steps\" = 100")
     base = {**flatten_keys(file.get("base", {})), **parse_cli_overrides(rest)}
     spec = SweepSpec(
         config=args.config or file.get("config", "tiny"), base=base, space=list(space.values()),
         random_trials=args.random if args.random is not None else int(file.get("random", 0)),
         seed=args.seed if args.seed is not None else int(file.get("seed", 0)),
-        metric=args.metric or file.get("metric", "val_loss"))
+        metric=args.metric or file.get("metric", "val_loss"), listed=[flatten_keys(t) for t in listed])
     parallel = args.parallel or int(file.get("parallel", 1))
     if parallel < 1:
         raise ConfigError(f"--parallel {parallel} must be >= 1")
@@ -161,7 +175,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
 
     rows = json.loads((out / RESULTS_JSON).read_text())
     print(f"\nresults ranked by {spec.metric} ({out / RESULTS_CSV}, plot {out / SWEEP_PLOT}):")
-    print(format_table(rows, [d.key for d in spec.space]))
+    print(format_table(rows, spec.keys()))
     failed = [t for t in trials if t.status == "failed"]
     if failed:
         print(f"\n{len(failed)} trial(s) failed; their train.log says why. Re-run to retry them.")

@@ -60,7 +60,7 @@ SWEEP_PLOT = "sweep.png"
 TRIAL_LOG = "train.log"
 SWEEP_FILES = (SWEEP_RECORD, RESULTS_JSON, RESULTS_CSV, SWEEP_PLOT, REPORT)
 # the SweepSpec fields that decide the trials (the ranking metric only orders them)
-_TRIAL_FIELDS = ("config", "base", "space", "random_trials", "seed")
+_TRIAL_FIELDS = ("config", "base", "space", "random_trials", "seed", "listed")
 
 
 @dataclass
@@ -92,9 +92,22 @@ class SweepSpec:
     random_trials: int = 0  # 0 = full grid
     seed: int = 0
     metric: str = "val_loss"
+    listed: list[dict[str, Any]] = field(default_factory=list)  # trials given one by one ([[trial]] in a spec
+    # file: keys that vary together, e.g. an IsoFLOP grid's model shapes and steps), each x the grid, if any
+
+    def keys(self) -> list[str]:
+        """The keys that differ between trials: the listed trials' keys, then the grid's or ranges'."""
+        out = list(dict.fromkeys(k for trial in self.listed for k in trial))
+        return out + [d.key for d in self.space if d.key not in out]
 
     def trials(self) -> list[dict[str, Any]]:
         """The trials' overrides, in a deterministic order (same spec + seed -> same list)."""
+        if self.listed:
+            if self.random_trials:
+                raise ConfigError("sweep: listed trials ([[trial]]) take no random search; drop `random` (or the "
+                                  "[[trial]] tables).")
+            grid = SweepSpec(space=self.space).trials() if self.space else [{}]
+            return [{**trial, **combo} for trial in self.listed for combo in grid]
         if not self.space:
             raise ConfigError("sweep: nothing to sweep; give --grid KEY=V1,V2 (or --range KEY=LO:HI with --random N).")
         if self.random_trials:
@@ -117,8 +130,9 @@ class SweepSpec:
         return [dict(zip(keys, combo)) for combo in itertools.product(*(d.values for d in self.space))]
 
     def to_dict(self) -> dict[str, Any]:
+        listed = {"listed": self.listed} if self.listed else {}  # (absent: as a sweep.json written before it)
         return {"config": self.config, "base": self.base, "space": [asdict(d) for d in self.space],
-                "random_trials": self.random_trials, "seed": self.seed, "metric": self.metric}
+                "random_trials": self.random_trials, "seed": self.seed, "metric": self.metric, **listed}
 
 
 def _trial_fields(spec: dict[str, Any]) -> dict[str, Any]:
@@ -132,9 +146,14 @@ def describe_spec(spec: dict[str, Any]) -> str:
     keys = ", ".join(str(d.get("key")) for d in spec.get("space") or [] if isinstance(d, dict)) or "nothing"
     n = spec.get("random_trials") or 0
     search = f"random search, {n} trials (seed {spec.get('seed', 0)})" if n else "grid"
+    listed = spec.get("listed")
+    if isinstance(listed, list) and listed:
+        varied = ", ".join(dict.fromkeys(str(k) for t in listed if isinstance(t, dict) for k in t))
+        search = f"{len(listed)} listed trials over {varied}" + (" x a grid" if spec.get("space") else "")
+        keys = keys if spec.get("space") else ""
     base = spec.get("base") or {}
     base_text = "; base " + " ".join(f"{k}={v}" for k, v in base.items()) if isinstance(base, dict) and base else ""
-    return f"{search} over {keys}; config {spec.get('config')}{base_text}"
+    return f"{search}{' over ' + keys if keys else ''}; config {spec.get('config')}{base_text}"
 
 
 def read_sweep_record(folder: Path) -> dict[str, Any] | None:
@@ -175,8 +194,8 @@ def check_sweep_dir(spec: SweepSpec, sweep_dir: Path, key: str = "--out") -> Non
 def spec_slug(spec: SweepSpec) -> str:
     """A folder-name suffix that says what a sweep searches: 'grid-lr-warmup_steps', 'random8-lr'."""
     search = f"random{spec.random_trials}" + (f"-seed{spec.seed}" if spec.seed else "") if spec.random_trials \
-        else "grid"
-    keys = "-".join(d.key.rsplit(".", 1)[-1] for d in spec.space)
+        else f"listed{len(spec.listed)}" if spec.listed else "grid"
+    keys = "-".join(k.rsplit(".", 1)[-1] for k in spec.keys())
     slug = "".join(c if c.isalnum() or c in "_.-" else "_" for c in f"{search}-{keys}".strip("-"))
     return slug[:60]
 
@@ -445,7 +464,7 @@ RESULT_COLUMNS = ("val_loss", "val_perplexity", "train_loss", "tokens_per_second
 
 def write_results(trials: list[Trial], sweep_dir: Path, spec: SweepSpec) -> list[dict[str, Any]]:
     """results.json + results.csv, ranked by the metric; returns the rows."""
-    keys = [d.key for d in spec.space]
+    keys = spec.keys()
     rows = []
     for rank, t in enumerate(ranked(trials, spec.metric), 1):
         has = t.status in ("done", "skipped") and spec.metric in t.summary
@@ -488,7 +507,7 @@ def plot_sweep(trials: list[Trial], path: Path, spec: SweepSpec) -> Path | None:
     if not done:
         return None
     plt = _pyplot()
-    keys = [d.key for d in spec.space]
+    keys = spec.keys()
     fig, axes = plt.subplots(1, 1 + len(keys), figsize=(4.5 * (1 + len(keys)), 4), dpi=100, squeeze=False)
     ax = axes[0][0]
     ax.barh([t.name for t in done][::-1], [t.summary[spec.metric] for t in done][::-1], color="tab:blue")

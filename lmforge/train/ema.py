@@ -1,6 +1,6 @@
 """An exponential moving average (EMA) of the weights, held exactly like the weights (train.ema_decay).
 
-    ema = WeightEMA.for_run(layout.model, cfg.train)   # None when train.ema_decay = 0
+    ema = WeightEMA.for_run(layout.model, cfg.train, layout.forward_roots())  # None when train.ema_decay = 0
     ema.update(step)                                  # after each optimizer step: no host sync
     with ema.swapped_in():                            # the model holds the EMA (validation, final weights)
         ...
@@ -31,14 +31,18 @@ and of its EMA are exchanged in place, one tensor at a time through one temporar
 both ways for fp32 parameters (no copy of the model is made, nothing is gathered); a parameter in
 another dtype keeps its live values in a copy of its own dtype while the EMA, rounded to that dtype,
 stands in. FSDP2 modules are resharded before and after, so that no forward reuses parameters
-gathered before the exchange (parallel.reshard_after_forward = false keeps them gathered).
+gathered before the exchange (parallel.reshard_after_forward = false keeps them gathered, and so
+do the zero-bubble pipeline schedules, which force it false): every FSDP2 module under `roots`,
+the modules the layout's forwards run through (`Layout.forward_roots`), not only those under the
+model, because a pipeline rank's stage chunks are FSDP2 roots the model does not hold (their
+embedding, final norm and head would otherwise be evaluated with the live weights).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,9 +61,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class WeightEMA:
     """The EMA of `model`'s trainable parameters on this rank (module docstring)."""
 
-    def __init__(self, model: nn.Module, decay: float, start_step: int = 0, every: int = 1):
+    def __init__(self, model: nn.Module, decay: float, start_step: int = 0, every: int = 1,
+                 roots: Sequence[nn.Module] | None = None):
+        """`roots`: the modules the forwards run through (`Layout.forward_roots`; default: `model`),
+        whose FSDP2 modules `swapped_in` reshards."""
         assert 0.0 < decay < 1.0 and start_step >= 0 and every >= 1, (decay, start_step, every)
         self.model, self.decay, self.start_step, self.every = model, decay, start_step, every
+        self.roots = list(roots) if roots is not None else [model]
         named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -72,12 +80,12 @@ class WeightEMA:
         self.updates = 0  # updates so far; 0: not started (the next update copies the weights)
 
     @classmethod
-    def for_run(cls, model: nn.Module, train_cfg) -> "WeightEMA | None":
+    def for_run(cls, model: nn.Module, train_cfg, roots: Sequence[nn.Module] | None = None) -> "WeightEMA | None":
         """The run's EMA per train.ema_decay / ema_start_step / ema_every, or None when it is off."""
         t = train_cfg
         if not t.ema_decay:
             return None
-        ema = cls(model, t.ema_decay, t.ema_start_step, t.ema_every)
+        ema = cls(model, t.ema_decay, t.ema_start_step, t.ema_every, roots)
         log.info("ema: decay %g, from step %d, every %d step(s): fp32, %.1f MB on this rank (its share of %d "
                  "tensors)", t.ema_decay, t.ema_start_step, t.ema_every, ema.local_bytes() / 1e6, len(ema.names))
         return ema
@@ -115,7 +123,7 @@ class WeightEMA:
         """The model holds the EMA inside the block and its own weights again after it (module
         docstring). Every rank of the layout enters it together (FSDP2 reshards)."""
         kept: dict[int, torch.Tensor] = {}
-        _reshard(self.model)
+        _reshard(self.roots)
         with torch.no_grad():
             for i in self._same:
                 _exchange(self._live[i], self._ema[i])
@@ -125,7 +133,7 @@ class WeightEMA:
         try:
             yield
         finally:
-            _reshard(self.model)
+            _reshard(self.roots)
             with torch.no_grad():
                 for i in self._same:
                     _exchange(self._live[i], self._ema[i])
@@ -171,13 +179,15 @@ def _exchange(a: torch.Tensor, b: torch.Tensor) -> None:
     b.copy_(tmp)
 
 
-def _reshard(model: nn.Module) -> None:
-    """Free the parameters FSDP2 keeps gathered after a forward (reshard_after_forward = false), so the
-    next forward gathers the shards as they are now."""
+def _reshard(roots: list[nn.Module]) -> None:
+    """Free the parameters FSDP2 keeps gathered after a forward (reshard_after_forward = false; the
+    zero-bubble schedules), under every one of `roots`, so the next forward gathers the shards as they
+    are now."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # (a torch built without distributed)
         return
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()

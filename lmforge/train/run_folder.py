@@ -131,6 +131,10 @@ class RunFolderInUse(ValueError):
     """Another trainer holds the run folder (a user error: one line, exit status 2)."""
 
 
+# The run folders this process holds a lock on (real path -> the RunLock holding it).
+_HELD_HERE: dict[str, "RunLock"] = {}
+
+
 class RunLock:
     """One trainer per run folder: rank 0 holds an exclusive `flock` on `train.lock` in the folder
     for the run's life, and the file names the holder (pid, host, start). A second trainer on the
@@ -145,17 +149,34 @@ class RunLock:
     mounted with `local_lock=all` or `nolock`, the lock only excludes trainers on the same node).
     Object stores mounted through FUSE (s3fs, gcsfuse) have no locks: flock succeeds everywhere
     there. Why hand-written: fcntl/flock is the standard library's; `filelock` would add a
-    dependency for the same two calls and does not name the holder."""
+    dependency for the same two calls and does not name the holder.
+
+    Within one process: a trainer that is training (`running`, set by `Trainer.fit`) holds the
+    folder against another trainer of the same process too; one that was only built and set up (a
+    notebook cell run again, a test driving `train_step` by hand) hands its lock to the newer
+    trainer on the same folder, which it would otherwise keep until the process ends (flock locks
+    of two open files conflict even in one process)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.path = self.folder / TRAIN_LOCK
         self._fd: int | None = None
         self._created_folder = False
+        self.running = False
 
     def acquire(self) -> "RunLock":
         self._created_folder = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(self.folder)
+        prior = _HELD_HERE.get(key)
+        if prior is not None and prior._fd is not None:
+            if prior.running:
+                raise RunFolderInUse(
+                    f"train.out_dir = {str(self.folder)!r} is in use by another trainer ({_read_holder(prior._fd)}); "
+                    f"wait for it to end, stop it, or train in another folder (--train.out_dir).")
+            self._fd, prior._fd, self._created_folder = prior._fd, None, prior._created_folder
+            _HELD_HERE[key] = self
+            return self
         for _ in range(10):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -182,11 +203,15 @@ class RunLock:
                              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, record, 0)
+        _HELD_HERE[key] = self
         return self
 
     def release(self) -> None:
         if self._fd is None:
             return
+        key = os.path.realpath(self.folder)
+        if _HELD_HERE.get(key) is self:
+            del _HELD_HERE[key]
         try:
             self.path.unlink(missing_ok=True)  # (while still held: nobody can have taken it in between)
         finally:

@@ -216,7 +216,7 @@ class Trainer:
                        "scaler": ScalerState(self.precision.scaler), "rng": RNGState(self.dist.rank)}
         if self.guard is not None:
             self.states["guard"] = self.guard
-        self.ema = WeightEMA.for_run(self.model, t)  # (train.ema_decay: lmforge.train.ema)
+        self.ema = WeightEMA.for_run(self.model, t, self.layout.forward_roots())  # (train.ema_decay: lmforge.train.ema)
         if self.ema is not None:
             self.states["ema"] = self.ema
         self.tasks = TaskEvaluator.for_run(cfg, self.data.tokenizer, self.precision.autocast)  # (train.eval_tasks)
@@ -340,6 +340,7 @@ class Trainer:
         try:
             self.preemption.install()
             self.setup()
+            self.run_lock.running = True  # (another trainer of this process may not take the folder now)
             result = self.report_finished() if self.finished else self.train()
             self.end_together()
             return result

@@ -1,0 +1,213 @@
+"""`lmforge plan ... --verify`: a layout certificate, earned on the CPU before GPU hours are spent.
+
+The plan's layout is scaled down (lmforge/verify/toy.py: each degree to its smallest divisor > 1; the
+family's options at toy width and depth) and trained for a few steps on gloo, one process per rank
+(`python -m torch.distributed.run`, lmforge/verify/rank.py), then checked:
+
+  parity   every step's loss and gradient norm (before clipping) against the same run in one process
+           (same seed, data, global batch and micro-batches), within PARITY_TOL relative: the layouts
+           differ from one process only in the order of fp32 sums. The gradient norm sees the gradient's
+           scale, which a layout that summed instead of averaged, or lost a factor, would change. Its
+           tolerance is wider: the one-process norm (torch.linalg.vector_norm, torch 2.13 on a CPU) is off
+           by up to ~7e-5 relative on a toy's 4096 x 64 output-head gradient, where the sharded layouts'
+           sum of squares agrees with float64 to 1e-8 (measured; benchmarks/RESULTS.md).
+  resume   the layout's checkpoint of step STEPS / 2, resumed at another world size (one process; a
+           one-process layout resumes on two), trains the remaining steps as the one-process run does.
+  memory   each rank's parameters, gradients, optimizer state and EMA of the weights (the tensors it holds,
+           measured in the trainer) against `lmforge plan`'s estimate for the toy under the scaled layout (lmforge
+           convention): ranks of the stage the plan reports must match within MEMORY_TOL; the others
+           may hold less (the plan is the worst stage's).
+
+Each check prints PASS or FAIL with its numbers; the command exits 0 when all pass, 1 otherwise, and 2
+when the layout cannot be emulated on the CPU (the reason is printed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmforge.config import Config, ConfigError, to_toml
+from lmforge.folders import METRICS
+from lmforge.plan.layout import Layout
+from lmforge.plan.memory import estimate_memory
+from lmforge.verify.toy import STEPS, CannotEmulate, Toy, describe, toy_run
+
+PARITY_TOL = {"loss": 1e-4, "grad_norm": 3e-4}  # relative, per step
+MEMORY_TOL = 0.01
+RUN_TIMEOUT_S = 900
+MEMORY_PARTS = ("weights", "gradients", "optimizer_states")
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"  {'PASS' if self.passed else 'FAIL'}  {self.name}: {self.detail}"
+
+
+def verify_layout(cfg: Config, layout: Layout, optimizer: str, echo=print, keep: str | Path | None = None) -> int:
+    """Emulate `layout` of `cfg` on the CPU and check it; returns the exit status (0 pass, 1 fail, 2 refused)."""
+    echo(f"\nverify: layout {layout.short()} of {cfg.preset}, emulated on the CPU (gloo, one process per rank)")
+    try:
+        toy = toy_run(cfg, layout)
+        toy.config.validate()
+    except CannotEmulate as exc:
+        echo(f"verify: cannot emulate this layout on the CPU: {exc}")
+        return 2
+    except ConfigError as exc:  # lmforge itself refuses the layout for this model: a finding, not a limit
+        echo(f"  FAIL  config: lmforge refuses the layout for this family: {exc}")
+        return 1
+    for note in toy.notes:
+        echo(f"  scaled: {note}")
+    echo(f"  {toy.world_size} process{'es' if toy.world_size > 1 else ''} ({toy.layout.short()}); {describe(toy)}")
+    work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="lmforge-verify-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        checks = run_checks(toy, optimizer, work, echo)
+    except RunFailed as exc:
+        echo(f"  FAIL  run: {exc}")
+        echo(f"verify: FAIL (the runs are in {work})")
+        return 1
+    for check in checks:
+        echo(check.line())
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        echo(f"verify: FAIL ({len(failed)} of {len(checks)} checks; the runs are in {work})")
+        return 1
+    echo(f"verify: PASS ({len(checks)} checks)")
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+class RunFailed(RuntimeError):
+    """A toy run did not finish (its output's tail is the message)."""
+
+
+def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
+    layout_cfg, single_cfg = work / "layout.toml", work / "single.toml"
+    layout_cfg.write_text(to_toml(toy.config))
+    single_cfg.write_text(to_toml(toy.reference))
+    world = toy.world_size
+    resume_world, resume_cfg = (1, single_cfg) if world > 1 else (2, _ddp_config(toy, work))
+    ckpt = work / "layout" / "checkpoints" / f"step_{STEPS // 2:08d}"
+    t0 = time.perf_counter()
+    layout_run = {"config": str(layout_cfg), "out": str(work / "layout")}
+    runs = [{"config": str(single_cfg), "out": str(work / "single")}]
+    if world > 1:
+        _launch(world, [layout_run], work / "layout.job.json")
+        runs.append({"config": str(resume_cfg), "out": str(work / "resumed"), "resume": str(ckpt)})
+    else:  # (a one-process layout: one launch trains it and the reference)
+        runs.insert(0, layout_run)
+    _launch(1, runs, work / "single.job.json")
+    if resume_world != 1:
+        _launch(resume_world, [{"config": str(resume_cfg), "out": str(work / "resumed"), "resume": str(ckpt)}],
+                work / "resumed.job.json")
+    echo(f"  ran {world}-process layout, one-process reference and the resume in {time.perf_counter() - t0:.0f} s")
+    layout_m, single_m, resumed_m = (read_metrics(work / name) for name in ("layout", "single", "resumed"))
+    return [
+        compare(f"parity with one process, steps 1-{STEPS}", layout_m, single_m, list(range(1, STEPS + 1))),
+        resume_check(resume_world, resumed_m, single_m),
+        memory_check(toy, optimizer, [json.loads(p.read_text()) for p in sorted((work / "layout").glob("memory.rank*.json"))]),
+    ]
+
+
+def _ddp_config(toy: Toy, work: Path) -> Path:
+    """A one-process layout's resume: the reference run's config on two DDP ranks, each micro-batch split
+    between them."""
+    par = dataclasses.replace(toy.reference.parallel, dp_replicate=2)
+    train = dataclasses.replace(toy.reference.train, micro_batch_size=toy.reference.train.micro_batch_size // 2)
+    path = work / "resume2.toml"
+    path.write_text(to_toml(dataclasses.replace(toy.reference, parallel=par, train=train)))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, runs: list[dict], job: Path) -> None:
+    """Run lmforge.verify.rank on `world` processes (torchrun when > 1) over `runs`."""
+    job.write_text(json.dumps({"runs": runs}))
+    head = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                                str(world), "--master-port", str(_free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(head + ["-m", "lmforge.verify.rank", str(job)], capture_output=True, text=True, env=env,
+                          timeout=RUN_TIMEOUT_S)
+    if proc.returncode:
+        tail = (proc.stdout[-1500:] + proc.stderr[-2500:]).strip().splitlines()
+        raise RunFailed(f"the {world}-process run of {job.name} exited {proc.returncode}:\n      "
+                        + "\n      ".join(tail[-25:]))
+
+
+def read_metrics(run: Path) -> dict[int, dict[str, float]]:
+    """{step: {"loss", "grad_norm"}} of a run's metrics.jsonl (the last record of a step wins)."""
+    out: dict[int, dict[str, float]] = {}
+    if not (run / METRICS).is_file():
+        return out
+    for line in (run / METRICS).read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec and "grad_norm" in rec and "event" not in rec:
+            out[rec["step"]] = {"loss": rec["loss"], "grad_norm": rec["grad_norm"]}
+    return out
+
+
+def compare(name: str, got: dict, want: dict, steps: list[int]) -> Check:
+    missing = [s for s in steps if s not in got or s not in want]
+    if missing:
+        return Check(name, False, f"steps {missing} missing from the metrics")
+    worst = {}
+    for key in ("loss", "grad_norm"):
+        rel = [(abs(got[s][key] - want[s][key]) / abs(want[s][key]), s) for s in steps]
+        worst[key] = max(rel)
+    ok = all(v < PARITY_TOL[k] for k, (v, _) in worst.items())
+    detail = ", ".join(f"{k.replace('_', ' ')} max relative difference {v:.1e} (step {s}: {got[s][k]:.6g} vs "
+                       f"{want[s][k]:.6g}; tolerance {PARITY_TOL[k]:g})" for k, (v, s) in worst.items())
+    return Check(name, ok, detail)
+
+
+def resume_check(world: int, resumed: dict, single: dict) -> Check:
+    """The resumed run trained exactly the steps after the checkpoint (a run that started over, or went on
+    from another step, fails here), each as the one-process run did."""
+    after = list(range(STEPS // 2 + 1, STEPS + 1))
+    name = f"resume at world size {world} from step {STEPS // 2}, steps {after[0]}-{after[-1]}"
+    if sorted(resumed) != after:
+        return Check(name, False, f"the run did not continue from the checkpoint: it trained steps {sorted(resumed)}, "
+                                  f"not {after}")
+    return compare(name, resumed, single, after)
+
+
+def memory_check(toy: Toy, optimizer: str, ranks: list[dict]) -> Check:
+    name = "memory per rank vs lmforge plan (lmforge convention) for the toy"
+    if len(ranks) != toy.world_size or any("weights" not in r for r in ranks):
+        return Check(name, False, f"{len(ranks)} of {toy.world_size} ranks recorded their memory")
+    plan = estimate_memory(toy.config.model, toy.layout, optimizer, toy.config.data.seq_len, weights="lmforge")
+    parts = MEMORY_PARTS + (("ema",) if toy.layout.ema else ())
+    bad, lines = [], []
+    for r in ranks:
+        for part in parts:
+            planned, got = getattr(plan, part), r[part]
+            same_stage = r["pp_rank"] == plan.stage or toy.layout.pp == 1
+            off = abs(got - planned) > MEMORY_TOL * planned if same_stage else got > planned * (1 + MEMORY_TOL)
+            if off:
+                bad.append(f"rank {r['rank']} {part.replace('_', ' ')} {got:,} B vs planned {planned:,.0f} B")
+    worst = {part: max(r[part] for r in ranks) for part in parts}
+    lines = [f"{part.replace('_', ' ')} {worst[part] / 1e6:.3f} MB (planned {getattr(plan, part) / 1e6:.3f})"
+             for part in parts]
+    detail = f"largest rank: {', '.join(lines)}; tolerance {MEMORY_TOL:.0%}"
+    return Check(name, not bad, detail + ("; off: " + "; ".join(bad) if bad else ""))
