@@ -72,6 +72,8 @@ SGD_LAYOUTS = {  # name: (processes, overrides, reference): 6 steps of plain SGD
 DOC_LAYOUTS = {  # name: (processes, overrides, reference): document masking with restarted positions on best-fit
     # rows (tests/test_parallel_dp.py's `DOCS`): each chunk's mask cut from the whole sequence's document ids
     "cp2-docs": (2, {"parallel.cp": 2}, "single-docs"),
+    "tp2spxcp2-docs": (4, {"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.cp": 2,
+                           "train.micro_batch_size": 8}, "single-docs"),
     "cp2xpp2-docs": (4, {"parallel.cp": 2, "parallel.pp": 2, **UNTIED}, "single-docs-untied"),  # ids through the schedule
 }
 LONG = {**BASE, "parallel.cp": 4, "data.seq_len": 8192, "model.max_seq_len": 8192, "model.dim": 32,
@@ -200,8 +202,7 @@ def test_context_parallel_scales_the_gradient_like_one_process(runs, layout):
 def test_context_parallel_document_masking_matches_one_process(runs, layout):
     """data.attention = "document" under CP: each rank's two chunks attend within their documents over
     the gathered keys (masks cut from the whole sequence's document ids, positions restarting per
-    document), alone and with the ids carried through a pipeline schedule (TP + SP with documents:
-    tests/test_parallel_mp.py)."""
+    document), alone, with TP + SP, and with the ids carried through a pipeline schedule."""
     ref, got = records(runs / DOC_LAYOUTS[layout][2]), records(runs / layout)
     assert sorted(got) == list(range(1, 9)) and got.keys() == ref.keys()
     loss, norm = worst(got, ref)

@@ -53,9 +53,8 @@ DOCS = {"data.attention": "document", "data.document_positions": "restart", "dat
         "data.packing_buffer": 16, "train.steps": 8, "train.sample_tokens": 0, "checkpoint.save_final": "false",
         "checkpoint.every_minutes": 0}
 """Document masking with positions restarting per document, on best-fit packed rows (lmforge.model.documents,
-lmforge.data.packing), 8 steps on `docs_corpus`'s short documents: the parity launches of the layouts
-in WITH_DOCS (here, tests/test_parallel_mp.py) and the CP ones also run it, against a one-process run of
-the same (`docs_run`)."""
+lmforge.data.packing), 8 steps on `docs_corpus`'s short documents: every parity launch also runs it,
+against a one-process run of the same (`docs_run`)."""
 
 EMA = {"train.ema_decay": 0.8, "train.ema_start_step": 2}
 """The EMA of the weights from step 2 on, decay 0.8: the last steps weigh most, so a wrong update, a
@@ -232,16 +231,14 @@ LAYOUTS = {
     "zero2": {"parallel.dp_shard": 2, "parallel.zero_stage": 2},
     "zero3": {"parallel.dp_shard": 2, "parallel.zero_stage": 3},
 }
-WITH_DOCS = ("ddp", "zero3")  # also train `DOCS` in their launch (replicated and fully sharded; CI time)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_data_parallel_layout_matches_one_process(corpus, docs_corpus, single, tmp_path, layout):
     out = tmp_path / layout
-    docs = {tmp_path / "docs": docs_run(docs_corpus)} if layout in WITH_DOCS else {}
-    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}, tmp_path / "sgd": SGD, **docs}, nproc=2,
-                      **LAYOUTS[layout])
+    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}, tmp_path / "sgd": SGD,
+                               tmp_path / "docs": docs_run(docs_corpus)}, nproc=2, **LAYOUTS[layout])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # fp32, same seed/data/global batch: only the reduction order differs (all-reduce / reduce-scatter
     # vs. one process's accumulation). Observed max relative difference over 20 steps ~2e-7 for the
@@ -249,8 +246,7 @@ def test_data_parallel_layout_matches_one_process(corpus, docs_corpus, single, t
     # every parameter: more terms to reorder); the tolerance is 1e-5 relative for both.
     assert_runs_match(out, single / "adamw", f"{layout} vs one process")
     assert_runs_match(tmp_path / "sgd", single / "sgd", f"{layout}, SGD without clipping, vs one process")
-    for run in docs:
-        assert_runs_match(run, single / "docs", f"{layout}, document masking + best-fit, vs one process")
+    assert_runs_match(tmp_path / "docs", single / "docs", f"{layout}, document masking + best-fit, vs one process")
     assert_extras_match(out, single / "adamw", f"{layout} vs one process")
     # only rank 0 writes the run folder; FSDP gathers the full state dict for the weights
     for name in ("metrics.jsonl", "model.safetensors", "summary.json", "config.toml"):

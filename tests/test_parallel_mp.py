@@ -83,9 +83,6 @@ LAYOUTS = {  # name: (processes, overrides)
 }
 
 WITH_SGD = ("tp2-sp", "pp2-1f1b", "fsdp2xtp2", "tp2xpp2", "dp2xpp2")  # also train `SGD` in their launch
-# also train tests/test_parallel_dp.py's `DOCS` (document masking on best-fit rows) in their launch: TP + SP,
-# a looped pipeline (ids to every chunk of a rank), FSDP2 x TP, TP x PP, a V-shaped split-backward schedule
-WITH_DOCS = ("tp2-sp", "pp2-interleaved-v2", "fsdp2xtp2", "tp2xpp2", "pp2-zbv")
 # more runs in the same launch, each against the one-process reference (run name: its overrides):
 # activation checkpointing under each zero-bubble schedule (recomputed once for the input-gradient
 # pass, the graph kept for the weight pass), and the zero-bubble schedules' other compositions
@@ -107,18 +104,18 @@ def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, referenc
     out, sgd, docs = tmp_path / layout, tmp_path / "sgd", tmp_path / "docs"
     also = {tmp_path / name: own for name, own in ALSO.get(layout, {}).items()}
     runs = {out: {**extra, **EMA, **tasks(corpus)}, **({sgd: {**extra, **SGD}} if layout in WITH_SGD else {}),
-            **({docs: {**extra, **docs_run(docs_corpus)}} if layout in WITH_DOCS else {}), **also}
+            docs: {**extra, **docs_run(docs_corpus)}, **also}
     proc = train_runs(corpus, runs, nproc=nproc, timeout=300 + 150 * len(also), **MP)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_runs_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)
     assert_extras_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)  # EMA, tasks, merge
-    if layout in WITH_DOCS:  # the document ids (and restarted positions) reach every TP rank, stage and chunk
-        assert_runs_match(docs, reference / "docs", f"{layout}, document masking + best-fit, vs one process", tol=TOL)
+    # the document ids (and restarted positions) reach every TP rank, every pipeline stage, every chunk
+    assert_runs_match(docs, reference / "docs", f"{layout}, document masking + best-fit, vs one process", tol=TOL)
     if layout in WITH_SGD:
         assert_runs_match(sgd, reference / "sgd", f"{layout}, SGD without clipping, vs one process", tol=TOL)
     for run in also:
         assert_runs_match(run, reference / "adamw", f"{run.name} ({layout}'s launch) vs one process", tol=TOL)
-    for run, ref in ((out, reference / "adamw"), *(((docs, reference / "docs"),) if layout in WITH_DOCS else ())):
+    for run, ref in ((out, reference / "adamw"), (docs, reference / "docs")):
         ref_val = val_losses(ref)
         val = val_losses(run)  # evaluation on the sharded model (no rank gathers it), initial and final
         assert len(val) == len(ref_val) and all(abs(a - b) / b < TOL for a, b in zip(val, ref_val)), (val, ref_val)
