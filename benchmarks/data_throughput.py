@@ -16,7 +16,11 @@ Tokenization, same trained byte-level BPE, same documents:
 MB/s = UTF-8 MB of cleaned text / wall seconds of the stage.
 
 Loader: ``next_batch`` tokens/s (batch x seq_len per call) over the prepared train mixture,
-with and without document-boundary masking, at world_size 1 and 8 (rank 0's share).
+with and without document-boundary masking, at world_size 1 and 8 (rank 0's share); and
+concatenated windows against best-fit packing (data.packing, lmforge.data.packing): tokens/s, real
+(not padding) target tokens/s, the padding fraction of the rows drawn, and the best-fit loader's
+start-up (the scan for document boundaries). ``--skip-tokenize`` measures only the loader (one
+prepare run for the shards).
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
         # The machine is shared with other jobs: each configuration is measured right after
         # a ceiling run (paired), repeated; we keep best and median MB/s and the median of
         # the paired ratios, which is robust to load that changes between repetitions.
-        modes = [("processes", 2), ("processes", 1), ("threads", 0)]
+        modes = [] if args.skip_tokenize else [("processes", 2), ("processes", 1), ("threads", 0)]
         runs: dict[str, dict[str, list[float]]] = {}
         for rep in range(args.reps):
             for mode, workers in modes:
@@ -140,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         med = (lambda v: round(float(np.median(v)), 3))
         all_ceil = [x for d in runs.values() for x in d["ceiling"]]
         all_ceil_cpu = [x for d in runs.values() for x in d["ceil_cpu"]]
-        results["tokenize_mb_per_s"] = {
+        results["tokenize_mb_per_s"] = {} if args.skip_tokenize else {
             "ceiling encode_batch_fast": {"best": round(max(all_ceil), 2),
                                           "median": med(all_ceil),
                                           "mb_per_cpu_s_median": med(all_ceil_cpu)},
@@ -152,20 +156,33 @@ def run(args: argparse.Namespace) -> dict:
 
         mix = TokenMixture.open(first.output_dir / "train")
         results["loader"] = {}
+        results["packing"] = {}
+        eos = first.record["tokenizer"]["eos_id"]
         for seq, batch in ((1024, 16), (256, 64)):
-            for world, mask in ((1, False), (1, True), (8, False)):
+            for world, mask, packing in ((1, False, "concat"), (1, True, "concat"), (8, False, "concat"),
+                                         (1, False, "best_fit"), (8, False, "best_fit")):
+                t0 = time.perf_counter()
                 loader = PackedLoader(mix, seq, batch, seed=0, rank=0, world_size=world,
-                                      mask_doc_boundaries=mask)
+                                      mask_doc_boundaries=mask, eos_id=eos, packing=packing)
+                start_s = time.perf_counter() - t0
                 for _ in range(3):
                     loader.next_batch()
-                n, t0 = 0, time.perf_counter()
+                n, real, t0 = 0, 0, time.perf_counter()
                 while time.perf_counter() - t0 < args.loader_seconds:
-                    x, _ = loader.next_batch()
+                    x, y = loader.next_batch()
                     n += x.numel()
+                    real += int((y != -100).sum())
                 dt = time.perf_counter() - t0
-                key = f"seq={seq} batch={batch} world={world} mask={mask}"
+                key = f"seq={seq} batch={batch} world={world} mask={mask}" + (
+                    f" packing={packing}" if packing != "concat" else "")
                 results["loader"][key] = round(n / dt)
-                print(f"loader {key}: {n / dt / 1e6:.1f} M tokens/s", flush=True)
+                if not mask:
+                    results["packing"][f"seq={seq} batch={batch} world={world} {packing}"] = {
+                        "tokens_per_s": round(n / dt), "real_target_tokens_per_s": round(real / dt),
+                        "padding_fraction": round(1 - real / n, 4), "start_s": round(start_s, 3)}
+                print(f"loader {key}: {n / dt / 1e6:.2f} M tokens/s, {real / dt / 1e6:.2f} M real targets/s "
+                      f"({1 - real / n:.1%} of the targets ignored: padding, or masked boundaries with mask=True; "
+                      f"loader built in {start_s:.2f} s)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return results
@@ -179,6 +196,7 @@ def main() -> None:
     p.add_argument("--loader-seconds", type=float, default=2.0)
     p.add_argument("--reps", type=int, default=3, help="repetitions (best and median kept)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--skip-tokenize", action="store_true", help="measure the loader only (one prepare run)")
     args = p.parse_args()
     res = run(args)
     print(json.dumps(res, indent=1))

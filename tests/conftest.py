@@ -20,14 +20,17 @@ WORDS = ("the king and queen walked to the castle where a knight told a story of
          "storm while the people of the town sang songs about love honour and war").split()
 
 
-def make_corpus(root: Path, n_docs: int = 12, words_per_doc: int = 1500, seed: int = 0) -> list[Path]:
-    """Pseudo-English documents from a small vocabulary with local structure (learnable fast)."""
+def make_corpus(root: Path, n_docs: int = 12, words_per_doc: int = 1500, seed: int = 0,
+                min_words: int | None = None) -> list[Path]:
+    """Pseudo-English documents from a small vocabulary with local structure (learnable fast); with
+    `min_words`, each document's length is drawn between min_words and words_per_doc words."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     files = []
     for d in range(n_docs):
         sentences = []
-        for _ in range(words_per_doc // 10):
+        words = words_per_doc if min_words is None else rng.randint(min_words, words_per_doc)
+        for _ in range(max(words // 10, 1)):
             start = rng.randrange(len(WORDS) - 10)
             sentences.append(" ".join(WORDS[start:start + rng.randint(5, 10)]).capitalize() + ".")
         path = root / f"doc{d:02d}.txt"

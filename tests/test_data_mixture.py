@@ -119,8 +119,10 @@ def test_resume_rejects_changed_mixture(mixture):
     a.next_batch()
     sd = a.state_dict()
     other = TokenMixture([("web", mixture.shards[0], 0.5), ("books", mixture.shards[1], 0.5)])
-    with pytest.raises(ValueError, match="sources, their weights or seq_len changed"):
+    with pytest.raises(ValueError, match="stage 0 .changed.*A stage that has run cannot change"):
         PackedLoader(other, SEQ, batch_size=4, seed=0).load_state_dict(sd)
+    with pytest.raises(ValueError, match="sources or seq_len changed"):
+        PackedLoader(mixture, SEQ + 1, batch_size=4, seed=0).load_state_dict(sd)
 
 
 def test_doc_boundary_masking(tmp_path):

@@ -55,3 +55,9 @@ def test_readme_prepare_commands_run(tmp_path):
     rec = json.loads((tmp_path / "data" / "mycorpus" / "prepare.json").read_text())
     assert rec["clean"]["kept"] == 303 and set(rec["splits"]["train"]) == {"source0", "source1"}
     assert "up to date" in r.stderr and "finished and up to date" in r.stdout
+    # the stages example: document masking on best-fit rows, validated on each source beside the mix
+    staged = [json.loads(line) for line in (tmp_path / "runs" / "staged" / "metrics.jsonl").read_text().splitlines()]
+    # (the three books hold no held-out document at val_fraction 0.01: the web alone is validated on its own)
+    assert all("val_loss/source0" in rec for rec in staged if "val_loss" in rec)
+    out = r.stdout + r.stderr
+    assert "attention: within each document" in out and "data: epochs per source over the run" in out

@@ -47,7 +47,7 @@ import torch
 from lmforge.config import ConfigError, ModelConfig, load_config
 from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes
 from tests.conftest import make_corpus
-from tests.test_parallel_dp import SGD, TINY, free_port
+from tests.test_parallel_dp import SGD, TINY, docs_corpus, docs_run, free_port  # noqa: F401  (fixture)
 
 DRIVER = str(Path(__file__).with_name("cp_driver.py"))
 TOL = 1e-5  # relative, per step, loss and grad norm; observed <= 4e-7
@@ -68,6 +68,13 @@ SGD_LAYOUTS = {  # name: (processes, overrides, reference): 6 steps of plain SGD
     "cp2-gqa-sgd": (2, {"parallel.cp": 2, **GQA}, "single-sgd-gqa"),
     "tp2xcp2-sgd": (4, {"parallel.tp": 2, "parallel.cp": 2}, "single-sgd"),  # TP without SP under CP
     "cp2xpp2-sgd": (4, {"parallel.cp": 2, "parallel.pp": 2, **UNTIED}, "single-sgd-untied"),
+}
+DOC_LAYOUTS = {  # name: (processes, overrides, reference): document masking with restarted positions on best-fit
+    # rows (tests/test_parallel_dp.py's `DOCS`): each chunk's mask cut from the whole sequence's document ids
+    "cp2-docs": (2, {"parallel.cp": 2}, "single-docs"),
+    "tp2spxcp2-docs": (4, {"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.cp": 2,
+                           "train.micro_batch_size": 8}, "single-docs"),
+    "cp2xpp2-docs": (4, {"parallel.cp": 2, "parallel.pp": 2, **UNTIED}, "single-docs-untied"),  # ids through the schedule
 }
 LONG = {**BASE, "parallel.cp": 4, "data.seq_len": 8192, "model.max_seq_len": 8192, "model.dim": 32,
         "model.n_heads": 2, "data.mask_doc_boundaries": "false", "train.global_batch_size": 1,
@@ -121,7 +128,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory) -> Path:
+def runs(corpus, docs_corpus, tmp_path_factory) -> Path:
     """Both launches at once (2 and 4 processes), the one-process reference meanwhile, then the CP=2
     run's step-10 checkpoint in one process. The 4-process launch resumes its own CP=2 x FSDP2
     step-10 checkpoint at CP=4 (DDP): another CP degree and another layout."""
@@ -135,6 +142,8 @@ def runs(corpus, tmp_path_factory) -> Path:
 
     layouts = {n: (procs, {**base, **o}) for n, (procs, o) in LAYOUTS.items()}
     layouts |= {n: (procs, {**base, **SGD, **o}) for n, (procs, o, _) in SGD_LAYOUTS.items()}
+    docs = {**base, **docs_run(docs_corpus)}
+    layouts |= {n: (procs, {**docs, **o}) for n, (procs, o, _) in DOC_LAYOUTS.items()}
     t0 = time.time()
     two = launch(root, 2, {n: o for n, (procs, o) in layouts.items() if procs == 2})
     four = launch(root, 4, {**{n: o for n, (procs, o) in layouts.items() if procs == 4},
@@ -144,7 +153,9 @@ def runs(corpus, tmp_path_factory) -> Path:
         run_trainings({"out": str(root), "runs": [{"name": "single", "overrides": base},
                                                   {"name": "single-sgd", "overrides": {**base, **SGD}},
                                                   {"name": "single-sgd-untied", "overrides": {**base, **SGD, **UNTIED}},
-                                                  {"name": "single-sgd-gqa", "overrides": {**base, **SGD, **GQA}}]})
+                                                  {"name": "single-sgd-gqa", "overrides": {**base, **SGD, **GQA}},
+                                                  {"name": "single-docs", "overrides": docs},
+                                                  {"name": "single-docs-untied", "overrides": {**docs, **UNTIED}}]})
         t1 = time.time()
         finish(two)
         t2 = time.time()
@@ -183,6 +194,19 @@ def test_context_parallel_scales_the_gradient_like_one_process(runs, layout):
     assert sorted(got) == list(range(1, 7)) and got.keys() == ref.keys()
     loss, norm = worst(got, ref)
     print(f"\n{layout}: max relative difference vs one process over 6 SGD steps: loss {loss:.1e}, grad norm {norm:.1e}")
+    assert loss < TOL and norm < TOL, (layout, loss, norm, got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(DOC_LAYOUTS))
+def test_context_parallel_document_masking_matches_one_process(runs, layout):
+    """data.attention = "document" under CP: each rank's two chunks attend within their documents over
+    the gathered keys (masks cut from the whole sequence's document ids, positions restarting per
+    document), alone, with TP + SP, and with the ids carried through a pipeline schedule."""
+    ref, got = records(runs / DOC_LAYOUTS[layout][2]), records(runs / layout)
+    assert sorted(got) == list(range(1, 9)) and got.keys() == ref.keys()
+    loss, norm = worst(got, ref)
+    print(f"\n{layout}: max relative difference vs one process over 8 steps: loss {loss:.1e}, grad norm {norm:.1e}")
     assert loss < TOL and norm < TOL, (layout, loss, norm, got, ref)
 
 
@@ -281,12 +305,13 @@ def test_chunks_and_positions():
     assert sorted(sum(held, [])) == list(range(16))
 
 
-def simulated_cp_attention(monkeypatch, q, k, v, cp: int, record=None, window: int = 0):
+def simulated_cp_attention(monkeypatch, q, k, v, cp: int, record=None, window: int = 0, doc_ids=None):
     """Every CP rank's `SequenceSharding.attention` over whole-sequence q (b, heads, T, d) and k, v
     (b, kv heads, T, d), in this process: the all-gather is replaced by the ranks' K/V it would
     return, the reduce-scatter by the sum over the ranks of what they send. Forward and backward
     (the gradient of the outputs' sum weighted by `q`-shaped noise) run inside `record` (a
-    context manager) if given. Returns the output and the gradients of q, k and v, in sequence order."""
+    context manager) if given; `doc_ids` (b, T): under each rank's document masks. Returns the output
+    and the gradients of q, k and v, in sequence order."""
     import lmforge.parallel.context_parallel as context_parallel
     from lmforge.parallel.context_parallel import SequenceSharding
 
@@ -300,8 +325,9 @@ def simulated_cp_attention(monkeypatch, q, k, v, cp: int, record=None, window: i
     outs, dqs = [], []
     for s in shards:
         q_r, k_r, v_r = (s.local(t, 2).detach().requires_grad_() for t in (q, k, v))
+        masks = None if doc_ids is None else s.document_masks(doc_ids, window, 0.0)
         with record or contextlib.nullcontext():
-            out = s.attention(q_r, k_r, v_r, 0.0, window)
+            out = s.attention(q_r, k_r, v_r, 0.0, window, masks)
             out.backward(s.local(weight, 2))
         outs.append(out.detach())
         dqs.append(q_r.grad)

@@ -49,6 +49,13 @@ SGD = {"optim.name": "sgd", "optim.grad_clip": 0, "optim.weight_decay": 0, "opti
 gradient, so a gradient twice or half its true size changes the loss curve (AdamW, and any run
 clipped at grad_clip, hardly sees the scale). 6 steps: the tests add it to a launch they make anyway."""
 
+DOCS = {"data.attention": "document", "data.document_positions": "restart", "data.packing": "best_fit",
+        "data.packing_buffer": 16, "train.steps": 8, "train.sample_tokens": 0, "checkpoint.save_final": "false",
+        "checkpoint.every_minutes": 0}
+"""Document masking with positions restarting per document, on best-fit packed rows (lmforge.model.documents,
+lmforge.data.packing), 8 steps on `docs_corpus`'s short documents: every parity launch also runs it,
+against a one-process run of the same (`docs_run`)."""
+
 EMA = {"train.ema_decay": 0.8, "train.ema_start_step": 2}
 """The EMA of the weights from step 2 on, decay 0.8: the last steps weigh most, so a wrong update, a
 shard of another rank's or a swap that leaves the EMA in the model shows at the end."""
@@ -60,6 +67,11 @@ def tasks(corpus: Path) -> dict:
 
 
 RUNS_DRIVER = str(Path(__file__).with_name("train_runs_driver.py"))
+
+
+def docs_run(corpus: Path, **extra) -> dict:
+    """The overrides of a `DOCS` run on `corpus` (the `docs_corpus` fixture)."""
+    return {**DOCS, "data.corpus": str(corpus), **extra}
 
 
 def free_port() -> int:
@@ -172,13 +184,12 @@ def assert_extras_match(got: Path, want: Path, what: str, tol: float = 1e-5) -> 
         assert torch.equal(m[k], (a[k].float() * 0.25).add_(b[k].float(), alpha=0.75).to(m[k].dtype)), (what, k)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dp")
-    make_corpus(root / "raw")
+def prepare(root: Path, sources: str = '[[prepare.sources]]\npath = "raw/*.txt"\n', val_fraction: float = 0.1) -> Path:
+    """`lmforge prepare` (a real process) of the `sources` tables (TOML, paths relative to `root`) into
+    ROOT/prepared, vocabulary 320."""
     out = root / "prepared"
-    (root / "prep.toml").write_text(f'[prepare]\noutput_dir = "{out}"\nvocab_size = 320\nval_fraction = 0.1\n'
-                                    f'[[prepare.sources]]\npath = "raw/*.txt"\n')
+    (root / "prep.toml").write_text(f'[prepare]\noutput_dir = "{out}"\nvocab_size = 320\nval_fraction = {val_fraction}\n'
+                                    + sources)
     proc = subprocess.run([sys.executable, "-m", "lmforge", "prepare", "--config", str(root / "prep.toml")],
                           capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -187,11 +198,27 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(corpus, tmp_path_factory) -> Path:
-    """The one-process reference: ROOT/adamw (the preset's optimizer, 20 steps) and ROOT/sgd (`SGD`)."""
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dp")
+    make_corpus(root / "raw")
+    return prepare(root)
+
+
+@pytest.fixture(scope="module")
+def docs_corpus(tmp_path_factory) -> Path:
+    """300 documents of 3-60 words (~33 tokens: about one boundary per 32-token sequence), prepared."""
+    root = tmp_path_factory.mktemp("docs")
+    make_corpus(root / "raw", n_docs=300, words_per_doc=60, min_words=3)
+    return prepare(root)
+
+
+@pytest.fixture(scope="module")
+def single(corpus, docs_corpus, tmp_path_factory) -> Path:
+    """The one-process reference: ROOT/adamw (the preset's optimizer, 20 steps), ROOT/sgd (`SGD`) and
+    ROOT/docs (`DOCS`)."""
     root = tmp_path_factory.mktemp("single")
-    proc = train_runs(corpus, {root / "adamw": {**EMA, **tasks(corpus)}, root / "sgd": SGD},
-                      **{"train.micro_batch_size": 4})
+    proc = train_runs(corpus, {root / "adamw": {**EMA, **tasks(corpus)}, root / "sgd": SGD,
+                               root / "docs": docs_run(docs_corpus)}, **{"train.micro_batch_size": 4})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(root / "adamw")) == sorted(grad_norms(root / "adamw")) == list(range(1, 21))
     assert sorted(losses(root / "sgd")) == list(range(1, 7))
@@ -208,9 +235,10 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_data_parallel_layout_matches_one_process(corpus, single, tmp_path, layout):
+def test_data_parallel_layout_matches_one_process(corpus, docs_corpus, single, tmp_path, layout):
     out = tmp_path / layout
-    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}, tmp_path / "sgd": SGD}, nproc=2, **LAYOUTS[layout])
+    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}, tmp_path / "sgd": SGD,
+                               tmp_path / "docs": docs_run(docs_corpus)}, nproc=2, **LAYOUTS[layout])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # fp32, same seed/data/global batch: only the reduction order differs (all-reduce / reduce-scatter
     # vs. one process's accumulation). Observed max relative difference over 20 steps ~2e-7 for the
@@ -218,6 +246,7 @@ def test_data_parallel_layout_matches_one_process(corpus, single, tmp_path, layo
     # every parameter: more terms to reorder); the tolerance is 1e-5 relative for both.
     assert_runs_match(out, single / "adamw", f"{layout} vs one process")
     assert_runs_match(tmp_path / "sgd", single / "sgd", f"{layout}, SGD without clipping, vs one process")
+    assert_runs_match(tmp_path / "docs", single / "docs", f"{layout}, document masking + best-fit, vs one process")
     assert_extras_match(out, single / "adamw", f"{layout} vs one process")
     # only rank 0 writes the run folder; FSDP gathers the full state dict for the weights
     for name in ("metrics.jsonl", "model.safetensors", "summary.json", "config.toml"):

@@ -31,7 +31,8 @@ import torch
 
 from lmforge.config import ConfigError, load_config
 from tests.test_parallel_dp import (EMA, SGD, assert_extras_match, assert_runs_match,  # noqa: F401
-                                    corpus, losses, tasks, train, train_runs)  # (corpus: module-scoped fixture)
+                                    corpus, docs_corpus, docs_run, losses, tasks, train,  # (corpus, docs_corpus:
+                                    train_runs)  # module-scoped fixtures)
 
 # The separate q/k/v projections (model.fused_qkv = false): at this seed the fused layout's one
 # larger matmul rounds differently in one process and in TP's halves, and step 7's gradient-norm
@@ -49,10 +50,12 @@ def val_losses(run: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> Path:  # noqa: F811
-    """One process: ROOT/adamw (the preset's optimizer, 20 steps) and ROOT/sgd (`SGD`), one launch."""
+def reference(corpus, docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
+    """One process: ROOT/adamw (the preset's optimizer, 20 steps), ROOT/sgd (`SGD`) and ROOT/docs (document
+    masking on best-fit rows: tests/test_parallel_dp.py's `DOCS`), one launch."""
     root = tmp_path_factory.mktemp("mp-single")
-    proc = train_runs(corpus, {root / "adamw": {**EMA, **tasks(corpus)}, root / "sgd": SGD}, **MP)
+    proc = train_runs(corpus, {root / "adamw": {**EMA, **tasks(corpus)}, root / "sgd": SGD,
+                               root / "docs": docs_run(docs_corpus)}, **MP)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(root / "adamw")) == list(range(1, 21))
     return root
@@ -96,22 +99,26 @@ ALSO["fsdp2xpp2-zbv"] = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_model_parallel_layout_matches_one_process(corpus, reference, tmp_path, layout):  # noqa: F811
+def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, reference, tmp_path, layout):  # noqa: F811
     nproc, extra = LAYOUTS[layout]
-    out, sgd = tmp_path / layout, tmp_path / "sgd"
+    out, sgd, docs = tmp_path / layout, tmp_path / "sgd", tmp_path / "docs"
     also = {tmp_path / name: own for name, own in ALSO.get(layout, {}).items()}
-    runs = {out: {**extra, **EMA, **tasks(corpus)}, **({sgd: {**extra, **SGD}} if layout in WITH_SGD else {}), **also}
+    runs = {out: {**extra, **EMA, **tasks(corpus)}, **({sgd: {**extra, **SGD}} if layout in WITH_SGD else {}),
+            docs: {**extra, **docs_run(docs_corpus)}, **also}
     proc = train_runs(corpus, runs, nproc=nproc, timeout=300 + 150 * len(also), **MP)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_runs_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)
     assert_extras_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)  # EMA, tasks, merge
+    # the document ids (and restarted positions) reach every TP rank, every pipeline stage, every chunk
+    assert_runs_match(docs, reference / "docs", f"{layout}, document masking + best-fit, vs one process", tol=TOL)
     if layout in WITH_SGD:
         assert_runs_match(sgd, reference / "sgd", f"{layout}, SGD without clipping, vs one process", tol=TOL)
     for run in also:
         assert_runs_match(run, reference / "adamw", f"{run.name} ({layout}'s launch) vs one process", tol=TOL)
-    ref_val = val_losses(reference / "adamw")
-    val = val_losses(out)  # evaluation on the sharded model (no rank gathers it), initial and final
-    assert len(val) == len(ref_val) and all(abs(a - b) / b < TOL for a, b in zip(val, ref_val)), (val, ref_val)
+    for run, ref in ((out, reference / "adamw"), (docs, reference / "docs")):
+        ref_val = val_losses(ref)
+        val = val_losses(run)  # evaluation on the sharded model (no rank gathers it), initial and final
+        assert len(val) == len(ref_val) and all(abs(a - b) / b < TOL for a, b in zip(val, ref_val)), (val, ref_val)
     if extra.get("parallel.pp"):
         assert "bubble fraction" in proc.stdout + proc.stderr
     for name in ("metrics.jsonl", "model.safetensors", "summary.json", "sample.txt"):

@@ -54,7 +54,10 @@ def readme_blocks() -> list[tuple[str, str]]:
 
 
 def fixtures(cwd: Path) -> None:
-    """The files the README's commands name."""
+    """The files the README's commands name: the TOML files its blocks write themselves (`cat > F <<'TOML'`),
+    as written there, and the others."""
+    for name, body in re.findall(r"cat > (\S+) <<'TOML'\n(.*?)\nTOML\n", (ROOT / "README.md").read_text(), flags=re.S):
+        (cwd / name).write_text(body + "\n")
     (cwd / "my_run.toml").write_text('inherit = "tiny"\n[optim]\nlr = 3e-3\n')
     (cwd / "book.txt").write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 20)
     (cwd / "pairs.jsonl").write_text("".join(json.dumps({"prompt": p, "reference": r}) + "\n" for p, r in [

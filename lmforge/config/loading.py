@@ -88,6 +88,12 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
         if len(errors) > 1:  # e.g. `bool | Literal["auto"]`: name every allowed kind of value
             raise ConfigError(f"{key} = {value!r} must be {', or '.join(wanted)}.")
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}.")
+    if origin is dict:  # a table of name = value pairs (data.stages[].weights)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r} must be a table, e.g. {{name = 1.0}}.")
+        key_type, value_type = typing.get_args(tp)
+        return {_check_type(f"{key}.{k}", k, key_type): _check_type(f"{key}.{k}", v, value_type)
+                for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -317,4 +323,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, dict):  # an inline table (data.stages[].weights, a stage itself)
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return json.dumps(v)

@@ -188,6 +188,7 @@ def check_cross_section(cfg: "Config") -> None:
     check_features(cfg)
     check_expert_parallel(cfg)
     check_parametrization(cfg)
+    check_data_recipes(cfg)
     check_multi_token_prediction(cfg)
 
 
@@ -198,6 +199,38 @@ def check_parametrization(cfg: "Config") -> None:
                           f"{cfg.optim.name!r} (its update is scaled by the parameter's own norm, which μP's tables do "
                           f"not cover); use one of {', '.join(s.name for s in SPECS if s.mup_rule)}, or "
                           f"model.parametrization = 'sp'.")
+
+
+def check_data_recipes(cfg: "Config") -> None:
+    """data.stages' learning-rate hook on a WSD schedule, once; packing and stages apply to pre-training
+    data (supervised fine-tuning rows have their own packing: finetune.pack). (A stage that starts at or
+    after train.steps is allowed: it is not reached, and the run header says so.)"""
+    d, s = cfg.data, cfg.schedule
+    decays = [i for i, stage in enumerate(d.stages) if stage.lr_decay]
+    if len(decays) > 1:
+        raise ConfigError(f"data.stages{decays}: lr_decay = true on more than one stage; the decay starts once, at "
+                          f"one stage.")
+    if decays:
+        stage = d.stages[decays[0]]
+        if s.name != "wsd":
+            raise ConfigError(f"data.stages[{decays[0]}].lr_decay = true starts the decay of a warmup-stable-decay "
+                              f"schedule, but schedule.name = {s.name!r}; set schedule.name = 'wsd'.")
+        if stage.start_step < s.warmup_steps:
+            raise ConfigError(f"data.stages[{decays[0]}].lr_decay = true at start_step = {stage.start_step} falls in "
+                              f"the warmup (schedule.warmup_steps = {s.warmup_steps}); start the stage after it.")
+    if cfg.finetune.data and (d.stages or d.packing != "concat"):
+        raise ConfigError("data.stages and data.packing apply to pre-training token data, not to finetune.data rows "
+                          "(those pack with finetune.pack); leave them at their defaults.")
+    if d.attention == "document":
+        m = cfg.model
+        for key, value, why in (
+                ("model.mla.kv_lora_rank", m.mla.kv_lora_rank, "multi-head latent attention builds its own causal "
+                                                               "mask and takes no document mask"),
+                ("model.mtp_depth", m.mtp_depth, "the MTP modules shift each sequence by k tokens, across document "
+                                                 "boundaries")):
+            if value:
+                raise ConfigError(f"data.attention = 'document' is not supported with {key} = {value} yet ({why}); "
+                                  f"set data.attention = 'causal' or {key} = 0.")
 
 
 def check_multi_token_prediction(cfg: "Config") -> None:
@@ -570,6 +603,14 @@ def whole_model_blocker(cfg: "Config") -> str | None:
     if p.fsdp or (p.pp > 1 and p.dp * p.cp > 1):  # (a pipeline's data-parallel stages are FSDP2 chunks)
         return "FSDP2 gathers and frees each block's parameters in hooks around it"
     return None
+
+
+def document_kernel_rule(device_type: str, dropout_p: float, flex_runs: bool) -> str:
+    """The attention kernel of data.attention = "document" (lmforge.model.documents): "flex"
+    (FlexAttention's block mask) on CUDA where FlexAttention compiles (`flex_runs`) and without
+    dropout, else "sdpa" (a dense boolean mask). Shared by the run and the planner (which plans a GPU
+    with Triton, as it plans train.compile)."""
+    return "flex" if device_type == "cuda" and dropout_p == 0.0 and flex_runs else "sdpa"
 
 
 def gpu_compile_blocker(capability: tuple[int, int] | None = None) -> str | None:

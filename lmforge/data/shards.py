@@ -343,3 +343,57 @@ class TokenShards:
     def __repr__(self) -> str:
         return (f"TokenShards({str(self.dir)!r}, tokens={self._len}, "
                 f"shards={len(self._maps)}, dtype={self.dtype.name})")
+
+
+class TokenSlice:
+    """Tokens [start, start + length) of a `TokenShards` stream, read as a stream of its own: one
+    source's held-out documents inside the validation shards of a prepared mixture (their ranges are
+    recorded by `lmforge prepare` in the val manifest's meta.sources). Offers what the loader reads."""
+
+    def __init__(self, shards: TokenShards, start: int, length: int, name: str = "") -> None:
+        if start < 0 or length < 0 or start + length > len(shards):
+            raise ValueError(f"{shards.dir}: tokens [{start}, {start + length}) of source {name!r} lie outside its "
+                             f"{len(shards)} tokens; the manifest is damaged, re-run prepare")
+        self.shards, self.start, self.length, self.name = shards, int(start), int(length), name
+        self.dir, self.manifest = shards.dir, shards.manifest
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shards.vocab_size
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        if start < 0 or start + length > self.length:
+            raise IndexError(f"read({start}, {length}) outside the {self.length} tokens of {self.name!r}")
+        return self.shards.read(self.start + start, length)
+
+    def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or starts.max() + length > self.length):
+            raise IndexError(f"gather of length {length} outside the {self.length} tokens of {self.name!r}")
+        return self.shards.gather(starts + self.start, length)
+
+    def iter_chunks(self, chunk_tokens: int = 1 << 22, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        stop = self.length if stop is None else stop
+        return self.shards.iter_chunks(chunk_tokens, self.start + start, self.start + stop)
+
+    def __repr__(self) -> str:
+        return f"TokenSlice({self.name!r} of {self.shards!r}, [{self.start}, {self.start + self.length}))"
+
+
+def source_slices(shards: TokenShards) -> list[TokenSlice]:
+    """The per-source parts of a validation shard set, from its manifest's meta.sources ([name, tokens,
+    documents] in stream order, written by `lmforge prepare`); [] for a set without them (one source, or
+    prepared before they were recorded)."""
+    sources = shards.manifest.get("meta", {}).get("sources") or []
+    out, at = [], 0
+    for entry in sources:
+        name, tokens = str(entry[0]), int(entry[1])
+        out.append(TokenSlice(shards, at, tokens, name))
+        at += tokens
+    if out and at != len(shards):
+        raise ValueError(f"{shards.dir / MANIFEST}: meta.sources cover {at} tokens, the shards hold {len(shards)}; "
+                         f"the manifest is damaged, re-run prepare")
+    return out

@@ -771,9 +771,10 @@ def merge(job: Job, timing: dict) -> dict:
             counts += np.frombuffer(job.work.read(_counts_file(key)), dtype="<i8")
         data, unigram = unigram_file(counts)
         job.out.write(f"{st['dir']}/{UNIGRAM_COUNTS}", data)
+        sources = {} if st["split"] == "train" else {"sources": val_sources(job, st)}
         m = build_manifest(dtype.name, tok.vocab_size, cfg.shard_tokens, recs,
                            {**meta, "split": st["split"], "source": st["source"],
-                            "documents": st["documents"]}, unigram)
+                            "documents": st["documents"], **sources}, unigram)
         job.out.write_json(f"{st['dir']}/{MANIFEST}", m)
         keep_files |= ({f"{st['dir']}/{MANIFEST}", f"{st['dir']}/{UNIGRAM_COUNTS}"}
                        | {f"{st['dir']}/{r['file']}" for r in recs})
@@ -782,7 +783,7 @@ def merge(job: Job, timing: dict) -> dict:
         if st["split"] == "train":
             splits["train"][st["source"]] = {**summary, "weight": weights[st["source"]] / total_w}
         else:
-            splits["val"] = summary
+            splits["val"] = {**summary, "sources": sources["sources"]}
     job.out.write_json(f"train/{MIXTURE}", {
         "format": MIXTURE_FORMAT, "version": 1,
         "sources": [{"name": n, "dir": n, "weight": v["weight"]}
@@ -802,6 +803,21 @@ def merge(job: Job, timing: dict) -> dict:
               "timing": timing, "files": job.plan["files"], "units": len(job.units),
               "tokenizer_sample": sample_summary(job)}
     return record
+
+
+def val_sources(job: Job, st: dict) -> list[list]:
+    """[name, tokens, documents] of each source's part of the validation stream, in stream order: its
+    units come source by source (make_plan), so each source's held-out tokens are one range (training
+    validates each source on its own: lmforge.train.validation)."""
+    tm = markers(job, "tokenize")
+    order = [job.units[u]["source"] for u in st["units"]]
+    assert order == sorted(order), "the units come source by source"
+    out = []
+    for s, name in enumerate(job.plan["sources"]):
+        units = [u for u in st["units"] if job.units[u]["source"] == s]
+        out.append([name, sum(tm[_unit_key(u)]["val_tokens"] for u in units),
+                    sum(tm[_unit_key(u)]["val_docs"] for u in units)])
+    return out
 
 
 def sample_summary(job: Job) -> dict | None:

@@ -82,6 +82,16 @@ def _stream_tokens(opts: EvalOptions, cfg, tokenizer) -> tuple[str, Any]:
     return str(folder), shards.read(0, n)
 
 
+def run_documents(cfg, tokenizer):
+    """The document masking a run trained with (data.attention = "document"; lmforge.model.documents), or
+    None: its perplexity windows attend as it trained."""
+    from lmforge.model.documents import DocumentAttention
+
+    if cfg.data.attention != "document" or tokenizer is None or tokenizer.eos_id is None:
+        return None
+    return DocumentAttention(tokenizer.eos_id, cfg.data.document_positions == "restart")
+
+
 def run_eval(opts: EvalOptions) -> dict[str, Any]:
     """Load the run, compute what `opts` asks for, and return the results as a dict."""
     check_run_folder(opts.ckpt)  # the folder and the files named, before torch is imported
@@ -118,7 +128,8 @@ def run_eval(opts: EvalOptions) -> dict[str, Any]:
         # the whole model in fp32 in one process: the chunked loss as train.loss_chunk = "auto" picks it
         # there (vocabularies of 8192 and more), so a large vocabulary's logits are never held whole
         nll, count = sliding_window_nll(model, tokens, window, stride, opts.batch_size, opts.device,
-                                        loss_chunk=auto_loss_chunk(cfg.model.vocab_size))
+                                        loss_chunk=auto_loss_chunk(cfg.model.vocab_size),
+                                        documents=run_documents(cfg, tokenizer))
         results["perplexity"] = {"source": source, **perplexity_report(nll, count), "window": window,
                                  "stride": stride}
     if opts.bleu:

@@ -8,19 +8,22 @@ from collections.abc import Iterable
 
 import torch
 
+from lmforge.model.documents import DocumentAttention, document_inputs
 from lmforge.model.loss import IGNORE_INDEX, count_targets, model_nll_sum
 
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], autocast,
-                  device: torch.device, loss_chunk: int = 0) -> dict[str, float]:
+                  device: torch.device, loss_chunk: int = 0, documents: DocumentAttention | None = None
+                  ) -> dict[str, float]:
     """Token-weighted mean cross-entropy (nats) over `batches`, and its exp (perplexity).
 
     Targets equal to -100 are ignored, and every token counts once however batches are sized.
     `loss_chunk` > 0 (train.loss_chunk as the layout runs it): the model's forward takes the targets
     and computes the loss over that many tokens at a time (lmforge.model.loss), so the micro-batch's
     [B, T, vocab] logits never exist (they would be the evaluation's largest buffers); 0: the plain
-    logits (a model that takes no targets: tensor- and pipeline-parallel inference).
+    logits (a model that takes no targets: tensor- and pipeline-parallel inference). `documents`
+    (data.attention = "document"): attention within each document, as in training.
     """
     was_training = model.training
     model.eval()
@@ -28,7 +31,7 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
     total_tokens = 0
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        total_nll += model_nll_sum(model, x, y, loss_chunk, autocast).double()
+        total_nll += model_nll_sum(model, x, y, loss_chunk, autocast, **document_inputs(documents, x)).double()
         total_tokens += int(count_targets(y))
     model.train(was_training)
     if total_tokens == 0:
@@ -38,7 +41,8 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
 
 @torch.no_grad()
 def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int, batch_size: int = 8,
-                       device: torch.device | str = "cpu", loss_chunk: int = 0) -> tuple[float, int]:
+                       device: torch.device | str = "cpu", loss_chunk: int = 0,
+                       documents: DocumentAttention | None = None) -> tuple[float, int]:
     """(summed NLL in nats, number of scored tokens) of a token stream under a sliding window.
 
     Token 0 has no context and is not scored; every later token is scored exactly once. A
@@ -48,6 +52,8 @@ def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int,
     least context). When the stream fits in one window, this is the plain full-context NLL.
     `loss_chunk` > 0: the model's forward computes the loss over that many tokens at a time
     (lmforge.model.loss; as `evaluate_loss`), so a batch's [B, window, vocab] logits never exist.
+    `documents` (a run trained with data.attention = "document"): each window attends within its
+    documents, as the model trained.
     """
     if window < 1 or not 1 <= stride <= window:
         raise ValueError(f"window = {window} and stride = {stride} must satisfy 1 <= stride <= window.")
@@ -75,7 +81,7 @@ def sliding_window_nll(model: torch.nn.Module, tokens, window: int, stride: int,
             y[row, :e - b] = tokens[b + 1:e + 1]
             y[row, :done - b] = IGNORE_INDEX  # targets b+1..done were scored by an earlier window
         x, y = x.to(device), y.to(device)
-        total += model_nll_sum(model, x, y, loss_chunk).double().cpu()
+        total += model_nll_sum(model, x, y, loss_chunk, **document_inputs(documents, x)).double().cpu()
         count += int(count_targets(y))
     model.train(was_training)
     assert count == n - 1, (count, n)

@@ -13,6 +13,7 @@ from torch import nn
 
 from lmforge.config import ModelConfig
 from lmforge.model import mup
+from lmforge.model.documents import document_mask, masked_attention
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -116,17 +117,20 @@ def window_mask(q_start: int, q_len: int, k_len: int, window: int, device: torch
 class SequenceShard(Protocol):
     """This rank's share of every sequence under context parallelism (implemented by
     lmforge.parallel.context_parallel): its tokens' positions, and attention of its queries over the
-    keys/values of the whole sequence (`attention`: from this rank's k and v; or, for attention that
-    gathers something smaller than K/V, such as multi-head latent attention's latent, `gather` of any
-    per-token tensor and `attend` over K/V made from the gathered sequence). `group` / `size`: the
-    CP ranks that share each sequence (sequence-wise statistics sum over them)."""
+    keys/values of the whole sequence (`attention`: from this rank's k and v, under a document mask with
+    `document_masks`' per-chunk masks; or, for attention that gathers something smaller than K/V, such
+    as multi-head latent attention's latent, `gather` of any per-token tensor and `attend` over K/V made
+    from the gathered sequence). `group` / `size`: the CP ranks that share each sequence (sequence-wise
+    statistics sum over them)."""
 
     positions: torch.Tensor  # (local seq,) int64: positions of this rank's tokens in the sequence
     group: object
     size: int
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                  window: int = 0) -> torch.Tensor: ...
+                  window: int = 0, masks=None) -> torch.Tensor: ...
+
+    def document_masks(self, doc_ids: torch.Tensor, window: int, dropout_p: float): ...
 
     def gather(self, t: torch.Tensor) -> torch.Tensor: ...
 
@@ -160,11 +164,37 @@ def token_positions(start: int, seq: int, device: torch.device) -> torch.Tensor:
     return _shard.positions if _shard is not None else torch.arange(start, start + seq, device=device)
 
 
-def rope_rows(rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The RoPE tables the blocks index from position 0: whole, or the shard's rows (context parallel)."""
-    if rope is None or _shard is None:
+def rope_rows(rope: tuple[torch.Tensor, torch.Tensor] | None,
+              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The RoPE tables the blocks index from position 0: whole, or the shard's rows (context parallel);
+    with per-token `positions` (batch, seq: data.document_positions = "restart", already this rank's
+    tokens, `local_positions`) the (batch, seq, head_dim // 2) rows of each token."""
+    if rope is None:
+        return rope
+    if positions is not None:
+        return rope[0][positions], rope[1][positions]
+    if _shard is None:
         return rope
     return rope[0][_shard.positions], rope[1][_shard.positions]
+
+
+def local_positions(positions: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-token positions (batch, seq) of whole sequences, cut to this rank's tokens under context
+    parallelism (None stays None: positions from `token_positions`)."""
+    if positions is None or _shard is None:
+        return positions
+    return positions[:, _shard.positions]
+
+
+def attention_mask(doc_ids: torch.Tensor | None, window: int, dropout_p: float):
+    """The document mask of one forward, built once for all its blocks from the document ids of the
+    whole sequences (lmforge.model.documents): for this rank's chunks under context parallelism, else
+    over the sequence; None without document ids (causal attention)."""
+    if doc_ids is None:
+        return None
+    if _shard is not None:
+        return _shard.document_masks(doc_ids, window, dropout_p)
+    return document_mask(doc_ids, doc_ids, 0, window, dropout_p)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -312,12 +342,17 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                kv_cache: "KVCache | None" = None) -> torch.Tensor:
+                kv_cache: "KVCache | None" = None, mask=None) -> torch.Tensor:
+        """`mask`: the forward's document mask (`attention_mask`; data.attention = "document"), which
+        holds the causal and sliding-window rules too; None = causal attention."""
         bsz, seq, _ = x.shape
         q, k, v = self.project(x)
         start = kv_cache.length if kv_cache is not None else 0
         if rope is not None:
-            cos, sin = rope[0][start:start + seq], rope[1][start:start + seq]
+            if rope[0].dim() == 3:  # per-token rows (batch, seq, head_dim / 2): positions restart per document
+                cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+            else:
+                cos, sin = rope[0][start:start + seq], rope[1][start:start + seq]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if self.fused and self.q_norm is None and torch.is_grad_enabled():
                 # q and k now live in RoPE's outputs; v alone would still be a view of the fused
@@ -335,7 +370,9 @@ class Attention(nn.Module):
         # both within the sliding window if there is one (window_mask: None = plain causal).
         dropout_p = self.dropout if self.training else 0.0
         if _shard is not None:  # context parallelism: this rank's queries over the whole sequence's keys/values
-            out = _shard.attention(q, k, v, dropout_p, self.window)
+            out = _shard.attention(q, k, v, dropout_p, self.window, mask)
+        elif mask is not None:  # within each document (lmforge.model.documents)
+            out = masked_attention(q, k, v, mask, dropout_p)
         else:
             mask = window_mask(start, seq, start + seq, self.window, x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0 and seq > 1,
@@ -407,6 +444,7 @@ class Block(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, kv_cache))
+                kv_cache: KVCache | None = None, mask=None) -> torch.Tensor:
+        # (the mask as a keyword: tensor parallelism's PrepareModuleInput lays out the positional inputs)
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, kv_cache, mask=mask))
         return x + self.mlp(self.mlp_norm(x))

@@ -75,15 +75,17 @@ def token_nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def model_nll_sum(model, x: torch.Tensor, y: torch.Tensor, loss_chunk: int = 0,
-                  autocast=contextlib.nullcontext, targets_in_forward: bool = False) -> torch.Tensor:
+                  autocast=contextlib.nullcontext, targets_in_forward: bool = False,
+                  **docs: torch.Tensor) -> torch.Tensor:
     """Summed token NLL (fp32) of `model` (a Transformer, or what wraps one) on tokens x, targets y: with
     `loss_chunk` > 0 computed inside its forward by the chunked loss (`linear_cross_entropy_sum`: no
     [B, T, vocab] logits), else `token_nll_sum` of its logits, outside `autocast` (a callable giving
     the precision's context, entered around the forward). `targets_in_forward`: the forward takes the
-    targets whatever loss_chunk is (multi-token prediction's modules need them: lmforge.model.mtp)."""
+    targets whatever loss_chunk is (multi-token prediction's modules need them: lmforge.model.mtp).
+    `docs`: the document arguments of the forward (lmforge.model.documents), if any."""
     inside = bool(loss_chunk) or targets_in_forward
     with autocast():
-        out = model(x, targets=y, loss_chunk=loss_chunk) if inside else model(x)
+        out = model(x, targets=y, loss_chunk=loss_chunk, **docs) if inside else model(x, **docs)
     return out if inside else token_nll_sum(out, y)
 
 

@@ -145,7 +145,10 @@ class MLAttention(nn.Module):
         return t if width == self.width else F.pad(t, (0, self.width - width))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, mask=None) -> torch.Tensor:
+        # (`mask`: the Block's document mask, which data.attention = "document" would give; the config
+        # refuses it with MLA: lmforge.config.rules.check_data_recipes)
+        assert mask is None, "multi-head latent attention takes no document mask"
         bsz, seq, _ = x.shape
         start = kv_cache.length if kv_cache is not None else 0
         cos, sin = rope[0][start:start + seq], rope[1][start:start + seq]

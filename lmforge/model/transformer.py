@@ -21,7 +21,8 @@ from lmforge.model import mup
 from lmforge.model.init import init_source
 from lmforge.model.materialise import materialise
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
-from lmforge.model.layers import Block, KVCache, make_norm, rope_rows, rope_tables, token_positions
+from lmforge.model.layers import (Block, KVCache, attention_mask, local_positions, make_norm, rope_rows, rope_tables,
+                                  token_positions)
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
 from lmforge.model.mla import MLAttention
 from lmforge.model.moe import MoE
@@ -78,7 +79,8 @@ class Transformer(nn.Module):
         return h if self.output_mult == 1.0 else h * self.output_mult
 
     def forward(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None,
-                targets: torch.Tensor | None = None, loss_chunk: int = 0) -> torch.Tensor:
+                targets: torch.Tensor | None = None, loss_chunk: int = 0,
+                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab).
 
         With `targets` (batch, seq; -100 = ignored): the summed token NLL instead (fp32 scalar),
@@ -88,19 +90,27 @@ class Transformer(nn.Module):
         forward). Inside forward so DDP/FSDP hooks see the output projection's use as usual. With multi-token
         prediction (model.mtp_depth) the modules run here in training (lmforge.model.mtp): the value is
         still the language-model NLL, its backward that of the whole objective.
+
+        `doc_ids` (batch, whole sequence; lmforge.model.documents): attention within each document;
+        `positions` (the same shape): per-token positions (documents restarting at 0). Both describe
+        the whole sequences, also under context parallelism, where `tokens` are this rank's chunks.
         """
         start = kv_caches[0].length if kv_caches else 0
         seq = tokens.shape[1]
         if start + seq > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence of {start + seq} tokens exceeds model.max_seq_len = {self.cfg.max_seq_len}.")
+        if kv_caches and doc_ids is not None:
+            raise ValueError("generation with a KV cache takes one document per prompt: no doc_ids")
+        positions = local_positions(positions)
         x = self.tok_emb(tokens)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(token_positions(start, seq, tokens.device))
+            x = x + self.pos_emb(token_positions(start, seq, tokens.device) if positions is None else positions)
         x = self.emb_dropout(x)
-        rope = rope_rows((self.rope_cos, self.rope_sin)) if self.cfg.pos_emb == "rope" else None
+        rope = rope_rows((self.rope_cos, self.rope_sin), positions) if self.cfg.pos_emb == "rope" else None
+        mask = attention_mask(doc_ids, self.cfg.sliding_window, self.cfg.dropout if self.training else 0.0)
         for i, block in enumerate(self.blocks.values()):
-            x = block(x, rope, kv_caches[i] if kv_caches else None)
+            x = block(x, rope, kv_caches[i] if kv_caches else None, mask=mask)
         if targets is not None:
             nll = self.head_nll(self.norm(x), targets, loss_chunk)
             if self.mtp is not None and self.training and torch.is_grad_enabled():

@@ -190,3 +190,12 @@ class BatchRampup:
     def lr_scale_for_batch(self, batch: int) -> float:
         """batch / target_batch with linear_lr_scaling=True, else 1.0."""
         return batch / self.target_batch if self.linear_lr_scaling else 1.0
+
+
+def config_batch_rampup(cfg) -> BatchRampup | None:
+    """The batch-size ramp-up of a `lmforge.config.Config`'s schedule.batch_rampup_*, or None."""
+    s, t = cfg.schedule, cfg.train
+    if not s.batch_rampup_start:
+        return None
+    return BatchRampup(s.batch_rampup_start, t.global_batch_size, s.batch_rampup_tokens,
+                       s.batch_rampup_increment or t.micro_batch_size * cfg.parallel.dp, cfg.data.seq_len)

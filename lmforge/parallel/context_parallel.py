@@ -47,9 +47,12 @@ Attention (`SequenceSharding.attention`, called by the model's attention through
   SDPA over the keys inside some query's window with a boolean mask (memory-efficient or math
   kernel), exact; a window covering the prefix takes the causal paths above.
 
-  Documents: `data.mask_doc_boundaries` only ignores the targets whose input is end-of-document;
-  attention spans the packed documents of a sequence with or without CP, so no path builds a
-  document mask either.
+  Documents (data.attention = "document"): each chunk's queries attend to the keys of their own
+  document only. The document ids of the whole sequences (lmforge.model.documents) reach the model as
+  a forward argument; `document_masks` cuts from them, once per forward, each chunk's mask over its
+  key prefix (causal & same document & the window), which `attention` hands to SDPA (a boolean
+  (b, 1, c, keys) tensor: CPU) or to FlexAttention (a block mask: CUDA), exact on both.
+  (`data.mask_doc_boundaries` alone only ignores the targets whose input is end-of-document.)
 * Multi-head latent attention (lmforge.model.mla): the all-gather moves each token's latent and RoPE
   key (kv_lora_rank + qk_rope_head_dim values, the same on every TP rank; DeepSeek-V3: 576 against
   2 x 128 heads x 192 for its K/V), `gather`, and each rank expands the whole sequence's K and V from
@@ -86,6 +89,7 @@ import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
+from lmforge.model.documents import document_mask, masked_attention
 from lmforge.model.layers import sequence_sharded
 from lmforge.parallel.formulas import cp_comm_bytes, cp_kv_bytes, cp_latent_bytes, recomputed_layers
 
@@ -235,11 +239,12 @@ class SequenceSharding:
     # ---- attention ------------------------------------------------------------------------------
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                  window: int = 0) -> torch.Tensor:
+                  window: int = 0, masks=None) -> torch.Tensor:
         """q (b, heads, 2c, d) of this rank's chunks; k, v (b, kv heads, 2c, d) -> (b, heads, 2c, d);
-        `window` > 0: sliding-window attention (model.sliding_window)."""
+        `window` > 0: sliding-window attention (model.sliding_window); `masks`: the chunks' document
+        masks (`document_masks`, which hold the causal and window rules too)."""
         kv = self.gather(torch.stack((k, v)))  # (2, b, kv heads, T, d)
-        return self.attend(q, kv[0], kv[1], dropout_p, window)
+        return self.attend(q, kv[0], kv[1], dropout_p, window, masks)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """(n, b, h, 2c, d): n tensors of this rank's two chunks stacked -> (n, b, h, T, d), the whole
@@ -248,19 +253,32 @@ class SequenceSharding:
         return _GatherSequence.apply(t, self)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-               window: int = 0) -> torch.Tensor:
+               window: int = 0, masks=None) -> torch.Tensor:
         """q (b, heads, 2c, d) of this rank's chunks over k, v (b, kv heads, T, d) of the whole sequence
-        (gathered) -> (b, heads, 2c, d): each chunk's queries over the keys up to its own (causal)."""
+        (gathered) -> (b, heads, 2c, d): each chunk's queries over the keys up to its own (causal), or
+        within `masks` (`document_masks`)."""
         c = q.shape[2] // 2
         outs = []
         for half, chunk in enumerate(self.chunks_of[self.rank]):
             keys = (chunk + 1) * c  # this chunk's queries see the keys of chunks 0 .. chunk
             q_chunk, k_prefix, v_prefix = q[:, :, half * c:(half + 1) * c], k[:, :, :keys], v[:, :, :keys]
-            if 0 < window < keys:  # the window leaves some of these keys out of some queries' view
+            if masks is not None:  # within each document (lmforge.model.documents)
+                outs.append(masked_attention(q_chunk, k_prefix, v_prefix, masks[half], dropout_p))
+            elif 0 < window < keys:  # the window leaves some of these keys out of some queries' view
                 outs.append(window_chunk_attention(q_chunk, k_prefix, v_prefix, chunk * c, window, dropout_p))
             else:
                 outs.append(chunk_attention(q_chunk, k_prefix, v_prefix, dropout_p))
         return torch.cat(outs, dim=2)
+
+    def document_masks(self, doc_ids: torch.Tensor, window: int, dropout_p: float) -> list:
+        """The document mask of each of this rank's two chunks over the keys of the chunks before it and
+        its own (`attention`'s prefixes), from the document ids (b, T) of the whole sequences: query
+        position p sees key position p' <= p of the same document (and within the window); built once
+        per forward, for all layers (lmforge.model.documents: a boolean (b, 1, c, keys) tensor for SDPA,
+        or a FlexAttention block mask)."""
+        c = doc_ids.shape[1] // (2 * self.size)
+        return [document_mask(doc_ids[:, chunk * c:(chunk + 1) * c], doc_ids[:, :(chunk + 1) * c], chunk * c, window,
+                              dropout_p) for chunk in self.chunks_of[self.rank]]
 
     # ---- accounting -----------------------------------------------------------------------------
 

@@ -75,20 +75,22 @@ class ShardedInference:
     # ---- the forward --------------------------------------------------------------------------------
 
     def __call__(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None = None,
-                 targets: torch.Tensor | None = None) -> torch.Tensor:
+                 targets: torch.Tensor | None = None, **docs: torch.Tensor) -> torch.Tensor:
         """logits (batch, seq, vocab) as plain tensors, or with `targets` the summed token NLL (fp32
-        scalar); equal on every rank."""
+        scalar); equal on every rank. `docs`: the document arguments (doc_ids, positions) of
+        `Transformer.forward`, padded like the tokens (the padding joins the last document)."""
         n = tokens.shape[1]
         start = kv_caches[0].length if kv_caches else 0
         if kv_caches and self.pp > 1:  # (the first layer may live on another rank)
             start = next((c.length for c in kv_caches if c.k is not None), 0)
         pad = -n % self.pad_multiple
         if pad:
-            tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
+            tokens = _pad_right(tokens, pad)
+            docs = {k: _pad_right(t, pad) for k, t in docs.items()}
         last = self.pp == 1 or self.layout.last
         out = None
         with torch.no_grad():
-            logits = self.model(tokens, kv_caches) if self.pp == 1 else self._pipeline(tokens, kv_caches)
+            logits = self.model(tokens, kv_caches, **docs) if self.pp == 1 else self._pipeline(tokens, kv_caches, docs)
             if last:
                 logits = logits[:, :n]
                 if targets is not None:
@@ -105,7 +107,7 @@ class ShardedInference:
             out = self._from_last_stage(out, (tokens.shape[0], n, self.cfg.vocab_size) if targets is None else ())
         return out
 
-    def _pipeline(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None) -> torch.Tensor | None:
+    def _pipeline(self, tokens: torch.Tensor, kv_caches: list[KVCache] | None, docs: dict) -> torch.Tensor | None:
         """Run the stages in order: this rank's chunks on their inputs, the others' elsewhere."""
         info, group = self.layout.dist, self.layout.dist.group("pp")
         n_stages = self.pp * len(self.chunks)
@@ -118,7 +120,7 @@ class ShardedInference:
                 continue
             if s > 0 and owner[s - 1] != owner[s]:
                 x = _recv(owner[s - 1], group, info.device)
-            x = mine[s](x, kv_caches)
+            x = mine[s](x, kv_caches, **docs)
             if s < n_stages - 1 and owner[s + 1] != owner[s]:
                 _send(x, owner[s + 1], group)
         return x if self.layout.last else None
@@ -130,6 +132,11 @@ class ShardedInference:
             out = torch.empty(shape, dtype=torch.float32, device=info.device)
         dist.broadcast(out, src=dist.get_global_rank(group, self.layout.last_rank), group=group)
         return out
+
+
+def _pad_right(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """(batch, seq) `t` with `pad` copies of its last column appended."""
+    return torch.cat([t, t[:, -1:].expand(-1, pad)], dim=1)
 
 
 def _send(t: torch.Tensor, dst: int, group) -> None:

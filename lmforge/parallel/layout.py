@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.documents import DocumentAttention, document_inputs
 from lmforge.model.loss import count_targets, model_nll_sum, normalise
 from lmforge.model.mtp import mtp_metrics, take_mtp_stats
 from lmforge.model.transformer import Transformer
@@ -63,6 +64,9 @@ class Layout:
         self.moe_stats: dict = {}  # the last step's MoE statistics by block index (lmforge.model.moe.MoEStats)
         self.compiled_nll = None  # the whole training forward + loss as one compiled graph (`compile_model`)
         self.cuda_graphs = False  # (train.compile_mode = reduce-overhead: a step boundary marked per step)
+        # data.attention = "document": how a batch's documents are found (set by the trainer, which knows
+        # the corpus' end-of-document id); None = causal attention over the whole sequence
+        self.documents: DocumentAttention | None = None
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -70,6 +74,7 @@ class Layout:
         """Gradients of the step's micro-batches, accumulated; returns the global step's mean token
         loss (equal on every rank). `precision.step(module)` spans the micro-batches: the module's
         weights are cast to 16 bits once per step, not once per micro-batch (lmforge.train.precision)."""
+        docs = [self.document_inputs(x) for x, _ in micro_batches]  # (of the whole sequences, before CP cuts them)
         micro_batches, sharded = self.local_sequences(micro_batches)
         n_targets = self.global_targets(micro_batches)
         loss_sum = torch.zeros((), device=self.dist.device)
@@ -77,7 +82,7 @@ class Layout:
         with precision.step(self.module), sharded, self.moe_step(len(micro_batches)):
             for i, (x, y) in enumerate(micro_batches):
                 with self.micro_batch_context(i == last):
-                    nll = self.nll_sum(x, y, precision)
+                    nll = self.nll_sum(x, y, precision, **docs[i])
                     precision.backward(normalise(nll, n_targets, self.dp))
                     loss_sum += self.local_value(normalise(nll.detach(), n_targets))
         return self.dp_sum(loss_sum)
@@ -115,17 +120,23 @@ class Layout:
 
         return resolve_loss_chunk(self.cfg, self.dist.device.type, precision.name)
 
-    def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision) -> torch.Tensor:
+    def nll_sum(self, x: torch.Tensor, y: torch.Tensor, precision, **docs: torch.Tensor) -> torch.Tensor:
         """Summed token NLL (fp32) of one micro-batch. train.loss_chunk (`loss_chunk`): fused with the
         output projection inside the model's forward, chunk by chunk (no [B, T, vocab] logits). Under
-        train.compile = model the forward and its loss (chunked or plain) run as one compiled graph."""
+        train.compile = model the forward and its loss (chunked or plain) run as one compiled graph.
+        `docs`: the micro-batch's `document_inputs`."""
         if self.compiled_nll is not None:
             if self.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with precision.training_forward():
-                return self.compiled_nll(x, y, self.loss_chunk(precision))
+                return self.compiled_nll(x, y, self.loss_chunk(precision), **docs)
         return model_nll_sum(self.module, x, y, self.loss_chunk(precision), precision.training_forward,
-                             targets_in_forward=self.cfg.model.mtp_depth > 0)  # (MTP: lmforge.model.mtp)
+                             targets_in_forward=self.cfg.model.mtp_depth > 0, **docs)  # (MTP: lmforge.model.mtp)
+
+    def document_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's document arguments for whole sequences x (lmforge.model.documents; none under
+        causal attention)."""
+        return document_inputs(self.documents, x)
 
     def compile_model(self, mode: str | None) -> None:
         """train.compile = model: the training forward with its loss inside (`Transformer.forward`'s
@@ -134,8 +145,8 @@ class Layout:
         sampling (`inference_model`) stay eager: they run other shapes (KV caches grow per token)."""
         module = self.module
 
-        def forward_with_loss(x: torch.Tensor, y: torch.Tensor, loss_chunk: int) -> torch.Tensor:
-            return module(x, targets=y, loss_chunk=loss_chunk)
+        def forward_with_loss(x: torch.Tensor, y: torch.Tensor, loss_chunk: int, **docs: torch.Tensor) -> torch.Tensor:
+            return module(x, targets=y, loss_chunk=loss_chunk, **docs)
 
         # fullgraph (an error, not a silent graph break) for the model alone; DDP's wrapper leaves
         # torch.compile its breaks (at the buckets)

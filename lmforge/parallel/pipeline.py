@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import Config
-from lmforge.model.layers import KVCache, rope_rows, token_positions
+from lmforge.model.layers import KVCache, attention_mask, local_positions, rope_rows, token_positions
 from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.formulas import PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_rank
@@ -100,20 +100,25 @@ class StageChunk(nn.Module):
         self.lm_head = model.lm_head if last else None
         self._model = [model]  # (not a submodule) its RoPE tables, read at each forward: made after materialising
 
-    def forward(self, x: torch.Tensor, kv_caches: list[KVCache] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_caches: list[KVCache] | None = None, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """A stage's forward; `kv_caches` (sampling, lmforge.parallel.inference): one per layer of the
-        whole model, this stage's blocks use theirs."""
+        whole model, this stage's blocks use theirs. `doc_ids` / `positions` (data.attention =
+        "document", as `Transformer.forward` takes them): every stage receives its micro-batch's, the
+        schedule's keyword arguments, so each builds the document mask of its own blocks."""
         model = self._model[0]
         caches = [kv_caches[int(name)] for name in self.blocks] if kv_caches else [None] * len(self.blocks)
+        positions = local_positions(positions)
         if self.tok_emb is not None:
             h = self.tok_emb(x)
             if self.pos_emb is not None:
                 start = caches[0].length if caches[0] is not None else 0
-                h = h + self.pos_emb(token_positions(start, x.shape[1], x.device))
+                h = h + self.pos_emb(token_positions(start, x.shape[1], x.device) if positions is None else positions)
             x = self.emb_dropout(h)
-        rope = rope_rows((model.rope_cos, model.rope_sin)) if model.cfg.pos_emb == "rope" else None
+        rope = rope_rows((model.rope_cos, model.rope_sin), positions) if model.cfg.pos_emb == "rope" else None
+        mask = attention_mask(doc_ids, model.cfg.sliding_window, model.cfg.dropout if self.training else 0.0)
         for block, cache in zip(self.blocks.values(), caches):
-            x = block(x, rope, cache)
+            x = block(x, rope, cache, mask=mask)
         if self.lm_head is not None:
             x = self.lm_head(model.scale_output(self.norm(x)))  # (μP's logits multiplier)
         return x
@@ -158,6 +163,7 @@ class Pipelined(ShardedLayout):
         the same value on every rank. One autocast context (none in bf16-pure) and `precision.step` span the schedule, so
         each weight is cast to 16 bits once per step however many micro-batches are in flight."""
         assert len(micro_batches) == self.microbatches, (len(micro_batches), self.microbatches)
+        docs = self.document_inputs(torch.cat([mb[0] for mb in micro_batches]))  # (whole sequences: before CP cuts)
         micro_batches, sharded = self.local_sequences(micro_batches)  # (context parallel: this rank's chunks)
         self._n_targets = self.global_targets(micro_batches)
         losses: list[torch.Tensor] = []  # the schedule's per-micro-batch loss_fn outputs (last stage)
@@ -165,12 +171,13 @@ class Pipelined(ShardedLayout):
         y = torch.cat([mb[1] for mb in micro_batches])
         with loss_parallel_context(self.cfg.parallel.tp), precision.step(*self.chunks), precision.training_forward(), sharded, \
                 self.moe_step(len(micro_batches)):
+            # (the document ids reach every stage: keyword arguments of the schedule, split like x)
             if self.first:
-                self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None)
+                self.schedule.step(x, target=y if self.last else None, losses=losses if self.last else None, **docs)
             elif self.last:
-                self.schedule.step(target=y, losses=losses)
+                self.schedule.step(target=y, losses=losses, **docs)
             else:
-                self.schedule.step()
+                self.schedule.step(**docs)
         total = torch.zeros((), device=self.dist.device)
         if self.last:
             for loss in losses:  # (not counted inside loss_fn: the first step also runs it for shape inference)

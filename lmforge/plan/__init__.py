@@ -8,7 +8,8 @@ Nothing here imports torch. Modules:
             in one of CONVENTIONS: "lmforge" (what lmforge allocates), "megatron" (Megatron-LM's
             estimator: 18 B/param, its activation formula), "zero-paper" (the ZeRO paper's 16 B/param);
             its parts: conventions, params (param_specs), model_states (model_state_bytes_per_param),
-            activations (activation_bytes_per_layer), loss_memory, buffers
+            activations (activation_bytes_per_layer), loss_memory, buffers, documents (the document
+            mask of data.attention = "document": its memory and attention time by kernel)
   op_time   op_times: one rank's step per op kind (matmul, attention, elementwise, loss, casts,
             optimizer, host gaps), the constants from hardware's Calibration (fitted on an H100)
   flops     flops_per_token, estimate_step -> StepEstimate (op times + bubble + communication; MFU

@@ -35,7 +35,8 @@ from lmforge.plan.flops import config_train_tokens, estimate_step
 from lmforge.plan.hardware import load_devices, parse_cluster
 from lmforge.config.rules import pipeline_micro_batches
 from lmforge.plan.conventions import CONVENTIONS
-from lmforge.plan.layout import Layout, planned_compile, planned_loss_chunk
+from lmforge.plan.documents import corpus_document_tokens, prepared_train_dir
+from lmforge.plan.layout import Layout, planned_compile, planned_documents, planned_loss_chunk
 from lmforge.plan.loss_prediction import loss_lines, predict_loss
 from lmforge.plan.memory import estimate_memory
 from lmforge.plan.micro_batch import AUTO_HEADROOM, largest_fitting
@@ -186,6 +187,10 @@ def _default_layout(cfg, cluster, seq_sequences: int, precision: str, layout_tex
         given.loss_chunk = planned_loss_chunk(cfg, precision, given.tp, given.pp)
     if "compile" not in explicit:  # train.compile as lmforge resolves it on CUDA under this tp
         given.compile = planned_compile(cfg, given.tp, given.pp, given.pp_schedule)
+    if "documents" not in explicit:  # data.attention = "document" and its kernel on CUDA (lmforge.plan.documents)
+        given.documents = planned_documents(cfg)
+    if "doc_tokens" not in explicit and given.documents != "none":
+        given.doc_tokens = corpus_document_tokens(cfg)
     given.validate(cfg.model, seq_len)  # values, then vs. the model
     model_ranks = given.cp * given.tp * given.pp  # the GPUs that one data-parallel replica spans
     if not ({"dp"} & explicit):
@@ -215,6 +220,23 @@ def _default_layout(cfg, cluster, seq_sequences: int, precision: str, layout_tex
                              f"{given.micro_batch} x dp {given.dp}; change --global-batch-tokens or mb=")
         given.grad_accum = seq_sequences // per
     return given, notes
+
+
+def data_plan(cfg) -> tuple[list[str], list[str]]:
+    """The run header's lines about the data (lmforge.data.mixture.plan_for_config): the tokens each
+    source gives each stage of data.stages and every source's epochs, and the warnings of sources
+    repeated beyond data.max_epochs; none where data.corpus is not a prepared mixture folder."""
+    train = prepared_train_dir(cfg)
+    if train is None:
+        return [], []
+    from lmforge.data.mixture import plan_for_config
+
+    rampup = None
+    if cfg.schedule.batch_rampup_start:  # (torch only then: the trainer's BatchRampup)
+        from lmforge.optim.schedules import config_batch_rampup
+
+        rampup = config_batch_rampup(cfg)
+    return plan_for_config(cfg, train, rampup.batch_at if rampup else None)
 
 
 def _inherit_reduce_every(cfg, given: Layout, typed: set[str], notes: list[str]) -> None:
@@ -295,6 +317,7 @@ def plan_main(argv: list[str]) -> int:
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
                              price_per_gpu_hour=args.price, flops_convention=args.flops, ideal=args.ideal,
                              convention=fit_convention, optimizer=optimizer)
+        data_lines, data_warnings = data_plan(cfg)
         loss = None if args.loss is None else predict_loss(args.loss, cfg, train_tokens)
         cands = None
         if args.search:
@@ -311,7 +334,8 @@ def plan_main(argv: list[str]) -> int:
                   "global_batch_tokens": batch_tokens, "optimizer": optimizer, "precision": precision,
                   "layout": layout.to_dict(), "usable_fraction": args.usable, "conventions": list(conventions),
                   "memory": {m.convention: m.as_dict() | {"fits": m.total <= budget} for m in mems},
-                  "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal, "notes": notes}
+                  "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal, "notes": notes,
+                  "data": data_lines, "data_warnings": data_warnings}
         if loss is not None:
             report["loss"] = loss
         if cands is not None:
@@ -334,6 +358,10 @@ def plan_main(argv: list[str]) -> int:
     print(f"lmforge plan: {cfg.preset} on {cluster} ({cluster.world_size} GPUs), layout {layout.short()}")
     for note in notes:
         print(f"  note: {note}")
+    for line in data_lines:
+        print(f"  {line}")
+    for line in data_warnings:
+        print(f"  warning: {line}")
     print()
     print(memory_table(mems, cluster.device.memory_bytes, args.usable))
     print()

@@ -9,11 +9,12 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.config.base import divisors
-from lmforge.config.rules import resolve_compile, resolve_loss_chunk
+from lmforge.config.rules import document_kernel_rule, resolve_compile, resolve_loss_chunk
 from lmforge.parallel.formulas import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 
 AC_MODES = ("none", "full", "every_k", "selective")
+DOCUMENT_MASKS = ("none", "flex", "sdpa")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "bf16-pure")
 
 
@@ -46,6 +47,10 @@ class Layout:
     #                               F.cross_entropy, N = the head fused with the loss over N-token chunks
     compile: bool = True          # train.compile as resolved (`planned_compile`): per-block torch.compile
     ema: bool = False             # an fp32 EMA of the weights (train.ema_decay > 0), held like the weights
+    documents: str = "none"       # data.attention = "document" and its kernel (`planned_documents`): none (causal) |
+    #                               flex (FlexAttention's block mask) | sdpa (a dense boolean mask; lmforge.plan.documents)
+    doc_tokens: int = 0           # mean tokens per document of the corpus (0 = not known), for the document
+    #                               mask's attention work under flex
 
     @property
     def world_size(self) -> int:
@@ -99,6 +104,10 @@ class Layout:
             raise ValueError(f"layout loss_chunk = {self.loss_chunk} needs tp = pp = 1 (lmforge runs the chunked "
                              f"loss only there, as train.loss_chunk does); set loss_chunk=0 with tp = {self.tp}, "
                              f"pp = {self.pp}")
+        if self.documents not in DOCUMENT_MASKS:
+            raise ValueError(f"layout documents = {self.documents!r} is not one of {', '.join(DOCUMENT_MASKS)}")
+        if not isinstance(self.doc_tokens, int) or self.doc_tokens < 0:
+            raise ValueError(f"layout doc_tokens = {self.doc_tokens!r} must be an integer >= 0 (0 = not known)")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"layout zero = {self.zero!r} must be 0, 1, 2 or 3")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -171,6 +180,8 @@ class Layout:
             s += ",compile=0"
         if self.ema:
             s += ",ema=1"
+        if self.documents != "none":
+            s += f",documents={self.documents}" + (f",doc_tokens={self.doc_tokens}" if self.doc_tokens else "")
         return s
 
     _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
@@ -180,12 +191,13 @@ class Layout:
              "ac_every": "ac_every", "offload": "cpu_offload", "cpu_offload": "cpu_offload",
              "precision": "precision", "dtype": "precision", "reduce_every": "fsdp_reduce_every_micro_batch",
              "fsdp_reduce_every_micro_batch": "fsdp_reduce_every_micro_batch", "ep": "ep",
-             "loss_chunk": "loss_chunk", "compile": "compile", "ema": "ema"}
+             "loss_chunk": "loss_chunk", "compile": "compile", "ema": "ema", "documents": "documents",
+             "doc_tokens": "doc_tokens"}
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
         """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
-        ac_every offload precision reduce_every ep loss_chunk compile ema); unknown keys or bad values raise
+        ac_every offload precision reduce_every ep loss_chunk compile ema documents doc_tokens); unknown keys or bad values raise
         ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
         for item in filter(None, (p.strip() for p in (text or "").split(","))):
@@ -199,7 +211,7 @@ class Layout:
                 if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
                     raise ValueError(f"layout {key} = {value!r} must be 0/1/true/false")
                 kw[field_name] = value.lower() in ("1", "true", "yes")
-            elif field_name in ("pp_schedule", "ac", "precision"):
+            elif field_name in ("pp_schedule", "ac", "precision", "documents"):
                 kw[field_name] = value.lower()
             else:
                 try:
@@ -227,3 +239,12 @@ def planned_compile(config, tp: int = 1, pp: int = 1, pp_schedule: str = "1f1b")
     cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tp=tp, pp=pp,
                                                                    pp_schedule=pp_schedule))
     return bool(resolve_compile(cfg, "cuda", gpu_compiles=True)[0])
+
+
+def planned_documents(config, device_type: str = "cuda") -> str:
+    """`Layout.documents` for a run of `config` on `device_type` (the planner's GPUs: CUDA with Triton,
+    as `planned_compile` assumes): "none" under causal attention, else the document mask's kernel as
+    lmforge chooses it (`lmforge.config.rules.document_kernel_rule`: FlexAttention without dropout)."""
+    if config.data.attention != "document":
+        return "none"
+    return document_kernel_rule(device_type, config.model.dropout, flex_runs=device_type == "cuda")

@@ -160,6 +160,12 @@ tests/test_parallel_cp.py, reproduced in tests/test_plan_cp.py). The CP ranks ho
 parameters and average gradients with the data-parallel ones, so ZeRO / FSDP shard over dp x cp
 (Megatron's distributed optimizer shards over its dp x cp group too).
 
+Document masking (`Layout.documents`, data.attention = "document"; lmforge convention only):
+lmforge.plan.documents. The dense SDPA mask (B T^2 bytes per micro-batch in flight) and, per block
+whose attention is not recomputed, SDPA's additive copy of it saved for backward (a B T^2, a the
+attention dtype's bytes; under CP each rank's (2cp + 1) c^2 pairs); FlexAttention's block mask is a
+few int32 tensors of blocks. Byte-exact against SDPA's saved tensors on CPU (tests/test_plan_documents.py).
+
 Common to all: tied embeddings count once (a pipeline's last stage keeps its own copy of a tied
 embedding, as Megatron does); TP shards q/k/v/gate/up/fc by rows (dim 0, biases too),
 wo/down/proj by columns (dim 1, bias replicated), the embedding and output head by vocabulary
@@ -180,6 +186,7 @@ from lmforge.plan.activations import (activation_bytes_per_layer, checkpointed_l
                                       micro_batches_in_flight, outside_blocks)
 from lmforge.plan.buffers import literature_buffers, lmforge_buffers, phase_peaks
 from lmforge.plan.conventions import COMPONENTS, CONVENTIONS, MEGATRON_ALLOWANCE, MODEL_STATES, check_convention
+from lmforge.plan.documents import document_bias_bytes_per_layer, document_mask_bytes
 from lmforge.plan.layout import Layout, planned_loss_chunk
 from lmforge.plan.loss_memory import lmforge_loss_bytes
 from lmforge.plan.model_states import lmforge_state_bytes, model_state_bytes_per_param, normalise_optimizer, stage_states
@@ -290,10 +297,18 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
         blocks = layers * per_layer(None)
     extras = outside_blocks(cfg, layout, seq_len, convention, stage)
     in_flight = micro_batches_in_flight(layout, stage)
+    if convention == "lmforge" and layout.documents != "none":  # data.attention = "document" (plan/documents.py)
+        # SDPA's additive copy of the mask, saved by each block whose attention is not recomputed
+        saving = layers - n_ckpt if layout.ac in ("full", "every_k") else layers
+        detail["document_mask_bias"] = in_flight * saving * document_bias_bytes_per_layer(layout, seq_len)
+        detail["document_mask"] = in_flight * document_mask_bytes(layout, seq_len)
+        blocks += saving * document_bias_bytes_per_layer(layout, seq_len)
+        extras["document_mask"] = document_mask_bytes(layout, seq_len)
     # the head's activations: one micro-batch's (1F1B runs its backward at once), but all of GPipe's, and
     # a zero-bubble schedule keeps every micro-batch's graph until its weight-gradient pass
     last_in_flight = in_flight if layout.pp > 1 and (layout.pp_schedule == "gpipe" or layout.split_backward) else 1.0
-    comp["activations"] = (in_flight * (blocks + extras.get("embedding", 0.0) + extras.get("positions", 0.0))
+    comp["activations"] = (in_flight * (blocks + extras.get("embedding", 0.0) + extras.get("positions", 0.0)
+                                        + extras.get("document_mask", 0.0))
                            + last_in_flight * extras.get("output", 0.0))
     detail["activations_blocks"] = in_flight * blocks
     detail["activations_outside_blocks"] = comp["activations"] - detail["activations_blocks"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmforge.config.rules import resolve_loss_chunk, valid_micro_batches
-from lmforge.plan.layout import Layout
+from lmforge.plan.layout import Layout, planned_documents
 from lmforge.plan.memory import estimate_memory
 
 AUTO_HEADROOM = 0.85
@@ -51,7 +51,8 @@ def layout_for_config(config, precision: str, device_type: str, micro_batch: int
                   micro_batch=micro_batch, grad_accum=accum, ac=t.activation_checkpoint, ac_every=t.ac_every,
                   cpu_offload=p.cpu_offload, precision=precision,
                   fsdp_reduce_every_micro_batch=p.fsdp_reduce_every_micro_batch, ep=p.ep,
-                  loss_chunk=resolve_loss_chunk(config, device_type, precision), ema=t.ema_decay > 0)
+                  loss_chunk=resolve_loss_chunk(config, device_type, precision), ema=t.ema_decay > 0,
+                  documents=planned_documents(config, device_type))
 
 
 def largest_fitting(sizes: list[int], layout_at, model_cfg, optimizer: str, seq_len: int, budget: float | None

@@ -67,6 +67,7 @@ from lmforge.config import ModelConfig
 from lmforge.model.accounting import mlp_activation_width
 from lmforge.parallel.formulas import recomputed_layers
 from lmforge.plan.hardware import Device, Rates
+from lmforge.plan.documents import attention_work_factor, bias_pass_bytes
 from lmforge.plan.layout import Layout
 from lmforge.plan.params import stage_specs, tp_shape
 
@@ -263,10 +264,15 @@ def _attention(cfg: ModelConfig, layout: Layout, rates: Rates, seq_len: int, tok
     FLOPs per token forward and 8 h s backward, this rank's heads (/ t) and tokens (s / cp each)."""
     m, layers = layout.grad_accum, cfg.n_layers // layout.pp
     width = cfg.n_heads * cfg.head_dim / layout.tp
-    fwd = 4 * width * seq_len * tokens / rates.attention_flops
+    # (data.attention = "document": the masked kernels' work against the causal ones, lmforge.plan.documents)
+    fwd = 4 * width * seq_len * tokens / rates.attention_flops * attention_work_factor(layout, seq_len)
     recomputed = recomputed_layers(layout.ac, layers, layout.ac_every) if layout.ac != "selective" else 0
-    return [KernelGroup("attention", "attention forward", m * (layers + recomputed), fwd),
-            KernelGroup("attention", "attention backward", m * layers, 2 * fwd)]
+    groups = [KernelGroup("attention", "attention forward", m * (layers + recomputed), fwd),
+              KernelGroup("attention", "attention backward", m * layers, 2 * fwd)]
+    if bias_pass_bytes(layout, seq_len):  # SDPA's additive copy of the document mask, each layer
+        groups.append(KernelGroup("elementwise", "document mask (SDPA's additive copy)", m * (layers + recomputed),
+                                  bias_pass_bytes(layout, seq_len) / rates.elementwise_bps))
+    return groups
 
 
 def loss_bytes_per_logit(layout: Layout, chunk_loss_compiled: bool) -> float:

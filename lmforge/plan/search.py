@@ -45,7 +45,8 @@ from lmforge.parallel.formulas import SPLIT_BACKWARD
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
 from lmforge.plan.conventions import check_convention
-from lmforge.plan.layout import Layout, planned_compile, planned_loss_chunk
+from lmforge.plan.documents import corpus_document_tokens
+from lmforge.plan.layout import Layout, planned_compile, planned_documents, planned_loss_chunk
 from lmforge.plan.memory import MemoryBreakdown, estimate_memory
 
 SIMPLER_MARGIN = 0.03
@@ -308,8 +309,11 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
     layouts = enumerate_layouts(model_cfg, cluster, global_batch, precision=precision, seq_len=seq_len, **enum_kw)
     run = config if config is not None else Config(model=model_cfg)
     compiles = {tp: planned_compile(run, tp) for tp in {lay.tp for lay in layouts}}
+    documents = planned_documents(run)  # data.attention = "document": its kernel, the corpus' documents
+    doc_tokens = corpus_document_tokens(run) if documents != "none" else 0
     for lay in layouts:  # train.compile as the run resolves it on CUDA (auto: off for MoE, under ZB)
         lay.compile = compiles[lay.tp] and not lay.split_backward
+        lay.documents, lay.doc_tokens = documents, doc_tokens
     if not layouts:
         raise ValueError(f"no layout of {cluster.world_size} GPUs divides the global batch of {global_batch} "
                          f"sequences; use a multiple of the GPU count")

@@ -12,8 +12,9 @@ from pathlib import Path
 from lmforge.folders import METRICS
 from lmforge.train.metrics import TASK_PREFIX, split_metrics, task_metrics
 
-# (expert_load: Mixture-of-Experts runs only; tasks: runs with train.eval_tasks)
-PLOTS = ("loss", "lr", "grad_norm", "throughput", "expert_load", "tasks")
+# (expert_load: Mixture-of-Experts runs only; val_sources: runs validated per source of a prepared
+# mixture; tasks: runs with train.eval_tasks)
+PLOTS = ("loss", "lr", "grad_norm", "throughput", "expert_load", "val_sources", "tasks")
 
 
 
@@ -164,6 +165,18 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
     save(fig, ax, "throughput", *twins)
     if any(_moe_layers(data[d][0]) for d in run_dirs):
         plot_expert_load(plt, run_dirs, data, colors, out_dir, paths)
+    if any(_val_sources(data[d][1]) for d in run_dirs):
+        fig, ax = figure("validation loss per source (the mix's thick)", "cross-entropy (nats/token)")
+        styles = ["--", ":", "-.", (0, (5, 1)), (0, (1, 3))]
+        for i, d in enumerate(run_dirs):
+            val, c, label = data[d][1], colors[i % len(colors)], run_label(d, run_dirs)
+            xs, ys = _finite([r["step"] for r in val], [r["val_loss"] for r in val])
+            ax.plot(xs, ys, color=c, lw=2.5, marker="o", ms=4, label=f"{label} mix")
+            for j, source in enumerate(_val_sources(val)):
+                xs, ys = _finite([r["step"] for r in val], [r.get(f"val_loss/{source}") for r in val])
+                ax.plot(xs, ys, color=c if not single else colors[(j + 1) % len(colors)], lw=1.2,
+                        ls=styles[j % len(styles)], marker=".", label=f"{label} {source}")
+        save(fig, ax, "val_sources")
     tasks = {d: load_task_metrics(d) for d in run_dirs}
     if any(tasks.values()):
         fig, ax = figure("downstream tasks: accuracy (solid), byte-normalised (dashed), chance (dotted)", "accuracy")
@@ -179,6 +192,11 @@ def plot_runs(run_dirs: list[Path], out_dir: Path) -> dict[str, Path]:
                             label=label if metric == "acc" else None)
         save(fig, ax, "tasks")
     return paths
+
+
+def _val_sources(val: list[dict]) -> list[str]:
+    """The sources a run validated on their own (`val_loss/<source>` keys: lmforge.train.validation)."""
+    return sorted({k.split("/", 1)[1] for r in val for k in r if k.startswith("val_loss/")})
 
 
 def _moe_layers(train: list[dict]) -> list[str]:

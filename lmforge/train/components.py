@@ -4,6 +4,7 @@ LoRA adapters, FP8 linears)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -13,14 +14,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.config import Config
+from lmforge.config import Config, ConfigError, ScheduleConfig
 from lmforge.data.loader import PackedLoader, open_tokens
+from lmforge.data.mixture import MixStage, configured_stages, stage_start_samples, stage_starts
+from lmforge.data.mixture import stage_plan_lines as mixture_plan_lines
 from lmforge.data.prepare import PreparedData, load_prepared, prepare_default
 from lmforge.data.shards import TokenShards
 from lmforge.folders import PREPARE_RECORD
+from lmforge.model.documents import DocumentAttention
 from lmforge.model.init import init_source
 from lmforge.model.materialise import Source
 from lmforge.model.transformer import Transformer
+from lmforge.optim.schedules import config_batch_rampup
 
 log = logging.getLogger("lmforge.train")
 
@@ -70,9 +75,11 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
                 f"{cfg.model.vocab_size}: they were written with a larger vocabulary or are corrupt; re-run "
                 f"`lmforge prepare` (data.verify_checksums = 'always' re-hashes every shard at start-up), or raise "
                 f"model.vocab_size.")
-    loader = PackedLoader(train_shards, cfg.data.seq_len, t.micro_batch_size, seed=t.seed, rank=dp_rank,
-                          world_size=dp_size, mask_doc_boundaries=cfg.data.mask_doc_boundaries,
-                          eos_id=data.tokenizer.eos_id)
+    d = cfg.data
+    loader = PackedLoader(train_shards, d.seq_len, t.micro_batch_size, seed=t.seed, rank=dp_rank,
+                          world_size=dp_size, mask_doc_boundaries=d.mask_doc_boundaries,
+                          eos_id=data.tokenizer.eos_id, packing=d.packing, packing_buffer=d.packing_buffer,
+                          stages=mix_stages(cfg, train_shards))
     val_instruct = None
     if ft.data:  # supervised fine-tuning: prompt/response rows, loss on the response only
         from lmforge.data.instruct import InstructLoader
@@ -85,6 +92,58 @@ def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -
             val_instruct = InstructLoader(ft.val_data or ft.data, seed=0, holdout=holdout, split="val",
                                           **{**sft, "rank": 0, "world_size": 1})
     return Loaders(train_shards, val_shards, loader, val_instruct)
+
+
+def mix_stages(cfg: Config, train_shards) -> list[MixStage]:
+    """data.stages as the loader runs them (lmforge.data.mixture.configured_stages), each stage's first
+    global sample through the batch schedule (ramp-up included). An unknown source is a ConfigError,
+    raised before any model is built."""
+    names = list(getattr(train_shards, "names", None) or [""])
+    prepared = list(getattr(train_shards, "weights", None) or [1.0])
+    rampup = config_batch_rampup(cfg)
+    starts = stage_start_samples(stage_starts(cfg.data.stages), cfg.train.global_batch_size,
+                                 rampup.batch_at if rampup else None, cfg.data.seq_len)
+    return configured_stages(cfg.data.stages, names, prepared, starts)
+
+
+def stage_schedule(cfg: Config) -> ScheduleConfig:
+    """schedule.* with data.stages' learning-rate hook: a stage with lr_decay = true starts the WSD decay
+    at its start_step (the decay then spans the rest of the run)."""
+    steps = cfg.train.steps
+    decay = [st for st in cfg.data.stages if st.lr_decay and st.start_step < steps]
+    if not decay:
+        return cfg.schedule
+    return dataclasses.replace(cfg.schedule, decay_fraction=(steps - decay[0].start_step) / steps)
+
+
+def stage_plan_lines(cfg: Config, train_shards) -> tuple[list[str], list[str]]:
+    """The run header's lines about data.stages over the sources of `train_shards`, and its warnings
+    (lmforge.data.mixture.stage_plan_lines; `lmforge plan`: lmforge.data.mixture.plan_for_config)."""
+    rampup = config_batch_rampup(cfg)
+    end = stage_start_samples([cfg.train.steps], cfg.train.global_batch_size, rampup.batch_at if rampup else None,
+                              cfg.data.seq_len)[0]
+    sources = list(getattr(train_shards, "shards", None) or [train_shards])
+    return mixture_plan_lines(mix_stages(cfg, train_shards), list(getattr(train_shards, "names", None) or [""]),
+                              [len(st) for st in sources], cfg.train.steps, end, cfg.data.seq_len,
+                              cfg.data.max_epochs)
+
+
+def document_attention(cfg: Config, eos_id: int | None, train_shards) -> DocumentAttention | None:
+    """data.attention = "document" for this corpus (lmforge.model.documents), checked before any model is
+    built: documents end at the tokenizer's end-of-document id, which the corpus must have, and it must
+    hold more than one document; None for causal attention."""
+    d = cfg.data
+    if d.attention != "document":
+        return None
+    if eos_id is None:
+        raise ConfigError(f"data.attention = 'document' needs document boundaries, but the tokenizer of "
+                          f"data.corpus = {d.corpus!r} has no end-of-document token; prepare the corpus with an "
+                          f"eos_token (lmforge prepare) or set data.attention = 'causal'.")
+    counts = [s.manifest.get("meta", {}).get("documents") for s in getattr(train_shards, "shards", [train_shards])]
+    if all(isinstance(n, int) for n in counts) and sum(counts) <= 1:
+        raise ConfigError(f"data.attention = 'document': data.corpus = {d.corpus!r} holds a single document, so "
+                          f"there are no document boundaries to mask; set data.attention = 'causal'.")
+    return DocumentAttention(eos_id, restart_positions=d.document_positions == "restart")
 
 
 def build_training_model(cfg: Config, device: torch.device) -> tuple[Transformer, Source]:

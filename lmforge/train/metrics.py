@@ -27,7 +27,8 @@ Fields:
 | `window_elapsed_s` | s        | wall time from the first step's start to the window's end (excludes the initial eval) |
 
 Validation records: `{"step", "val_loss", "val_perplexity"}` at step 0 (before training), every
-`train.eval_every` steps and at the end; with train.ema_decay also `val_loss_ema` and
+`train.eval_every` steps and at the end; a prepared mixture of several sources adds `val_loss/<source>`,
+each source's held-out loss (lmforge.train.validation); with train.ema_decay also `val_loss_ema` and
 `val_perplexity_ema`, the same validation of the EMA of the weights (lmforge.train.ema), once it has
 started. Task records (train.eval_tasks, lmforge.train.eval_tasks): `{"step", "task/<name>/acc",
 "task/<name>/acc_norm", "task/<name>/n", "task/<name>/chance", "eval_tasks_s"}`. Event records: `{"step", "event", "message", ...}` for health signals:
@@ -36,7 +37,7 @@ started. Task records (train.eval_tasks, lmforge.train.eval_tasks): `{"step", "t
 `train.grad_growth_factor` x the lowest such median of the run, and still rising).
 
 TensorBoard (`tb/` in the run folder) gets the same numbers as scalars `train/<field>`,
-`val/loss`, `val/perplexity` (`val/loss_ema`, ...), `tasks/<name>/acc`, ..., flushed at every log line; W&B (offline mode) gets the same dicts.
+`val/loss`, `val/perplexity`, `val/loss/<source>` (`val/loss_ema`, ...), `tasks/<name>/acc`, ..., flushed at every log line; W&B (offline mode) gets the same dicts.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ TRAIN_FIELDS: dict[str, str] = {
 }
 VAL_FIELDS: dict[str, str] = {"step": "step of the evaluation", "val_loss": "validation loss (nats/token)",
                               "val_perplexity": "exp(val_loss)",
+                              "val_loss/<source>": "one source's validation loss (a prepared mixture of several)",
                               "val_loss_ema": "validation loss of the EMA of the weights (train.ema_decay)",
                               "val_perplexity_ema": "exp(val_loss_ema)"}
 TASK_PREFIX = "task/"  # task records' keys: task/<name>/<metric> (lmforge.train.eval_tasks)

@@ -37,21 +37,22 @@ from lmforge.ckpt.manager import CheckpointFailure, read_meta
 from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config, to_toml
 from lmforge.config.rules import check_resolved_precision
-from lmforge.data.loader import PackedLoader
 from lmforge.data.prefetch import Prefetcher
 from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
 from lmforge.eval.generate import generate_text
-from lmforge.eval.perplexity import evaluate_loss
 from lmforge.folders import (CONFIG, EMA_WEIGHTS, FAILED_RECORD, METRICS, PROFILE, REPORT, SAMPLE, SUMMARY, TOKENIZER,
                              WEIGHTS, atomic_path, atomic_write, new_run_id, read_failure, read_run_id, record_failure,
                              write_run_record)
+from lmforge.model.documents import describe_document_attention
 from lmforge.model.transformer import count_params, flops_per_token
 from lmforge.optim.optimizers import build_optimizer, schedule_lr
-from lmforge.optim.schedules import BatchRampup, build_scheduler
+from lmforge.optim.schedules import build_scheduler, config_batch_rampup
 from lmforge.parallel.layout import Layout
 from lmforge.parallel.mesh import destroy_distributed, folder_is_shared, init_distributed
 from lmforge.parallel.parallelize import parallelize
-from lmforge.train.components import build_loaders, build_training_model, cache_dir, prepare_data, seed_everything
+from lmforge.train.components import (build_loaders, build_training_model, cache_dir,
+                                      document_attention, prepare_data, seed_everything, stage_plan_lines,
+                                      stage_schedule)
 from lmforge.train.ema import WeightEMA
 from lmforge.train.eval_tasks import TaskEvaluator
 from lmforge.train.guard import SpikeGuard
@@ -65,6 +66,7 @@ from lmforge.train.profiler import StepProfiler, device_peak, format_flops
 from lmforge.train.progress import Progress, is_rank0
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
 from lmforge.train.stragglers import PhaseClock, StragglerMonitor
+from lmforge.train.validation import Validation
 from lmforge.train.watchdog import HangWatchdog
 
 log = logging.getLogger("lmforge.train")
@@ -173,6 +175,8 @@ class Trainer:
         loaders = build_loaders(cfg, self.data, self.dist.dp_rank, self.dist.dp_size)
         self.train_shards, self.val_shards = loaders.train_shards, loaders.val_shards
         self.loader, self.val_instruct = loaders.train, loaders.val_instruct
+        self.documents = document_attention(cfg, self.data.tokenizer.eos_id, self.train_shards)  # (data.attention)
+        self.validation = Validation(cfg, self.val_shards, self.val_instruct, self.documents, self.train_shards)
         if cfg.data.prefetch:  # the next micro-batches are drawn (CUDA: pinned) while the step runs
             self.loader = Prefetcher(self.loader, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
 
@@ -186,14 +190,10 @@ class Trainer:
         self.layout = self.build_layout(model, precision.name)
         self.model = self.layout.model
         self.optimizer = self.layout.prepare_optimizer(build_optimizer(cfg.optim, self.model))
-        self.scheduler = build_scheduler(cfg.schedule, self.optimizer, cfg.optim.lr, t.steps)
+        # (data.stages: a stage may start the WSD decay)
+        self.scheduler = build_scheduler(stage_schedule(cfg), self.optimizer, cfg.optim.lr, t.steps)
         self.precision = make_precision(precision.name, self.device)
-        s = cfg.schedule
-        self.rampup = None
-        if s.batch_rampup_start:
-            self.rampup = BatchRampup(s.batch_rampup_start, t.global_batch_size, s.batch_rampup_tokens,
-                                      s.batch_rampup_increment or t.micro_batch_size * cfg.parallel.dp,
-                                      cfg.data.seq_len)
+        self.rampup = config_batch_rampup(cfg)
 
         # operability: health signals, timers, profiler, the MFU peak (metrics open with the run folder)
         self.health = HealthMonitor(t.spike_threshold, t.health_window, t.grad_growth_factor)
@@ -306,7 +306,12 @@ class Trainer:
     def build_layout(self, model, precision: str) -> Layout:
         """The parallel layout the loop drives, with this rank's part of the model materialised
         (lmforge.parallel.parallelize)."""
-        return parallelize(model, self.cfg, self.dist, precision, self.weight_source)
+        layout = parallelize(model, self.cfg, self.dist, precision, self.weight_source)
+        layout.documents = self.documents  # (data.attention = "document": the layouts pass each batch's documents on)
+        log.info("%s", describe_document_attention(self.documents, self.device.type, self.cfg.model.dropout,
+                                                   self.cfg.train.micro_batch_size, self.cfg.data.seq_len,
+                                                   self.cfg.parallel.cp))
+        return layout
 
     def prepare_data(self):
         """The dataset, prepared (or read from its cache) by one rank first, then read by the others:
@@ -729,19 +734,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate_loss(self.layout.inference_model(), self.val_batches(), self.precision.autocast,
-                             self.device, loss_chunk=self.layout.loss_chunk(self.precision))
-
-    def val_batches(self):
-        """The first train.eval_sequences validation sequences, micro_batch_size at a time."""
-        n, b = self.cfg.train.eval_sequences, self.cfg.train.micro_batch_size
-        source = self.val_instruct if self.val_instruct is not None else PackedLoader(
-            self.val_shards, self.cfg.data.seq_len, b, seed=0)
-        done = 0
-        for x, y in source.iter_eval_batches(-(-n // b)):
-            take = min(len(x), n - done)
-            yield x[:take], y[:take]
-            done += take
+        """Validation of the model as it is now (lmforge.train.validation; every rank calls it)."""
+        return self.validation.evaluate(self.layout.inference_model(), self.precision.autocast, self.device,
+                                        loss_chunk=self.layout.loss_chunk(self.precision))
 
     def validate(self, progress: Progress | None = None) -> dict[str, float]:
         """Validation loss and perplexity, recorded in the metrics and shown. The run's first is kept
@@ -750,10 +745,9 @@ class Trainer:
         ema = self.ema.evaluate(self.evaluate) if self.ema is not None else {}  # (the EMA swapped in: val_loss_ema)
         if math.isnan(self.state.initial_val_loss) and self.state.step == 0:
             self.state.initial_val_loss = val["loss"]
-        self.metrics.write({"step": self.state.step, "val_loss": val["loss"], "val_perplexity": val["perplexity"],
-                            **ema})
+        self.metrics.write({"step": self.state.step, **self.validation.record(val), **ema})
         self.metrics.flush()
-        line = f"step {self.state.step}: val loss {val['loss']:.4f}, perplexity {val['perplexity']:.1f}"
+        line = self.validation.line(self.state.step, val)
         line += f"; EMA of the weights {ema['val_loss_ema']:.4f}" if ema else ""
         progress.write(line) if progress is not None else log.info("%s", line)
         return val
@@ -799,6 +793,11 @@ class Trainer:
             log.info("data: %s train tokens, %s val tokens, vocab %d; unigram entropy %.3f nats (a model that "
                      "learned nothing but token frequencies)", f"{len(self.train_shards):,}",
                      f"{len(self.val_shards):,}", self.data.tokenizer.vocab_size, self.entropy)
+            lines, warnings = stage_plan_lines(cfg, self.train_shards)  # (mixture stages: tokens per source, epochs)
+            for line in lines:
+                log.info("%s", line)
+            for line in warnings:
+                log.warning("%s", line)
         if not cfg.parallel.async_sgd:  # (the parameter server's updates are one micro-batch each: it says so)
             log.info("batch: %d sequences x %d tokens = %s tokens/step (micro-batch %d x %d accumulation); %s, "
                      "device %s, %d threads", t.global_batch_size, cfg.data.seq_len, f"{cfg.tokens_per_step:,}",
@@ -854,7 +853,7 @@ class Trainer:
         first_val = st.initial_val_loss if math.isfinite(st.initial_val_loss) else initial["loss"]
         final = self.evaluate()
         ema = self.ema.evaluate(self.evaluate) if self.ema is not None else {}
-        self.metrics.write({"step": st.step, "val_loss": final["loss"], "val_perplexity": final["perplexity"], **ema})
+        self.metrics.write({"step": st.step, **self.validation.record(final), **ema})
         baseline = "" if math.isnan(self.entropy) else f"; unigram entropy {self.entropy:.3f}"
         log.info("final: val loss %.4f (started at %.4f%s), perplexity %.1f, %s tokens in %s", final["loss"],
                  first_val, baseline, final["perplexity"], f"{st.tokens_seen:,}", format_duration(elapsed))
@@ -892,6 +891,8 @@ class Trainer:
             tokens_per_second=st.tokens_seen / max(elapsed, 1e-9), history=history)
         summary = {k: v for k, v in result.__dict__.items() if k != "history"}
         summary.update(self.operability_summary(history))
+        if final.get("sources"):  # (validation per source of a prepared mixture)
+            summary["val_loss_per_source"] = final["sources"]
         summary.update({**ema, **({"eval_tasks": tasks} if tasks else {})})
         summary.update(extra_summary or {})
         if is_rank0():

@@ -70,7 +70,9 @@ def scale_layout(layout: Layout) -> tuple[Layout, list[str]]:
     scaled = {"dp": dp, "cp": smallest_divisor(layout.cp), "tp": smallest_divisor(layout.tp),
               "pp": smallest_divisor(layout.pp), "ep": ep}
     notes = [f"{k} {getattr(layout, k)} -> {v}" for k, v in scaled.items() if v != getattr(layout, k)]
-    toy = dataclasses.replace(layout, **scaled, cpu_offload=False, compile=False, precision="fp32")
+    # (a document mask runs on SDPA's dense mask on the CPU: lmforge.plan.documents plans that kernel)
+    toy = dataclasses.replace(layout, **scaled, cpu_offload=False, compile=False, precision="fp32",
+                              documents="sdpa" if layout.documents != "none" else "none")
     if toy.world_size > MAX_PROCESSES:
         raise CannotEmulate(f"scaled down to dp x cp x tp x pp = {toy.dp} x {toy.cp} x {toy.tp} x {toy.pp} = "
                             f"{toy.world_size} processes, more than the {MAX_PROCESSES} the CPU emulation runs")
