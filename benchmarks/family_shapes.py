@@ -32,7 +32,6 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from lmforge.config import load_config  # noqa: E402
-from lmforge.eval.perplexity import evaluate_loss  # noqa: E402
 from lmforge.train.trainer import Trainer  # noqa: E402
 
 VOCAB = 8192  # the vocabulary at which train.loss_chunk = auto turns the chunked loss on
@@ -81,8 +80,8 @@ def one_family(name: str, args: argparse.Namespace, out: Path) -> dict:
     trainer = Trainer(load_config(preset, overrides(args)), out_dir=out)
     result = trainer.fit()
     chunk = trainer.layout.loss_chunk(trainer.precision)
-    plain = evaluate_loss(trainer.layout.inference_model(), trainer.val_batches(), trainer.precision.autocast,
-                          trainer.device, loss_chunk=0)["loss"]
+    plain = trainer.validation.evaluate(trainer.layout.inference_model(), trainer.precision.autocast, trainer.device,
+                                       loss_chunk=0)["loss"]
     diff = abs(result.val_loss - plain)
     tol = TOLERANCE.get(args.precision, TOLERANCE["bf16"])
     problems = []

@@ -76,8 +76,9 @@ def _single_thread():
 # The longest test files, longest first. CI runs the suite on two pytest-xdist workers, one file per
 # work unit in collection order (`--dist loadfile --no-loadscope-reorder` in pyproject.toml): starting
 # the files that take minutes first keeps one worker from being left with them at the end.
-LONGEST_FIRST = ("test_readme_commands.py", "test_gpu_suite.py", "test_e2e.py", "test_parallel_mp.py",
-                 "test_ckpt_fault.py", "test_parallel_dp.py", "test_parallel_cp.py", "test_parallel_optim.py")
+LONGEST_FIRST = ("test_readme_commands.py", "test_parallel_mp.py", "test_ckpt_fault.py", "test_parallel_ep.py",
+                 "test_parallel_dp.py", "test_optim_train.py", "test_e2e.py", "test_preempt.py", "test_gpu_suite.py",
+                 "test_parallel_optim.py", "test_parallel_cp.py")  # (2026-11-27's fresh-clone run's file totals)
 
 
 def pytest_collection_modifyitems(items):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.config import Config, ConfigError, to_toml
-from lmforge.folders import METRICS
+from lmforge.folders import CHECKPOINTS, METRICS
 from lmforge.plan.layout import Layout
 from lmforge.plan.memory import estimate_memory
 from lmforge.verify.toy import STEPS, CannotEmulate, Toy, describe, toy_run
@@ -103,7 +103,7 @@ def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
     single_cfg.write_text(to_toml(toy.reference))
     world = toy.world_size
     resume_world, resume_cfg = (1, single_cfg) if world > 1 else (2, _ddp_config(toy, work))
-    ckpt = work / "layout" / "checkpoints" / f"step_{STEPS // 2:08d}"
+    ckpt = work / "layout" / CHECKPOINTS / f"step_{STEPS // 2:08d}"  # (lmforge.ckpt.manager.step_name, without torch)
     t0 = time.perf_counter()
     layout_run = {"config": str(layout_cfg), "out": str(work / "layout")}
     runs = [{"config": str(single_cfg), "out": str(work / "single")}]
