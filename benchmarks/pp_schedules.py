@@ -13,7 +13,7 @@ the first `--skip`; a schedule's number is the median over its launches, and the
 The launches of the schedules are interleaved (all schedules once, then again), so a change of
 load on a shared machine spreads over all of them; the load average is printed before and after.
 
-Beside it: the planner's bubble fraction (`lmforge.parallel.formulas.pipeline_bubble`: F = B = W)
+Beside it: the planner's bubble fraction (`lmforge.spec.parallel.pipeline_bubble`: F = B = W)
 and the step time it implies relative to 1F1B, (1 - bubble_1f1b) / (1 - bubble), for the same work.
 On a machine with fewer cores than ranks the measured ratios understate the bubbles: an idle rank
 gives its core to a busy one. Nothing is asserted; RESULTS.md records a run.
@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lmforge.parallel.formulas import PP_SCHEDULES, pipeline_bubble  # noqa: E402
+from lmforge.spec.parallel import PP_SCHEDULES, pipeline_bubble  # noqa: E402
 
 PP, MICRO_BATCHES = 4, 8
 # schedule: (parallel.pp_schedule, parallel.pp_virtual_stages)

@@ -172,7 +172,7 @@ def test_final_weights_and_the_export_are_written_in_the_dtype_asked_for(small_d
     from safetensors.torch import load_file
 
     from lmforge.ckpt.export import load_run
-    from lmforge.interop.cli import export_main
+    from lmforge.cli.interop import export_main
     from lmforge.train.trainer import Trainer
 
     cfg = load_config("tiny", {**SMALL, "train.global_batch_size": 4, "train.micro_batch_size": 4, "train.steps": 2,
@@ -365,7 +365,7 @@ def test_every_optimizer_steps_the_fp32_masters_with_clipping_and_the_guard(smal
     gradient norm) and the spike guard on: the parameters stay fp32 `nn.Parameter`s and move, no
     optimizer state is 16-bit (the states are kept as in autocast: fp32, 8-bit Adam's quantised
     blocks), the reported gradient norm is finite and the guard accepts the steps; no GradScaler."""
-    from lmforge.optim.registry import OPTIMIZER_NAMES
+    from lmforge.spec.optimizers import OPTIMIZER_NAMES
     from lmforge.train.trainer import Trainer
     from tests.test_optim_train import LRS
 

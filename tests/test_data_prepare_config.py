@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.data.cli_prepare import prepare_main
+from lmforge.cli.prepare import prepare_main
 from lmforge.data.prepare_config import (PrepareConfig, SourceConfig, describe_prepare_config,
                                          load_prepare_config, prepare_config_from_dict)
 

@@ -189,9 +189,9 @@ def test_a_corpus_without_document_boundaries_is_refused(small_data):
 
 def test_lmforge_eval_perplexity_attends_within_documents_for_a_document_masked_run():
     """`lmforge eval`'s sliding-window perplexity of a run trained with data.attention = "document"
-    (lmforge.eval.cli_eval.run_documents) masks as training did: one window over a packed stream gives
+    (lmforge.cli.eval.run_documents) masks as training did: one window over a packed stream gives
     the masked forward's NLL, not the causal one."""
-    from lmforge.eval.cli_eval import run_documents
+    from lmforge.cli.eval import run_documents
     from lmforge.eval.perplexity import sliding_window_nll
     from lmforge.model.loss import model_nll_sum
 

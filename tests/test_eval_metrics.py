@@ -161,7 +161,7 @@ def test_eval_command_scores_a_large_vocabulary_with_the_chunked_loss(tmp_path, 
     loss (4096 tokens at a time: no [batch, window, vocab] logits), with the plain logits' result."""
     from safetensors.torch import save_file
 
-    import lmforge.eval.cli_eval as cli_eval
+    import lmforge.cli.eval as cli_eval
     import lmforge.eval.perplexity as perplexity
     from lmforge.config import load_config, to_toml
     from lmforge.folders import CONFIG, WEIGHTS

@@ -152,7 +152,7 @@ def test_eval_command_end_to_end(trained, tmp_path, capsys):
 def test_eval_defaults_to_the_runs_validation_shards(trained, tmp_path, monkeypatch, small_data):
     """Without --text/--data, perplexity covers the validation split the run's data config names."""
     from lmforge.data.shards import TokenShards
-    from lmforge.eval.cli_eval import EvalOptions, run_eval
+    from lmforge.cli.eval import EvalOptions, run_eval
     from lmforge.train import components
 
     tok, model = trained

@@ -104,7 +104,7 @@ PACKAGE = Path(folders.__file__).parent
 NAMES = {value for name, value in vars(folders).items() if name.isupper() and isinstance(value, str)}
 # (module, literal) -> why the literal there is not a file name
 ALLOWED = {
-    ("lmforge/cli.py", folders.REPORT): "the `lmforge report` subcommand's name",
+    ("lmforge/cli/__init__.py", folders.REPORT): "the `lmforge report` subcommand's name",
     ("lmforge/train/trainer.py", folders.CHECKPOINTS): "a key of summary.json (checkpoint statistics), not a path",
 }
 

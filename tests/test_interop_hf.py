@@ -233,7 +233,7 @@ def test_export_and_import_never_overwrite_what_they_should_not(tmp_path, capsys
     replaced only with --force."""
     import hashlib
 
-    from lmforge.interop.cli import export_main, import_main
+    from lmforge.cli.interop import export_main, import_main
     from tests.tiny_lm import MODEL, tiny_tokenizer, write_run
 
     run = write_run(tmp_path / "run", build_model(ModelConfig(**MODEL), seed=0), tiny_tokenizer())

@@ -50,7 +50,7 @@ def test_merge_is_the_weighted_average_and_records_it(trained, small_data, tmp_p
     c = checkpoint_weights(trained, 8)
     for name, t in load_file(str(last / "model.safetensors")).items():
         assert torch.equal(t, (a[name] * (1 / 3)).add_(c[name], alpha=1 / 3).add_(b[name], alpha=1 / 3)), name
-    from lmforge.eval.cli_eval import EvalOptions, run_eval
+    from lmforge.cli.eval import EvalOptions, run_eval
 
     assert run_eval(EvalOptions(str(last), data=str(small_data.val_dir), samples=0))["perplexity"]["loss"] > 0
 
@@ -92,7 +92,7 @@ def test_merge_streams_one_tensor_at_a_time(trained, tmp_path, monkeypatch):
 
 
 def test_merge_refuses_what_it_cannot_average(trained, small_data, tmp_path, capsys):
-    from lmforge.ckpt.cli_merge import merge_main
+    from lmforge.cli.merge import merge_main
 
     other = tmp_path / "other"  # another model: 32 wide
     run(small_data, other, **{**STEPS, "train.steps": 4, "model.dim": 32})

@@ -42,7 +42,7 @@ def test_moe_metrics_reach_metrics_jsonl_tensorboard_and_the_report(corpus, tmp_
     for name in ("max_load", "aux_loss", "dropped", "dropped_frac"):
         assert [e.step for e in acc.Scalars(f"train/moe/1/{name}")] == list(range(1, 7)), name
     assert (out / "report" / "expert_load.png").stat().st_size > 10_000
-    from lmforge.report.cli import report_main
+    from lmforge.cli.report import report_main
 
     assert report_main([str(out), "--out", str(tmp_path / "report")]) == 0  # the run report shows it too
     assert "<img src='expert_load.png'" in (tmp_path / "report" / "index.html").read_text()

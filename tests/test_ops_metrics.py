@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lmforge.config import load_config
-from lmforge.train.metrics import TRAIN_FIELDS, HealthMonitor, MetricsWriter, read_metrics, split_metrics
+from lmforge.report.records import split_metrics
+from lmforge.train.metrics import TRAIN_FIELDS, HealthMonitor, MetricsWriter, read_metrics
 from lmforge.train.profiler import catalogue_name, catalogue_peak, device_peak, parse_steps
 from lmforge.train.progress import Progress, format_line, is_rank0
 from lmforge.train.trainer import Trainer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.config import load_config
-from lmforge.report.cli import report_main
+from lmforge.cli.report import report_main
 from lmforge.train.trainer import Trainer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from lmforge.config import ConfigError
-from lmforge.sweep.cli import parse_grid, parse_range, parse_sweep_args, sweep_main
+from lmforge.cli.sweep import parse_grid, parse_range, parse_sweep_args, sweep_main
 from lmforge.sweep.core import SweepSpec, train_command, trial_name
 
 # a very short run of a shrunken tiny preset: the sweep machinery is under test, not the model

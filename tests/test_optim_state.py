@@ -13,7 +13,7 @@ from torch import nn
 
 from lmforge.config import OptimConfig
 from lmforge.optim.optimizers import OPTIMIZER_NAMES, build_optimizer, measured_state_bytes
-from lmforge.optim.state_memory import optimizer_state_bytes_per_param
+from lmforge.spec.optimizer_state import optimizer_state_bytes_per_param
 
 
 
@@ -153,7 +153,7 @@ def test_state_bytes_arguments_validated() -> None:
 
 
 def test_state_memory_module_does_not_import_torch() -> None:
-    code = ("import sys; from lmforge.optim.state_memory import optimizer_state_bytes_per_param as f; "
+    code = ("import sys; from lmforge.spec.optimizer_state import optimizer_state_bytes_per_param as f; "
             "assert 'torch' not in sys.modules, 'torch imported'; print(f('adamw'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "8.0", out.stderr

@@ -1,4 +1,4 @@
-"""Every optimizer's state size, as declared once in lmforge.optim.registry (`StateSize`), against
+"""Every optimizer's state size, as declared once in lmforge.spec.optimizers (`StateSize`), against
 the tensors the real optimizer keeps after one step.
 
 For EVERY registry name (a new entry is covered without touching this file): build the optimizer
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from lmforge.config import OptimConfig, load_config
 from lmforge.model.transformer import Transformer
-from lmforge.optim import registry
+from lmforge.spec import optimizers as registry
 from lmforge.optim.optimizers import build_optimizer, measured_state_bytes_by_param
-from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY, SCALE_BYTES
-from lmforge.optim.state_memory import optimizer_state_bytes_per_param
+from lmforge.spec.optimizers import OPTIMIZER_NAMES, REGISTRY, SCALE_BYTES
+from lmforge.spec.optimizer_state import optimizer_state_bytes_per_param
 from lmforge.plan.memory import Layout, estimate_memory, is_hidden_matrix, lmforge_state_bytes, param_specs
 
 # "tiny" (tied embedding, SwiGLU, every size a multiple of 256) and an odd-sized model (untied

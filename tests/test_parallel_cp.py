@@ -24,7 +24,7 @@ steps 11-20 again equal to the one-process run. A 4-rank probe measures the hook
 2 and 4 on a GQA model with one KV head (fewer KV heads than cp): loss and gradients equal to one
 process, per-rank saved activations = (A - KV) / cp + KV (A: one process's, KV: the whole
 sequence's K/V; no mask), and bytes through the collectives = the closed form
-(lmforge.parallel.formulas). Last, a tiny model trains on 8192-token sequences under CP=4.
+(lmforge.spec.parallel). Last, a tiny model trains on 8192-token sequences under CP=4.
 
 Without a launch: the CP attention of every rank, simulated in one process (the collectives replaced
 by their result), equals dense causal attention in output and in the gradients of q, k and v (fp64,
@@ -45,7 +45,7 @@ import pytest
 import torch
 
 from lmforge.config import ConfigError, ModelConfig, load_config
-from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes
+from lmforge.spec.parallel import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes
 from tests.conftest import make_corpus
 from tests.test_parallel_dp import SGD, TINY, docs_corpus, docs_run, free_port  # noqa: F401  (fixture)
 
@@ -263,7 +263,7 @@ def test_context_parallel_saved_activations_scale_as_one_over_cp_plus_kv(probe):
 @pytest.mark.slow
 def test_context_parallel_communication_matches_the_formula(runs, probe):
     """Bytes through the all-gathers and reduce-scatters the CP layer calls, counted as they run,
-    against lmforge.parallel.formulas.cp_comm_bytes: per step, per rank."""
+    against lmforge.spec.parallel.cp_comm_bytes: per step, per rank."""
     m = ModelConfig(**{k.removeprefix("model."): v for k, v in BASE.items() if k.startswith("model.")})
     for name, (_, extra) in LAYOUTS.items():
         comm = json.loads((runs / name / "cp_comm.json").read_text())

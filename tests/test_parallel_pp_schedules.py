@@ -1,4 +1,4 @@
-"""The pipeline schedules' bubble and activation formulas (lmforge.parallel.formulas) against torch's
+"""The pipeline schedules' bubble and activation formulas (lmforge.spec.parallel) against torch's
 own schedules, and their config rules.
 
 torch.distributed.pipelining builds each multi-stage schedule as a list of actions per rank (forward
@@ -23,7 +23,7 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining.schedules import _ComputationType as Op
 
 from lmforge.config import ConfigError, load_config
-from lmforge.parallel.formulas import (PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, pipeline_in_flight,
+from lmforge.spec.parallel import (PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, pipeline_in_flight,
                                        rank_stages, stage_rank)
 
 

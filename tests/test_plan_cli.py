@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lmforge.plan.cli_plan import plan_main
+from lmforge.cli.plan import plan_main
 
 
 def test_table_output(capsys):
@@ -125,7 +125,7 @@ def test_search_leads_with_the_search_then_details_its_best(capsys):
 def test_auto_precision_follows_the_device(capsys):
     assert plan_main(["--model", "tiny", "--gpus", "V100", "--json", "--precision", "fp16"]) == 0
     assert json.loads(capsys.readouterr().out)["precision"] == "fp16"
-    from lmforge.plan.cli_plan import _resolve_precision
+    from lmforge.cli.plan import _resolve_precision
     from lmforge.plan.hardware import CATALOGUE
 
     assert _resolve_precision("auto", CATALOGUE["V100"]) == "fp16"

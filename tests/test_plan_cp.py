@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from lmforge.config import ModelConfig, load_config
-from lmforge.parallel.formulas import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes, recomputed_layers
+from lmforge.spec.parallel import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes, recomputed_layers
 from lmforge.plan import Layout, estimate_memory, estimate_step, parse_cluster, search_layouts
-from lmforge.plan.cli_plan import plan_main
+from lmforge.cli.plan import plan_main
 from lmforge.plan.flops import cp_comm
 from lmforge.plan.op_time import op_times
 from tests.test_parallel_cp import PROBE

@@ -98,7 +98,7 @@ def test_the_plan_counts_the_mask_in_memory_and_time():
 
 def test_lmforge_plan_reads_the_corpus_documents_and_prints_the_stage_plan(tmp_path, capsys):
     from lmforge.data.shards import write_token_shards
-    from lmforge.plan.cli_plan import plan_main
+    from lmforge.cli.plan import plan_main
 
     train = tmp_path / "corpus" / "train"
     for name, n_docs, length in (("a", 300, 20), ("b", 100, 80)):

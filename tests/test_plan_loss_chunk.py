@@ -91,7 +91,7 @@ def test_layout_loss_chunk_parse_and_errors():
 
 
 def _plan_json(capsys, *argv):
-    from lmforge.plan.cli_plan import plan_main
+    from lmforge.cli.plan import plan_main
 
     assert plan_main(["--model", "gpt2-124m", "--weights", "lmforge", "--json", *argv]) == 0
     return json.loads(capsys.readouterr().out)
@@ -211,7 +211,7 @@ _H100_PEAKS = [
 def test_plan_is_within_10_percent_of_the_h100_peaks(capsys, preset, sets, measured):
     """Issue 33's target: `lmforge plan --weights lmforge` within 10% of the measured peak (before:
     gpt2 chunked 29% high, gpt2 plain 33% low)."""
-    from lmforge.plan.cli_plan import plan_main
+    from lmforge.cli.plan import plan_main
 
     argv = ["--model", preset, "--gpus", "1xH100", "--weights", "lmforge", "--json", "--set", "train.compile=true",
             "--set", "model.fused_qkv=false"] + [a for kv in sets for a in ("--set", kv)]

@@ -11,7 +11,7 @@ import pytest
 
 from lmforge.config import ConfigError, load_config
 from lmforge.config.rules import valid_micro_batches
-from lmforge.plan.cli_plan import plan_main
+from lmforge.cli.plan import plan_main
 from lmforge.plan.memory import estimate_memory
 from lmforge.plan.micro_batch import AUTO_HEADROOM, CPU_MAX_MICRO_BATCH, choose_micro_batch, layout_for_config
 

@@ -85,7 +85,7 @@ def test_a_broken_layout_fails_with_the_reason(tmp_path, monkeypatch, capsys):
     scale, so the resume of the layout's checkpoint passes too), and a memory estimate that halves the
     weights (the memory check fails, naming the ranks and bytes)."""
     import lmforge.verify.certify as certify
-    from lmforge.plan.cli_plan import plan_main
+    from lmforge.cli.plan import plan_main
 
     (tmp_path / "sitecustomize.py").write_text(SUM_INSTEAD_OF_AVERAGE)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")

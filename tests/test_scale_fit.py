@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from lmforge.scale.fit import fit_law, fit_record, objective
-from lmforge.scale.law import Fit, Law
+from lmforge.spec.scaling_law import Fit, Law
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = {

@@ -10,9 +10,9 @@ import pytest
 
 from lmforge.config import ConfigError, load_config
 from lmforge.model.accounting import count_params
-from lmforge.scale.cli import SPEC_FILE, default_budgets, scale_main
+from lmforge.cli.scale import SPEC_FILE, default_budgets, scale_main
 from lmforge.scale.grid import isoflop_grid, parse_models, shape_overrides
-from lmforge.sweep.cli import parse_sweep_args
+from lmforge.cli.sweep import parse_sweep_args
 from lmforge.sweep.core import Dimension, SweepSpec, describe_spec, same_sweep
 
 SMALL = {"data.seq_len": 32, "train.global_batch_size": 8, "train.micro_batch_size": 8}

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from lmforge.config.base import ConfigError, divisors
 from lmforge.config.launch import launcher_command
-from lmforge.optim.registry import REGISTRY, SPECS
-from lmforge.parallel.formulas import LOOPED, V_SHAPED, stages_per_rank
+from lmforge.spec.optimizers import REGISTRY, SPECS
+from lmforge.spec.parallel import LOOPED, V_SHAPED, stages_per_rank
 
 if TYPE_CHECKING:
     from lmforge.config.sections import Config

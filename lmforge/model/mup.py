@@ -86,7 +86,7 @@ from lmforge.config import ModelConfig
 
 KINDS = ("vector", "output", "readout", "hidden", "adapter")
 
-# multiplier = m ** exponent, per optimizer rule (lmforge.optim.registry's `mup_rule`) and class
+# multiplier = m ** exponent, per optimizer rule (lmforge.spec.optimizers's `mup_rule`) and class
 _ADAM = {"vector": 0.0, "output": 0.0, "readout": -1.0, "hidden": -1.0, "adapter": 0.0}
 LR_EXPONENTS: dict[str, dict[str, float]] = {
     "adam": _ADAM,

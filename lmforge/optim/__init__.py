@@ -1,7 +1,8 @@
 """Optimizers, learning-rate schedules and batch-size ramp-up.
 
-Exports resolve lazily, so `from lmforge.optim.state_memory import optimizer_state_bytes_per_param`
-(used by `lmforge plan`) does not import torch.
+Exports resolve lazily, so importing one submodule does not import the others. The optimizer table
+and the state-memory figures, which config and `lmforge plan` read without torch, are in lmforge.spec
+(`optimizers`, `optimizer_state`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "optimizer_state_bytes_per_param": "state_memory",
-    "OPTIMIZER_NAMES": "state_memory",
+    "OPTIMIZER_NAMES": "optimizers",
     "param_groups": "optimizers",
     "describe_groups": "optimizers",
     "build_optimizer": "optimizers",

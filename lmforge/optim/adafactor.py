@@ -88,7 +88,7 @@ def _item(x: torch.Tensor) -> float:
 
 
 def build(model: torch.nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> Adafactor:
-    """The registry's builder (lmforge.optim.registry); extra: beta2_decay, clip_threshold, adafactor_eps."""
+    """The registry's builder (lmforge.spec.optimizers); extra: beta2_decay, clip_threshold, adafactor_eps."""
     for unsupported in ("beta1", "relative_step", "scale_parameter"):
         if unsupported in extra:
             raise ValueError(

@@ -194,6 +194,6 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 
 
 def build(model: torch.nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> Adam8bit:
-    """The registry's builder (lmforge.optim.registry); extra: block_size, min_8bit_size."""
+    """The registry's builder (lmforge.spec.optimizers); extra: block_size, min_8bit_size."""
     return Adam8bit(groups(model, cfg), lr=cfg.lr, betas=betas(cfg), eps=cfg.eps,
                     block_size=extra.pop("block_size", 256), min_8bit_size=extra.pop("min_8bit_size", 4096))

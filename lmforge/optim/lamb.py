@@ -72,5 +72,5 @@ class LAMB(torch.optim.Optimizer):
 
 
 def build(model: torch.nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> LAMB:
-    """The registry's builder (lmforge.optim.registry)."""
+    """The registry's builder (lmforge.spec.optimizers)."""
     return LAMB(groups(model, cfg), lr=cfg.lr, betas=betas(cfg), eps=cfg.eps)

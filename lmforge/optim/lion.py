@@ -63,5 +63,5 @@ class Lion(torch.optim.Optimizer):
 
 
 def build(model: torch.nn.Module, cfg: "OptimConfig", extra: dict[str, Any]) -> Lion:
-    """The registry's builder (lmforge.optim.registry)."""
+    """The registry's builder (lmforge.spec.optimizers)."""
     return Lion(groups(model, cfg), lr=cfg.lr, betas=betas(cfg))

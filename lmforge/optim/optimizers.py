@@ -1,6 +1,6 @@
 """Parameter grouping, the optimizer factory, and optimizer-state accounting.
 
-`build_optimizer(cfg.optim, model)` looks the name up in `lmforge.optim.registry` and calls that
+`build_optimizer(cfg.optim, model)` looks the name up in `lmforge.spec.optimizers` and calls that
 optimizer's builder. Torch's own optimizers are used where they exist (SGD, Adam, AdamW,
 Adafactor); Lion, LAMB, Muon and Adam8bit are hand-written in their own modules (see each module
 for why), each with its `build(model, cfg, extra)`.
@@ -21,8 +21,8 @@ from torch import nn
 
 from lmforge.config import ModelConfig, OptimConfig
 from lmforge.model import mup
-from lmforge.optim import registry
-from lmforge.optim.registry import OPTIMIZER_NAMES
+from lmforge.spec import optimizers as registry
+from lmforge.spec.optimizers import OPTIMIZER_NAMES
 
 __all__ = ["OPTIMIZER_NAMES", "build_optimizer", "describe_groups", "measured_state_bytes",
            "measured_state_bytes_by_param", "mup_groups", "param_groups", "schedule_lr"]
@@ -89,7 +89,7 @@ def mup_groups(model: nn.Module, groups: list[dict[str, Any]], lr: float, rule: 
         return groups
     if rule is None:
         raise ValueError("model.parametrization = 'mup' has no learning-rate rule for this optimizer "
-                         "(lmforge.optim.registry's mup_rule); use sgd, momentum, adam, adamw, adam8bit, lion or muon.")
+                         "(lmforge.spec.optimizers's mup_rule); use sgd, momentum, adam, adamw, adam8bit, lion or muon.")
     out = []
     for g in groups:
         own = ("muon" if g.get("use_muon") else "adamw") if rule == "muon" else rule
@@ -175,7 +175,7 @@ def _fast_path_kwargs(model: nn.Module, cfg: OptimConfig) -> dict[str, bool]:
 
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module, **extra: Any) -> torch.optim.Optimizer:
-    """The optimizer `cfg.name` (see `lmforge.optim.registry`) over `model`'s trainable parameters,
+    """The optimizer `cfg.name` (see `lmforge.spec.optimizers`) over `model`'s trainable parameters,
     grouped by `param_groups` (Muon: its own grouping). Hyperparameters come from the section;
     optimizer-specific knobs without a config key are keyword arguments:
 

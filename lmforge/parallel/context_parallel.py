@@ -64,7 +64,7 @@ Attention (`SequenceSharding.attention`, called by the model's attention through
   of KV heads (a head-scattering design such as Ulysses needs kv_heads >= cp, or replicates heads).
 
 Memory per rank and layer: 1/cp of the tokens' activations, plus the K/V of the whole sequence
-(`lmforge.parallel.formulas.cp_kv_bytes`: 2 b T kv_heads head_dim x dtype bytes), which replaces
+(`lmforge.spec.parallel.cp_kv_bytes`: 2 b T kv_heads head_dim x dtype bytes), which replaces
 the rank's own 1/cp share: (A - KV) / cp + KV (`formulas.cp_activation_bytes`). No mask and no
 score matrix (the attention saves its output and log-sum-exp, as flash attention does without CP),
 except in the fallbacks above (math kernel; expanded K/V for the memory-efficient kernel).
@@ -91,7 +91,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from lmforge.model.documents import document_mask, masked_attention
 from lmforge.model.layers import sequence_sharded
-from lmforge.parallel.formulas import cp_comm_bytes, cp_kv_bytes, cp_latent_bytes, recomputed_layers
+from lmforge.spec.parallel import cp_comm_bytes, cp_kv_bytes, cp_latent_bytes, recomputed_layers
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); GPU images may be older
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -287,7 +287,7 @@ class SequenceSharding:
         self.comm[what.replace("bytes", "calls")] += 1
 
     def describe(self, cfg, dtype_bytes: int) -> Iterator[str]:
-        """A log line: the chunks, and the step's traffic by the closed form (lmforge.parallel.formulas)."""
+        """A log line: the chunks, and the step's traffic by the closed form (lmforge.spec.parallel)."""
         m, t = cfg.model, cfg.train
         if m.mla.enabled:  # the latent and the RoPE key are gathered, not K/V (lmforge.model.mla)
             kv = cp_latent_bytes(t.micro_batch_size, cfg.data.seq_len, m.mla.kv_lora_rank + m.mla.qk_rope_head_dim,

@@ -15,7 +15,7 @@ answer on every rank:
   works: one real token and tp - 1 discarded ones per step). `.cfg.max_seq_len` is lowered by
   tp - 1 so that padding never runs past the position tables.
 * **Pipeline parallel**: the stages run in order, each on the rank that holds it (interleaved
-  and V schedules: several per rank, lmforge.parallel.formulas.rank_stages), the activations sent
+  and V schedules: several per rank, lmforge.spec.parallel.rank_stages), the activations sent
   point to point over the pp group with a small header (dtype, shape) first, as the training
   schedule does; each rank keeps the KV caches of its own blocks. The last stage's answer (fp32
   logits or the NLL) is broadcast over the pp group from the rank holding it (rank 0 in a V).
@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lmforge.model.layers import KVCache
 from lmforge.model.loss import token_nll_sum
-from lmforge.parallel.formulas import stage_rank
+from lmforge.spec.parallel import stage_rank
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64]
 _HEADER = 8  # int64 words: dtype code, ndim, up to 6 sizes

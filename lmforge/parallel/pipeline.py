@@ -3,7 +3,7 @@
 The model is split into ``pp x v`` stages of consecutive blocks, v stages per pipeline rank
 (`ParallelConfig.stages_per_rank`: ``parallel.pp_virtual_stages`` for interleaved / interleaved-zb,
 2 for zbv / dualpipev, else 1), placed as the schedule expects
-(lmforge.parallel.formulas.rank_stages): in a loop, rank r holds stages r, r + pp, r + 2pp, ...
+(lmforge.spec.parallel.rank_stages): in a loop, rank r holds stages r, r + pp, r + 2pp, ...
 (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), or in a V, rank r holds stages r and
 2pp - 1 - r (ScheduleZBVZeroBubble, ScheduleDualPipeV: rank 0 holds the first and the last stage).
 Stage 0 also holds the token (and position) embedding; the last stage holds the final norm, the
@@ -39,7 +39,7 @@ config rules say so up front (lmforge.config.rules.check_pipeline). Stage 0's in
 (no gradient), so torch runs its whole backward in the weight pass.
 
 Bubble fraction (idle share of each rank per step) and the micro-batches of activations held:
-lmforge.parallel.formulas.pipeline_bubble / pipeline_in_flight, e.g. (p - 1) / (m + p - 1) for
+lmforge.spec.parallel.pipeline_bubble / pipeline_in_flight, e.g. (p - 1) / (m + p - 1) for
 GPipe and 1F1B, (p - 1) / (v m + p - 1) for interleaved 1F1B (m micro-batches, p ranks).
 """
 
@@ -55,7 +55,7 @@ from lmforge.config import Config
 from lmforge.model.layers import KVCache, attention_mask, local_positions, rope_rows, token_positions
 from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
-from lmforge.parallel.formulas import PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_rank
+from lmforge.spec.parallel import PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_rank
 from lmforge.parallel.fsdp import apply_fsdp
 from lmforge.parallel.inference import ShardedInference
 from lmforge.parallel.layout import Batch, ShardedLayout
@@ -70,7 +70,7 @@ def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
 
 def split_model(model: nn.Module, cfg: Config, pp_rank: int) -> list[int]:
     """Keep only this pipeline rank's stages in `model` (in place); returns its stage indices, in the
-    order its schedule lists them (lmforge.parallel.formulas.rank_stages)."""
+    order its schedule lists them (lmforge.spec.parallel.rank_stages)."""
     p = cfg.parallel
     n_stages = p.pp * p.stages_per_rank
     stage_ids = rank_stages(p.pp_schedule, p.pp, pp_rank, p.pp_virtual_stages)
@@ -210,4 +210,4 @@ class Pipelined(ShardedLayout):
                      " (in a loop: rank r holds stages r, r+pp, ...)")
         yield (f"pipeline: {p.pp_schedule} schedule, {p.pp} ranks x {self.v} stage(s) each = {p.pp * self.v} "
                f"stages{where}, {self.microbatches} micro-batches per step; planned bubble fraction "
-               f"{self.bubble:.3f} (lmforge.parallel.formulas.pipeline_bubble)")
+               f"{self.bubble:.3f} (lmforge.spec.parallel.pipeline_bubble)")

@@ -17,7 +17,7 @@ Nothing here imports torch. Modules:
   micro_batch  choose_micro_batch: train.micro_batch_size = "auto" (the largest that fits)
   search    search_layouts(model_cfg, cluster, global_batch, seq_len, ...) -> SearchResult of Candidate
   report    terminal tables and JSON
-  cli_plan  plan_main(argv) -> int   (`lmforge plan ...`)
+(`lmforge plan ...` is lmforge/cli/plan.py, above the planner.)
 """
 
 from lmforge.plan.flops import (StepEstimate, config_train_tokens, estimate_step, flops_per_token, pipeline_bubble,

@@ -8,7 +8,7 @@ import dataclasses
 
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import mlp_activation_width
-from lmforge.parallel.formulas import (cp_activation_bytes, cp_kv_bytes, cp_latent_bytes, cp_score_elements,
+from lmforge.spec.parallel import (cp_activation_bytes, cp_kv_bytes, cp_latent_bytes, cp_score_elements,
                                        pipeline_in_flight, recomputed_layers)
 from lmforge.plan.conventions import LITERATURE, check_convention
 from lmforge.plan.layout import Layout
@@ -17,7 +17,7 @@ from lmforge.plan.loss_memory import lmforge_loss_bytes
 
 def micro_batches_in_flight(layout: Layout, stage: int) -> float:
     """Micro-batches whose activations pipeline rank `stage` holds at its peak
-    (lmforge.parallel.formulas.pipeline_in_flight)."""
+    (lmforge.spec.parallel.pipeline_in_flight)."""
     return pipeline_in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, stage, layout.virtual_stages)
 
 
@@ -157,7 +157,7 @@ def attention_dtype_bytes(layout: Layout) -> int:
 
 def cp_kv_layer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, gathered: bool = False) -> int:
     """The K and V of one layer for the whole sequences of a micro-batch, on one (TP) rank: what a
-    context-parallel rank all-gathers and saves (`lmforge.parallel.formulas.cp_kv_bytes`). Multi-head
+    context-parallel rank all-gathers and saves (`lmforge.spec.parallel.cp_kv_bytes`). Multi-head
     latent attention gathers its latent and RoPE key instead (`gathered`: those bytes, what the
     collectives move: `formulas.cp_latent_bytes`) and saves them with the K and V it expands from them
     (every head's, n_heads / t x the padded width, v as `mla_attention_bytes` counts it)."""
@@ -181,7 +181,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
 
     Context parallelism (cp > 1): the rank holds 1/cp of every sequence's tokens but the K and V of
     the whole sequence (all-gathered, saved for backward): (A - KV) / cp + KV with A the layer's
-    bytes for the whole sequence and KV its K/V (`lmforge.parallel.formulas.cp_activation_bytes`;
+    bytes for the whole sequence and KV its K/V (`lmforge.spec.parallel.cp_activation_bytes`;
     every term of A is linear in the sequence length once attention is fused). Full recompute keeps
     only the block input of the rank's tokens, A / cp. The literature conventions count the same
     all-gather design (Llama 3's, Megatron's `--cp-comm-type allgather`) with their 16-bit K/V; their

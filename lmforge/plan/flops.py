@@ -28,7 +28,7 @@ Conventions:
 - Training time = D / tokens per second. GPU-hours = time x GPUs; cost = GPU-hours x price.
 - Pipeline bubble (fraction of the step spent idle): each schedule's published formula in the
   times F, B, W of a micro-batch's forward, input-gradient and weight-gradient passes, with
-  F = B = W and the recomputed forward added to B (`lmforge.parallel.formulas.pipeline_bubble`):
+  F = B = W and the recomputed forward added to B (`lmforge.spec.parallel.pipeline_bubble`):
   (p-1)/v / (m + (p-1)/v) for p stages, m micro-batches, v virtual stages per rank (interleaved
   1F1B; v = 1 otherwise: (p-1)/(m+p-1)); ZB-H1 / interleaved-zb (p-1)(F+B-W)/v, ZB-V (p-1)B/2,
   DualPipeV (p-1)(F+2B-W)/2 idle per m(F+B+W) of work.
@@ -43,7 +43,7 @@ Conventions:
   span fits in a node uses `intra_node_gbps`, otherwise `inter_node_gbps` (per GPU, one NIC each).
   Under context parallelism a rank holds s/cp tokens of each sequence: s below is s/cp for the
   TP and PP traffic and for the matmul shapes.
-  - CP: `lmforge.parallel.formulas.cp_comm_bytes` per step and rank: per layer and micro-batch one
+  - CP: `lmforge.spec.parallel.cp_comm_bytes` per step and rank: per layer and micro-batch one
     all-gather of the whole sequence's K/V (`cp_kv_bytes`, attention dtype) and one reduce-scatter of
     their gradients, one more all-gather per recomputed layer; a ring moves (cp-1)/cp of it per
     rank, over the tp x cp span. Exposed (the collectives sit between the layer's matmuls).
@@ -79,7 +79,7 @@ from typing import Any
 
 from lmforge.config import Config, ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
-from lmforge.parallel.formulas import cp_comm_bytes, pipeline_bubble, recomputed_layers  # noqa: F401 (re-exported)
+from lmforge.spec.parallel import cp_comm_bytes, pipeline_bubble, recomputed_layers  # noqa: F401 (re-exported)
 from lmforge.plan.hardware import Cluster, Device
 from lmforge.plan.activations import cp_kv_layer_bytes
 from lmforge.plan.conventions import check_convention

@@ -10,7 +10,7 @@ from typing import Any
 from lmforge.config import ModelConfig
 from lmforge.config.base import divisors
 from lmforge.config.rules import document_kernel_rule, resolve_compile, resolve_loss_chunk
-from lmforge.parallel.formulas import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
+from lmforge.spec.parallel import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 
 AC_MODES = ("none", "full", "every_k", "selective")
@@ -62,7 +62,7 @@ class Layout:
 
     @property
     def stages_per_rank(self) -> int:
-        """Model chunks each pipeline rank holds (lmforge.parallel.formulas.stages_per_rank)."""
+        """Model chunks each pipeline rank holds (lmforge.spec.parallel.stages_per_rank)."""
         return stages_per_rank(self.pp_schedule, self.virtual_stages) if self.pp > 1 else 1
 
     @property

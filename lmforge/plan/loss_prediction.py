@@ -1,7 +1,7 @@
 """`lmforge plan --loss FIT.json`: the planned run's final loss from a fitted scaling law
 (`lmforge scale fit`), and the compute-optimal size for the run's compute budget.
 
-The run's N is its non-embedding parameter count (as the fit's: lmforge/scale/law.py), D its training
+The run's N is its non-embedding parameter count (as the fit's: lmforge/spec/scaling_law.py), D its training
 tokens (--tokens, or the config's run), C = 6 N D. Where the run lies outside the fitted runs' N or D, or
 differs from them in what sets the loss's units (vocabulary, sequence length, corpus), a note says so.
 """
@@ -9,7 +9,7 @@ differs from them in what sets the loss's units (vocabulary, sequence length, co
 from __future__ import annotations
 
 from lmforge.model.accounting import count_params
-from lmforge.scale.law import Fit
+from lmforge.spec.scaling_law import Fit
 
 
 def predict_loss(fit_path: str, cfg, train_tokens: float) -> dict:

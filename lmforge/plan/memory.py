@@ -148,7 +148,7 @@ output feeds its projections as it is, no casts). The literature conventions cou
 Context parallelism (`cp`, lmforge.parallel.context_parallel; all conventions): a CP rank holds
 seq_len / cp tokens of every sequence (chunks i and 2cp-1-i) and all-gathers the K and V of the
 whole sequence in every layer, saving them for backward. Per layer it keeps (A - KV) / cp + KV
-(`lmforge.parallel.formulas.cp_activation_bytes`; A the layer's bytes for whole sequences, KV
+(`lmforge.spec.parallel.cp_activation_bytes`; A the layer's bytes for whole sequences, KV
 their K/V, `cp_kv_bytes`: 2 b s (kv heads / t) head_dim x 2 bytes, 4 in fp32); full recompute
 A / cp. Outside the blocks everything is per rank (s / cp tokens); in lmforge the rank's token
 ids and targets are separate tensors (its chunks) and each stage indexes its rows of the RoPE

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 
 from lmforge.config import ModelConfig
-from lmforge.optim.registry import REGISTRY
-from lmforge.optim.state_memory import OPTIMIZER_NAMES, optimizer_state_bytes_per_param
+from lmforge.spec.optimizers import REGISTRY
+from lmforge.spec.optimizer_state import OPTIMIZER_NAMES, optimizer_state_bytes_per_param
 from lmforge.plan.conventions import LITERATURE, MODEL_STATES
 from lmforge.plan.layout import Layout
 from lmforge.plan.params import ParamSpec, cfg_key, fsdp_shard_shape, is_hidden_matrix, stage_specs, tp_shape
@@ -28,7 +28,7 @@ def normalise_optimizer(name: str) -> str:
 def lmforge_state_bytes(optimizer: str, spec: ParamSpec, shape: tuple[int, ...], *, block_size: int = 256,
                         min_8bit_size: int = 4096) -> int:
     """Exact bytes `lmforge.optim` keeps in `optimizer.state[p]` for a fp32 tensor of `shape`: the
-    optimizer's `StateSize` in `lmforge.optim.registry` (state tensors, per-tensor `step` tensors,
+    optimizer's `StateSize` in `lmforge.spec.optimizers` (state tensors, per-tensor `step` tensors,
     8-bit block padding and scales), as the implementations allocate them."""
     state = REGISTRY[normalise_optimizer(optimizer)].state
     return state.tensor_bytes(shape, hidden_matrix=is_hidden_matrix(spec), block_size=block_size,

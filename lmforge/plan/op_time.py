@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import mlp_activation_width
-from lmforge.parallel.formulas import recomputed_layers
+from lmforge.spec.parallel import recomputed_layers
 from lmforge.plan.hardware import Device, Rates
 from lmforge.plan.documents import attention_work_factor, bias_pass_bytes
 from lmforge.plan.layout import Layout

@@ -143,7 +143,7 @@ _STAGE_CACHE: dict[tuple, tuple[ParamSpec, ...]] = {}
 def stage_specs(cfg: ModelConfig, pp: int, stage: int, last_rank: int | None = None) -> list[ParamSpec]:
     """Parameters held by pipeline rank `stage` of `pp`: its share of the blocks (n_layers / pp,
     counted as a contiguous range), the embedding on rank 0 and the final norm and head on
-    `last_rank` (default pp - 1; rank 0 under a V-shaped schedule, lmforge.parallel.formulas.V_SHAPED);
+    `last_rank` (default pp - 1; rank 0 under a V-shaped schedule, lmforge.spec.parallel.V_SHAPED);
     a tied head copied there."""
     last = pp - 1 if last_rank is None else last_rank
     key = (cfg_key(cfg), pp, stage, last)

@@ -27,7 +27,7 @@ engineering and risk. Simplicity is judged in that order.
 
 Pipeline schedules: 1F1B, interleaved 1F1B (v = 2) and the zero-bubble ZB-H1 (interleaved-zb, v =
 1), ZB-V (zbv) and DualPipeV, each with its bubble and the activations it keeps in flight
-(`lmforge.parallel.formulas`), the V schedules' head on rank 0 with the embedding, and without
+(`lmforge.spec.parallel`), the V schedules' head on rank 0 with the embedding, and without
 torch.compile or selective recompute (which their split backward rules out).
 """
 
@@ -41,7 +41,7 @@ from typing import Any
 
 from lmforge.config import Config, ConfigError, ModelConfig
 from lmforge.config.rules import pipeline_micro_batches_ok
-from lmforge.parallel.formulas import SPLIT_BACKWARD
+from lmforge.spec.parallel import SPLIT_BACKWARD
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
 from lmforge.plan.conventions import check_convention

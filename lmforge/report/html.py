@@ -16,7 +16,7 @@ from typing import Any
 
 from lmforge.folders import CONFIG, METRICS, SAMPLE, SUMMARY
 from lmforge.report.plots import PLOTS, load_run_metrics, load_task_metrics, plot_runs, run_label, task_names
-from lmforge.train.metrics import TASK_PREFIX
+from lmforge.report.records import TASK_PREFIX
 
 _CSS = """
 body { font-family: -apple-system, 'Segoe UI', Roboto, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }

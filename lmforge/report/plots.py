@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from lmforge.folders import METRICS
-from lmforge.train.metrics import TASK_PREFIX, split_metrics, task_metrics
+from lmforge.report.records import TASK_PREFIX, split_metrics, task_metrics
 
 # (expert_load: Mixture-of-Experts runs only; val_sources: runs validated per source of a prepared
 # mixture; tasks: runs with train.eval_tasks)

@@ -12,7 +12,7 @@ same minimum on the published laws' points at a fraction of the cost: tests/test
 Bootstrap: the runs are resampled with replacement `n_boot` times and each resample refitted (from the
 full fit's optimum and the full data's `boot_starts` best grid points); the interval of a parameter, or of anything
 computed from one (a prediction, the compute-optimal N and D), is the percentile interval over the
-refits. numpy and scipy are imported here only; lmforge/scale/law.py reads the result without them.
+refits. numpy and scipy are imported here only; lmforge/spec/scaling_law.py reads the result without them.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _import_minimize():
 
 minimize = _import_minimize()
 
-from lmforge.scale.law import FIT_KIND, NAMES, Fit, Law, interval
+from lmforge.spec.scaling_law import FIT_KIND, NAMES, Fit, Law, interval
 
 HUBER_DELTA = 1e-3
 GRID = {"a": np.arange(0, 26, 5.0), "b": np.arange(0, 26, 5.0), "e": np.arange(-1, 1.01, 0.5),
@@ -145,7 +145,7 @@ def fit_law(n: np.ndarray, d: np.ndarray, loss: np.ndarray, n_boot: int = 200, l
 
 def fit_record(result: FitResult, points: list[dict], budgets: list[float], what: dict) -> dict:
     """The FIT.json of a fit: the law, its intervals, the bootstrap fits and residuals (what
-    lmforge.scale.law.Fit reads back), the runs, and the compute-optimal N and D per budget."""
+    lmforge.spec.scaling_law.Fit reads back), the runs, and the compute-optimal N and D per budget."""
     record = {
         "kind": FIT_KIND,
         "law": "L(N, D) = E + A / N^alpha + B / D^beta",

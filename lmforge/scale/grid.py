@@ -6,7 +6,7 @@ head width (n_heads = dim / head_dim) and its ratio of query to key/value heads;
 family's options: norm, activation, GQA, positions, vocabulary, tied embeddings, MoE) is the preset's.
 Each trial trains `round(D / batch tokens)` steps with its cosine (or other) schedule spread over them
 (as Hoffmann et al. match the schedule to the run's length), warm-up capped at a tenth of the steps.
-N is the non-embedding parameter count (lmforge/scale/law.py says why), D the tokens actually trained.
+N is the non-embedding parameter count (lmforge/spec/scaling_law.py says why), D the tokens actually trained.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from lmforge.report.plots import _pyplot
-from lmforge.scale.law import Fit
+from lmforge.spec.scaling_law import Fit
 
 
 def plot_fit(fit: Fit, budgets: list[float], path: Path, held_out: list[dict] = ()) -> Path:

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from lmforge.folders import TENSORBOARD
+from lmforge.report.records import TASK_PREFIX, record_kind
 
 log = logging.getLogger("lmforge.train")
 
@@ -79,7 +80,6 @@ VAL_FIELDS: dict[str, str] = {"step": "step of the evaluation", "val_loss": "val
                               "val_loss/<source>": "one source's validation loss (a prepared mixture of several)",
                               "val_loss_ema": "validation loss of the EMA of the weights (train.ema_decay)",
                               "val_perplexity_ema": "exp(val_loss_ema)"}
-TASK_PREFIX = "task/"  # task records' keys: task/<name>/<metric> (lmforge.train.eval_tasks)
 EVENT_FIELDS: dict[str, str] = {"step": "step the event was seen at", "event": "loss_spike | grad_norm_growth",
                                 "message": "human-readable explanation"}
 
@@ -88,17 +88,6 @@ class Sink(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
-
-
-def record_kind(record: dict[str, Any]) -> str:
-    """'train', 'val', 'tasks' or 'event'."""
-    if "event" in record:
-        return "event"
-    if "val_loss" in record:
-        return "val"
-    if any(key.startswith(TASK_PREFIX) for key in record):
-        return "tasks"
-    return "train"
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -229,29 +218,6 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
-
-
-def task_metrics(records: list[dict[str, Any]]) -> list[dict]:
-    """The task records (train.eval_tasks), by step; a step logged twice (a resume): the later wins."""
-    by_step = {rec["step"]: rec for rec in records if record_kind(rec) == "tasks"}
-    return [by_step[k] for k in sorted(by_step)]
-
-
-def split_metrics(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train, val, event) records (task records: `task_metrics`). A resumed run may log a step twice:
-    the later record wins."""
-    train: dict[int, dict] = {}
-    val: dict[int, dict] = {}
-    events = []
-    for rec in records:
-        kind = record_kind(rec)
-        if kind == "train":
-            train[rec["step"]] = rec
-        elif kind == "val":
-            val[rec["step"]] = rec
-        elif kind == "event":
-            events.append(rec)
-    return [train[k] for k in sorted(train)], [val[k] for k in sorted(val)], events
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Analytical optimizer-state memory, in bytes per parameter.
 
-The figures come from each optimizer's `StateSize` in `lmforge.optim.registry` (declared there
+The figures come from each optimizer's `StateSize` in `lmforge.spec.optimizers` (declared there
 once); this module validates the arguments and blends Muon-style rules. It imports nothing but
 the standard library: `lmforge plan` uses it to estimate memory before torch is even imported.
-`measured_state_bytes` (in `optimizers.py`) is the empirical counterpart used by the tests
+`measured_state_bytes` (in `lmforge.optim.optimizers`) is the empirical counterpart used by the tests
 (tests/test_optim_state_size.py checks every registry entry) to keep these numbers honest.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY  # noqa: F401 (OPTIMIZER_NAMES re-exported)
+from lmforge.spec.optimizers import OPTIMIZER_NAMES, REGISTRY  # noqa: F401 (OPTIMIZER_NAMES re-exported)
 
 
 def optimizer_state_bytes_per_param(

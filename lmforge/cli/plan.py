@@ -379,7 +379,7 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
-def main() -> None:  # pragma: no cover - convenience for `python -m lmforge.plan.cli_plan`
+def main() -> None:  # pragma: no cover - convenience for `python -m lmforge.cli.plan`
     raise SystemExit(plan_main(sys.argv[1:]))
 
 

@@ -1,5 +1,5 @@
 """The optimizers lmforge knows, in one table: config validation, `lmforge config --docs`, the
-state-memory figures (`lmforge.optim.state_memory` and `lmforge plan`) and `build_optimizer`
+state-memory figures (`lmforge.spec.optimizer_state` and `lmforge plan`) and `build_optimizer`
 all read it.
 
 Standard library only: `lmforge.config` and `lmforge plan` import it without importing torch.

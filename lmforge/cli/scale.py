@@ -69,7 +69,7 @@ def scale_main(argv: list[str]) -> int:
 def _sweep(args: argparse.Namespace, rest: list[str]) -> int:
     from lmforge.folders import atomic_write
     from lmforge.scale.grid import grid_table, isoflop_grid, parse_budgets, parse_models
-    from lmforge.sweep.cli import sweep_main
+    from lmforge.cli.sweep import sweep_main
 
     base = parse_cli_overrides([a for a in rest if a != "--"])
     points, notes = isoflop_grid(args.config, base, parse_models(args.models), parse_budgets(args.budgets),
@@ -132,7 +132,7 @@ def _fit(args: argparse.Namespace) -> int:
     from lmforge.folders import atomic_write_json
     from lmforge.scale.fit import fit_law, fit_record
     from lmforge.scale.grid import parse_budgets
-    from lmforge.scale.law import Fit
+    from lmforge.spec.scaling_law import Fit
     from lmforge.scale.runs import collect
 
     if args.bootstrap < 0 or not 0 < args.level < 1:

@@ -6,8 +6,8 @@
 
 The output is a run folder (config.toml, tokenizer.json, model.safetensors, merge.json) that
 `lmforge eval`, `generate`, `export` and `finetune.init_from` read; `--hf DIR` also exports it as a
-transformers folder. (This module is in layer 4 of ARCHITECTURE.md, beside lmforge.interop, for
-that export.)
+transformers folder (through lmforge.interop, which is why this command line sits in lmforge.cli,
+above both).
 """
 
 from __future__ import annotations

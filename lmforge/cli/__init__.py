@@ -4,15 +4,15 @@
     lmforge generate --run RUN_DIR --prompt "..." [--max-tokens N] [--temperature T] [--top-k K] [--top-p P]
     lmforge config   [--config PRESET|FILE] [--section.key value ...] [--docs]
     lmforge presets
-    lmforge prepare  --config PREPARE.toml         (lmforge/data/cli_prepare.py)
-    lmforge plan     --model PRESET --gpus 8xH100  (lmforge/plan/cli_plan.py)
-    lmforge report   --run RUN_DIR [...]           (lmforge/report/cli.py)
-    lmforge sweep    --base tiny --grid optim.lr=1e-3,3e-4  (lmforge/sweep/cli.py)
-    lmforge scale    sweep --models 64x2,128x4 --budgets 1e12,1e13 | fit RUNS...  (lmforge/scale/cli.py)
-    lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/eval/cli_eval.py)
-    lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/interop/cli.py)
-    lmforge merge    RUN_DIR --last K --out DIR    (lmforge/ckpt/cli_merge.py)
-    lmforge import   --hf HF_DIR --out RUN_DIR     (lmforge/interop/cli.py)
+    lmforge prepare  --config PREPARE.toml         (lmforge/cli/prepare.py)
+    lmforge plan     --model PRESET --gpus 8xH100  (lmforge/cli/plan.py)
+    lmforge report   --run RUN_DIR [...]           (lmforge/cli/report.py)
+    lmforge sweep    --base tiny --grid optim.lr=1e-3,3e-4  (lmforge/cli/sweep.py)
+    lmforge scale    sweep --models 64x2,128x4 --budgets 1e12,1e13 | fit RUNS...  (lmforge/cli/scale.py)
+    lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/cli/eval.py)
+    lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/cli/interop.py)
+    lmforge merge    RUN_DIR --last K --out DIR    (lmforge/cli/merge.py)
+    lmforge import   --hf HF_DIR --out RUN_DIR     (lmforge/cli/interop.py)
     lmforge launch   [torchrun options] train ...  (lmforge/launch.py: torchrun, exit statuses mapped)
 """
 
@@ -214,7 +214,7 @@ def config_docs(preset: str | None = None, overrides: dict | None = None) -> lis
     key it leaves out), and the header says where they differ from the tiny preset's; with a preset
     (and overrides) it holds that config's resolved values, `*` marking those that differ from
     the built-in default."""
-    from lmforge.sweep.cli import flatten_keys
+    from lmforge.cli.sweep import flatten_keys
 
     rows = describe()
     if preset is None and not overrides:
@@ -306,15 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Sub-commands that own their argument parsing, each in its concern's folder: name -> (module, function).
 DELEGATED = {
-    "prepare": ("lmforge.data.cli_prepare", "prepare_main", "turn raw text files into token shards"),
-    "plan": ("lmforge.plan.cli_plan", "plan_main", "memory, time and cost of a model on a cluster; best layout"),
-    "report": ("lmforge.report.cli", "report_main", "plots and an HTML summary of one or more runs"),
-    "sweep": ("lmforge.sweep.cli", "sweep_main", "grid or random hyperparameter search"),
-    "scale": ("lmforge.scale.cli", "scale_main", "IsoFLOP grids of runs; scaling-law fits (FIT.json)"),
-    "eval": ("lmforge.eval.cli_eval", "eval_main", "perplexity, BLEU/chrF, multiple-choice accuracy, fluency"),
-    "export": ("lmforge.interop.cli", "export_main", "write a run as a Hugging Face transformers folder"),
-    "import": ("lmforge.interop.cli", "import_main", "turn a transformers Llama/Qwen/Mixtral/GPT-2 folder into a run"),
-    "merge": ("lmforge.ckpt.cli_merge", "merge_main", "average the weights of saved checkpoints into a run folder"),
+    "prepare": ("lmforge.cli.prepare", "prepare_main", "turn raw text files into token shards"),
+    "plan": ("lmforge.cli.plan", "plan_main", "memory, time and cost of a model on a cluster; best layout"),
+    "report": ("lmforge.cli.report", "report_main", "plots and an HTML summary of one or more runs"),
+    "sweep": ("lmforge.cli.sweep", "sweep_main", "grid or random hyperparameter search"),
+    "scale": ("lmforge.cli.scale", "scale_main", "IsoFLOP grids of runs; scaling-law fits (FIT.json)"),
+    "eval": ("lmforge.cli.eval", "eval_main", "perplexity, BLEU/chrF, multiple-choice accuracy, fluency"),
+    "export": ("lmforge.cli.interop", "export_main", "write a run as a Hugging Face transformers folder"),
+    "import": ("lmforge.cli.interop", "import_main", "turn a transformers Llama/Qwen/Mixtral/GPT-2 folder into a run"),
+    "merge": ("lmforge.cli.merge", "merge_main", "average the weights of saved checkpoints into a run folder"),
 }
 
 
