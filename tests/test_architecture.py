@@ -1,6 +1,8 @@
-"""lmforge's import graph: no cycles, and no import from a lower layer to a higher one, with the
-layers ARCHITECTURE.md defines. Every import counts, top-level and deferred (inside functions),
-except those under `if TYPE_CHECKING:` (never executed).
+"""lmforge's import graph: no cycle between modules, no cycle between folders, and no import from a
+lower layer to a higher one, with the layers ARCHITECTURE.md's table gives each folder (one layer
+per folder: the table lists folders and top-level modules, never a module inside a folder). Every
+import counts, top-level and deferred (inside functions), except those under `if TYPE_CHECKING:`
+(never executed).
 
 And one home for each concern, read from the syntax tree (docstrings and comments do not count):
 cross-entropy / log-softmax only in lmforge.model.loss, and no branch on the parallel layout in
@@ -30,25 +32,54 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def layers() -> dict[str, int]:
-    """Module prefix -> layer, read from ARCHITECTURE.md's table (`| N | `mod`, `mod` | ... |`)."""
-    table: dict[str, int] = {}
-    for line in (ROOT / "ARCHITECTURE.md").read_text().splitlines():
+def table_entries(text: str | None = None) -> list[tuple[str, int]]:
+    """(name, layer) for every name in ARCHITECTURE.md's table (`| N | `mod`, `mod` | ... |`), in
+    order, repeats kept (a name listed twice is an error the table check reports)."""
+    text = (ROOT / "ARCHITECTURE.md").read_text() if text is None else text
+    entries = []
+    for line in text.splitlines():
         m = re.match(r"\|\s*(\d+)\s*\|([^|]*)\|", line)
         if m:
-            for name in re.findall(r"`(lmforge[\w.]*)`", m.group(2)):
-                table[name] = int(m.group(1))
-    return table
+            entries += [(name, int(m.group(1))) for name in re.findall(r"`(lmforge[\w.]*)`", m.group(2))]
+    return entries
+
+
+def layers() -> dict[str, int]:
+    """Folder (or top-level module) -> layer, from ARCHITECTURE.md's table."""
+    return dict(table_entries())
+
+
+def folder_of(module: str) -> str:
+    """The folder a module belongs to (`lmforge.plan.layout` -> `lmforge.plan`), or the top-level
+    module itself (`lmforge.folders`, `lmforge`): what the table gives a layer."""
+    return ".".join(module.split(".")[:2])
 
 
 def layer_of(module: str, table: dict[str, int]) -> int:
-    """The layer of the longest listed prefix of `module`."""
-    best = None
-    for prefix, layer in table.items():
-        if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
-            best = (prefix, layer)
-    assert best is not None, f"{module} is in no layer of ARCHITECTURE.md"
-    return best[1]
+    """The layer of `module`'s folder."""
+    folder = folder_of(module)
+    assert folder in table, f"{folder} (of {module}) is in no layer of ARCHITECTURE.md"
+    return table[folder]
+
+
+def table_problems(entries: list[tuple[str, int]]) -> list[str]:
+    """What keeps the table from giving each folder and top-level module exactly one layer: a name
+    listed twice, a module inside a folder (a layer of its own would let it import above its
+    folder), a name that is no module, a folder or top-level module left out."""
+    problems = []
+    folders = {folder_of(m) for m in MODULES}
+    seen: dict[str, int] = {}
+    for name, layer in entries:
+        if name in seen:
+            problems.append(f"{name} is listed twice (layers {seen[name]} and {layer})")
+        seen[name] = layer
+        if name not in MODULES:
+            problems.append(f"{name} is no module of lmforge/")
+        elif name not in folders:
+            problems.append(f"{name} is a module of the folder {folder_of(name)}: the table gives folders "
+                            f"layers; move the module to a folder of the layer it needs instead")
+    problems += [f"{folder} is in no layer" for folder in sorted(folders - set(seen))]
+    return problems
 
 
 def _in_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
@@ -94,16 +125,25 @@ def lmforge_edges() -> dict[str, set[str]]:
     return edges
 
 
-def test_the_import_graph_has_no_cycle():
-    edges = lmforge_edges()
+def folder_edges() -> dict[str, set[str]]:
+    """The import graph between folders (and top-level modules): an edge where any module of one
+    imports any module of the other."""
+    edges: dict[str, set[str]] = {folder_of(m): set() for m in MODULES}
+    for module, targets in lmforge_edges().items():
+        edges[folder_of(module)] |= {folder_of(t) for t in targets} - {folder_of(module)}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
-    cycles: list[list[str]] = []
+    found: list[list[str]] = []
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
@@ -122,12 +162,35 @@ def test_the_import_graph_has_no_cycle():
                 if w == v:
                     break
             if len(component) > 1:
-                cycles.append(sorted(component))
+                found.append(sorted(component))
 
     for v in sorted(edges):
         if v not in index:
             visit(v)
-    assert not cycles, f"import cycles: {cycles}"
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    found = cycles(lmforge_edges())
+    assert not found, f"import cycles: {found}"
+
+
+def test_the_folders_import_each_other_without_a_cycle():
+    """Two folders that import each other (even through different modules) are one concern split in
+    two, or a module in the wrong folder; either way neither can be understood, tested or moved
+    alone. The edges of each cycle name the modules that make them."""
+    edges = folder_edges()
+    found = cycles(edges)
+    if found:
+        module_edges = lmforge_edges()
+        detail = [f"{m} -> {t}" for component in found for m in sorted(module_edges) for t in sorted(module_edges[m])
+                  if folder_of(m) in component and folder_of(t) in component and folder_of(m) != folder_of(t)]
+        pytest.fail(f"cycles between folders: {found}; through:\n" + "\n".join(detail))
+
+
+def test_the_table_gives_each_folder_one_layer():
+    problems = table_problems(table_entries())
+    assert not problems, "ARCHITECTURE.md's layer table:\n" + "\n".join(problems)
 
 
 def test_no_import_goes_up_a_layer():
@@ -160,23 +223,49 @@ def layer_of_or_none(module: str, table: dict[str, int]) -> int | None:
     return layer_of(module, table) if module.startswith("lmforge") else None
 
 
-@pytest.mark.parametrize("planted", ["cycle", "upward"])
+# (planted import) per check: a module cycle, an upward import, and a cycle between two folders of one
+# layer through modules that make no module cycle (lmforge.ckpt.checkpointer already imports
+# lmforge.parallel.mesh; lmforge.parallel.clip importing lmforge.ckpt.safe_io closes the folder cycle)
+PLANTED = {
+    "cycle": {"lmforge.folders": "lmforge.config.base", "lmforge.config.base": "lmforge.folders"},
+    "upward": {"lmforge.config.base": "lmforge.train.trainer"},
+    "folder cycle": {"lmforge.parallel.clip": "lmforge.ckpt.safe_io"},
+}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED))
 def test_the_checks_see_a_planted_violation(planted, monkeypatch):
-    """The two checks fail on a planted cycle / upward import (so they can fail at all)."""
+    """The checks fail on a planted cycle / upward import / folder cycle (so they can fail at all)."""
     real = imports_of
 
     def fake(module: str) -> list[tuple[str, int]]:
-        extra = []
-        if planted == "cycle" and module == "lmforge.folders":
-            extra = [("lmforge.config.base", 1)]
-        if module == "lmforge.config.base":
-            extra = [("lmforge.folders", 1)] if planted == "cycle" else [("lmforge.train.trainer", 1)]
-        return real(module) + extra
+        return real(module) + ([(PLANTED[planted][module], 1)] if module in PLANTED[planted] else [])
 
     monkeypatch.setattr(sys.modules[__name__], "imports_of", fake)
-    check = test_the_import_graph_has_no_cycle if planted == "cycle" else test_no_import_goes_up_a_layer
-    with pytest.raises(AssertionError, match="cycle" if planted == "cycle" else "lmforge.train.trainer"):
-        check()
+    if planted == "cycle":
+        with pytest.raises(AssertionError, match="import cycles"):
+            test_the_import_graph_has_no_cycle()
+    elif planted == "upward":
+        with pytest.raises(AssertionError, match="lmforge.train.trainer"):
+            test_no_import_goes_up_a_layer()
+    else:
+        test_the_import_graph_has_no_cycle()  # no module cycle, and both folders in layer 3:
+        test_no_import_goes_up_a_layer()  # only the folder check sees it
+        with pytest.raises(pytest.fail.Exception, match=r"lmforge.parallel.clip -> lmforge.ckpt.safe_io"):
+            test_the_folders_import_each_other_without_a_cycle()
+
+
+@pytest.mark.parametrize("planted,problem", [
+    ("| 4 | `lmforge.plan.layout` | a module of a folder in a layer of its own |", "a module of the folder"),
+    ("| 0 | `lmforge.train` | a folder listed twice |", "listed twice"),
+    ("| 0 | `lmforge.nowhere` | a stale name |", "no module"),
+])
+def test_the_table_check_sees_a_planted_violation(planted, problem):
+    text = (ROOT / "ARCHITECTURE.md").read_text() + "\n" + planted + "\n"
+    assert not table_problems(table_entries())
+    assert any(problem in p for p in table_problems(table_entries(text)))
+    left_out = [(name, layer) for name, layer in table_entries() if name != "lmforge.verify"]
+    assert table_problems(left_out) == ["lmforge.verify is in no layer"]
 
 
 # ---- one home for the loss ---------------------------------------------------------------------
