@@ -113,7 +113,7 @@ def test_cp_estimate_under_activation_checkpointing(monkeypatch, cp, ac):
 
 
 def test_cp_blocks_follow_the_formula_in_every_convention():
-    """Per layer (A - KV)/cp + KV (formulas.cp_activation_bytes), A and KV of the whole sequence;
+    """Per layer (A - KV)/cp + KV (spec.parallel.cp_activation_bytes), A and KV of the whole sequence;
     full recompute A/cp; model states sharded over dp x cp as over dp x cp data-parallel ranks."""
     cfg = load_config("mistral-7b", LLAMA3_8B).model
     s = 131072
@@ -143,7 +143,7 @@ def test_cp_traffic_and_balanced_attention_in_the_time_model():
     assert {k: got[k] for k in want} == want and kv * cfg.n_layers == 2 * 2**30
     step = estimate_step(cfg, lay, cluster, s)
     assert step.comm_s["cp"] > 0 and "cp" not in estimate_step(cfg, Layout(dp=16, zero=3, tp=8), cluster, s).comm_s
-    # every rank computes the same c^2 (2cp + 1) (query, key) scores (formulas.cp_score_elements): at
+    # every rank computes the same c^2 (2cp + 1) (query, key) scores (spec.parallel.cp_score_elements): at
     # equal GPUs and tokens the attention time and the matmuls' FLOP time are the same with or without CP
     # (CP's 16 x more, smaller micro-batches pay the fixed cost per GEMM 16 x more often)
     flat_lay = Layout(dp=16, zero=3, tp=8, micro_batch=1, grad_accum=2, ac="full")

@@ -304,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Sub-commands that own their argument parsing, each in its concern's folder: name -> (module, function).
+# Sub-commands that own their argument parsing, each a module of this package, imported only when that
+# sub-command runs: name -> (module, function, help).
 DELEGATED = {
     "prepare": ("lmforge.cli.prepare", "prepare_main", "turn raw text files into token shards"),
     "plan": ("lmforge.cli.plan", "plan_main", "memory, time and cost of a model on a cluster; best layout"),

@@ -65,13 +65,13 @@ Attention (`SequenceSharding.attention`, called by the model's attention through
 
 Memory per rank and layer: 1/cp of the tokens' activations, plus the K/V of the whole sequence
 (`lmforge.spec.parallel.cp_kv_bytes`: 2 b T kv_heads head_dim x dtype bytes), which replaces
-the rank's own 1/cp share: (A - KV) / cp + KV (`formulas.cp_activation_bytes`). No mask and no
+the rank's own 1/cp share: (A - KV) / cp + KV (`spec.parallel.cp_activation_bytes`). No mask and no
 score matrix (the attention saves its output and log-sum-exp, as flash attention does without CP),
 except in the fallbacks above (math kernel; expanded K/V for the memory-efficient kernel).
 
 Traffic per step and rank: one all-gather and one reduce-scatter of `cp_kv_bytes` per layer and
 micro-batch (one more all-gather where activation checkpointing recomputes a layer); counted in
-`SequenceSharding.comm` as the collectives run (`formulas.cp_comm_bytes` is the closed form).
+`SequenceSharding.comm` as the collectives run (`spec.parallel.cp_comm_bytes` is the closed form).
 
 Everything else is data parallelism over dp x cp: the CP ranks hold the same parameters, so their
 gradients are averaged together with the data-parallel ones (DDP over "dp_cp", FSDP2 over

@@ -159,7 +159,7 @@ def cp_kv_layer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, gathered: 
     """The K and V of one layer for the whole sequences of a micro-batch, on one (TP) rank: what a
     context-parallel rank all-gathers and saves (`lmforge.spec.parallel.cp_kv_bytes`). Multi-head
     latent attention gathers its latent and RoPE key instead (`gathered`: those bytes, what the
-    collectives move: `formulas.cp_latent_bytes`) and saves them with the K and V it expands from them
+    collectives move: `spec.parallel.cp_latent_bytes`) and saves them with the K and V it expands from them
     (every head's, n_heads / t x the padded width, v as `mla_attention_bytes` counts it)."""
     dtype = attention_dtype_bytes(layout)
     if not cfg.mla.enabled:

@@ -212,9 +212,9 @@ def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m:
 
 
 def cp_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, int]:
-    """Context-parallel traffic of one optimizer step on one rank (`formulas.cp_comm_bytes`) for the
+    """Context-parallel traffic of one optimizer step on one rank (`spec.parallel.cp_comm_bytes`) for the
     layers of the rank's pipeline stage, with one more K/V all-gather per layer that activation
-    checkpointing re-runs in backward (`formulas.recomputed_layers`)."""
+    checkpointing re-runs in backward (`spec.parallel.recomputed_layers`)."""
     layers = model_cfg.n_layers // layout.pp
     return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len, gathered=True), layout.cp, layers, layout.grad_accum,
                          recomputed_layers(layout.ac, layers, layout.ac_every))
