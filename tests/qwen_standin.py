@@ -58,7 +58,7 @@ def make_qwen_standin(out: str | Path) -> Path:
 
 
 def write_my_text(cwd: Path) -> None:
-    """The user's own text (my_text/*.txt) and its prepare config (my_text.toml), as the README shows."""
+    """The user's own text (my_text/*.txt) and its prepare config (my_text.toml), as docs/evaluation.md shows."""
     (cwd / "my_text").mkdir(parents=True, exist_ok=True)
     for i in range(4):
         (cwd / "my_text" / f"part{i}.txt").write_text(

@@ -1,6 +1,7 @@
-"""The data-preparation commands of README.md run as written (on a generated corpus in raw/).
+"""The data-preparation commands of the docs run as written (on a generated corpus in raw/): the data
+page docs/data.md, and the README's "Your own data" lines, which are among the page's.
 
-Lines marked "(not run by tests" (Slurm, S3) are left out; everything else in the section's bash
+Lines marked "(not run by tests" (Slurm, S3) are left out; everything else in the page's bash
 blocks runs verbatim, in order, in one shell; `lmforge train` briefly (LMFORGE_TRAIN_ARGS, as in
 tests/test_readme_commands.py)."""
 
@@ -9,24 +10,24 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.docs_pages import ROOT, bash_blocks
 from tests.test_readme_commands import BRIEF
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def section_commands() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Your own corpus"):text.index("### Planning")]
-    blocks = re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
+    blocks = [body for _, body in bash_blocks("docs/data.md")]
     assert len(blocks) >= 2
     lines = [ln for b in blocks for ln in b.splitlines() if "(not run by tests" not in ln]
+    tour = [ln for heading, body in bash_blocks("README.md") if heading == "Your own data" for ln in body.splitlines()]
+    assert tour, "README.md has no 'Your own data' block"
+    for line in tour:  # the README's lines run here, verbatim, as the data page shows them
+        assert line in lines, f"README.md's 'Your own data' line is not among docs/data.md's: {line!r}"
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,4 @@
-"""Walk-through: continue pre-training a Qwen2.5-style model on your own text, as README.md shows it.
+"""Walk-through: continue pre-training a Qwen2.5-style model on your own text, as docs/evaluation.md shows it.
 
 A transformers-made stand-in (tests/qwen_standin.py: a random `Qwen2ForCausalLM` saved with
 `save_pretrained`, and a real byte-level BPE tokenizer.json trained with `tokenizers` and wrapped for
@@ -48,7 +48,7 @@ def test_continue_pretraining_a_qwen25_style_model_on_your_own_text(tmp_path):
     hf_dir = make_qwen_standin(tmp_path / "path" / "to" / "qwen2.5")
     hf_tok = AutoTokenizer.from_pretrained(str(hf_dir))
     write_my_text(tmp_path)
-    assert MY_TEXT_TOML in (ROOT / "README.md").read_text()  # the prepare config README.md shows
+    assert MY_TEXT_TOML in (ROOT / "docs" / "evaluation.md").read_text()  # the prepare config the docs show
 
     # 1. import: the model, its tokenizer.json and its own BOS/EOS ids
     lmforge(tmp_path, "import", "--hf", "path/to/qwen2.5", "--out", "runs/qwen-base")

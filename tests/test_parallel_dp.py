@@ -303,7 +303,7 @@ STALL_DRIVER = str(Path(__file__).with_name("stall_driver.py"))
 
 @pytest.mark.slow
 def test_a_collective_waiting_past_timeout_s_fails_naming_the_rank(corpus, tmp_path):
-    """README: "a collective that waits longer than parallel.timeout_s fails with an error naming the
+    """docs/parallel.md: "a collective that waits longer than parallel.timeout_s fails with an error naming the
     rank". A real 2-rank DDP job in which rank 1 sleeps 120 s before step 1 (tests/stall_driver.py):
     rank 0 waits in step 1's first collective (the all-reduce of the step's target count), fails
     after timeout_s = 5 s with "rank 0 of 2: ... timed out ...", and torchrun ends the job, the

@@ -167,15 +167,15 @@ def test_chinchilla_preset_says_what_it_approximates(capsys):
 
 
 def test_readme_planning_commands_run(capsys):
-    """Every `lmforge plan` command of README.md's Planning section works. (No wall-clock bound: a
-    20 s guard failed under load; the search's cost is recorded in benchmarks/RESULTS.md.)"""
+    """Every `lmforge plan` command of docs/planning.md's "Planning a run" section works. (No wall-clock
+    bound: a 20 s guard failed under load; the search's cost is recorded in benchmarks/RESULTS.md.)"""
     import re
     import shlex
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("### Planning"):]
-    section = section[:section.index("\n### ", 5)]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
+    section = text[text.index("## Planning a run"):]
+    section = section[:section.index("\n## ", 5)]
     commands = [line.split("#")[0].strip() for block in re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
                 for line in block.splitlines() if line.startswith("lmforge plan")]
     assert len(commands) >= 3

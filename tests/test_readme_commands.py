@@ -1,12 +1,14 @@
-"""Every command of README.md runs as written, so the README cannot drift from the code.
+"""Every command of README.md and of the pages in docs/ runs as written, so the docs cannot drift from
+the code.
 
-The bash blocks run in order, each as one `bash -e` script, in a scratch folder that holds the
-files the README names (`my_run.toml`, `book.txt`, `pairs.jsonl`, ...). Left out: the first two
-blocks (the newcomer's install + train / install + test commands: `.ci/run` and
-tests/test_e2e.py run those), the data-preparation section (tests/test_data_prepare_readme.py
-runs it), and lines marked `(not run by tests: ...)` with their continuation lines. Training
-runs briefly: `LMFORGE_TRAIN_ARGS` (appended to every `lmforge train`, sweep trials included)
-makes each ten tiny steps on the default corpus.
+The bash blocks run in order (README.md, then the pages in tests/docs_pages.py's order), each as one
+`bash -e` script, in one scratch folder that holds the files the docs name (`my_run.toml`, `book.txt`,
+`pairs.jsonl`, ...). Left out: README.md's first three blocks (the newcomer's install + train and
+install + test commands, and the fast tier: the suite itself; `.ci/run` and tests/test_e2e.py run
+those), the data page docs/data.md and the README's "Your own data" lines (tests/test_data_prepare_readme.py
+runs them, on a generated corpus), and lines marked `(not run by tests: ...)` with their continuation
+lines. Training runs briefly: `LMFORGE_TRAIN_ARGS` (appended to every `lmforge train`, sweep trials
+included) makes each ten tiny steps on the default corpus.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs_pages import ROOT, bash_blocks, pages, read
 from tests.qwen_standin import make_qwen_standin, write_my_text
 
-ROOT = Path(__file__).resolve().parents[1]
 SKIP = "(not run by tests"
+# README.md's first blocks, the suite itself or its install: install + train, install + test, the fast tier
+NEWCOMER = 3
+RUN_ELSEWHERE = {("README.md", "Your own data"), ("docs/data.md", None)}  # tests/test_data_prepare_readme.py
 # No micro-batch size: each layout adapts the preset's to the brief global batch, as a user's run does
 # (one micro-batch per rank, so few gloo collectives per step).
 BRIEF = ("--train.steps 10 --train.global_batch_size 12 --data.seq_len 32 "
@@ -37,26 +42,35 @@ BRIEF = ("--train.steps 10 --train.global_batch_size 12 --data.seq_len 32 "
 
 
 def readme_blocks() -> list[tuple[str, str]]:
-    """(heading, script) of every bash block after the first two, outside the data section, with
-    the marked lines (and the lines continuing them) removed."""
-    text = (ROOT / "README.md").read_text()
-    data_start, data_end = text.index("### Your own corpus"), text.index("### Planning")
+    """("page: heading", script) of every bash block of the docs, in order, but the newcomer's blocks
+    and those run elsewhere, with the marked lines (and the lines continuing them) removed."""
     blocks = []
-    for m in list(re.finditer(r"^( *)```bash\n(.*?)\n\1```", text, flags=re.S | re.M))[2:]:
-        if data_start <= m.start() < data_end:
-            continue
-        heading = re.findall(r"^#+ (.*)$", text[:m.start()], flags=re.M)[-1]
-        body = textwrap.dedent(m.group(2))  # a block inside a list item is indented
-        commands = re.sub(r"\\\n\s*", "", body).splitlines()  # one line per command
-        kept = [c for c in commands if SKIP not in c]
-        blocks.append((heading, "\n".join(kept)))
+    for page in pages():
+        found = bash_blocks(page)
+        if page == "README.md":
+            first = [body.strip() for _, body in found[:NEWCOMER]]
+            assert first[0].endswith("lmforge train") and first[1].endswith("python -m pytest -q -n 2") \
+                and first[2] == 'python -m pytest -q -n 2 -m "not slow"', first  # nothing else is skipped
+            found = found[NEWCOMER:]
+        for heading, body in found:
+            if (page, heading) in RUN_ELSEWHERE or (page, None) in RUN_ELSEWHERE:
+                continue
+            commands = re.sub(r"\\\n\s*", "", body).splitlines()  # one line per command
+            kept = [c for c in commands if SKIP not in c]
+            blocks.append((f"{page}: {heading}", "\n".join(kept)))
     return blocks
 
 
+def docs_text() -> str:
+    return "\n".join(read(page) for page in pages())
+
+
 def fixtures(cwd: Path) -> None:
-    """The files the README's commands name: the TOML files its blocks write themselves (`cat > F <<'TOML'`),
+    """The files the docs' commands name: the TOML files their blocks write themselves (`cat > F <<'TOML'`),
     as written there, and the others."""
-    for name, body in re.findall(r"cat > (\S+) <<'TOML'\n(.*?)\nTOML\n", (ROOT / "README.md").read_text(), flags=re.S):
+    written = re.findall(r"cat > (\S+) <<'TOML'\n(.*?)\nTOML\n", docs_text(), flags=re.S)
+    assert len({name for name, _ in written}) == len(written), written  # one text per file name
+    for name, body in written:
         (cwd / name).write_text(body + "\n")
     (cwd / "my_run.toml").write_text('inherit = "tiny"\n[optim]\nlr = 3e-3\n')
     (cwd / "book.txt").write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 20)
@@ -75,8 +89,10 @@ def fixtures(cwd: Path) -> None:
 def test_every_readme_command_runs(tmp_path):
     blocks = readme_blocks()
     headings = [h for h, _ in blocks]
-    for must in ("Using it", "Planning", "Scale out", "Never lose a run",
-                 "Evaluate, fine-tune, and interoperate with Hugging Face", "Watching runs, reports and sweeps"):
+    for must in ("README.md: Train, sample, evaluate", "docs/planning.md: Planning a run",
+                 "docs/parallel.md: Scale out: DDP, ZeRO, FSDP2, HSDP", "docs/checkpoints.md: Never lose a run",
+                 "docs/evaluation.md: Evaluate, fine-tune, and interoperate with Hugging Face",
+                 "docs/operations.md: Reports and sweeps"):
         assert must in headings, headings
     fixtures(tmp_path)
     trained: dict[str, Path] = {}  # the argument string of each training line run so far -> its run folder
@@ -98,7 +114,7 @@ def test_every_readme_command_runs(tmp_path):
         proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=block_env, capture_output=True,
                               text=True, timeout=900)
         print(f"{time.time() - t0:6.1f} s  {heading}")
-        assert proc.returncode == 0, f"README section {heading!r}:\n{script}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, f"docs section {heading!r}:\n{script}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         check_training_lines(tmp_path, script, proc.stdout, trained)
     # what the commands made: the runs, the export, the report, the sweeps
     assert (tmp_path / "runs" / "tiny" / "model.safetensors").is_file()
@@ -112,7 +128,7 @@ def test_every_readme_command_runs(tmp_path):
     assert "Downstream tasks" in (tmp_path / "runs" / "wsd" / "report" / "index.html").read_text()
     assert json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())["steps"] == 10
     assert len(set(trained.values())) >= 20, trained  # every layout line trained a run of its own
-    for folder in re.findall(r"`(runs/sweep-[^`/]+)`", (ROOT / "README.md").read_text()):  # the sweep folders it names
+    for folder in re.findall(r"`(runs/sweep-[^`/]+)`", docs_text()):  # the sweep folders the docs name
         if "<" not in folder:
             assert (tmp_path / folder / "results.json").is_file(), (folder, sorted(os.listdir(tmp_path / "runs")))
 
@@ -152,13 +168,12 @@ def check_training_lines(cwd: Path, script: str, stdout: str, trained: dict[str,
 
 
 def readme_train_lines() -> list[tuple[int, str]]:
-    """(processes, argument string after `lmforge train`) of every training command in README.md's
-    bash blocks, marked lines included (they must be valid configs too, even where tests cannot
-    launch them)."""
-    text = (ROOT / "README.md").read_text()
+    """(processes, argument string after `lmforge train`) of every training command in the bash blocks
+    of README.md and docs/, marked lines and the blocks run elsewhere included (they must be valid
+    configs too, even where tests cannot launch them)."""
     found = []
-    for m in re.finditer(r"^( *)```bash\n(.*?)\n\1```", text, flags=re.S | re.M):
-        for line in re.sub(r"\\\n\s*", "", textwrap.dedent(m.group(2))).splitlines():
+    for _, body in (block for page in pages() for block in bash_blocks(page)):
+        for line in re.sub(r"\\\n\s*", "", body).splitlines():
             line = line.split("#")[0]
             if "lmforge train" not in line:
                 continue
@@ -170,9 +185,9 @@ def readme_train_lines() -> list[tuple[int, str]]:
 
 
 def test_every_readme_train_line_is_a_valid_config_as_written(tmp_path, monkeypatch):
-    """The end-to-end README test shortens training with LMFORGE_TRAIN_ARGS; this one loads every
+    """The end-to-end docs test shortens training with LMFORGE_TRAIN_ARGS; this one loads every
     training command's config exactly as printed (no overrides) and checks that its layout fills
-    the launch, so no README line depends on the shortening to be valid."""
+    the launch, so no line of the docs depends on the shortening to be valid."""
     from lmforge.config import load_config, parse_cli_overrides, to_toml
     from lmforge.folders import CONFIG
 
