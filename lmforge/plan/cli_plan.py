@@ -36,7 +36,8 @@ from lmforge.plan.hardware import load_devices, parse_cluster
 from lmforge.config.rules import pipeline_micro_batches
 from lmforge.plan.conventions import CONVENTIONS
 from lmforge.plan.documents import corpus_document_tokens, prepared_train_dir
-from lmforge.plan.layout import Layout, planned_compile, planned_documents, planned_loss_chunk
+from lmforge.plan.layout import (Layout, lmforge_refusals, planned_compile, planned_documents, planned_loss_chunk,
+                                 refusal_lines)
 from lmforge.plan.loss_prediction import loss_lines, predict_loss
 from lmforge.plan.memory import estimate_memory
 from lmforge.plan.micro_batch import AUTO_HEADROOM, largest_fitting
@@ -312,6 +313,7 @@ def plan_main(argv: list[str]) -> int:
         precision = _resolve_precision(args.precision or cfg.train.precision, cluster.device)
         optimizer = args.optimizer or cfg.optim.name
         layout, notes = _default_layout(cfg, cluster, sequences, precision, args.layout, seq_len, optimizer)
+        refused = lmforge_refusals(cfg, layout, seq_len)  # (planned all the same: said at the top)
         train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg, layout.micro_batch))
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
@@ -335,7 +337,8 @@ def plan_main(argv: list[str]) -> int:
                   "layout": layout.to_dict(), "usable_fraction": args.usable, "conventions": list(conventions),
                   "memory": {m.convention: m.as_dict() | {"fits": m.total <= budget} for m in mems},
                   "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal, "notes": notes,
-                  "data": data_lines, "data_warnings": data_warnings}
+                  "data": data_lines, "data_warnings": data_warnings,
+                  "refused": [r._asdict() for r in refused]}
         if loss is not None:
             report["loss"] = loss
         if cands is not None:
@@ -349,6 +352,7 @@ def plan_main(argv: list[str]) -> int:
         if not cands:
             return 0
         layout, notes = cands[0].layout, [f"the search's best layout (--layout {cands[0].layout.short()} plans it alone)"]
+        refused = []  # (the search leaves out what lmforge refuses)
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset)
                 for w in conventions]
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
@@ -356,6 +360,8 @@ def plan_main(argv: list[str]) -> int:
                              convention=fit_convention, optimizer=optimizer)
         print()
     print(f"lmforge plan: {cfg.preset} on {cluster} ({cluster.world_size} GPUs), layout {layout.short()}")
+    for line in refusal_lines(refused):
+        print(f"  {line}")
     for note in notes:
         print(f"  note: {note}")
     for line in data_lines:
