@@ -201,7 +201,8 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
     _R("sp-divides-cp-chunk", lambda c: c.parallel.cp > 1 and c.parallel.sequence_parallel
        and (c.data.seq_len // c.parallel.cp) % c.parallel.tp > 0,
        "{k[sp]} with {k[cp]} = {p.cp}: each CP rank's {tokens} tokens ({k[seq_len]} / cp) must be divisible by "
-       "{k[tp]} = {p.tp}.", lambda c, k: {"tokens": c.data.seq_len // c.parallel.cp}, structural=True,
+       "{k[tp]} = {p.tp}, over whose ranks sequence parallelism splits them.",
+       lambda c, k: {"tokens": c.data.seq_len // c.parallel.cp}, structural=True,
        needs=frozenset({"seq_len"})),
     # -- pipelines: stages of whole layers, enough micro-batches, embedding and head apart; the zero-bubble
     #    schedules run each backward as an input-gradient and a later weight-gradient pass through the same graph
@@ -235,7 +236,8 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        "dense model); set model.moe.num_experts or {k[ep]} = 1.", structural=True, needs=frozenset({"model"})),
     _R("ep-divides-experts", lambda c: c.parallel.ep > 1 and c.model.moe.enabled
        and c.model.moe.num_experts % c.parallel.ep > 0,
-       "{k[ep]} = {p.ep} must divide model.moe.num_experts = {m.moe.num_experts}; choose {k[ep]} among {ok}.",
+       "{k[ep]} = {p.ep} must divide model.moe.num_experts = {m.moe.num_experts} (each expert-parallel "
+       "rank holds an equal share of the routed experts); choose {k[ep]} among {ok}.",
        lambda c, k: {"ok": divisors(c.model.moe.num_experts)}, structural=True, needs=frozenset({"model"})),
     # -- the chunked loss runs without tensor and pipeline parallelism
     _R("loss-chunk-alone", lambda c: c.train.loss_chunk != "auto" and bool(c.train.loss_chunk)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmforge.config import Config, ModelConfig
-from lmforge.config.layout_rules import LAYOUT_NAMES, Refusal, layout_refusals
+from lmforge.config.layout_rules import LAYOUT_NAMES, LayoutRefused, Refusal, layout_refusals
 from lmforge.config.rules import config_refusals, document_kernel_rule, resolve_compile, resolve_loss_chunk
 from lmforge.parallel.formulas import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
@@ -119,8 +119,8 @@ class Layout:
         base = _DEFAULT_PROBE if model_cfg is None else _probe(model_cfg)
         probe = config_for_layout(base, self, seq_len if seq_len is not None else base.data.seq_len)
         broken = layout_refusals(probe, LAYOUT_NAMES, structural=True, given=given)
-        if broken:
-            raise ValueError(f"layout {broken[0].message}")
+        if broken:  # (a ValueError naming the rule broken)
+            raise LayoutRefused([broken[0]._replace(message=f"layout {broken[0].message}")])
         return self
 
     def to_dict(self) -> dict[str, Any]:
