@@ -17,7 +17,10 @@ asks: the config's (`CONFIG_NAMES`: parallel.tp, data.seq_len, ...) or the plann
   them and says at the top that lmforge refuses them, with every reason; the search leaves them out.
 
 The rules that read no layout key (a section's own values, data recipes, ...) stay in
-`lmforge.config.sections` and `lmforge.config.rules`.
+`lmforge.config.sections` and `lmforge.config.rules`, and so does one that does:
+parallel.ep's shard dimension (`ParallelConfig.check`), named before the process count because
+`infer_dp_shard` decides dp_shard from it. The planner reads them all the same
+(`lmforge.config.rules.config_refusals`).
 """
 
 from __future__ import annotations
@@ -133,10 +136,6 @@ _R = LayoutRule
 # In the order the config check names them (the first broken one is `lmforge train`'s error).
 LAYOUT_RULES: tuple[LayoutRule, ...] = (
     # -- data parallelism, ZeRO, expert parallelism's ranks
-    _R("ep-borrows-dp-shard", lambda c: c.parallel.ep > 1 and (c.parallel.dp_shard % c.parallel.ep > 0
-                                                                 or c.parallel.zero_stage == 1),
-       "parallel.ep = {p.ep} borrows its ranks from the FSDP2 shard dimension: it must divide parallel.dp_shard = "
-       "{p.dp_shard} (zero_stage 0, 2 or 3); set parallel.dp_shard to a multiple of {p.ep}."),
     _R("ep-divides-dp", lambda c: c.parallel.ep > 1 and c.parallel.dp % c.parallel.ep > 0,
        "{k[ep]} = {p.ep} must divide the data-parallel degree {k[dp]} = {p.dp}: expert parallelism borrows "
        "data-parallel ranks.", structural=True),

@@ -527,12 +527,20 @@ class ParallelConfig:
         return (self.dp_shard > 1 and self.zero_stage != 1) or self.zero_stage in (2, 3)
 
     def check(self) -> None:
-        """The section's own values; the rules of the layout they make are `lmforge.config.layout_rules`'."""
+        """The section's own values, and expert parallelism's shard dimension (which the launch's inference of
+        dp_shard decides, so it is named before the process count); the other rules of the layout:
+        `lmforge.config.layout_rules`."""
         at_least(1, "parallel", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, pp=self.pp,
                   pp_virtual_stages=self.pp_virtual_stages, powersgd_rank=self.powersgd_rank, ep=self.ep)
-        if self.ep > 1 and self.async_sgd:
-            raise ConfigError(f"parallel.ep = {self.ep} is not combined with async_sgd (a parameter server of "
-                              f"whole replicas); set parallel.async_sgd = false or ep = 1.")
+        if self.ep > 1:
+            if self.dp_shard % self.ep or self.zero_stage == 1:
+                raise ConfigError(
+                    f"parallel.ep = {self.ep} borrows its ranks from the FSDP2 shard dimension: it must divide "
+                    f"parallel.dp_shard = {self.dp_shard} (zero_stage 0, 2 or 3); set parallel.dp_shard to a multiple "
+                    f"of {self.ep}.")
+            if self.async_sgd:
+                raise ConfigError(f"parallel.ep = {self.ep} is not combined with async_sgd (a parameter server of "
+                                  f"whole replicas); set parallel.async_sgd = false or ep = 1.")
         at_least(0, "parallel", max_staleness=self.max_staleness)
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")

@@ -36,8 +36,8 @@ from lmforge.plan.hardware import load_devices, parse_cluster
 from lmforge.config.rules import pipeline_micro_batches
 from lmforge.plan.conventions import CONVENTIONS
 from lmforge.plan.documents import corpus_document_tokens, prepared_train_dir
-from lmforge.plan.layout import (Layout, lmforge_refusals, planned_compile, planned_documents, planned_loss_chunk,
-                                 refusal_lines)
+from lmforge.plan.layout import (Layout, layout_for_config, lmforge_refusals, planned_compile, planned_documents,
+                                 planned_loss_chunk, refusal_lines)
 from lmforge.plan.loss_prediction import loss_lines, predict_loss
 from lmforge.plan.memory import estimate_memory
 from lmforge.plan.micro_batch import AUTO_HEADROOM, largest_fitting
@@ -176,11 +176,11 @@ def _default_layout(cfg, cluster, seq_sequences: int, precision: str, layout_tex
     ("auto": the largest the memory plan fits in `AUTO_HEADROOM` of the device); compile and
     loss_chunk as lmforge resolves them on CUDA; a flag of the config's that does not apply to the
     layout is dropped, with a note, unless the user chose it."""
-    par, tr = cfg.parallel, cfg.train
-    auto_mb = tr.micro_batch_size == "auto"
-    base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": 1 if auto_mb else tr.micro_batch_size,
-            "ac": tr.activation_checkpoint, "ac_every": tr.ac_every, "precision": precision,
-            "zero": 3 if par.dp_shard > 1 else 0}
+    auto_mb = cfg.train.micro_batch_size == "auto"
+    # the config's layout (the one conversion: layout_for_config); grad_accum, reduce_every and loss_chunk are
+    # derived below for the layout typed over it
+    base = {**layout_for_config(cfg, precision, "cuda", 1 if auto_mb else cfg.train.micro_batch_size).to_dict(),
+            "grad_accum": 1, "fsdp_reduce_every_micro_batch": False, "loss_chunk": 0}
     explicit = {item.split("=", 1)[0].strip().lower() for item in (layout_text or "").split(",") if "=" in item}
     notes: list[str] = []
     given = Layout.parse(layout_text or "", **base)
