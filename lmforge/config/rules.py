@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, Callable
 
 from lmforge.config.base import ConfigError, divisors
 from lmforge.config.launch import launcher_command
-from lmforge.config.layout_rules import (LayoutRefused, Refusal, check_layout, pipeline_micro_batches_ok,
-                                         valid_tp_degrees)
+from lmforge.config.layout_rules import (LAYOUT_RULES, LayoutRefused, Refusal, check_layout,
+                                         pipeline_micro_batches_ok)
 from lmforge.optim.registry import REGISTRY, SPECS
-from lmforge.parallel.formulas import LOOPED, V_SHAPED, stages_per_rank
 
 if TYPE_CHECKING:
     from lmforge.config.sections import Config
@@ -138,13 +137,18 @@ def check_process_count(cfg: "Config", world: int, launch: str) -> None:
         f"`{launcher_command(p.world_size)}`, {other}")
 
 
+# The layout rules of the model and the data: the layouts a wrong process count is offered pass them
+# (the user's other settings keep their own rules, named once the process count is right).
+MODEL_AND_DATA_RULES = frozenset({"tp-whole-heads", "tp-divides-vocab", "tp-divides-mlp", "sp-divides-sequence",
+                                  "cp-whole-chunks", "sp-divides-cp-chunk", "pp-whole-layers", "pp-untied"})
+
+
 def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, int]]:
     """Up to `most` layouts of exactly `world` processes that pass this model's and data's layout
     rules (TP degrees, pipeline stages of whole layers, CP chunks), as {degree: value} of the
     degrees > 1; those closest to what was typed first (the most typed degrees kept, then the
     fewest degrees changed)."""
-    p, m, d = cfg.parallel, cfg.model, cfg.data
-    tp_ok = set(valid_tp_degrees(cfg))
+    p = cfg.parallel
     found = []
 
     def walk(i: int, left: int, chosen: dict[str, int]) -> None:
@@ -158,9 +162,12 @@ def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, 
     walk(0, world, {})
 
     def allowed(c: dict[str, int]) -> bool:
-        stages = c["pp"] * (stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if c["pp"] > 1 else 1)
-        return (c["tp"] in tp_ok and m.n_layers % stages == 0 and (c["cp"] == 1 or d.seq_len % (2 * c["cp"]) == 0)
-                and c["dp_shard"] % p.ep == 0 and (c["pp"] == 1 or not m.tie_embeddings))
+        probe = dataclasses.replace(cfg, parallel=dataclasses.replace(p, **c))
+        try:
+            probe.parallel.check()  # (expert parallelism's shard dimension)
+        except ConfigError:
+            return False
+        return not any(rule.broken(probe) for rule in LAYOUT_RULES if rule.name in MODEL_AND_DATA_RULES)
 
     def closeness(c: dict[str, int]) -> tuple[int, int, int]:
         kept = sum(1 for k in MESH_DEGREES if getattr(p, k) > 1 and c[k] > 1)

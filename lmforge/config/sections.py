@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 from lmforge.config.base import ConfigError, at_least, divisors
 from lmforge.config.base import doc_field as _f
 from lmforge.optim.registry import OPTIMIZER_NAMES, REGISTRY, names_with
-from lmforge.parallel.formulas import LOOPED, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
+from lmforge.parallel.formulas import SPLIT_BACKWARD, stages_per_rank
 
 
 # --------------------------------------------------------------------------------------------

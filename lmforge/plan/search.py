@@ -33,7 +33,6 @@ torch.compile or selective recompute (which their split backward rules out).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
