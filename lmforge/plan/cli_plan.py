@@ -14,7 +14,9 @@ optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device
 ("auto": the largest whose planned peak fits in 85% of the GPU), compile `train.compile` (as resolved on CUDA),
 activation checkpointing `train.activation_checkpoint`, the chunked loss `train.loss_chunk` (as resolved on
 CUDA; 0 under tp or pp > 1; layout key loss_chunk=N overrides it), tp/pp/cp from `[parallel]`; the default
-layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
+layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1). A layout that
+`lmforge train` would refuse (lmforge.config.layout_rules: e.g. Megatron's ZeRO-1 with TP and PP) is planned all
+the same, to compare, with every reason at the top (--json: `refused`).
 
 Memory is shown under each convention asked for (`--weights`, default all three: "lmforge" =
 what lmforge allocates, "megatron" = Megatron-LM's estimator (18 B/param), "zero-paper" = the
