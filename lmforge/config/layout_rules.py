@@ -218,7 +218,7 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        "checkpointing allows one backward through a checkpointed region, and the split backward runs two (the input "
        "gradient, then the weight gradient: torch raises \"Trying to backward an extra time\"); use "
        "activation_checkpoint = 'full' or 'every_k', or pp_schedule = 'interleaved'."),
-    _R("pp-fills-stages", lambda c: c.parallel.pp > 1 and (_accum(c) or c.parallel.pp) < c.parallel.pp,
+    _R("pp-fills-stages", lambda c: c.parallel.pp > 1 and _accum(c) is not None and _accum(c) < c.parallel.pp,
        "parallel.pp = {p.pp}: the pipeline runs the step's {accum} micro-batch(es) (global_batch_size "
        "{t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x dp {p.dp})), fewer than the stages; lower "
        "train.micro_batch_size so there are >= {p.pp} micro-batches per step.", lambda c, k: {"accum": _accum(c)}),
