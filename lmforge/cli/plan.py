@@ -14,7 +14,9 @@ optimizer `optim.name`, precision `train.precision` ('auto' = bf16 if the device
 ("auto": the largest whose planned peak fits in 85% of the GPU), compile `train.compile` (as resolved on CUDA),
 activation checkpointing `train.activation_checkpoint`, the chunked loss `train.loss_chunk` (as resolved on
 CUDA; 0 under tp or pp > 1; layout key loss_chunk=N overrides it), tp/pp/cp from `[parallel]`; the default
-layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1).
+layout spends the rest of the GPUs on data parallelism (ZeRO-3 when parallel.dp_shard > 1). A layout that
+`lmforge train` would refuse (lmforge.config.layout_rules: e.g. Megatron's ZeRO-1 with TP and PP) is planned all
+the same, to compare, with every reason at the top (--json: `refused`).
 
 Memory is shown under each convention asked for (`--weights`, default all three: "lmforge" =
 what lmforge allocates, "megatron" = Megatron-LM's estimator (18 B/param), "zero-paper" = the
@@ -36,7 +38,8 @@ from lmforge.plan.hardware import load_devices, parse_cluster
 from lmforge.config.rules import pipeline_micro_batches
 from lmforge.plan.conventions import CONVENTIONS
 from lmforge.plan.documents import corpus_document_tokens, prepared_train_dir
-from lmforge.plan.layout import Layout, planned_compile, planned_documents, planned_loss_chunk
+from lmforge.plan.layout import (Layout, layout_for_config, lmforge_refusals, planned_compile, planned_documents,
+                                 planned_loss_chunk, refusal_lines)
 from lmforge.plan.loss_prediction import loss_lines, predict_loss
 from lmforge.plan.memory import estimate_memory
 from lmforge.plan.micro_batch import AUTO_HEADROOM, largest_fitting
@@ -175,11 +178,11 @@ def _default_layout(cfg, cluster, seq_sequences: int, precision: str, layout_tex
     ("auto": the largest the memory plan fits in `AUTO_HEADROOM` of the device); compile and
     loss_chunk as lmforge resolves them on CUDA; a flag of the config's that does not apply to the
     layout is dropped, with a note, unless the user chose it."""
-    par, tr = cfg.parallel, cfg.train
-    auto_mb = tr.micro_batch_size == "auto"
-    base = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "micro_batch": 1 if auto_mb else tr.micro_batch_size,
-            "ac": tr.activation_checkpoint, "ac_every": tr.ac_every, "precision": precision,
-            "zero": 3 if par.dp_shard > 1 else 0}
+    auto_mb = cfg.train.micro_batch_size == "auto"
+    # the config's layout (the one conversion: layout_for_config); grad_accum, reduce_every and loss_chunk are
+    # derived below for the layout typed over it
+    base = {**layout_for_config(cfg, precision, "cuda", 1 if auto_mb else cfg.train.micro_batch_size).to_dict(),
+            "grad_accum": 1, "fsdp_reduce_every_micro_batch": False, "loss_chunk": 0}
     explicit = {item.split("=", 1)[0].strip().lower() for item in (layout_text or "").split(",") if "=" in item}
     notes: list[str] = []
     given = Layout.parse(layout_text or "", **base)
@@ -312,6 +315,7 @@ def plan_main(argv: list[str]) -> int:
         precision = _resolve_precision(args.precision or cfg.train.precision, cluster.device)
         optimizer = args.optimizer or cfg.optim.name
         layout, notes = _default_layout(cfg, cluster, sequences, precision, args.layout, seq_len, optimizer)
+        refused = lmforge_refusals(cfg, layout, seq_len)  # (planned all the same: said at the top)
         train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg, layout.micro_batch))
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
@@ -335,7 +339,8 @@ def plan_main(argv: list[str]) -> int:
                   "layout": layout.to_dict(), "usable_fraction": args.usable, "conventions": list(conventions),
                   "memory": {m.convention: m.as_dict() | {"fits": m.total <= budget} for m in mems},
                   "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal, "notes": notes,
-                  "data": data_lines, "data_warnings": data_warnings}
+                  "data": data_lines, "data_warnings": data_warnings,
+                  "refused": [r._asdict() for r in refused]}
         if loss is not None:
             report["loss"] = loss
         if cands is not None:
@@ -349,6 +354,7 @@ def plan_main(argv: list[str]) -> int:
         if not cands:
             return 0
         layout, notes = cands[0].layout, [f"the search's best layout (--layout {cands[0].layout.short()} plans it alone)"]
+        refused = []  # (the search leaves out what lmforge refuses)
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset)
                 for w in conventions]
         step = estimate_step(cfg.model, layout, cluster, seq_len, mfu=args.mfu, train_tokens=train_tokens,
@@ -356,6 +362,8 @@ def plan_main(argv: list[str]) -> int:
                              convention=fit_convention, optimizer=optimizer)
         print()
     print(f"lmforge plan: {cfg.preset} on {cluster} ({cluster.world_size} GPUs), layout {layout.short()}")
+    for line in refusal_lines(refused):
+        print(f"  {line}")
     for note in notes:
         print(f"  note: {note}")
     for line in data_lines:

@@ -3,13 +3,15 @@ in `lmforge.config.sections`). Every rule raises a ConfigError naming the keys a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from lmforge.config.base import ConfigError, divisors
 from lmforge.config.launch import launcher_command
+from lmforge.config.layout_rules import (LAYOUT_RULES, LayoutRefused, Refusal, check_layout,
+                                         pipeline_micro_batches_ok)
 from lmforge.spec.optimizers import REGISTRY, SPECS
-from lmforge.spec.parallel import LOOPED, V_SHAPED, stages_per_rank
 
 if TYPE_CHECKING:
     from lmforge.config.sections import Config
@@ -86,16 +88,6 @@ def pipeline_micro_batches(per_rank: int, pp: int, schedule: str) -> list[int]:
     return [m for m in divisors(per_rank) if pp == 1 or pipeline_micro_batches_ok(per_rank // m, pp, schedule)]
 
 
-def pipeline_micro_batches_ok(count: int, pp: int, schedule: str) -> bool:
-    """Whether a step of `count` micro-batches fills a pipeline of `pp` ranks under `schedule`: at
-    least pp; a multiple of pp for interleaved and interleaved-zb (torch's rounds of pp micro-batches);
-    at least 2 pp, the number of stages, for zbv and dualpipev (torch's DualPipeV requires it; the
-    V fills from it)."""
-    if schedule in V_SHAPED:
-        return count >= 2 * pp
-    return count >= pp and (schedule not in LOOPED or count % pp == 0)
-
-
 MESH_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the degrees whose product is the world size
 PLAINEST = ("dp_shard", "dp_replicate", "tp", "pp", "cp")  # a suggested layout adds these first
 
@@ -145,13 +137,18 @@ def check_process_count(cfg: "Config", world: int, launch: str) -> None:
         f"`{launcher_command(p.world_size)}`, {other}")
 
 
+# The layout rules of the model and the data: the layouts a wrong process count is offered pass them
+# (the user's other settings keep their own rules, named once the process count is right).
+MODEL_AND_DATA_RULES = frozenset({"tp-whole-heads", "tp-divides-vocab", "tp-divides-mlp", "sp-divides-sequence",
+                                  "cp-whole-chunks", "sp-divides-cp-chunk", "pp-whole-layers", "pp-untied"})
+
+
 def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, int]]:
     """Up to `most` layouts of exactly `world` processes that pass this model's and data's layout
     rules (TP degrees, pipeline stages of whole layers, CP chunks), as {degree: value} of the
     degrees > 1; those closest to what was typed first (the most typed degrees kept, then the
     fewest degrees changed)."""
-    p, m, d = cfg.parallel, cfg.model, cfg.data
-    tp_ok = set(valid_tp_degrees(cfg))
+    p = cfg.parallel
     found = []
 
     def walk(i: int, left: int, chosen: dict[str, int]) -> None:
@@ -165,9 +162,12 @@ def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, 
     walk(0, world, {})
 
     def allowed(c: dict[str, int]) -> bool:
-        stages = c["pp"] * (stages_per_rank(p.pp_schedule, p.pp_virtual_stages) if c["pp"] > 1 else 1)
-        return (c["tp"] in tp_ok and m.n_layers % stages == 0 and (c["cp"] == 1 or d.seq_len % (2 * c["cp"]) == 0)
-                and c["dp_shard"] % p.ep == 0 and (c["pp"] == 1 or not m.tie_embeddings))
+        probe = dataclasses.replace(cfg, parallel=dataclasses.replace(p, **c))
+        try:
+            probe.parallel.check()  # (expert parallelism's shard dimension)
+        except ConfigError:
+            return False
+        return not any(rule.broken(probe) for rule in LAYOUT_RULES if rule.name in MODEL_AND_DATA_RULES)
 
     def closeness(c: dict[str, int]) -> tuple[int, int, int]:
         kept = sum(1 for k in MESH_DEGREES if getattr(p, k) > 1 and c[k] > 1)
@@ -180,16 +180,26 @@ def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, 
 
 
 def check_cross_section(cfg: "Config") -> None:
-    check_data_vs_model(cfg)
-    check_batch(cfg)
-    check_tensor_parallel(cfg)
-    check_context_parallel(cfg)
-    check_pipeline(cfg)
-    check_features(cfg)
-    check_expert_parallel(cfg)
-    check_parametrization(cfg)
-    check_data_recipes(cfg)
-    check_multi_token_prediction(cfg)
+    """The rules that span sections, the first broken one raised (`config_refusals` names them all)."""
+    for check in CROSS_SECTION_CHECKS:
+        check(cfg)
+
+
+def config_refusals(cfg: "Config") -> list[Refusal]:
+    """Every reason `Config.validate` finds to refuse `cfg`, in its order: each section's first problem,
+    each cross-section check's first, and every broken layout rule (`layout_rules.LAYOUT_RULES`). What
+    `lmforge plan` shows for a layout lmforge refuses; `Config.validate` raises the first."""
+    out: list[Refusal] = []
+    checks = [(f.name, getattr(cfg, f.name).check) for f in dataclasses.fields(cfg)
+              if dataclasses.is_dataclass(getattr(cfg, f.name))]
+    for name, check in checks + [(c.__name__, lambda c=c: c(cfg)) for c in CROSS_SECTION_CHECKS]:
+        try:
+            check()
+        except LayoutRefused as exc:
+            out += exc.refusals
+        except ConfigError as exc:
+            out.append(Refusal(name, str(exc)))
+    return out
 
 
 def check_parametrization(cfg: "Config") -> None:
@@ -251,17 +261,6 @@ def check_multi_token_prediction(cfg: "Config") -> None:
                           f"parallel.sequence_parallel = false or model.mtp_depth = 0.")
 
 
-def check_expert_parallel(cfg: "Config") -> None:
-    """parallel.ep splits model.moe's experts: the model must have them, in a number ep divides."""
-    ep, moe = cfg.parallel.ep, cfg.model.moe
-    if ep > 1 and not moe.enabled:
-        raise ConfigError(f"parallel.ep = {ep} splits Mixture-of-Experts layers, but model.moe.num_experts = 0 (a "
-                          f"dense model); set model.moe.num_experts or parallel.ep = 1.")
-    if ep > 1 and moe.num_experts % ep:
-        raise ConfigError(f"parallel.ep = {ep} must divide model.moe.num_experts = {moe.num_experts}; choose ep "
-                          f"among {[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]}.")
-
-
 def check_data_vs_model(cfg: "Config") -> None:
     m, d = cfg.model, cfg.data
     if d.seq_len > m.max_seq_len:
@@ -315,112 +314,6 @@ def check_batch(cfg: "Config") -> None:
             f"parallel.dp_shard); use global_batch_size = {hint}, or change micro_batch_size.")
 
 
-def check_tensor_parallel(cfg: "Config") -> None:
-    """TP shards whole heads, the vocabulary and the MLP; sequence parallelism shards the sequence."""
-    m, d, p = cfg.model, cfg.data, cfg.parallel
-    ok = f"the degrees this model allows are {valid_tp_degrees(cfg)}"
-    if m.n_heads % p.tp or m.kv_heads % p.tp:
-        raise ConfigError(
-            f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and the kv heads = {m.kv_heads} "
-            f"(each TP rank holds whole heads); {ok}.")
-    if p.tp > 1:
-        if m.vocab_size % p.tp:
-            raise ConfigError(
-                f"parallel.tp = {p.tp} must divide model.vocab_size = {m.vocab_size} (vocab-parallel embedding "
-                f"and loss); pad model.vocab_size to a multiple of {p.tp} (a multiple of 64 is fastest), or use "
-                f"one of {valid_tp_degrees(cfg)}.")
-        if m.ffn_dim % p.tp:
-            raise ConfigError(f"parallel.tp = {p.tp} must divide the MLP hidden size {m.ffn_dim}; set "
-                              f"model.ffn_hidden to a multiple of {p.tp}, or use one of {valid_tp_degrees(cfg)}.")
-    if p.sequence_parallel:
-        if d.seq_len % p.tp:
-            raise ConfigError(f"parallel.sequence_parallel: data.seq_len = {d.seq_len} must be divisible by "
-                              f"parallel.tp = {p.tp}; {ok}.")
-        if m.pos_emb == "learned":
-            raise ConfigError("parallel.sequence_parallel = true supports RoPE positions only; set "
-                              "model.pos_emb = 'rope' or parallel.sequence_parallel = false.")
-
-
-def valid_tp_degrees(cfg: "Config") -> list[int]:
-    """Every tensor-parallel degree that passes all of the TP rules for this model and data."""
-    m, d, p = cfg.model, cfg.data, cfg.parallel
-    return [t for t in divisors(m.n_heads) if m.kv_heads % t == 0 and (t == 1 or (
-        m.vocab_size % t == 0 and m.ffn_dim % t == 0 and (not p.sequence_parallel or (d.seq_len // p.cp) % t == 0)))]
-
-
-def check_context_parallel(cfg: "Config") -> None:
-    """CP cuts each sequence into 2 x cp equal chunks (rank i keeps chunks i and 2cp-1-i); sequence
-    parallelism then splits a rank's cp-th of the sequence over the TP ranks. No rule on the heads:
-    K/V are gathered along the sequence, so every CP rank holds all (its TP share of) the KV heads,
-    however few GQA leaves (unlike head-scattering CP such as DeepSpeed-Ulysses)."""
-    d, p = cfg.data, cfg.parallel
-    if p.cp == 1:
-        return
-    if d.seq_len % (2 * p.cp):
-        ok = [k for k in divisors(d.seq_len // 2) if k > 1][:6] if d.seq_len % 2 == 0 else []
-        hint = f"choose parallel.cp among {ok}" if ok else "use an even data.seq_len"
-        raise ConfigError(
-            f"parallel.cp = {p.cp} must divide data.seq_len / 2 = {d.seq_len / 2:g}: each sequence is cut into "
-            f"2 x cp = {2 * p.cp} equal chunks (CP rank i keeps chunks i and 2cp-1-i); {hint}, or change "
-            f"data.seq_len.")
-    if p.sequence_parallel and (d.seq_len // p.cp) % p.tp:
-        raise ConfigError(
-            f"parallel.sequence_parallel with parallel.cp = {p.cp}: each CP rank's {d.seq_len // p.cp} tokens "
-            f"(data.seq_len / cp) must be divisible by parallel.tp = {p.tp}.")
-
-
-def check_pipeline(cfg: "Config") -> None:
-    """Stages of whole layers, enough micro-batches to fill them, embedding and head apart; what the
-    zero-bubble schedules' split backward rules out (torch.compile, selective checkpointing)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    v = p.stages_per_rank
-    stages = p.pp * v
-    if m.n_layers % stages:
-        per = (f"parallel.pp_virtual_stages = {v}" if p.pp_schedule in LOOPED else
-               f"{v} stages per rank ({p.pp_schedule})")
-        what = f"parallel.pp = {p.pp}" + (f" x {per} = {stages} pipeline stages" if v > 1 else "")
-        raise ConfigError(f"{what} must divide model.n_layers = {m.n_layers}; "
-                          f"choose a divisor of {m.n_layers} or change n_layers.")
-    if p.split_backward:
-        check_split_backward(cfg)
-    if p.pp == 1 or t.micro_batch_size == "auto":  # (auto: only sizes that fill the pipeline are chosen)
-        return
-    accum = cfg.grad_accum_steps
-    if accum < p.pp:
-        raise ConfigError(
-            f"parallel.pp = {p.pp}: the pipeline runs the step's {accum} micro-batch(es) (global_batch_size "
-            f"{t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x dp {p.dp})), fewer than the "
-            f"stages; lower train.micro_batch_size so there are >= {p.pp} micro-batches per step.")
-    if not pipeline_micro_batches_ok(accum, p.pp, p.pp_schedule):
-        need = f">= 2 x parallel.pp = {2 * p.pp} (its stages)" if p.pp_schedule in V_SHAPED else \
-            f"a multiple of parallel.pp = {p.pp}"
-        raise ConfigError(
-            f"parallel.pp_schedule = {p.pp_schedule!r}: the step's {accum} micro-batches must be {need}; change "
-            f"train.micro_batch_size or train.global_batch_size.")
-    if m.tie_embeddings:
-        raise ConfigError("parallel.pp > 1 with model.tie_embeddings = true: the embedding (first stage) and "
-                          "the output head (last stage) live in different stage modules; set "
-                          "model.tie_embeddings = false.")
-
-
-def check_split_backward(cfg: "Config") -> None:
-    """The zero-bubble schedules run each backward as an input-gradient pass and a later weight-gradient
-    pass through the same autograd graph (torch's stage_backward_input / stage_backward_weight)."""
-    t, p = cfg.train, cfg.parallel
-    if t.compile not in (False, "auto"):
-        raise ConfigError(
-            f"train.compile = {str(t.compile).lower()} with parallel.pp_schedule = {p.pp_schedule!r}: torch's "
-            f"zero-bubble schedules "
-            f"do not run compiled stage modules (their split backward; pytorch/pytorch#161904); set "
-            f"train.compile = false (or 'auto'), or pp_schedule = 'interleaved'.")
-    if t.activation_checkpoint == "selective":
-        raise ConfigError(
-            f"train.activation_checkpoint = 'selective' with parallel.pp_schedule = {p.pp_schedule!r}: selective "
-            f"checkpointing allows one backward through a checkpointed region, and the split backward runs two "
-            f"(the input gradient, then the weight gradient: torch raises \"Trying to backward an extra time\"); "
-            f"use activation_checkpoint = 'full' or 'every_k', or pp_schedule = 'interleaved'.")
-
-
 def check_features(cfg: "Config") -> None:
     """Training features against the layout: loss_chunk, fp16, fp8, CUDA graphs, periodic checkpoints of
     async SGD, the hang watchdog before the collective timeout."""
@@ -435,9 +328,6 @@ def check_features(cfg: "Config") -> None:
             f"torch's CUDA-graph trees hand a compiled region's gradient outputs to .grad and overwrite them at the "
             f"next micro-batch's replay (pytorch/pytorch#169545). Set train.micro_batch_size so that one micro-batch "
             f"makes the step (global_batch_size / dp = {t.global_batch_size // p.dp}), or another train.compile_mode.")
-    if t.loss_chunk != "auto" and t.loss_chunk and (p.tp > 1 or p.pp > 1):
-        raise ConfigError(f"train.loss_chunk = {t.loss_chunk} is not supported with parallel.tp = {p.tp} / "
-                          f"parallel.pp = {p.pp} yet; set train.loss_chunk = 0 (or 'auto').")
     if t.precision != "auto":  # (what auto resolves to is checked once it is known: check_resolved_precision)
         check_resolved_precision(cfg, t.precision)
     if t.fp8:
@@ -455,6 +345,12 @@ def check_features(cfg: "Config") -> None:
         raise ConfigError("parallel.async_sgd = true does not write periodic checkpoints (the parameter "
                           "server's state is not checkpointed yet; checkpoint.every_minutes is ignored); set "
                           "checkpoint.every_steps = 0.")
+
+
+# The cross-section checks in the order `Config.validate` runs them (the layout's rules: `check_layout`).
+CROSS_SECTION_CHECKS: tuple[Callable[["Config"], None], ...] = (
+    check_data_vs_model, check_batch, check_layout, check_features, check_parametrization, check_data_recipes,
+    check_multi_token_prediction)
 
 
 def check_resolved_precision(cfg: "Config", precision: str, why: str = "") -> None:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 from lmforge.config.base import ConfigError, at_least, divisors
 from lmforge.config.base import doc_field as _f
 from lmforge.spec.optimizers import OPTIMIZER_NAMES, REGISTRY, names_with
-from lmforge.spec.parallel import LOOPED, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
+from lmforge.spec.parallel import SPLIT_BACKWARD, stages_per_rank
 
 
 # --------------------------------------------------------------------------------------------
@@ -527,6 +527,9 @@ class ParallelConfig:
         return (self.dp_shard > 1 and self.zero_stage != 1) or self.zero_stage in (2, 3)
 
     def check(self) -> None:
+        """The section's own values, and expert parallelism's shard dimension (which the launch's inference of
+        dp_shard decides, so it is named before the process count); the other rules of the layout:
+        `lmforge.config.layout_rules`."""
         at_least(1, "parallel", dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, pp=self.pp,
                   pp_virtual_stages=self.pp_virtual_stages, powersgd_rank=self.powersgd_rank, ep=self.ep)
         if self.ep > 1:
@@ -543,47 +546,10 @@ class ParallelConfig:
             raise ConfigError(f"parallel.timeout_s = {self.timeout_s} must be > 0.")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage = {self.zero_stage} must be 0 (from the layout), 1, 2 or 3.")
-        if self.zero_stage == 1 and self.dp_shard < 2:
-            raise ConfigError(
-                f"parallel.zero_stage = 1 shards the optimizer state over the parallel.dp_shard ranks, but "
-                f"parallel.dp_shard = {self.dp_shard}; set parallel.dp_shard >= 2 (or zero_stage = 0 for plain DDP).")
-        if self.zero_stage == 1 and self.dp_replicate != 1:
-            raise ConfigError(
-                f"parallel.zero_stage = 1 (ZeroRedundancyOptimizer over all ranks) needs parallel.dp_replicate = 1, "
-                f"got {self.dp_replicate}; put all data-parallel ranks in parallel.dp_shard.")
         if self.ddp_comm_hook != "none" and self.fsdp:
             raise ConfigError(
                 f"parallel.ddp_comm_hook = {self.ddp_comm_hook!r} applies to DDP only, but parallel.dp_shard = "
                 f"{self.dp_shard} uses FSDP; set ddp_comm_hook = 'none' or use dp_replicate instead of dp_shard.")
-        if self.cpu_offload and not self.fsdp:
-            raise ConfigError("parallel.cpu_offload = true needs FSDP (parallel.dp_shard >= 2, zero_stage 0, 2 or 3).")
-        if self.fsdp_reduce_every_micro_batch and self.pp > 1:
-            raise ConfigError(
-                "parallel.fsdp_reduce_every_micro_batch = true with parallel.pp > 1: torch.distributed.pipelining's "
-                "schedule turns FSDP2's gradient sync off for every micro-batch and reduces once after the last; "
-                "set fsdp_reduce_every_micro_batch = false (or pp = 1).")
-        if self.sequence_parallel and self.tp < 2:
-            raise ConfigError("parallel.sequence_parallel = true needs parallel.tp >= 2 (it shards activations "
-                              "over the tensor-parallel ranks); set parallel.tp or sequence_parallel = false.")
-        if self.pp_schedule == "interleaved" and self.pp > 1 and self.pp_virtual_stages < 2:
-            raise ConfigError("parallel.pp_schedule = 'interleaved' needs parallel.pp_virtual_stages >= 2 "
-                              "(model chunks per rank); set it to 2, or use pp_schedule = '1f1b'.")
-        if self.pp_schedule in V_SHAPED and self.pp_virtual_stages not in (1, 2):
-            raise ConfigError(f"parallel.pp_schedule = {self.pp_schedule!r} places exactly 2 stages per rank (a V), "
-                              f"but parallel.pp_virtual_stages = {self.pp_virtual_stages}; leave it at 1 (or 2), or "
-                              f"use pp_schedule = 'interleaved-zb' for {self.pp_virtual_stages} stages per rank.")
-        if self.pp_schedule not in LOOPED + V_SHAPED and self.pp_virtual_stages != 1:
-            raise ConfigError(f"parallel.pp_virtual_stages = {self.pp_virtual_stages} applies to pp_schedule = "
-                              "'interleaved' or 'interleaved-zb' only; set parallel.pp_schedule = 'interleaved' or "
-                              "pp_virtual_stages = 1.")
-        if (self.tp > 1 or self.pp > 1) and self.zero_stage == 1:
-            raise ConfigError("parallel.zero_stage = 1 (ZeroRedundancyOptimizer) is not combined with tp / pp; use "
-                              "zero_stage 0, 2 or 3 (FSDP2 on parallel.dp_shard).")
-        if self.tp > 1 and self.dp_replicate > 1 and self.dp_shard == 1:
-            raise ConfigError(
-                f"parallel.tp = {self.tp} with parallel.dp_replicate = {self.dp_replicate}: data parallelism next to "
-                f"tensor parallelism goes through FSDP2 on the DeviceMesh; use parallel.dp_shard = "
-                f"{self.dp_replicate} (dp_replicate = 1) instead.")
         if self.async_sgd:
             if self.tp > 1 or self.pp > 1 or self.cp > 1 or self.dp_shard > 1 or self.dp_replicate < 2:
                 raise ConfigError(

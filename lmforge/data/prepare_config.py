@@ -132,7 +132,7 @@ class PrepareConfig:
                                    "per task. Does not change the output.")
     workers: int = _f(0, doc="Local worker processes for parallelism = \"processes\"; 0 = one "
                              "per CPU core; 1 = everything in this process. (Many machines: "
-                             "torchrun or a Slurm array: docs/data.md, "Preparing a large corpus on many machines".)")
+                             "torchrun or a Slurm array: docs/data.md, section Preparing a large corpus on many machines.)")
     parallelism: Literal["processes", "threads"] = _f(
         "threads", doc="threads = one process; tokenizers' Rust thread pool encodes on all "
                        "cores, overlapped with the Python work (measured fastest on 2 cores); "

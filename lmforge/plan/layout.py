@@ -7,9 +7,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lmforge.config import ModelConfig
-from lmforge.config.base import divisors
-from lmforge.config.rules import document_kernel_rule, resolve_compile, resolve_loss_chunk
+from lmforge.config import Config, ModelConfig
+from lmforge.config.layout_rules import LAYOUT_NAMES, LayoutRefused, Refusal, layout_refusals
+from lmforge.config.rules import config_refusals, document_kernel_rule, resolve_compile, resolve_loss_chunk
 from lmforge.spec.parallel import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 
@@ -90,9 +90,10 @@ class Layout:
         return self.zero >= 2 and self.shard_ranks > 1
 
     def validate(self, model_cfg: ModelConfig | None = None, seq_len: int | None = None) -> "Layout":
-        """Check the values, then (given) against the model and the sequence length: the rules of
-        lmforge's config (tp divides the heads, pp x v the layers, cp divides seq_len / 2, and with
-        SP tp divides seq_len / cp)."""
+        """Check the values, then the layout's structural rules (`lmforge.config.layout_rules`: a key that
+        needs another, and given the model and the sequence length, tp divides the heads, pp x v the
+        layers, cp divides seq_len / 2, ...), the first broken one raised in the layout's words. What
+        lmforge runs besides is `lmforge_refusals`' question."""
         for key in ("dp", "cp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "ac_every", "ep"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
@@ -100,10 +101,6 @@ class Layout:
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
             raise ValueError(f"layout loss_chunk = {self.loss_chunk!r} must be an integer >= 0 (0 = the plain "
                              f"logits; N = the cross-entropy fused with the head over N-token chunks)")
-        if self.loss_chunk and (self.tp > 1 or self.pp > 1):
-            raise ValueError(f"layout loss_chunk = {self.loss_chunk} needs tp = pp = 1 (lmforge runs the chunked "
-                             f"loss only there, as train.loss_chunk does); set loss_chunk=0 with tp = {self.tp}, "
-                             f"pp = {self.pp}")
         if self.documents not in DOCUMENT_MASKS:
             raise ValueError(f"layout documents = {self.documents!r} is not one of {', '.join(DOCUMENT_MASKS)}")
         if not isinstance(self.doc_tokens, int) or self.doc_tokens < 0:
@@ -116,41 +113,14 @@ class Layout:
             raise ValueError(f"layout ac = {self.ac!r} is not one of {', '.join(AC_MODES)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"layout precision = {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.sp and self.tp < 2:
-            raise ValueError(f"layout sp = 1 needs tp >= 2 (sequence parallelism shards activations over the "
-                             f"tensor-parallel ranks), got tp = {self.tp}; set tp= or drop sp=1")
-        if self.pp_schedule in V_SHAPED and self.virtual_stages not in (1, 2):
-            raise ValueError(f"layout sched = {self.pp_schedule} places 2 stages per rank (a V); virtual_stages = "
-                             f"{self.virtual_stages} must be 1 or 2")
-        if self.virtual_stages > 1 and self.pp_schedule not in LOOPED + V_SHAPED:
-            raise ValueError(f"layout virtual_stages = {self.virtual_stages} needs pp_schedule = interleaved or "
-                             f"interleaved-zb")
-        if self.fsdp_reduce_every_micro_batch and self.pp > 1:
-            raise ValueError("layout reduce_every = 1 needs pp = 1: torch's pipeline schedule reduces FSDP2's "
-                             "gradients once per step; drop reduce_every=1")
-        if self.ep > 1 and self.dp % self.ep:
-            raise ValueError(f"layout ep = {self.ep} must divide dp = {self.dp} (expert parallelism borrows "
-                             f"data-parallel ranks)")
-        if model_cfg is not None:
-            if self.ep > 1 and (not model_cfg.moe.enabled or model_cfg.moe.num_experts % self.ep):
-                raise ValueError(f"layout ep = {self.ep} must divide the model's routed experts "
-                                 f"({model_cfg.moe.num_experts}); a dense model takes ep = 1")
-            if model_cfg.n_heads % self.tp or model_cfg.kv_heads % self.tp:
-                raise ValueError(f"layout tp = {self.tp} must divide n_heads = {model_cfg.n_heads} "
-                                 f"and kv heads = {model_cfg.kv_heads}")
-            if model_cfg.n_layers % (self.pp * self.stages_per_rank):
-                raise ValueError(f"layout pp = {self.pp} (x {self.stages_per_rank} stages per rank) must divide "
-                                 f"n_layers = {model_cfg.n_layers}")
-        if seq_len is not None and self.cp > 1:
-            if seq_len % (2 * self.cp):
-                ok = [k for k in divisors(seq_len // 2) if k > 1][:6] if seq_len % 2 == 0 else []
-                hint = f"choose cp among {ok}" if ok else "use an even sequence length"
-                raise ValueError(f"layout cp = {self.cp} must divide seq_len / 2 = {seq_len / 2:g}: context "
-                                 f"parallelism cuts each sequence into 2 x cp = {2 * self.cp} equal chunks (rank i "
-                                 f"keeps chunks i and 2cp-1-i); {hint}, or change --seq-len")
-            if self.sp and (seq_len // self.cp) % self.tp:
-                raise ValueError(f"layout sp = 1 with cp = {self.cp}: each CP rank's {seq_len // self.cp} tokens "
-                                 f"(seq_len / cp) must be divisible by tp = {self.tp}")
+        # the layout's own rules (lmforge.config.layout_rules), in its words; those needing a model or a sequence
+        # length only where given
+        given = frozenset(k for k, v in (("model", model_cfg), ("seq_len", seq_len)) if v is not None)
+        base = _DEFAULT_PROBE if model_cfg is None else _probe(model_cfg)
+        probe = config_for_layout(base, self, seq_len if seq_len is not None else base.data.seq_len)
+        broken = layout_refusals(probe, LAYOUT_NAMES, structural=True, given=given)
+        if broken:  # (a ValueError naming the rule broken)
+            raise LayoutRefused([broken[0]._replace(message=f"layout {broken[0].message}")])
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -219,6 +189,74 @@ class Layout:
                 except ValueError:
                     raise ValueError(f"layout {key} = {value!r} must be an integer") from None
         return cls(**kw).validate()
+
+
+_DEFAULT_PROBE = Config()  # the config a layout's rules are checked on without a model (its rules need none)
+_LAST_PROBE: list[Config] = [_DEFAULT_PROBE]
+
+
+def _probe(model_cfg: ModelConfig) -> Config:
+    """A config of `model_cfg` for `Layout.validate`'s rules, kept for the next call: a search checks
+    thousands of layouts of one model."""
+    if _LAST_PROBE[0].model is not model_cfg:
+        _LAST_PROBE[0] = Config(model=model_cfg)
+    return _LAST_PROBE[0]
+
+
+def config_for_layout(config: Config, layout: Layout, seq_len: int) -> Config:
+    """`config` with `layout`'s parallel and batch settings and sequence length, as `lmforge train`
+    would take them: one of the two conversions between the plan's Layout and the config
+    (`layout_for_config` is the other). Data parallelism with ZeRO >= 1 over more than one rank is
+    parallel.dp_shard (FSDP2, or ZeRO-1's DDP + sharded optimizer), else parallel.dp_replicate (DDP);
+    fp8 is train.fp8 over bf16 and bf16-pure has bf16's layout rules, so both map to bf16; a batch
+    ramp-up is left out (the plan is for the full batch: `lmforge.plan.search.rampup_note`)."""
+    zero, dp = layout.zero, layout.dp
+    sharded = layout.shard_ranks > 1 and zero >= 1
+    par = dataclasses.replace(
+        config.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_replicate=1 if sharded else dp,
+        dp_shard=dp if sharded else 1, zero_stage=zero if sharded else 0, sequence_parallel=layout.sp,
+        pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload,
+        fsdp_reduce_every_micro_batch=layout.fsdp_reduce_every_micro_batch, ep=layout.ep)
+    precision = "bf16" if layout.precision in ("fp8", "bf16-pure") else layout.precision
+    train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch, precision=precision,
+                                global_batch_size=layout.sequences_per_step, activation_checkpoint=layout.ac,
+                                ac_every=layout.ac_every, loss_chunk=layout.loss_chunk)
+    data = dataclasses.replace(config.data, seq_len=seq_len)
+    schedule = dataclasses.replace(config.schedule, batch_rampup_start=0, batch_rampup_tokens=0,
+                                   batch_rampup_increment=0)
+    return dataclasses.replace(config, parallel=par, train=train, data=data, schedule=schedule)
+
+
+def layout_for_config(config: Config, precision: str, device_type: str, micro_batch: int) -> Layout:
+    """The planner's `Layout` of a run of `config` at `micro_batch`, in `precision` (as resolved) on
+    `device_type`: the other conversion (`config_for_layout`). ZeRO / FSDP shard over
+    parallel.dp_shard (x cp): an HSDP run's replicas each hold a shard group's copy, so the plan is
+    that group's."""
+    p, t = config.parallel, config.train
+    zero = p.zero_stage or ((3 if p.reshard_after_forward else 2) if p.dp_shard > 1 else 0)
+    accum = 1 if p.async_sgd else t.global_batch_size // (micro_batch * p.dp)
+    return Layout(dp=p.dp_shard if zero else p.dp, zero=zero, cp=p.cp, tp=p.tp, sp=p.sequence_parallel, pp=p.pp,
+                  pp_schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1,
+                  micro_batch=micro_batch, grad_accum=accum, ac=t.activation_checkpoint, ac_every=t.ac_every,
+                  cpu_offload=p.cpu_offload, precision=precision,
+                  fsdp_reduce_every_micro_batch=p.fsdp_reduce_every_micro_batch, ep=p.ep,
+                  loss_chunk=resolve_loss_chunk(config, device_type, precision), ema=t.ema_decay > 0,
+                  documents=planned_documents(config, device_type))
+
+
+def lmforge_refusals(config: Config, layout: Layout, seq_len: int) -> list[Refusal]:
+    """Why `lmforge train` would refuse a run of `config` under `layout` at `seq_len` (every reason,
+    in the config check's words and order: `lmforge.config.rules.config_refusals`); [] where it runs it."""
+    return config_refusals(config_for_layout(config, layout, seq_len))
+
+
+def refusal_lines(refusals: list[Refusal]) -> list[str]:
+    """What `lmforge plan` prints at the top of a plan whose layout lmforge refuses (none where it runs it)."""
+    if not refusals:
+        return []
+    head = (f"lmforge refuses this layout ({len(refusals)} reason{'s' if len(refusals) > 1 else ''}; planned anyway, "
+            f"to compare: `lmforge train` stops with the first):")
+    return [head] + [f"  - {r.message}" for r in refusals]
 
 
 def planned_loss_chunk(config, precision: str, tp: int = 1, pp: int = 1) -> int:

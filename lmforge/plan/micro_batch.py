@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmforge.config.rules import resolve_loss_chunk, valid_micro_batches
-from lmforge.plan.layout import Layout, planned_documents
+from lmforge.config.rules import valid_micro_batches
+from lmforge.plan.layout import layout_for_config
 from lmforge.plan.memory import estimate_memory
 
 AUTO_HEADROOM = 0.85
@@ -37,22 +37,6 @@ class MicroBatchChoice:
     planned_bytes: float       # the planned peak per GPU at that size
     budget_bytes: float | None  # AUTO_HEADROOM x the memory free (None: not known, not checked)
     reason: str                # one line for the run's log
-
-
-def layout_for_config(config, precision: str, device_type: str, micro_batch: int) -> Layout:
-    """The planner's `Layout` of a run of `config` (a `lmforge.config.Config`) at `micro_batch`, in
-    `precision` (as resolved) on `device_type`. ZeRO / FSDP shard over parallel.dp_shard (x cp): an
-    HSDP run's replicas each hold a shard group's copy, so the plan is that group's."""
-    p, t = config.parallel, config.train
-    zero = p.zero_stage or ((3 if p.reshard_after_forward else 2) if p.dp_shard > 1 else 0)
-    accum = 1 if p.async_sgd else t.global_batch_size // (micro_batch * p.dp)
-    return Layout(dp=p.dp_shard if zero else p.dp, zero=zero, cp=p.cp, tp=p.tp, sp=p.sequence_parallel, pp=p.pp,
-                  pp_schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1,
-                  micro_batch=micro_batch, grad_accum=accum, ac=t.activation_checkpoint, ac_every=t.ac_every,
-                  cpu_offload=p.cpu_offload, precision=precision,
-                  fsdp_reduce_every_micro_batch=p.fsdp_reduce_every_micro_batch, ep=p.ep,
-                  loss_chunk=resolve_loss_chunk(config, device_type, precision), ema=t.ema_decay > 0,
-                  documents=planned_documents(config, device_type))
 
 
 def largest_fitting(sizes: list[int], layout_at, model_cfg, optimizer: str, seq_len: int, budget: float | None

@@ -33,20 +33,19 @@ torch.compile or selective recompute (which their split backward rules out).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmforge.config import Config, ConfigError, ModelConfig
-from lmforge.config.rules import pipeline_micro_batches_ok
+from lmforge.config import Config, ModelConfig
+from lmforge.config.layout_rules import pipeline_micro_batches_ok
 from lmforge.spec.parallel import SPLIT_BACKWARD
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
 from lmforge.plan.conventions import check_convention
 from lmforge.plan.documents import corpus_document_tokens
-from lmforge.plan.layout import Layout, planned_compile, planned_documents, planned_loss_chunk
+from lmforge.plan.layout import Layout, lmforge_refusals, planned_compile, planned_documents, planned_loss_chunk
 from lmforge.plan.memory import MemoryBreakdown, estimate_memory
 
 SIMPLER_MARGIN = 0.03
@@ -188,29 +187,6 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
     return out
 
 
-def lmforge_config_for(config: Config, layout: Layout, seq_len: int) -> Config:
-    """`config` with the layout's parallel and batch settings, as `lmforge train` would take them."""
-    zero, dp = layout.zero, layout.dp
-    sharded = layout.shard_ranks > 1 and zero >= 1  # (FSDP2 over dp_shard x cp; ZeRO-1 needs dp_shard >= 2)
-    par = dataclasses.replace(
-        config.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_replicate=1 if sharded else dp,
-        dp_shard=dp if sharded else 1,
-        zero_stage=zero if sharded else 0, sequence_parallel=layout.sp, pp_schedule=layout.pp_schedule,
-        pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload,
-        fsdp_reduce_every_micro_batch=layout.fsdp_reduce_every_micro_batch, ep=layout.ep)
-    # (fp8 is train.fp8 over bf16; bf16-pure's layout rules are bf16's)
-    precision = "bf16" if layout.precision in ("fp8", "bf16-pure") else layout.precision
-    train = dataclasses.replace(config.train, micro_batch_size=layout.micro_batch, precision=precision,
-                                global_batch_size=layout.sequences_per_step, activation_checkpoint=layout.ac,
-                                ac_every=layout.ac_every)
-    data = dataclasses.replace(config.data, seq_len=seq_len)
-    # the plan is for the full batch: a batch ramp-up is a schedule detail left out here (see
-    # `rampup_note`)
-    schedule = dataclasses.replace(config.schedule, batch_rampup_start=0, batch_rampup_tokens=0,
-                                   batch_rampup_increment=0)
-    return dataclasses.replace(config, parallel=par, train=train, data=data, schedule=schedule)
-
-
 def rampup_note(config: Config | None) -> str:
     """What the search assumes about the config's batch ramp-up ('' when it has none)."""
     if config is None or not config.schedule.batch_rampup_start:
@@ -221,12 +197,10 @@ def rampup_note(config: Config | None) -> str:
 
 
 def lmforge_refusal(config: Config, layout: Layout, seq_len: int) -> str | None:
-    """None if lmforge's config validation accepts `layout` for this run, else its reason."""
-    try:
-        lmforge_config_for(config, layout, seq_len).validate()
-    except ConfigError as exc:
-        return str(exc)
-    return None
+    """None if lmforge's config validation accepts `layout` for this run, else its first reason (the
+    error `lmforge train` would stop with; all of them: `lmforge.plan.layout.lmforge_refusals`)."""
+    refusals = lmforge_refusals(config, layout, seq_len)
+    return refusals[0].message if refusals else None
 
 
 def complexity(layout: Layout) -> tuple:
@@ -330,7 +304,7 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
     for lay in layouts:
         if config is not None and weights == "lmforge":
             key = (lay.dp > 1, lay.zero, lay.cp, lay.tp, lay.pp, lay.sp, lay.pp_schedule, lay.virtual_stages,
-                   lay.micro_batch, lay.grad_accum, lay.cpu_offload, lay.ac, lay.fsdp_reduce_every_micro_batch)
+                   lay.micro_batch, lay.grad_accum, lay.cpu_offload, lay.ac, lay.fsdp_reduce_every_micro_batch, lay.ep)
             if key not in verdicts:
                 verdicts[key] = lmforge_refusal(config, lay, seq_len)
             if verdicts[key] is not None:

@@ -24,8 +24,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lmforge.config import Config, ParallelConfig
-from lmforge.plan.layout import Layout
-from lmforge.plan.search import lmforge_config_for
+from lmforge.plan.layout import Layout, config_for_layout
 
 MAX_PROCESSES = 8  # gloo processes the CPU emulation runs at once
 HEAD_DIM = 16
@@ -145,13 +144,13 @@ def toy_run(cfg: Config, layout: Layout) -> Toy:
     if cfg.finetune != type(cfg.finetune)():
         notes.append("the config's fine-tuning settings (finetune.*) are left out: the toy trains from a random "
                      "initialisation")
-    run = lmforge_config_for(base, toy_layout, seq)
+    run = config_for_layout(base, toy_layout, seq)
     # the one-process micro-batch is the union of the data-parallel ranks' (the loader's global sample order), so
     # what depends on the micro-batch as a whole (MoE's global-batch load-balancing loss) is the same objective
     single = dataclasses.replace(toy_layout, dp=1, cp=1, tp=1, pp=1, ep=1, zero=0, sp=False,
                                  micro_batch=toy_layout.micro_batch * toy_layout.dp,
                                  fsdp_reduce_every_micro_batch=False)
-    reference = dataclasses.replace(lmforge_config_for(base, single, seq), parallel=ParallelConfig())
+    reference = dataclasses.replace(config_for_layout(base, single, seq), parallel=ParallelConfig())
     return Toy(toy_layout, run, reference, notes)
 
 
