@@ -404,6 +404,7 @@ def _fp16_overflow_worker(rank: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_path):
     """With FSDP2 each rank holds a different slice of every gradient, so an fp16 overflow can sit in
     one rank's slice only. If that rank alone skipped the step, the shards would silently diverge.
