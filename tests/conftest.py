@@ -66,6 +66,28 @@ def small_data(tmp_path_factory):
     return prepare_texts(files, root / "cache", tokenizer="bpe", vocab_size=320, val_fraction=0.1)
 
 
+@pytest.fixture(scope="session")
+def prepared_corpus(tmp_path_factory) -> Path:
+    """`make_corpus`'s documents through a real `lmforge prepare` (tests/test_parallel_dp.py's `prepare`,
+    whose `corpus` fixture hands it on). Session-scoped here, not in that module: a session fixture
+    imported into other modules would be set up once per module."""
+    from tests.test_parallel_dp import prepare
+
+    root = tmp_path_factory.mktemp("dp")
+    make_corpus(root / "raw")
+    return prepare(root)
+
+
+@pytest.fixture(scope="session")
+def prepared_docs_corpus(tmp_path_factory) -> Path:
+    """300 short documents (tests/test_parallel_dp.py's `docs_corpus`), prepared once per session."""
+    from tests.test_parallel_dp import prepare
+
+    root = tmp_path_factory.mktemp("docs")
+    make_corpus(root / "raw", n_docs=300, words_per_doc=60, min_words=3)
+    return prepare(root)
+
+
 @pytest.fixture(autouse=True)
 def _single_thread():
     """Tiny tensors run far faster on one thread on a shared 2-core machine."""

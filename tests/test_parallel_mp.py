@@ -14,7 +14,7 @@ directly, and the launches of `WITH_SGD` also train 6 steps of plain SGD without
 (tests/test_parallel_dp.py's `SGD`), whose steps are the gradient itself.
 
 The zero-bubble schedules (interleaved-zb at v = 1 and 2, zbv, dualpipev: 4 stages on 2 ranks, a V
-for the last two) run without and with activation checkpointing in one launch each, and composed
+for the last two) run without and with activation checkpointing, and composed
 with FSDP2, HSDP's replicas, TP and CP in one 4-rank launch (`ALSO`); a zbv checkpoint resumes under
 another schedule's placement and in one process.
 """
@@ -97,16 +97,41 @@ ALSO["fsdp2xpp2-zbv"] = {
                                   "train.micro_batch_size": 1, "train.activation_checkpoint": "full"}}
 
 
+def layout_runs(root: Path, layout: str, corpus: Path, docs_corpus: Path) -> dict[Path, dict]:  # noqa: F811
+    """The runs of `layout` under ROOT/<layout>: the AdamW run (EMA, tasks), `SGD` (the `WITH_SGD`
+    layouts), `DOCS` and the `ALSO` runs, each with the layout's own overrides."""
+    extra, folder = LAYOUTS[layout][1], root / layout
+    return {folder / layout: {**extra, **EMA, **tasks(corpus)},
+            **({folder / "sgd": {**extra, **SGD}} if layout in WITH_SGD else {}),
+            folder / "docs": {**extra, **docs_run(docs_corpus)},
+            **{folder / name: own for name, own in ALSO.get(layout, {}).items()}}
+
+
+@pytest.fixture(scope="module")
+def launches(corpus, docs_corpus, tmp_path_factory) -> tuple[Path, dict[Path, str]]:  # noqa: F811
+    """Every layout's runs (`layout_runs`), one launch per process count (2 and 4: each launch pays
+    torch's import and the process-group setup once for all its layouts); ROOT and each run's log."""
+    from tests.test_parallel_dp import run_logs
+
+    root, logs = tmp_path_factory.mktemp("mp-layouts"), {}
+    for nproc in sorted({n for n, _ in LAYOUTS.values()}):
+        runs = {run: own for layout, (n, _) in LAYOUTS.items() if n == nproc
+                for run, own in layout_runs(root, layout, corpus, docs_corpus).items()}
+        proc = train_runs(corpus, runs, nproc=nproc, timeout=120 + 60 * len(runs), **MP)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        logs.update(run_logs(proc, runs))
+    return root, logs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, reference, tmp_path, layout):  # noqa: F811
-    nproc, extra = LAYOUTS[layout]
-    out, sgd, docs = tmp_path / layout, tmp_path / "sgd", tmp_path / "docs"
-    also = {tmp_path / name: own for name, own in ALSO.get(layout, {}).items()}
-    runs = {out: {**extra, **EMA, **tasks(corpus)}, **({sgd: {**extra, **SGD}} if layout in WITH_SGD else {}),
-            docs: {**extra, **docs_run(docs_corpus)}, **also}
-    proc = train_runs(corpus, runs, nproc=nproc, timeout=300 + 150 * len(also), **MP)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, reference, launches, layout):  # noqa: F811
+    extra = LAYOUTS[layout][1]
+    root, logs = launches
+    runs = layout_runs(root, layout, corpus, docs_corpus)
+    folder = root / layout
+    out, sgd, docs = folder / layout, folder / "sgd", folder / "docs"
+    also = [run for run in runs if run not in (out, sgd, docs)]
     assert_runs_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)
     assert_extras_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)  # EMA, tasks, merge
     # the document ids (and restarted positions) reach every TP rank, every pipeline stage, every chunk
@@ -120,7 +145,7 @@ def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, referenc
         val = val_losses(run)  # evaluation on the sharded model (no rank gathers it), initial and final
         assert len(val) == len(ref_val) and all(abs(a - b) / b < TOL for a, b in zip(val, ref_val)), (val, ref_val)
     if extra.get("parallel.pp"):
-        assert "bubble fraction" in proc.stdout + proc.stderr
+        assert "bubble fraction" in logs[out], logs[out][-3000:]
     for name in ("metrics.jsonl", "model.safetensors", "summary.json", "sample.txt"):
         assert (out / name).is_file(), name
     from lmforge.ckpt.export import load_run
