@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.config import ConfigError, load_config
-from tests.conftest import make_corpus, make_tasks
+from tests.conftest import make_tasks
 
 TINY = {
     "model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
@@ -112,7 +112,7 @@ def train_runs(corpus: Path, runs: dict[Path, dict], nproc: int = 1, timeout: in
 def run_logs(proc: subprocess.CompletedProcess, runs: dict[Path, dict]) -> dict[Path, str]:
     """A `train_runs` launch's output (stdout, then stderr) cut at rank 0's start of each run: {run folder:
     its lines} (other ranks' lines land where they were printed)."""
-    parts = [re.split(rf"^train_runs_driver: run \d+\n", text, flags=re.M)[1:] for text in (proc.stdout, proc.stderr)]
+    parts = [re.split(r"^train_runs_driver: run \d+\n", text, flags=re.M)[1:] for text in (proc.stdout, proc.stderr)]
     assert all(len(p) == len(runs) for p in parts), (len(runs), proc.stdout[-2000:] + proc.stderr[-2000:])
     return {out: out_part + err_part for out, out_part, err_part in zip(runs, *parts)}
 
@@ -242,7 +242,8 @@ LAYOUTS = {
 
 COMPRESSED = {  # lossy communication / bf16 runs: they must still learn (`test_compressed_and_mixed_precision_...`)
     "powersgd": {"parallel.dp_replicate": 2, "parallel.ddp_comm_hook": "powersgd", "parallel.powersgd_rank": 2},
-    "fsdp-bf16": {"parallel.dp_shard": 2, "train.precision": "bf16"},  # FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)
+    # FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)
+    "fsdp-bf16": {"parallel.dp_shard": 2, "train.precision": "bf16"},
 }
 
 

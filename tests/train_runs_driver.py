@@ -26,7 +26,8 @@ def main(runs: list[list[str]]) -> int:
     trainer_module.destroy_distributed = lambda: None  # keep one process group for every run
     try:
         for i, args in enumerate(runs):
-            if os.environ.get("RANK", "0") == "0":  # where each run's lines begin (tests/test_parallel_dp.py's `run_logs`)
+            # where each run's lines begin (tests/test_parallel_dp.py's `run_logs` cuts the output there)
+            if os.environ.get("RANK", "0") == "0":
                 for stream in (sys.stdout, sys.stderr):
                     print(f"{RUN_MARKER} {i}", file=stream, flush=True)
             if code := lmforge_main(["train", *args]):
