@@ -133,25 +133,52 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(corpus, reference, t
     assert grad_norms(out) == grad_norms(reference)
 
 
+UNTIED = {"model.tie_embeddings": "false"}  # (pipeline stages cannot share a weight)
+WRITERS = {  # name: the 2-rank run whose step-8 checkpoint the tests below resume elsewhere (16 steps, every 2)
+    "fsdp2": {"parallel.dp_shard": 2},  # FSDP2: sharded parameters and optimizer state
+    "zero1": {"parallel.dp_shard": 2, "parallel.zero_stage": 1},
+    "tp-2": {**UNTIED, "parallel.tp": 2, "train.micro_batch_size": 2},
+    "pp-2": {**UNTIED, "parallel.pp": 2, "train.micro_batch_size": 2},
+}
+WORLD_SIZES = {"1-process": (1, {}), "fsdp-4": (4, {"parallel.dp_shard": 4, "train.micro_batch_size": 2}),
+               "ddp-4": (4, {"parallel.dp_replicate": 4, "train.micro_batch_size": 2}),
+               "tp-2": (2, {"parallel.tp": 2, "train.micro_batch_size": 2})}
+
+
 @pytest.fixture(scope="module")
-def fsdp2(corpus, tmp_path_factory) -> Path:  # noqa: F811
-    """16 steps on 2 ranks with FSDP2 (sharded parameters and optimizer state), checkpoints every 2."""
-    out = tmp_path_factory.mktemp("fsdp2") / "run"
-    finish(launch(corpus, out, nproc=2, **{"parallel.dp_shard": 2, "checkpoint.keep_every": 8}), out)
-    return out
+def resumes(corpus, tmp_path_factory) -> Path:  # noqa: F811
+    """ROOT/<writer> for each of `WRITERS` (one 2-rank launch), then their step-8 checkpoints continued:
+    ROOT/fsdp2-<world size> for each of `WORLD_SIZES` and ROOT/<writer>-1 for the others, in one launch
+    per process count (tests/train_runs_driver.py: each launch pays torch's import and the process group
+    once; the files a run resumes from are copied in before its launch starts)."""
+    from tests.test_parallel_dp import train_runs
+
+    root = tmp_path_factory.mktemp("resumes")
+    keep = {**FAULT, "checkpoint.keep_every": 8}
+    proc = train_runs(corpus, {root / name: {**keep, **own} for name, own in WRITERS.items()}, nproc=2, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # (run folder, the writer it continues, processes, overrides)
+    continued = [(root / f"fsdp2-{world}", "fsdp2", nproc, layout) for world, (nproc, layout) in WORLD_SIZES.items()]
+    continued += [(root / f"{name}-1", name, 1, UNTIED if "model.tie_embeddings" in own else {})
+                  for name, own in WRITERS.items() if name != "fsdp2"]
+    for nproc in sorted({n for _, _, n, _ in continued}):
+        runs = {}
+        for out, writer, n, layout in continued:
+            if n == nproc:
+                shutil.copytree(root / writer / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
+                runs[out] = {**FAULT, "checkpoint.every_steps": 0, **layout}
+        proc = train_runs(corpus, runs, nproc=nproc, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, {}), (4, {"parallel.dp_shard": 4, "train.micro_batch_size": 2}),
-                                           (4, {"parallel.dp_replicate": 4, "train.micro_batch_size": 2}),
-                                           (2, {"parallel.tp": 2, "train.micro_batch_size": 2})],
-                         ids=["1-process", "fsdp-4", "ddp-4", "tp-2"])
-def test_checkpoint_from_2_ranks_resumes_on_another_world_size(corpus, fsdp2, tmp_path, nproc, layout):  # noqa: F811
+@pytest.mark.parametrize("world", list(WORLD_SIZES))
+def test_checkpoint_from_2_ranks_resumes_on_another_world_size(resumes, world):
     """The step-8 checkpoint written by 2 FSDP ranks continues on 1 process and on 4 ranks (DCP
     reshards by name); steps 9-16 match the 2-rank run (fp32; only reduction order differs)."""
-    out = tmp_path / "run"
-    shutil.copytree(fsdp2 / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
-    finish(launch(corpus, out, nproc=nproc, **{"checkpoint.every_steps": 0, **layout}), out)
-    assert_runs_match(out, fsdp2, f"2 FSDP ranks -> {nproc} ({layout})", steps=list(range(9, 17)))
+    nproc, layout = WORLD_SIZES[world]
+    assert_runs_match(resumes / f"fsdp2-{world}", resumes / "fsdp2", f"2 FSDP ranks -> {nproc} ({layout})",
+                      steps=list(range(9, 17)))
 
 
 def test_elastic_restart_after_a_rank_is_killed(corpus, tmp_path):  # noqa: F811
@@ -178,30 +205,18 @@ def test_elastic_restart_after_a_rank_is_killed(corpus, tmp_path):  # noqa: F811
     assert summary["checkpoints"]["resumed_from"] is not None
 
 
-def test_zero1_checkpoint_resumes_in_one_process(corpus, tmp_path):  # noqa: F811
+def test_zero1_checkpoint_resumes_in_one_process(resumes):
     """ZeRO-1 keeps each rank's optimizer partition in its local optimizer: every rank writes its own
     part, and one process reads all of it back by name (the next steps' losses match)."""
-    ref = tmp_path / "zero1"
-    finish(launch(corpus, ref, nproc=2, **{"parallel.dp_shard": 2, "parallel.zero_stage": 1,
-                                            "checkpoint.keep_every": 8}), ref)
-    out = tmp_path / "run"
-    shutil.copytree(ref / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
-    finish(launch(corpus, out, **{"checkpoint.every_steps": 0}), out)
-    assert_runs_match(out, ref, "ZeRO-1 -> 1 process", steps=list(range(9, 17)))
+    assert_runs_match(resumes / "zero1-1", resumes / "zero1", "ZeRO-1 -> 1 process", steps=list(range(9, 17)))
 
 
-@pytest.mark.parametrize("layout", [{"parallel.tp": 2}, {"parallel.pp": 2}], ids=["tp-2", "pp-2"])
-def test_model_parallel_checkpoint_resumes_in_one_process(corpus, tmp_path, layout):  # noqa: F811
+@pytest.mark.parametrize("layout", ["tp-2", "pp-2"])
+def test_model_parallel_checkpoint_resumes_in_one_process(resumes, layout):
     """Tensor-parallel shards (DTensor) and pipeline stages (each rank its own layers) are written by
     name: one process reads the whole model and optimizer back and continues the run."""
-    untied = {"model.tie_embeddings": "false"}  # (pipeline stages cannot share a weight)
-    ref = tmp_path / "mp"
-    finish(launch(corpus, ref, nproc=2, **{**untied, **layout, "train.micro_batch_size": 2,
-                                            "checkpoint.keep_every": 8}), ref)
-    out = tmp_path / "run"
-    shutil.copytree(ref / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
-    finish(launch(corpus, out, **{**untied, "checkpoint.every_steps": 0}), out)
-    assert_runs_match(out, ref, f"{layout} -> 1 process", steps=list(range(9, 17)))
+    assert_runs_match(resumes / f"{layout}-1", resumes / layout, f"{WRITERS[layout]} -> 1 process",
+                      steps=list(range(9, 17)))
 
 
 def test_3d_layout_matches_one_process_and_its_checkpoint_resumes_in_one(corpus, tmp_path):  # noqa: F811

@@ -149,6 +149,7 @@ def _wait(procs) -> None:
         assert p.returncode == 0, p.args
 
 
+@pytest.mark.slow
 def test_four_worker_processes_one_killed_and_rerun_alone_give_the_same_bytes(reference,
                                                                                 tmp_path):
     root, raw, _, want = reference
@@ -322,6 +323,7 @@ def test_s3_mistakes_are_one_line_errors(reference, s3, tmp_path):
         run_prepare(cfg)
 
 
+@pytest.mark.slow
 def test_slurm_prepare_script_runs_as_written_and_gives_the_same_bytes(reference, tmp_path):
     """examples/slurm_prepare.sh under stand-ins for sbatch (tests/fake_slurm.py: array tasks run
     concurrently with SLURM_ARRAY_TASK_ID / _COUNT, each job before the next is submitted): one

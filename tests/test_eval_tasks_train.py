@@ -71,6 +71,7 @@ def test_a_wrong_task_stops_the_run_before_it_starts(small_data, tmp_path):
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_the_shipped_cloze_task_is_rebuilt_from_held_out_text():
     """lmforge/data/tasks/shakespeare_cloze.jsonl is what `python -m lmforge.data.cloze` writes from the
     default dataset (the tiny preset's), item for item; every item's line lies in the held-out tail of a

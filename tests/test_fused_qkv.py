@@ -347,38 +347,62 @@ def test_the_planner_counts_the_fused_weight_as_the_model_holds_it():
     assert count_params(FUSED) == count_params(CFG)
 
 
+# the overrides of this file's two parity tests' runs: the TP/SP/CP test's (`TP_SHARED`) and the LoRA test's
+# (`LORA_SHARED`), trained in one launch per process count (`parity_runs`, tests/train_runs_driver.py)
+TP_SHARED = {"model.n_layers": 2, "model.n_kv_heads": 2, "model.qkv_bias": "true", "model.qk_norm": "true",
+             "checkpoint.every_steps": 5, "checkpoint.async_save": "false"}  # (+ test_parallel_mp's FAMILY_STEPS)
+LORA_SHARED = {"model.n_layers": 2, "model.n_kv_heads": 2, "finetune.lora_rank": 4,
+               "finetune.lora_targets": "wq,wv,wo,up", "train.steps": 6, "schedule.warmup_steps": 2, "train.log_every": 1}
+TP2 = {"parallel.tp": 2}
+SP = {"parallel.sequence_parallel": "true"}
+
+
+@pytest.fixture(scope="module")
+def parity_runs(corpus, tmp_path_factory):  # noqa: F811
+    """ROOT/tp/<run> and ROOT/lora/<run>: one process (separate and fused layouts), then 2 ranks (the
+    fused layout under TP=2, TP=2 + SP, CP=2, and TP=2 resuming the separate run's step-5 checkpoint;
+    LoRA under TP=2 + SP), then 4 (FSDP2 x TP resuming it): three launches for both tests."""
+    from tests.test_parallel_dp import train_runs
+    from tests.test_parallel_mp import FAMILY_STEPS
+
+    shared = {**TP_SHARED, **FAMILY_STEPS}
+    root = tmp_path_factory.mktemp("fused-parity")
+    tp, lora = root / "tp", root / "lora"
+    old = str(tp / "separate" / "checkpoints" / "step_00000005")
+    fused = {"model.fused_qkv": "true"}
+    launches = [
+        (1, {tp / "separate": {**shared, "model.fused_qkv": "false"}, tp / "fused": {**shared, **fused},
+             lora / "separate": {**LORA_SHARED, "model.fused_qkv": "false"}, lora / "fused": {**LORA_SHARED, **fused}}),
+        (2, {tp / "tp2": {**shared, **fused, **TP2}, tp / "tp2-sp": {**shared, **fused, **TP2, **SP},
+             tp / "tp2-resumed": {**shared, **fused, **TP2, "checkpoint.resume": old},
+             # (context parallel: the fused projection of a sequence shard)
+             tp / "cp2": {**shared, **fused, "parallel.cp": 2},
+             lora / "fused-tp2-sp": {**LORA_SHARED, **fused, **TP2, **SP}}),
+        # FSDP2 x TP (2 x 2): the converted tensors placed on 2-D shards (FSDP2 shards TP's shards)
+        (4, {tp / "fsdp2xtp2-resumed": {**shared, **fused, "parallel.dp_shard": 2, **TP2, "checkpoint.resume": old}})]
+    for nproc, runs in launches:
+        proc = train_runs(corpus, runs, nproc=nproc, timeout=120 + 60 * len(runs))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root
+
+
 @pytest.mark.slow
-def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layout_in_one_process(corpus, tmp_path):  # noqa: F811
+def test_fused_qkv_under_tensor_and_sequence_parallel_matches_the_separate_layout_in_one_process(parity_runs):
     """TP=2, TP=2 + SP and CP=2 with the fused wqkv (GQA with 2 kv heads: one group per rank; q/k/v biases;
     QK-norm) against one process with the separate wq/wk/wv: the same per-step losses and gradient
     norms (tests/test_parallel_mp.py's tolerance), so the plain column split gives each rank exactly
     its heads' q, k and v rows."""
-    from tests.test_parallel_dp import assert_runs_match, train_runs
-    from tests.test_parallel_mp import FAMILY_STEPS, TOL
+    from tests.test_parallel_dp import assert_runs_match
+    from tests.test_parallel_mp import TOL
 
-    shared = {"model.n_layers": 2, "model.n_kv_heads": 2, "model.qkv_bias": "true", "model.qk_norm": "true",
-              "checkpoint.every_steps": 5, "checkpoint.async_save": "false", **FAMILY_STEPS}
-    ref, fused = tmp_path / "separate", tmp_path / "fused"
-    proc = train_runs(corpus, {ref: {"model.fused_qkv": "false"}, fused: {"model.fused_qkv": "true"}}, **shared)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert_runs_match(fused, ref, "fused vs separate, one process", tol=TOL)
-    # and the separate layout's step-5 checkpoint resumed by the TP=2 fused run: each rank's shard of
-    # the weights and AdamW moments converted on load
-    old = str(ref / "checkpoints" / "step_00000005")
-    runs = {tmp_path / "tp2": {"parallel.tp": 2},
-          tmp_path / "tp2-sp": {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
-          tmp_path / "tp2-resumed": {"parallel.tp": 2, "checkpoint.resume": old},
-          tmp_path / "cp2": {"parallel.cp": 2}}  # (context parallel: the fused projection of a sequence shard)
-    proc = train_runs(corpus, runs, nproc=2, timeout=300, **shared, **{"model.fused_qkv": "true"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # FSDP2 x TP (2 x 2): the converted tensors placed on 2-D shards (FSDP2 shards TP's shards)
-    fsdp_tp = {tmp_path / "fsdp2xtp2-resumed": {"parallel.dp_shard": 2, "parallel.tp": 2, "checkpoint.resume": old}}
-    proc = train_runs(corpus, fsdp_tp, nproc=4, timeout=300, **shared, **{"model.fused_qkv": "true"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for out in [*runs, *fsdp_tp]:
-        steps = list(range(6, 11)) if out.name.endswith("-resumed") else None
-        assert_runs_match(out, ref, f"fused qkv, {out.name} vs separate in one process", steps=steps, tol=TOL)
-
+    ref = parity_runs / "tp" / "separate"
+    assert_runs_match(parity_runs / "tp" / "fused", ref, "fused vs separate, one process", tol=TOL)
+    # and the separate layout's step-5 checkpoint resumed by the TP=2 fused run (each rank's shard of the
+    # weights and AdamW moments converted on load) and by FSDP2 x TP
+    for name in ("tp2", "tp2-sp", "tp2-resumed", "cp2", "fsdp2xtp2-resumed"):
+        steps = list(range(6, 11)) if name.endswith("-resumed") else None
+        assert_runs_match(parity_runs / "tp" / name, ref, f"fused qkv, {name} vs separate in one process", steps=steps,
+                          tol=TOL)
 
 
 def test_generation_with_the_kv_cache_is_the_separate_models():
@@ -431,24 +455,16 @@ def test_mixtral_conversion_maps_the_fused_weight_bit_equal():
 
 
 @pytest.mark.slow
-def test_lora_on_some_of_q_k_v_of_the_fused_layer_under_tensor_and_sequence_parallel(corpus, tmp_path):  # noqa: F811
+def test_lora_on_some_of_q_k_v_of_the_fused_layer_under_tensor_and_sequence_parallel(parity_runs):
     """LoRA wq,wv (+ wo, up) through `lmforge train`: the fused model in one process and under TP=2 + SP
     (each part adapter's B split by rows: the rank's kv groups) against the separate layout in one
     process: the same per-step losses and gradient norms, and the same merged weights saved."""
     from safetensors.torch import load_file
 
-    from tests.test_parallel_dp import assert_runs_match, train_runs
+    from tests.test_parallel_dp import assert_runs_match
     from tests.test_parallel_mp import TOL
 
-    shared = {"model.n_layers": 2, "model.n_kv_heads": 2, "finetune.lora_rank": 4,
-              "finetune.lora_targets": "wq,wv,wo,up", "train.steps": 6, "schedule.warmup_steps": 2,
-              "train.log_every": 1}
-    ref, fused, tp = tmp_path / "separate", tmp_path / "fused", tmp_path / "fused-tp2-sp"
-    proc = train_runs(corpus, {ref: {"model.fused_qkv": "false"}, fused: {"model.fused_qkv": "true"}}, **shared)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    proc = train_runs(corpus, {tp: {"model.fused_qkv": "true", "parallel.tp": 2, "parallel.sequence_parallel": "true"}},
-                      nproc=2, timeout=300, **shared)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref, fused, tp = (parity_runs / "lora" / name for name in ("separate", "fused", "fused-tp2-sp"))
     for out in (fused, tp):
         assert_runs_match(out, ref, f"LoRA wq,wv: {out.name} vs separate in one process", tol=TOL)
     want = load_file(str(ref / "model.safetensors"))

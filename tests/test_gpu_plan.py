@@ -166,6 +166,7 @@ def test_a_row_whose_expected_time_does_not_fit_is_skipped_not_started(tmp_path,
     assert s.passed() and "| big | skipped | expected 200 s" in (tmp_path / "out" / "gpu_suite.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_row_that_overruns_its_limit_is_stopped_and_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(rows, "load_expected", lambda path=None: {})
     s = ProbeSuite(args(tmp_path))

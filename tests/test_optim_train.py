@@ -27,7 +27,8 @@ def trainer_for(small_data, tmp_path, **overrides) -> Trainer:
     return t
 
 
-@pytest.mark.parametrize("name", sorted(LRS))
+# the fast tier trains AdamW (the default); each other optimizer's 40 steps run in the full suite
+@pytest.mark.parametrize("name", [n if n == "adamw" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(LRS)])
 def test_each_optimizer_lowers_validation_loss(small_data, tmp_path, name):
     t = trainer_for(small_data, tmp_path, **{"optim.name": name, "optim.lr": LRS[name], "train.steps": 40})
     start = t.evaluate()["loss"]
@@ -37,6 +38,7 @@ def test_each_optimizer_lowers_validation_loss(small_data, tmp_path, name):
     assert end < start - 0.5, (name, start, end)
 
 
+@pytest.mark.slow
 def test_adam8bit_tracks_fp32_adamw_for_200_steps(small_data, tmp_path):
     """Same data, same init: 8-bit state (block-wise, 256) vs fp32 state. Stated tolerance: the
     per-step training losses differ by < 0.1 nats (mean < 0.03) and the final validation losses by

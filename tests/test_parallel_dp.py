@@ -8,7 +8,7 @@ target-token counts unequal, so the loss normalisation (global token count all-r
 against the gradient averaging) is exercised too. The gradient norm (before clipping) sees the
 scale of the gradient, which AdamW's update and the clipped loss curve hardly do: a layout that
 summed instead of averaged, or dropped the x dp, would log twice or half the one-process norm.
-Each layout's launch also trains 6 steps of plain SGD without clipping (`SGD`), whose update is
+Each layout also trains 6 steps of plain SGD without clipping (`SGD`), whose update is
 the gradient itself, so that its loss curve, too, follows the gradient's scale.
 
 The AdamW runs also keep the EMA of the weights (`EMA`, lmforge.train.ema: each rank the EMA of its own
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.config import ConfigError, load_config
-from tests.conftest import make_corpus, make_tasks
+from tests.conftest import make_tasks
 
 TINY = {
     "model.vocab_size": 320, "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64,
@@ -106,6 +107,14 @@ def train_runs(corpus: Path, runs: dict[Path, dict], nproc: int = 1, timeout: in
     args = [overrides(corpus, out, **{**shared, **own}) for out, own in runs.items()]
     return subprocess.run(launcher(nproc) + [RUNS_DRIVER, json.dumps(args)], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_logs(proc: subprocess.CompletedProcess, runs: dict[Path, dict]) -> dict[Path, str]:
+    """A `train_runs` launch's output (stdout, then stderr) cut at rank 0's start of each run: {run folder:
+    its lines} (other ranks' lines land where they were printed)."""
+    parts = [re.split(r"^train_runs_driver: run \d+\n", text, flags=re.M)[1:] for text in (proc.stdout, proc.stderr)]
+    assert all(len(p) == len(runs) for p in parts), (len(runs), proc.stdout[-2000:] + proc.stderr[-2000:])
+    return {out: out_part + err_part for out, out_part, err_part in zip(runs, *parts)}
 
 
 def metric(run: Path, key: str) -> dict[int, float]:
@@ -198,18 +207,16 @@ def prepare(root: Path, sources: str = '[[prepare.sources]]\npath = "raw/*.txt"\
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dp")
-    make_corpus(root / "raw")
-    return prepare(root)
+def corpus(prepared_corpus) -> Path:
+    """`make_corpus`'s 12 documents, prepared (tests/conftest.py's `prepared_corpus`: once per session
+    and worker; the ~24 files that import this fixture only read it)."""
+    return prepared_corpus
 
 
 @pytest.fixture(scope="module")
-def docs_corpus(tmp_path_factory) -> Path:
+def docs_corpus(prepared_docs_corpus) -> Path:
     """300 documents of 3-60 words (~33 tokens: about one boundary per 32-token sequence), prepared."""
-    root = tmp_path_factory.mktemp("docs")
-    make_corpus(root / "raw", n_docs=300, words_per_doc=60, min_words=3)
-    return prepare(root)
+    return prepared_docs_corpus
 
 
 @pytest.fixture(scope="module")
@@ -233,20 +240,41 @@ LAYOUTS = {
 }
 
 
+COMPRESSED = {  # lossy communication / bf16 runs: they must still learn (`test_compressed_and_mixed_precision_...`)
+    "powersgd": {"parallel.dp_replicate": 2, "parallel.ddp_comm_hook": "powersgd", "parallel.powersgd_rank": 2},
+    # FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)
+    "fsdp-bf16": {"parallel.dp_shard": 2, "train.precision": "bf16"},
+}
+
+
+@pytest.fixture(scope="module")
+def launch(corpus, docs_corpus, tmp_path_factory) -> Path:
+    """One 2-rank launch for every run of this file's layouts (torch's import and the process group paid
+    once): ROOT/<layout>/{<layout> (EMA, tasks), sgd (`SGD`), docs (`DOCS`)} for each of `LAYOUTS`, and
+    ROOT/<name>/run for each of `COMPRESSED`."""
+    root = tmp_path_factory.mktemp("dp-layouts")
+    runs = {}
+    for layout, extra in LAYOUTS.items():
+        runs.update({root / layout / layout: {**extra, **EMA, **tasks(corpus)}, root / layout / "sgd": {**extra, **SGD},
+                     root / layout / "docs": {**extra, **docs_run(docs_corpus)}})
+    runs.update({root / name / "run": extra for name, extra in COMPRESSED.items()})
+    proc = train_runs(corpus, runs, nproc=2, timeout=120 + 60 * len(runs))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_data_parallel_layout_matches_one_process(corpus, docs_corpus, single, tmp_path, layout):
-    out = tmp_path / layout
-    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}, tmp_path / "sgd": SGD,
-                               tmp_path / "docs": docs_run(docs_corpus)}, nproc=2, **LAYOUTS[layout])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_data_parallel_layout_matches_one_process(single, launch, layout):
+    folder = launch / layout
+    out = folder / layout
     # fp32, same seed/data/global batch: only the reduction order differs (all-reduce / reduce-scatter
     # vs. one process's accumulation). Observed max relative difference over 20 steps ~2e-7 for the
     # loss and 1.4e-6 (DDP, ZeRO-1) to 1.7e-6 (ZeRO-2/3) for the gradient norm (a sum of squares over
     # every parameter: more terms to reorder); the tolerance is 1e-5 relative for both.
     assert_runs_match(out, single / "adamw", f"{layout} vs one process")
-    assert_runs_match(tmp_path / "sgd", single / "sgd", f"{layout}, SGD without clipping, vs one process")
-    assert_runs_match(tmp_path / "docs", single / "docs", f"{layout}, document masking + best-fit, vs one process")
+    assert_runs_match(folder / "sgd", single / "sgd", f"{layout}, SGD without clipping, vs one process")
+    assert_runs_match(folder / "docs", single / "docs", f"{layout}, document masking + best-fit, vs one process")
     assert_extras_match(out, single / "adamw", f"{layout} vs one process")
     # only rank 0 writes the run folder; FSDP gathers the full state dict for the weights
     for name in ("metrics.jsonl", "model.safetensors", "summary.json", "config.toml"):
@@ -272,16 +300,11 @@ def test_fsdp_at_shard_degree_one_matches_one_process(corpus, single, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [
-    {"parallel.dp_replicate": 2, "parallel.ddp_comm_hook": "powersgd", "parallel.powersgd_rank": 2},
-    {"parallel.dp_shard": 2, "train.precision": "bf16"},  # FSDP2 MixedPrecisionPolicy(bf16 params, fp32 reduce)
-], ids=["powersgd", "fsdp-bf16"])
-def test_compressed_and_mixed_precision_runs_still_learn(corpus, single, tmp_path, extra):
+@pytest.mark.parametrize("name", list(COMPRESSED))
+def test_compressed_and_mixed_precision_runs_still_learn(single, launch, name):
     """(The fp16_compress_hook run is left out to keep this file short; by hand it matched the
     one-process losses to 8.4e-6 relative over 20 steps.)"""
-    out = tmp_path / "run"
-    proc = train(corpus, out, nproc=2, **extra)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = launch / name / "run"
     got = losses(out)
     assert got[20] < got[1] - 1.0, got  # lossy communication / bf16, but it still learns
     want = losses(single / "adamw")
@@ -404,6 +427,7 @@ def _fp16_overflow_worker(rank: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_path):
     """With FSDP2 each rank holds a different slice of every gradient, so an fp16 overflow can sit in
     one rank's slice only. If that rank alone skipped the step, the shards would silently diverge.

@@ -19,6 +19,7 @@ among them), an in-loop task and merging the checkpoints match too (test_paralle
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -56,14 +57,29 @@ LAYOUTS = {  # name: (processes, overrides); 2 micro-batches of 4 sequences over
 }
 
 
+@pytest.fixture(scope="module")
+def launches(corpus, tmp_path_factory) -> tuple[Path, dict[Path, str]]:  # noqa: F811
+    """Every layout's run (ROOT/<layout>), one launch per process count (2 and 4: each launch pays
+    torch's import and the process-group setup once for all its layouts); ROOT and each run's log."""
+    from tests.test_parallel_dp import run_logs
+
+    root, logs = tmp_path_factory.mktemp("ep-layouts"), {}
+    for nproc in sorted({n for n, _ in LAYOUTS.values()}):
+        runs = {root / layout: {**MOE, **EMA, **tasks(corpus), **extra}
+                for layout, (n, extra) in LAYOUTS.items() if n == nproc}
+        proc = train_runs(corpus, runs, nproc=nproc, timeout=120 + 120 * len(runs))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        logs.update(run_logs(proc, runs))
+    return root, logs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_expert_parallel_layout_matches_one_process(corpus, reference, tmp_path, layout):  # noqa: F811
-    nproc, extra = LAYOUTS[layout]
-    out = tmp_path / layout
-    proc = train_runs(corpus, {out: {**EMA, **tasks(corpus)}}, nproc=nproc, timeout=300, **MOE, **extra)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = proc.stdout + proc.stderr
+def test_expert_parallel_layout_matches_one_process(reference, launches, layout):
+    extra = LAYOUTS[layout][1]
+    root, logs = launches
+    out = root / layout
+    log = logs[out]
     assert "expert parallel: 4 experts per MoE layer over ep = 2 ranks (2 each)" in log
     assert ("parallel.dp_shard -> 2: inferred from the 2 processes" in log) == (layout == "ep2")
     if extra.get("parallel.dp_replicate"):

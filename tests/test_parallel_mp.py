@@ -14,7 +14,7 @@ directly, and the launches of `WITH_SGD` also train 6 steps of plain SGD without
 (tests/test_parallel_dp.py's `SGD`), whose steps are the gradient itself.
 
 The zero-bubble schedules (interleaved-zb at v = 1 and 2, zbv, dualpipev: 4 stages on 2 ranks, a V
-for the last two) run without and with activation checkpointing in one launch each, and composed
+for the last two) run without and with activation checkpointing, and composed
 with FSDP2, HSDP's replicas, TP and CP in one 4-rank launch (`ALSO`); a zbv checkpoint resumes under
 another schedule's placement and in one process.
 """
@@ -52,10 +52,13 @@ def val_losses(run: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(corpus, docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
     """One process: ROOT/adamw (the preset's optimizer, 20 steps), ROOT/sgd (`SGD`) and ROOT/docs (document
-    masking on best-fit rows: tests/test_parallel_dp.py's `DOCS`), one launch."""
+    masking on best-fit rows: tests/test_parallel_dp.py's `DOCS`), and the one-process side of the other
+    tests' comparisons (ROOT/pairs/<name> of `PAIRS`, ROOT/family/single: `FAMILY`), one launch."""
     root = tmp_path_factory.mktemp("mp-single")
-    proc = train_runs(corpus, {root / "adamw": {**EMA, **tasks(corpus)}, root / "sgd": SGD,
-                               root / "docs": docs_run(docs_corpus)}, **MP)
+    proc = train_runs(corpus, {root / "adamw": {**MP, **EMA, **tasks(corpus)}, root / "sgd": {**MP, **SGD},
+                               root / "docs": {**MP, **docs_run(docs_corpus)},
+                               **{root / "pairs" / name: own for name, own in PAIRS.items()},
+                               root / "family" / "single": FAMILY}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(root / "adamw")) == list(range(1, 21))
     return root
@@ -97,16 +100,46 @@ ALSO["fsdp2xpp2-zbv"] = {
                                   "train.micro_batch_size": 1, "train.activation_checkpoint": "full"}}
 
 
+def layout_runs(root: Path, layout: str, corpus: Path, docs_corpus: Path) -> dict[Path, dict]:  # noqa: F811
+    """The runs of `layout` under ROOT/<layout>: the AdamW run (EMA, tasks), `SGD` (the `WITH_SGD`
+    layouts), `DOCS` and the `ALSO` runs, each with the layout's own overrides."""
+    extra, folder = LAYOUTS[layout][1], root / layout
+    return {folder / layout: {**MP, **extra, **EMA, **tasks(corpus)},
+            **({folder / "sgd": {**MP, **extra, **SGD}} if layout in WITH_SGD else {}),
+            folder / "docs": {**MP, **extra, **docs_run(docs_corpus)},
+            **{folder / name: {**MP, **own} for name, own in ALSO.get(layout, {}).items()}}
+
+
+@pytest.fixture(scope="module")
+def launches(corpus, docs_corpus, tmp_path_factory) -> tuple[Path, dict[Path, str]]:  # noqa: F811
+    """Every layout's runs (`layout_runs`) and the multi-process side of the other tests' comparisons
+    (ROOT/pairs/<name>: `PAIRS` under TP=2 + SP; ROOT/family/<layout>: `FAMILY` under `FAMILY_LAYOUTS`),
+    one launch per process count (2 and 4: each launch pays torch's import and the process-group setup
+    once for all its runs); ROOT and each run's log."""
+    from tests.test_parallel_dp import run_logs
+
+    root, logs = tmp_path_factory.mktemp("mp-layouts"), {}
+    for nproc in sorted({n for n, _ in LAYOUTS.values()}):
+        runs = {run: own for layout, (n, _) in LAYOUTS.items() if n == nproc
+                for run, own in layout_runs(root, layout, corpus, docs_corpus).items()}
+        if nproc == 2:
+            runs |= {root / "pairs" / name: {**own, **TP2_SP} for name, own in PAIRS.items()}
+        runs |= {root / "family" / name: {**FAMILY, **own} for name, (n, own) in FAMILY_LAYOUTS.items() if n == nproc}
+        proc = train_runs(corpus, runs, nproc=nproc, timeout=120 + 60 * len(runs))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        logs.update(run_logs(proc, runs))
+    return root, logs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, reference, tmp_path, layout):  # noqa: F811
-    nproc, extra = LAYOUTS[layout]
-    out, sgd, docs = tmp_path / layout, tmp_path / "sgd", tmp_path / "docs"
-    also = {tmp_path / name: own for name, own in ALSO.get(layout, {}).items()}
-    runs = {out: {**extra, **EMA, **tasks(corpus)}, **({sgd: {**extra, **SGD}} if layout in WITH_SGD else {}),
-            docs: {**extra, **docs_run(docs_corpus)}, **also}
-    proc = train_runs(corpus, runs, nproc=nproc, timeout=300 + 150 * len(also), **MP)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, reference, launches, layout):  # noqa: F811
+    extra = LAYOUTS[layout][1]
+    root, logs = launches
+    runs = layout_runs(root, layout, corpus, docs_corpus)
+    folder = root / layout
+    out, sgd, docs = folder / layout, folder / "sgd", folder / "docs"
+    also = [run for run in runs if run not in (out, sgd, docs)]
     assert_runs_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)
     assert_extras_match(out, reference / "adamw", f"{layout} vs one process", tol=TOL)  # EMA, tasks, merge
     # the document ids (and restarted positions) reach every TP rank, every pipeline stage, every chunk
@@ -120,7 +153,7 @@ def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, referenc
         val = val_losses(run)  # evaluation on the sharded model (no rank gathers it), initial and final
         assert len(val) == len(ref_val) and all(abs(a - b) / b < TOL for a, b in zip(val, ref_val)), (val, ref_val)
     if extra.get("parallel.pp"):
-        assert "bubble fraction" in proc.stdout + proc.stderr
+        assert "bubble fraction" in logs[out], logs[out][-3000:]
     for name in ("metrics.jsonl", "model.safetensors", "summary.json", "sample.txt"):
         assert (out / name).is_file(), name
     from lmforge.ckpt.export import load_run
@@ -149,40 +182,39 @@ def test_zero_bubble_checkpoint_resumes_under_another_schedule_and_in_one_proces
         assert_runs_match(out, ref, f"zbv checkpoint -> {layout or 'one process'}", steps=list(range(9, 17)), tol=TOL)
 
 
-def one_process_vs_tp2_sp(corpus: Path, tmp_path: Path, what: str, **extra) -> tuple[Path, Path]:  # noqa: F811
-    """Train one process and TP=2 + SP with the same overrides; per-step losses and gradient norms
-    must agree to TOL."""
-    ref_out, out = tmp_path / "single", tmp_path / "tp"
-    proc = train(corpus, ref_out, **extra)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    proc = train(corpus, out, nproc=2, timeout=300, **extra, **{"parallel.tp": 2, "parallel.sequence_parallel": "true"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+TP2_SP = {"parallel.tp": 2, "parallel.sequence_parallel": "true"}
+LORA = {"model.n_layers": 2, "finetune.lora_rank": 4, "finetune.lora_targets": "wq,wk,wv,wo,gate,up,down",
+        "train.steps": 6, "schedule.warmup_steps": 2, "train.log_every": 1}
+
+
+def one_process_vs_tp2_sp(reference: Path, launches: tuple, name: str, what: str) -> tuple[Path, Path]:
+    """The `PAIRS` run `name` in one process and under TP=2 + SP (trained in the module's launches, TINY
+    plus its overrides, no MP); per-step losses and gradient norms must agree to TOL."""
+    ref_out, out = reference / "pairs" / name, launches[0] / "pairs" / name
     assert_runs_match(out, ref_out, f"{what} tp2-sp vs one process", tol=TOL)
     return ref_out, out
 
 
 @pytest.mark.slow
-def test_tied_embeddings_under_tensor_parallel(corpus, tmp_path):  # noqa: F811
+def test_tied_embeddings_under_tensor_parallel(reference, launches):
     """Embedding and head both vocab-sharded: the head is re-pointed at the embedding's DTensor, so the
     tie (one parameter, two gradient contributions) holds. TP=2 + SP against one process, tied."""
     from safetensors.torch import load_file
 
-    _, out = one_process_vs_tp2_sp(corpus, tmp_path, "tied", **{"model.n_layers": 2, "model.tie_embeddings": "true"})
+    _, out = one_process_vs_tp2_sp(reference, launches, "tied", "tied")
 
     assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))  # stored once, as tok_emb.weight
 
 
 @pytest.mark.slow
-def test_lora_under_tensor_and_sequence_parallel_matches_one_process(corpus, tmp_path):  # noqa: F811
+def test_lora_under_tensor_and_sequence_parallel_matches_one_process(reference, launches):
     """LoRA adapters on every block linear follow their layer's TP split (column-parallel: A replicated,
     B split; row-parallel: A split, B replicated), and the frozen norm weights stay frozen under
     sequence parallelism (torch's SequenceParallel re-creates them trainable; lmforge re-freezes
     them). TP=2 + SP against one process: same losses, and the same merged weights saved."""
     from safetensors.torch import load_file
 
-    lora = {"model.n_layers": 2, "finetune.lora_rank": 4, "finetune.lora_targets": "wq,wk,wv,wo,gate,up,down",
-            "train.steps": 6, "schedule.warmup_steps": 2, "train.log_every": 1}
-    ref_out, out = one_process_vs_tp2_sp(corpus, tmp_path, "LoRA", **lora)
+    ref_out, out = one_process_vs_tp2_sp(reference, launches, "lora", "LoRA")
     got = losses(out)
     assert sorted(got) == list(range(1, 7)) and got[6] < got[1]
     want, have = load_file(str(ref_out / "model.safetensors")), load_file(str(out / "model.safetensors"))
@@ -285,38 +317,32 @@ ATTENTION_OPTIONS = {
 FAMILY_STEPS = {"train.steps": 10, "schedule.warmup_steps": 2}  # (each launch pays torch's import once)
 
 
+# name: the overrides of a one-process run and of its TP=2 + SP twin (`one_process_vs_tp2_sp`): tied embeddings
+# (2 layers), LoRA, and each family attention option alone (2 layers, GQA with 2 kv heads: one per rank)
+PAIRS = {"tied": {"model.n_layers": 2, "model.tie_embeddings": "true"}, "lora": LORA,
+         **{f"attention-{name}": {"model.n_layers": 2, "model.n_kv_heads": 2, **FAMILY_STEPS, **option}
+            for name, option in ATTENTION_OPTIONS.items()}}
+# all four options at once on the MP model, under FSDP2 x TP (2 x 2, SP), PP=2 (1F1B) and CP=2
+FAMILY = {**MP, "model.n_kv_heads": 2, **{k: v for option in ATTENTION_OPTIONS.values() for k, v in option.items()},
+          **FAMILY_STEPS}
+FAMILY_LAYOUTS = {"fsdp2xtp2": LAYOUTS["fsdp2xtp2"], "pp2-1f1b": LAYOUTS["pp2-1f1b"], "cp2": (2, {"parallel.cp": 2})}
+
+
 @pytest.mark.slow
-def test_attention_options_under_tensor_and_sequence_parallel_match_one_process(corpus, tmp_path):  # noqa: F811
+def test_attention_options_under_tensor_and_sequence_parallel_match_one_process(reference, launches):
     """Each family option alone under TP=2 + SP (GQA, 2 kv heads: one per rank) against one process:
     same per-step losses and gradient norms (the gradient of a replicated QK-norm weight is summed
-    over the ranks' heads; a bias is split like its weight). One launch per side for the four runs."""
-    shared = {"model.n_layers": 2, "model.n_kv_heads": 2, **FAMILY_STEPS}
-    single = {tmp_path / "single" / name: option for name, option in ATTENTION_OPTIONS.items()}
-    tp = {tmp_path / "tp" / name: option for name, option in ATTENTION_OPTIONS.items()}
-    proc = train_runs(corpus, single, **shared)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    proc = train_runs(corpus, tp, nproc=2, timeout=300, **shared,
-                      **{"parallel.tp": 2, "parallel.sequence_parallel": "true"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    over the ranks' heads; a bias is split like its weight)."""
     for name in ATTENTION_OPTIONS:
-        assert_runs_match(tmp_path / "tp" / name, tmp_path / "single" / name, f"{name}: tp2-sp vs one process", tol=TOL)
+        one_process_vs_tp2_sp(reference, launches, f"attention-{name}", name)
 
 
 @pytest.mark.slow
-def test_family_options_together_under_fsdp_tp_pipeline_and_context_parallel_match_one_process(corpus, tmp_path):  # noqa: F811
+def test_family_options_together_under_fsdp_tp_pipeline_and_context_parallel_match_one_process(reference, launches):
     """All four options at once under FSDP2 x TP (2 x 2, SP), under PP=2 (1F1B) and under CP=2 (the
     8-token window inside 32-token sequences cut into 4 chunks of 8: the windowed chunk attention)
     against one process: the new weights compose with FSDP2's sharding and the pipeline split, and
-    the window is exact across the CP ranks' chunks. PP and CP share a launch."""
-    every = {k: v for option in ATTENTION_OPTIONS.values() for k, v in option.items()}
-    shared = {**MP, "model.n_kv_heads": 2, **every, **FAMILY_STEPS}
-    ref = tmp_path / "single"
-    proc = train_runs(corpus, {ref: {}}, **shared)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    launches = [(4, {tmp_path / "fsdp2xtp2": LAYOUTS["fsdp2xtp2"][1]}),
-                (2, {tmp_path / "pp2-1f1b": LAYOUTS["pp2-1f1b"][1], tmp_path / "cp2": {"parallel.cp": 2}})]
-    for nproc, runs in launches:
-        proc = train_runs(corpus, runs, nproc=nproc, timeout=300, **shared)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        for out in runs:
-            assert_runs_match(out, ref, f"family options, {out.name} vs one process", tol=TOL)
+    the window is exact across the CP ranks' chunks."""
+    for name in FAMILY_LAYOUTS:
+        assert_runs_match(launches[0] / "family" / name, reference / "family" / "single",
+                          f"family options, {name} vs one process", tol=TOL)

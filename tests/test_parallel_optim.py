@@ -48,29 +48,33 @@ SETTINGS = {**TINY, "train.steps": 6, "train.log_every": 1, "schedule.warmup_ste
             "checkpoint.save_final": "false", "train.sample_tokens": 0}
 
 
-def drive(corpus: Path, out: Path, nproc: int, names: tuple[str, ...] = OPTIMIZERS, **extra) -> None:
-    """Each optimizer of `names`, one after another in one launch: OUT/<name>/."""
-    runs = {out / name: {"optim.name": name, **OWN.get(name, {})} for name in names}  # (OWN may name the optimizer)
-    proc = train_runs(corpus, runs, nproc=nproc, timeout=600, **{**SETTINGS, **extra})
+def drive(corpus: Path, nproc: int, groups: list[tuple[Path, tuple[str, ...], dict]]) -> None:
+    """One launch of `nproc` processes for every group (OUT, optimizer names, overrides): each optimizer
+    of each group, one after another: OUT/<name>/."""
+    runs = {out / name: {**extra, "optim.name": name, **OWN.get(name, {})}  # (OWN may name the optimizer)
+            for out, names, extra in groups for name in names}
+    proc = train_runs(corpus, runs, nproc=nproc, timeout=120 + 60 * len(runs), **SETTINGS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> Path:  # noqa: F811
+    """Three launches, one per process count (each pays torch's import and the process-group setup once)."""
     root = tmp_path_factory.mktemp("optim-layouts")
-    drive(corpus, root / "single", 1, **{"train.micro_batch_size": 4})
-    drive(corpus, root / "sharded", 4, **{"parallel.dp_shard": 2, "parallel.tp": 2, "train.micro_batch_size": 2})
+    sharded = {"train.micro_batch_size": 2}
+    drive(corpus, 4, [(root / "sharded", OPTIMIZERS, {**sharded, "parallel.dp_shard": 2, "parallel.tp": 2}),
+                      # FSDP2 alone (a 1-D mesh of 4) and HSDP (2 replicas x 2 shards): Muon deals the matrices
+                      # over the shard ranks (lmforge.optim.muon._dealt_updates)
+                      (root / "fsdp4", DEALT, {**sharded, "parallel.dp_shard": 4}),
+                      (root / "hsdp2x2", DEALT, {**sharded, "parallel.dp_replicate": 2, "parallel.dp_shard": 2})])
     for name in STATEFUL:
         ckpt = Path("checkpoints") / "step_00000003"
         shutil.copytree(root / "sharded" / name / ckpt, root / "resumed" / name / ckpt)
-    drive(corpus, root / "resumed", 1, STATEFUL, **{"train.micro_batch_size": 4, "checkpoint.every_steps": 0})
-    # FSDP2 alone (a 1-D mesh of 4) and HSDP (2 replicas x 2 shards): Muon deals the matrices over the shard
-    # ranks (lmforge.optim.muon._dealt_updates)
-    drive(corpus, root / "fsdp4", 4, DEALT, **{"parallel.dp_shard": 4, "train.micro_batch_size": 2})
-    drive(corpus, root / "hsdp2x2", 4, DEALT, **{"parallel.dp_replicate": 2, "parallel.dp_shard": 2,
-                                                  "train.micro_batch_size": 2})
+    one = {"train.micro_batch_size": 4}
+    drive(corpus, 1, [(root / "single", OPTIMIZERS, one),
+                      (root / "resumed", STATEFUL, {**one, "checkpoint.every_steps": 0})])
     # tensor parallelism alone: column-wise layers sharded by rows, row-wise ones (wo, down) by columns
-    drive(corpus, root / "tp2", 2, DEALT, **{"parallel.tp": 2, "train.micro_batch_size": 4})
+    drive(corpus, 2, [(root / "tp2", DEALT, {"parallel.tp": 2, "train.micro_batch_size": 4})])
     return root
 
 

@@ -50,7 +50,7 @@ def _plain_and_fused(h, w, y, chunk, dtype, compiled=None):
     return out
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_head_loss_matches_the_plain_path_in_fp32_and_bf16_autocast(dtype, compiled):
     """Loss and the gradients of the head weight and of the hidden states, ignored targets (-100)

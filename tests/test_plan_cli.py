@@ -166,6 +166,7 @@ def test_chinchilla_preset_says_what_it_approximates(capsys):
     assert "64.95B" in text and "70B" in text and "RoPE stands in" in text
 
 
+@pytest.mark.slow
 def test_readme_planning_commands_run(capsys):
     """Every `lmforge plan` command of docs/planning.md's "Planning a run" section works. (No wall-clock
     bound: a 20 s guard failed under load; the search's cost is recorded in benchmarks/RESULTS.md.)"""

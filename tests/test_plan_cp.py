@@ -162,6 +162,7 @@ def _search(seq_len: int, sequences: int, gpus: str = "8x8xH100", **kw):
     return search_layouts(cfg.model, parse_cluster(gpus), sequences, seq_len, config=cfg, **{"top": 5, **kw})
 
 
+@pytest.mark.slow
 def test_search_picks_cp_at_128k_tokens_and_not_for_short_sequences():
     """A Llama-3-8B-like model at 128k tokens on 64 H100s, 64 sequences (8.4M tokens) per step:
     without CP the best layout needs TP4 x PP2 and full recompute and is over 20% slower (observed:

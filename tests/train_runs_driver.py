@@ -12,17 +12,24 @@ once per run.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import lmforge.train.trainer as trainer_module
 from lmforge.cli import main as lmforge_main
 from lmforge.parallel.mesh import destroy_distributed
 
+RUN_MARKER = "train_runs_driver: run"
+
 
 def main(runs: list[list[str]]) -> int:
     trainer_module.destroy_distributed = lambda: None  # keep one process group for every run
     try:
-        for args in runs:
+        for i, args in enumerate(runs):
+            # where each run's lines begin (tests/test_parallel_dp.py's `run_logs` cuts the output there)
+            if os.environ.get("RANK", "0") == "0":
+                for stream in (sys.stdout, sys.stderr):
+                    print(f"{RUN_MARKER} {i}", file=stream, flush=True)
             if code := lmforge_main(["train", *args]):
                 return code
         return 0
