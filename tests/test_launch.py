@@ -82,6 +82,25 @@ def test_split_argv_finds_the_sub_command_after_torchrun_options():
         split_argv(["--nproc-per-node", "2"], subs)
 
 
+
+@pytest.mark.parametrize("argv, error", [
+    ([], "no lmforge sub-command given (one of: config, eval, "),  # was: the help, exit 0
+    (["--nproc-per-node", "2", "trian", "--config", "c.toml"], "unknown lmforge sub-command 'trian' (one of: "),
+    (["--nproc-per-node", "2"], "no lmforge sub-command in ['--nproc-per-node', '2']"),
+])
+def test_a_missing_or_unknown_sub_command_is_a_usage_error(argv, error, capsys):
+    """Issue 61 item 2: one error line, then the help's first lines; exit 2; nothing launched."""
+    from lmforge.cli import main
+
+    assert main(["launch", *argv]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert not out and lines[0].startswith(f"lmforge launch: error: {error}"), err
+    assert lines[1].startswith("usage: lmforge launch [torchrun options] SUBCOMMAND") and "--nproc-per-node 2 train" \
+        in lines[2] and "Traceback" not in err, err
+    assert main(["launch", "--help"]) == 0  # (the help itself is still an answer)
+    assert "exit statuses" in capsys.readouterr().out
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "lmforge launch"])
 def test_a_wrong_process_count_under_torchrun_is_the_first_error(launcher, tmp_path):
