@@ -53,11 +53,11 @@ def test_readme_prepare_commands_run(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     rec = json.loads((tmp_path / "data" / "mycorpus" / "prepare.json").read_text())
-    assert rec["clean"]["kept"] == 303 and set(rec["splits"]["train"]) == {"source0", "source1"}
+    assert rec["clean"]["kept"] == 303 and set(rec["splits"]["train"]) == {"web", "books"}  # (named from their paths)
     assert "up to date" in r.stderr and "finished and up to date" in r.stdout
     # the stages example: document masking on best-fit rows, validated on each source beside the mix
     staged = [json.loads(line) for line in (tmp_path / "runs" / "staged" / "metrics.jsonl").read_text().splitlines()]
     # (the three books hold no held-out document at val_fraction 0.01: the web alone is validated on its own)
-    assert all("val_loss/source0" in rec for rec in staged if "val_loss" in rec)
+    assert all("val_loss/web" in rec for rec in staged if "val_loss" in rec)
     out = r.stdout + r.stderr
     assert "attention: within each document" in out and "data: epochs per source over the run" in out

@@ -140,7 +140,8 @@ def mixture_entries(train_dir: Path) -> list[tuple[str, str, float]]:
         raise ValueError(f"{path} not found: {train_dir} is not a prepared train mixture")
     try:
         spec = json.loads(path.read_text())
-        return [(e["name"], e["dir"], float(e["weight"])) for e in spec["sources"]]
+        # (a manifest without names, hand-written or older: source0, source1, ... as prepare named them)
+        return [(e.get("name") or f"source{i}", e["dir"], float(e["weight"])) for i, e in enumerate(spec["sources"])]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: invalid mixture file ({e})") from e
 
