@@ -132,7 +132,6 @@ def test_a_typed_name_wins_over_a_derived_one():
 
 def test_derived_names_flow_to_the_manifest_a_stage_and_the_val_loss_keys(tmp_path):
     import contextlib
-    import random
 
     import torch
 
@@ -143,16 +142,9 @@ def test_derived_names_flow_to_the_manifest_a_stage_and_the_val_loss_keys(tmp_pa
     from lmforge.data.prepare import load_prepared
     from lmforge.model.transformer import build_model
     from lmforge.train.validation import Validation
+    from tests.test_data_prepare_readme import raw_web_and_books
 
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(60)]
-    (tmp_path / "raw" / "web" / "2024").mkdir(parents=True)
-    (tmp_path / "raw" / "books").mkdir()
-    with open(tmp_path / "raw" / "web" / "2024" / "part0.jsonl", "w") as f:
-        for _ in range(120):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(30))}) + "\n")
-    for k in range(12):
-        (tmp_path / "raw" / "books" / f"b{k}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
+    raw_web_and_books(tmp_path, web_docs=120, web_words=30, books=12, book_words=300, vocab=60)
     prep = PrepareConfig(sources=[SourceConfig(path=str(tmp_path / "raw/web/**/*.jsonl"), weight=0.7),
                                   SourceConfig(path=str(tmp_path / "raw/books/*.txt"), weight=0.3)],
                          output_dir=str(tmp_path / "out"), vocab_size=300, val_fraction=0.3, shard_tokens=2000,

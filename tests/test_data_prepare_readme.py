@@ -30,22 +30,27 @@ def section_commands() -> str:
     return "\n".join(lines) + "\n"
 
 
+def raw_web_and_books(root: Path, web_docs: int = 300, web_words: int = 60, books: int = 3, book_words: int = 2000,
+                      vocab: int = 800) -> None:
+    """README's layout: root/raw/web/2024/part0.jsonl ({"text"} rows) and root/raw/books/b<k>.txt."""
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(vocab)]
+    (root / "raw" / "web" / "2024").mkdir(parents=True)
+    (root / "raw" / "books").mkdir()
+    with open(root / "raw" / "web" / "2024" / "part0.jsonl", "w") as f:
+        for _ in range(web_docs):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(web_words))}) + "\n")
+    for k in range(books):
+        (root / "raw" / "books" / f"b{k}.txt").write_text(" ".join(rng.choice(words) for _ in range(book_words)))
+
+
 @pytest.mark.slow
 def test_readme_prepare_commands_run(tmp_path):
     script = section_commands()
     for must in ("lmforge prepare --config prep.toml  ", "torchrun --nproc-per-node 2",
                  "--stage scan --rank 0 --world 2", "--status", "--workers 2"):
         assert must in script
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(800)]
-    (tmp_path / "raw" / "web" / "2024").mkdir(parents=True)
-    (tmp_path / "raw" / "books").mkdir()
-    with open(tmp_path / "raw" / "web" / "2024" / "part0.jsonl", "w") as f:
-        for _ in range(300):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(60))}) + "\n")
-    for k in range(3):
-        (tmp_path / "raw" / "books" / f"b{k}.txt").write_text(
-            " ".join(rng.choice(words) for _ in range(2000)))
+    raw_web_and_books(tmp_path)
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{bindir}:{os.environ['PATH']}",
            "OMP_NUM_THREADS": "1", "LMFORGE_TRAIN_ARGS": BRIEF}
