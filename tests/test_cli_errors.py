@@ -324,3 +324,18 @@ def test_numeric_options_are_found():
 def test_generate_refuses_a_negative_max_tokens_before_loading(tmp_path):
     err = error_before_torch(tmp_path, ["generate", "--run", "runs/tiny", "--max-tokens", "-5"])
     assert err == "error: --max-tokens -5 must be an integer >= 1", err
+
+
+# ---- a stage naming an unknown source fails with the config (issue 61, item 5) -------------------------
+
+def test_a_stage_naming_an_unknown_source_fails_before_anything_loads(tmp_path):
+    """Only the prepared folder's manifest exists (no shards, no tokenizer): the check reads nothing
+    else, in a process that never imports torch. Was: the error came ~18 s in, once the data opened."""
+    (tmp_path / "corpus" / "train").mkdir(parents=True)
+    (tmp_path / "corpus" / "train" / "mixture.json").write_text(
+        '{"sources": [{"name": "web", "dir": "web", "weight": 0.7}, {"name": "books", "dir": "books", "weight": 0.3}]}')
+    stages = '[{start_step = 0, weights = {web = 1.0}}, {start_step = 8, weights = {bookz = 1.0}, name = "anneal"}]'
+    err = error_before_torch(tmp_path, ["train", "--data.corpus", "corpus", "--data.stages", stages])
+    assert err == ("config error: data.stages[1] ('anneal').weights names unknown sources ['bookz']; the prepared "
+                   "mixture's sources: ['web', 'books']."), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # no run folder
