@@ -3,13 +3,13 @@
 A measured peak is a lower bound of what the machine can do, and a timing taken while other
 processes share the cores reads low: one run on a 2-core machine printed `mfu 100.0%` and then
 `mfu 83.2%` against such a peak, where the same run measured 36-45% on a quiet machine. So each
-start-up measurement (the best of REPS short matmuls, spread over a few scheduler slices) is compared
+start-up measurement (the best of at least REPS short matmuls, spread over 0.15 s) is compared
 with the best figure this machine gave before, kept with its date in a small JSON file in the user's
 cache folder (`$LMFORGE_CACHE/peak.json`, default `~/.cache/lmforge/peak.json`), keyed by CPU model,
 thread count and dtype; the higher of the two is the peak, and the run header says which it is:
 
     mfu: ... against 127.3 GFLOP/s per device (CPU has no spec-sheet peak: fp32 matmul on 2 threads,
-         best of 5, cached 2026-11-29 in ~/.cache/lmforge/peak.json; measured now 48% of it, the machine is busy)
+         best of 5+, cached 2026-11-29 in ~/.cache/lmforge/peak.json; measured now 48% of it, the machine is busy)
 
 The cache is a convenience, never a condition: a folder that cannot be read or written (read-only
 home, a full disk, a corrupt file) leaves the run with its own measurement. `LMFORGE_PEAK_CACHE=off`
@@ -66,17 +66,17 @@ def _write(path: Path, key: str, flops: float, day: str) -> bool:
 
 def machine_peak(key: str, measure: Callable[[], float], today: datetime.date | None = None) -> tuple[float, str]:
     """The peak FLOP/s for `key` (CPU model | threads | dtype) and how it was obtained: `measure()`
-    now (the best of REPS matmuls), or the machine's best cached figure where that is higher."""
+    now (the best of at least REPS matmuls), or the machine's best cached figure where that is higher."""
     now = measure()
     day = (today or datetime.date.today()).isoformat()
     path = cache_path()
     if path is None:
-        return now, f"best of {REPS} now (peak cache off)"
+        return now, f"best of {REPS}+ now (peak cache off)"
     shown = str(path).replace(str(Path.home()), "~", 1) if str(path).startswith(str(Path.home())) else str(path)
     entry = _read(path).get(key)
     cached = entry.get("flops") if isinstance(entry, dict) else None
     if isinstance(cached, (int, float)) and cached > now:
         busy = f"; measured now {now / cached:.0%} of it, the machine is busy" if now < BUSY * cached else ""
-        return float(cached), f"best of {REPS}, cached {entry.get('date', '?')} in {shown}{busy}"
+        return float(cached), f"best of {REPS}+, cached {entry.get('date', '?')} in {shown}{busy}"
     written = _write(path, key, now, day)
-    return now, f"best of {REPS}, measured now" + (f" (cached in {shown})" if written else "")
+    return now, f"best of {REPS}+, measured now" + (f" (cached in {shown})" if written else "")
