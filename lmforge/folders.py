@@ -66,6 +66,20 @@ DATASET_RECORD = "dataset.json"  # a cached dataset of `prepare_texts` (its pres
 SHARD_FORMAT = "lmforge-token-shards"
 SHARD_FORMAT_VERSION = 1
 
+def mixture_entries(train_dir: Path) -> list[tuple[str, str, float]]:
+    """(name, folder, weight) of each source of a prepared train mixture (`lmforge prepare`'s
+    <output>/train/mixture.json), in order."""
+    path = Path(train_dir) / MIXTURE
+    if not path.is_file():
+        raise ValueError(f"{path} not found: {train_dir} is not a prepared train mixture")
+    try:
+        spec = json.loads(path.read_text())
+        # (a manifest without names, hand-written or older: source0, source1, ... as prepare named them)
+        return [(e.get("name") or f"source{i}", e["dir"], float(e["weight"])) for i, e in enumerate(spec["sources"])]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: invalid mixture file ({e})") from e
+
+
 # ---- tasks shipped with lmforge (lmforge/data/tasks/, `lmforge eval --mc NAME`, train.eval_tasks) ------
 BUILTIN_TASKS = {"shakespeare-cloze": "data/tasks/shakespeare_cloze.jsonl"}  # name -> file, under the package
 

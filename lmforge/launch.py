@@ -44,12 +44,16 @@ USAGE = "usage: lmforge launch [torchrun options] SUBCOMMAND [its arguments]   (
 
 def split_argv(argv: list[str], subcommands: set[str]) -> tuple[list[str], list[str]]:
     """torchrun's options, then the lmforge sub-command with its arguments."""
+    known = ", ".join(sorted(subcommands))
+    if not argv:
+        raise ValueError(f"no lmforge sub-command given (one of: {known})")
     for i, arg in enumerate(argv):
-        if arg in subcommands and (i == 0 or not argv[i - 1].startswith("-") or "=" in argv[i - 1]
-                                   or argv[i - 1] in FLAGS):
-            return argv[:i], argv[i:]
-    raise ValueError(f"lmforge launch: no lmforge sub-command in {argv!r} ({', '.join(sorted(subcommands))}); "
-                     f"{USAGE}")
+        if not arg.startswith("-") and (i == 0 or not argv[i - 1].startswith("-") or "=" in argv[i - 1]
+                                        or argv[i - 1] in FLAGS):  # (a word that is no option's value)
+            if arg in subcommands:
+                return argv[:i], argv[i:]
+            raise ValueError(f"unknown lmforge sub-command {arg!r} (one of: {known})")
+    raise ValueError(f"no lmforge sub-command in {argv!r} (one of: {known})")
 
 
 # torchrun options that take no value (so the word after one can be the sub-command)
@@ -78,10 +82,16 @@ def exit_status(failures: dict[int, object]) -> tuple[int, list[str]]:
 
 
 def launch_main(argv: list[str], subcommands: set[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    options, command = split_argv(argv, subcommands)
+    try:
+        options, command = split_argv(argv, subcommands)
+    except ValueError as exc:  # a usage error, not a run: exit 2 like any other (a bare `lmforge launch` too)
+        print(f"lmforge launch: error: {exc}", file=sys.stderr)
+        print(USAGE + "\n" + "\n".join(__doc__.splitlines()[2:4]) + "\n(lmforge launch --help: the rest)",
+              file=sys.stderr)
+        return 2
     os.environ[LAUNCHER_ENV] = "lmforge launch"  # (the workers' errors name this launcher)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

@@ -4,6 +4,7 @@ that point to the config overrides."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -253,3 +254,88 @@ def test_run_is_the_run_folder_option_everywhere_and_version_prints(run_dir, tmp
     assert main(["report", "--run", str(tmp_path / "none")]) == 2  # --run, and the old positional form
     assert main(["report", str(tmp_path / "none")]) == 2
     assert capsys.readouterr().err.count("no run folder") == 2
+
+
+# ---- every numeric option is checked while parsing (issue 61, item 1) ----------------------------------
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every sub-command's parser, sub-sub-commands (`scale sweep`) included, by name."""
+    import argparse as ap
+
+    from lmforge.cli import DELEGATED, build_parser
+    from lmforge.cli import eval as eval_cli, interop, merge, plan, prepare, report, scale, sweep
+
+    own = {"prepare": prepare.build_parser, "plan": plan.build_parser, "eval": eval_cli.build_parser,
+           "merge": merge.build_parser, "report": report.build_parser, "scale": scale.build_parser,
+           "sweep": sweep.build_parser, "export": lambda: interop.build_parser(**interop.EXPORT),
+           "import": lambda: interop.build_parser(**interop.IMPORT)}
+    assert set(own) == set(DELEGATED), "a new sub-command: add its parser here"
+    todo = [(name, build()) for name, build in own.items()]
+    [subs] = [a for a in build_parser()._actions if isinstance(a, ap._SubParsersAction)]
+    todo += [(name, p) for name, p in subs.choices.items() if name not in DELEGATED]
+    found = {}
+    while todo:
+        name, parser = todo.pop()
+        found[name] = parser
+        for action in parser._actions:
+            if isinstance(action, ap._SubParsersAction):
+                todo += [(f"{name} {sub}", p) for sub, p in action.choices.items()]
+    return found
+
+
+def numeric_options() -> list[tuple[str, str, object]]:
+    """(command, option, action) for every option that takes a number: a numeric type or default."""
+    import argparse as ap
+
+    from lmforge.cli.options import ListOf, Number
+
+    rows = []
+    for command, parser in sorted(command_parsers().items()):
+        for action in parser._actions:
+            if isinstance(action, (ap._HelpAction, ap._VersionAction, ap._SubParsersAction)) or action.nargs == 0:
+                continue
+            numeric_default = isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
+            if action.type in (int, float) or numeric_default or isinstance(action.type, (Number, ListOf)):
+                rows.append((command, action.option_strings[0] if action.option_strings else action.dest, action))
+    return rows
+
+
+@pytest.mark.parametrize("command,option,action", numeric_options(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_numeric_option_refuses_a_value_out_of_range_in_one_line(command, option, action):
+    from lmforge.cli.options import ListOf, Number, OptionError
+
+    assert isinstance(action.type, (Number, ListOf)), \
+        f"lmforge {command} {option}: a numeric option needs a checked type= (lmforge/cli/options.py)"
+    parser = command_parsers()[command]
+    for bad in (action.type.outside(), "abc"):
+        with pytest.raises(OptionError) as exc:
+            parser.parse_known_args([f"{option}={bad}"])
+        message = str(exc.value)
+        assert message.startswith(f"{option} {bad} must be ") and "\n" not in message, message
+
+
+def test_numeric_options_are_found():
+    """The sweep above covers the commands the issue names (a broken collector would pass vacuously)."""
+    commands = {command.split()[0] for command, _, _ in numeric_options()}
+    assert {"generate", "eval", "merge", "plan", "scale", "sweep", "prepare"} <= commands, commands
+    assert len(numeric_options()) >= 35
+
+
+def test_generate_refuses_a_negative_max_tokens_before_loading(tmp_path):
+    err = error_before_torch(tmp_path, ["generate", "--run", "runs/tiny", "--max-tokens", "-5"])
+    assert err == "error: --max-tokens -5 must be an integer >= 1", err
+
+
+# ---- a stage naming an unknown source fails with the config (issue 61, item 5) -------------------------
+
+def test_a_stage_naming_an_unknown_source_fails_before_anything_loads(tmp_path):
+    """Only the prepared folder's manifest exists (no shards, no tokenizer): the check reads nothing
+    else, in a process that never imports torch. Was: the error came ~18 s in, once the data opened."""
+    (tmp_path / "corpus" / "train").mkdir(parents=True)
+    (tmp_path / "corpus" / "train" / "mixture.json").write_text(
+        '{"sources": [{"name": "web", "dir": "web", "weight": 0.7}, {"name": "books", "dir": "books", "weight": 0.3}]}')
+    stages = '[{start_step = 0, weights = {web = 1.0}}, {start_step = 8, weights = {bookz = 1.0}, name = "anneal"}]'
+    err = error_before_torch(tmp_path, ["train", "--data.corpus", "corpus", "--data.stages", stages])
+    assert err == ("config error: data.stages[1] ('anneal').weights names unknown sources ['bookz']; the prepared "
+                   "mixture's sources: ['web', 'books']."), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # no run folder

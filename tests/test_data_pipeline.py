@@ -318,7 +318,7 @@ def test_large_vocab_uses_uint32(tmp_path):
     (tmp_path / "a.txt").write_text("hello <extra_15999> world\n")
     res = run_prepare(_cfg(tmp_path, [SourceConfig(path=str(tmp_path / "a.txt"))],
                            tokenizer=str(tmp_path / "big.json"), val_fraction=0.0))
-    sh = open_tokens(res.output_dir / "train" / "source0")
+    sh = open_tokens(res.output_dir / "train" / "a")
     assert res.record["dtype"] == "uint32" and sh.dtype == np.uint32
     assert 66256 in sh.read(0, len(sh)).tolist() and res.record["splits"]["val"] is None
 

@@ -31,22 +31,27 @@ def section_commands() -> str:
     return "\n".join(lines) + "\n"
 
 
+def raw_web_and_books(root: Path, web_docs: int = 300, web_words: int = 60, books: int = 3, book_words: int = 2000,
+                      vocab: int = 800) -> None:
+    """README's layout: root/raw/web/2024/part0.jsonl ({"text"} rows) and root/raw/books/b<k>.txt."""
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(vocab)]
+    (root / "raw" / "web" / "2024").mkdir(parents=True)
+    (root / "raw" / "books").mkdir()
+    with open(root / "raw" / "web" / "2024" / "part0.jsonl", "w") as f:
+        for _ in range(web_docs):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(web_words))}) + "\n")
+    for k in range(books):
+        (root / "raw" / "books" / f"b{k}.txt").write_text(" ".join(rng.choice(words) for _ in range(book_words)))
+
+
 @pytest.mark.slow
 def test_readme_prepare_commands_run(tmp_path):
     script = section_commands()
     for must in ("lmforge prepare --config prep.toml  ", "torchrun --nproc-per-node 2",
                  "--stage scan --rank 0 --world 2", "--status", "--workers 2"):
         assert must in script
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(800)]
-    (tmp_path / "raw" / "web" / "2024").mkdir(parents=True)
-    (tmp_path / "raw" / "books").mkdir()
-    with open(tmp_path / "raw" / "web" / "2024" / "part0.jsonl", "w") as f:
-        for _ in range(300):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(60))}) + "\n")
-    for k in range(3):
-        (tmp_path / "raw" / "books" / f"b{k}.txt").write_text(
-            " ".join(rng.choice(words) for _ in range(2000)))
+    raw_web_and_books(tmp_path)
     bindir = str(Path(sys.executable).parent)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{bindir}:{os.environ['PATH']}",
            "OMP_NUM_THREADS": "1", "LMFORGE_TRAIN_ARGS": BRIEF}
@@ -54,11 +59,11 @@ def test_readme_prepare_commands_run(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     rec = json.loads((tmp_path / "data" / "mycorpus" / "prepare.json").read_text())
-    assert rec["clean"]["kept"] == 303 and set(rec["splits"]["train"]) == {"source0", "source1"}
+    assert rec["clean"]["kept"] == 303 and set(rec["splits"]["train"]) == {"web", "books"}  # (named from their paths)
     assert "up to date" in r.stderr and "finished and up to date" in r.stdout
     # the stages example: document masking on best-fit rows, validated on each source beside the mix
     staged = [json.loads(line) for line in (tmp_path / "runs" / "staged" / "metrics.jsonl").read_text().splitlines()]
     # (the three books hold no held-out document at val_fraction 0.01: the web alone is validated on its own)
-    assert all("val_loss/source0" in rec for rec in staged if "val_loss" in rec)
+    assert all("val_loss/web" in rec for rec in staged if "val_loss" in rec)
     out = r.stdout + r.stderr
     assert "attention: within each document" in out and "data: epochs per source over the run" in out

@@ -82,6 +82,26 @@ def test_split_argv_finds_the_sub_command_after_torchrun_options():
         split_argv(["--nproc-per-node", "2"], subs)
 
 
+
+@pytest.mark.parametrize("argv, error", [
+    ([], "no lmforge sub-command given (one of: config, eval, "),  # was: the help, exit 0
+    (["--nproc-per-node", "2", "trian", "--config", "c.toml"], "unknown lmforge sub-command 'trian' (one of: "),
+    (["--nproc-per-node", "2"], "no lmforge sub-command in ['--nproc-per-node', '2']"),
+])
+def test_a_missing_or_unknown_sub_command_is_a_usage_error(argv, error, capsys):
+    """Issue 61 item 2: one error line, then the help's first lines; exit 2; nothing launched."""
+    from lmforge.cli import main
+
+    assert main(["launch", *argv]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert not out and lines[0].startswith(f"lmforge launch: error: {error}"), err
+    assert lines[1].startswith("usage: lmforge launch [torchrun options] SUBCOMMAND") and "--nproc-per-node 2 train" \
+        in lines[2] and "Traceback" not in err, err
+    assert main(["launch", "--help"]) == 0  # (the help itself is still an answer)
+    assert "exit statuses" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "lmforge launch"])
 def test_a_wrong_process_count_under_torchrun_is_the_first_error(launcher, tmp_path):
@@ -107,3 +127,34 @@ def test_a_wrong_process_count_under_torchrun_is_the_first_error(launcher, tmp_p
     else:
         assert proc.returncode != 0
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "lmforge launch"])
+def test_a_run_folder_in_use_is_one_line_under_lmforge_launch(launcher, tmp_path):
+    """Issue 61 item 6, what the docs say: a second trainer on a run folder in use prints lmforge's
+    one-line refusal; bare torchrun adds its agent's ~30-line ChildFailedError traceback and exits 1,
+    `lmforge launch` prints the line alone and exits 2."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lmforge.train.run_folder import RunLock; "
+                               "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)", "run"],
+                              stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        head = ([sys.executable, "-m", "torch.distributed.run"] if launcher == "torchrun" else
+                [sys.executable, "-m", "lmforge", "launch"])
+        cmd = head + ["--nproc-per-node", "1", "--master-port", "0"] + (
+            ["-m", "lmforge"] if launcher == "torchrun" else []) + ["train", "--train.out_dir", "run"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    refusal = f"error: train.out_dir = 'run' is in use by another trainer (pid {holder.pid} on host "
+    lines = proc.stderr.strip().splitlines()
+    assert [ln for ln in lines if ln.startswith(refusal)], proc.stderr
+    if launcher == "lmforge launch":
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    else:
+        assert proc.returncode == 1 and "ChildFailedError" in proc.stderr and len(lines) > 20, proc.stderr

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from lmforge import __version__
+from lmforge.cli.options import OptionError, OptionParser, count, float_in, fraction, positive_int, seed
 from lmforge.config import ConfigError, available_presets, describe, load_config, parse_cli_overrides, to_toml
 from lmforge.config.launch import current_launch
 from lmforge.folders import CONFIG, TOKENIZER, check_run_folder, check_writable
@@ -265,7 +266,7 @@ config overrides (lmforge train, config and sweep):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmforge", description="Train and use decoder-only language models.",
+    parser = OptionParser(prog="lmforge", description="Train and use decoder-only language models.",
                                      epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"lmforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,11 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", "--ckpt", dest="run", metavar="RUN_DIR", required=True,
                    help="run folder written by `lmforge train` (--ckpt: its old name)")
     p.add_argument("--prompt", default="ROMEO:")
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=positive_int, default=200)
+    p.add_argument("--temperature", type=float_in(0), default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=count, default=50, help="0 = off")
+    p.add_argument("--top-p", type=fraction, default=1.0)
+    p.add_argument("--seed", type=seed, default=None)
     p.add_argument("--stop", default=None, help="stop when this string appears")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("config", help="print the resolved config, or --docs for every key",
@@ -334,10 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         module, func, _ = DELEGATED[argv[0]]
-        return getattr(importlib.import_module(module), func)(argv[1:])
+        try:
+            return getattr(importlib.import_module(module), func)(argv[1:])
+        except OptionError as exc:  # a numeric option out of range, found while parsing (lmforge/cli/options.py)
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
     try:
+        args, rest = parser.parse_known_args(argv)
         return args.func(args, rest)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.folders import TOKENIZER, check_run_folder
+from lmforge.cli.options import OptionParser, count, float_in, positive_int, seed
 
 
 @dataclass
@@ -179,7 +180,7 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge eval", description="Evaluate a run folder: perplexity, BLEU/chrF, "
+    p = OptionParser(prog="lmforge eval", description="Evaluate a run folder: perplexity, BLEU/chrF, "
                                 "multiple-choice accuracy, fluency of samples.")
     p.add_argument("--run", "--ckpt", dest="ckpt", metavar="RUN_DIR", required=True,
                    help="run folder (config.toml + model.safetensors); --ckpt: its old name")
@@ -189,25 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text", help="a UTF-8 text file, tokenized with the run's tokenizer")
     g.add_argument("--data", help="a token-shard folder (manifest.json) or a prepared dataset folder (uses val/)")
     g.add_argument("--no-perplexity", dest="perplexity", action="store_false", help="skip perplexity")
-    g.add_argument("--window", type=int, default=0, help="tokens per window (default: model.max_seq_len)")
-    g.add_argument("--stride", type=int, default=0, help="tokens between window starts (default: window // 2)")
-    g.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens of --data (0 = all)")
+    g.add_argument("--window", type=count, default=0, help="tokens per window (default: model.max_seq_len)")
+    g.add_argument("--stride", type=count, default=0, help="tokens between window starts (default: window // 2)")
+    g.add_argument("--max-tokens", type=count, default=0, help="score only the first N tokens of --data (0 = all)")
     g = p.add_argument_group("BLEU / chrF")
     g.add_argument("--bleu", help='jsonl of {"prompt": ..., "reference": ...}; prompts are continued greedily')
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--stop", default="\n", help="cut each generation at this string, after its leading whitespace "
                    "(default: newline, so the first line of text; '' = none)")
     g = p.add_argument_group("multiple choice")
     g.add_argument("--mc", action="append", default=[], help='jsonl of {"context", "choices", "label"}, or a task shipped '
                    'with lmforge: shakespeare-cloze (repeatable)')
     g = p.add_argument_group("samples and fluency")
-    g.add_argument("--samples", type=int, default=4, help="sampled continuations for the fluency report (0 = none)")
-    g.add_argument("--sample-tokens", type=int, default=100)
+    g.add_argument("--samples", type=count, default=4, help="sampled continuations for the fluency report (0 = none)")
+    g.add_argument("--sample-tokens", type=positive_int, default=100)
     g.add_argument("--prompt", default=None, help="prompt of the samples (default: the run's train.sample_prompt)")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--temperature", type=float_in(0), default=0.8)
+    g.add_argument("--top-k", type=count, default=50)
+    g.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", help="also write the results to this JSON file")
     return p

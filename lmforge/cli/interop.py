@@ -8,15 +8,22 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from lmforge.cli.options import OptionParser
 
-def _run(argv: list[str], prog: str, description: str, source: str, source_help: str, convert,
-         export: bool = False) -> int:
-    """Parse `--<source> PATH --out DIR` (and export's `--ema` / `--dtype` where `export`), run
-    `convert(path, out, ...)`, print the result or the error."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+
+EXPORT = dict(prog="lmforge export", description="Write a run as a transformers folder (Llama, Qwen2, Qwen3, "
+              "Mistral, Mixtral, Qwen3-MoE or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.",
+              source="run", source_help="lmforge run folder (config.toml + model.safetensors)", export=True)
+IMPORT = dict(prog="lmforge import", description="Turn a local transformers Llama, Qwen2, Qwen3, Mistral, Mixtral, "
+              "Qwen3-MoE or GPT-2 folder into an lmforge run folder (for generate, eval and fine-tuning).",
+              source="hf", source_help="transformers folder (config.json + safetensors or pytorch_model.bin)")
+
+
+def build_parser(prog: str, description: str, source: str, source_help: str, export: bool = False) -> OptionParser:
+    """`--<source> PATH --out DIR` (and export's `--ema` / `--dtype` where `export`)."""
+    p = OptionParser(prog=prog, description=description)
     p.add_argument(f"--{source}", *(("--ckpt",) if source == "run" else ()), dest=source, required=True,
                    metavar="RUN_DIR" if source == "run" else "HF_DIR", help=source_help)
     p.add_argument("--out", required=True, help="output folder (new or empty)")
@@ -26,7 +33,13 @@ def _run(argv: list[str], prog: str, description: str, source: str, source_help:
                        "train.ema_decay: model.ema.safetensors, or its newest checkpoint's) instead of the weights")
         p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                        help="dtype of the exported floating-point weights (default: as the run's model.safetensors)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _run(argv: list[str], spec: dict, convert) -> int:
+    """Parse the command line of `spec`, run `convert(path, out, ...)`, print the result or the error."""
+    args = build_parser(**spec).parse_args(argv)
+    source, export = spec["source"], spec.get("export", False)
     try:
         extra = {"ema": args.ema, "dtype": args.dtype} if export else {}
         out = convert(getattr(args, source), args.out, overwrite=args.force, **extra)
@@ -46,14 +59,10 @@ def export_main(argv: list[str]) -> int:
 
         return export_hf(run, out, overwrite=overwrite, ema=ema, dtype=dtype)
 
-    return _run(argv, "lmforge export", "Write a run as a transformers folder (Llama, Qwen2, Qwen3, Mistral, "
-                "Mixtral, Qwen3-MoE or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
-                "lmforge run folder (config.toml + model.safetensors)", export, export=True)
+    return _run(argv, EXPORT, export)
 
 
 def import_main(argv: list[str]) -> int:
     from lmforge.interop.hf import import_hf_run
 
-    return _run(argv, "lmforge import", "Turn a local transformers Llama, Qwen2, Qwen3, Mistral, Mixtral, "
-                "Qwen3-MoE or GPT-2 folder into an lmforge run folder (for generate, eval and fine-tuning).", "hf",
-                "transformers folder (config.json + safetensors or pytorch_model.bin)", import_hf_run)
+    return _run(argv, IMPORT, import_hf_run)

@@ -17,25 +17,20 @@ import shlex
 import sys
 from pathlib import Path
 
-
-def _numbers(text: str, kind) -> list:
-    try:
-        return [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}s") from None
+from lmforge.cli.options import OptionParser, count, float_in, list_of, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge merge", description="Average the model weights (not the optimizer "
+    p = OptionParser(prog="lmforge merge", description="Average the model weights (not the optimizer "
                                 "state) of saved checkpoints, tensor by tensor, into a run folder; checkpoints of any "
                                 "layout, of one model.")
     p.add_argument("sources", nargs="+", metavar="RUN_DIR | CHECKPOINT_DIR",
                    help="a run folder (choose its checkpoints with --last or --steps), or checkpoint folders")
     pick = p.add_mutually_exclusive_group()
-    pick.add_argument("--last", type=int, help="the run's newest K valid checkpoints")
-    pick.add_argument("--steps", type=lambda t: _numbers(t, int), help="the run's checkpoints of these steps, e.g. "
+    pick.add_argument("--last", type=positive_int, help="the run's newest K valid checkpoints")
+    pick.add_argument("--steps", type=list_of(count), help="the run's checkpoints of these steps, e.g. "
                       "300,350,400")
-    p.add_argument("--weights", type=lambda t: _numbers(t, float), help="one weight per checkpoint, oldest first "
+    p.add_argument("--weights", type=list_of(float_in(0)), help="one weight per checkpoint, oldest first "
                    "(normalised to sum 1; default: equal)")
     p.add_argument("--ema", action="store_true", help="average the checkpoints' EMA of the weights (train.ema_decay) "
                    "instead of the weights; one checkpoint: its EMA at that step")

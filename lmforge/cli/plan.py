@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 
 from lmforge.plan.flops import config_train_tokens, estimate_step
+from lmforge.cli.options import OptionParser, float_in, int_in, positive_int
 from lmforge.plan.hardware import load_devices, parse_cluster
 from lmforge.config.rules import pipeline_micro_batches
 from lmforge.plan.conventions import CONVENTIONS
@@ -78,23 +78,23 @@ def _parse_sets(items: list[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge plan", description="Memory, time, cost and the best layout for a model on a cluster.")
+    p = OptionParser(prog="lmforge plan", description="Memory, time, cost and the best layout for a model on a cluster.")
     p.add_argument("--model", required=True, help="preset name (e.g. llama2-70b) or path to a config TOML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
                    help="a config override, as `lmforge train --KEY VALUE` takes it (repeatable), e.g. "
                         "--set model.max_seq_len=131072 --set data.seq_len=131072 to plan a long-context run")
     p.add_argument("--gpus", required=True, help="cluster: 8xA100-80GB (one node), 64x8xH100 (nodes x GPUs x device) or H100")
-    p.add_argument("--nodes", type=int, default=None, help="number of nodes (multiplies a one-node --gpus spec)")
+    p.add_argument("--nodes", type=positive_int, default=None, help="number of nodes (multiplies a one-node --gpus spec)")
     p.add_argument("--layout", default=None,
                    help="dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ga=4,ac=full,sp=1,sched=1f1b,v=1,offload=0,"
                         "loss_chunk=4096 (cp: context parallelism, cp divides seq_len / 2; dp left out fills the "
                         "cluster; loss_chunk left out: train.loss_chunk as resolved on CUDA)")
-    p.add_argument("--global-batch-tokens", type=int, default=None,
+    p.add_argument("--global-batch-tokens", type=positive_int, default=None,
                    help="tokens per optimizer step, a multiple of the sequence length (default: from the config)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: data.seq_len)")
-    p.add_argument("--tokens", type=float, default=None,
+    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default: data.seq_len)")
+    p.add_argument("--tokens", type=float_in(0, lo_open=True), default=None,
                    help="training tokens D (default: the config's run, train.steps steps with its batch ramp-up)")
-    p.add_argument("--mfu", type=float, default=None,
+    p.add_argument("--mfu", type=float_in(0, 1, lo_open=True, note="a fraction of the peak, e.g. 0.4"), default=None,
                    help="with --ideal: the run's end-to-end model FLOPs utilisation (PaLM: model FLOPs, recompute not "
                         "counted, / peak), applied as is. Without --ideal the step time comes from the time model per "
                         "op kind (lmforge/plan/op_time.py, constants in lmforge/plan/hardware.py)")
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ideal", action="store_true",
                    help="back-of-envelope: time = D x FLOPs/token / (GPUs x peak x MFU), --mfu as is (no op-kind "
                         "model, bubble, communication or recompute time: they are inside the MFU)")
-    p.add_argument("--price", type=float, default=None, help="price per GPU-hour for the cost estimate")
+    p.add_argument("--price", type=float_in(0), default=None, help="price per GPU-hour for the cost estimate")
     p.add_argument("--optimizer", default=None, help="optimizer (default: optim.name)")
     p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32", "fp8", "bf16-pure"),
                    help="default: train.precision. bf16-pure: bf16 weights and activations, fp32 master weights and "
@@ -113,13 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Megatron-LM's estimator, 18 B/param), zero-paper (the ZeRO paper's 16 B/param), or all "
                         "(default). The search fit-checks with lmforge when listed, else with the first")
     p.add_argument("--devices", default=None, help="TOML file with extra devices")
-    p.add_argument("--usable", type=float, default=0.9, help="fraction of device (and host) memory a plan may use (default 0.9)")
+    p.add_argument("--usable", type=float_in(0, 1, lo_open=True, note="a fraction of the device memory, e.g. 0.9"), default=0.9, help="fraction of device (and host) memory a plan may use (default 0.9)")
     p.add_argument("--search", action="store_true", help="enumerate and rank layouts that fit")
     p.add_argument("--allow-offload", action="store_true",
                    help="let --search also try CPU offload (FSDP's sharded states in host RAM, checked per node)")
-    p.add_argument("--host-memory-gb", type=float, default=None,
+    p.add_argument("--host-memory-gb", type=float_in(0, lo_open=True), default=None,
                    help="host RAM per node in GB, for --allow-offload (default: the device's reference system)")
-    p.add_argument("--top", type=int, default=10, help="candidates to show with --search (>= 1)")
+    p.add_argument("--top", type=int_in(1, note="the number of layouts to show"), default=10, help="candidates to show with --search (>= 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--loss", default=None, metavar="FIT.json",
                    help="a scaling-law fit (`lmforge scale fit`): print the run's predicted final loss with its "
@@ -133,36 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Refuse impossible numbers up front, naming the flag and what it must be."""
-    def finite_positive(flag: str, value: float | None, allow_zero: bool = False) -> None:
-        if value is None:
-            return
-        ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-        if not ok:
-            raise ValueError(f"{flag} {value:g} must be a finite number {'>= 0' if allow_zero else '> 0'}")
-
-    finite_positive("--tokens", args.tokens)
-    finite_positive("--price", args.price, allow_zero=True)
-    finite_positive("--host-memory-gb", args.host_memory_gb)
+    """Refuse impossible combinations up front, naming the flags (each number's range: its type=)."""
     if args.ideal and args.mfu is None:
         raise ValueError("--ideal applies an end-to-end MFU as is: give --mfu (e.g. --mfu 0.4)")
     if args.mfu is not None and not args.ideal:
         raise ValueError(f"--mfu {args.mfu:g} is the end-to-end MFU of --ideal; without --ideal the step time comes "
                          f"from the time model per op kind (its constants: lmforge/plan/hardware.py): add --ideal or "
                          f"drop --mfu")
-    if args.mfu is not None and not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
-        raise ValueError(f"--mfu {args.mfu:g} must be in (0, 1] (a fraction of the peak, e.g. 0.4)")
-    if not (math.isfinite(args.usable) and 0 < args.usable <= 1):
-        raise ValueError(f"--usable {args.usable:g} must be in (0, 1] (a fraction of the device memory, e.g. 0.9)")
-    if args.top < 1:
-        raise ValueError(f"--top {args.top} must be >= 1 (the number of layouts to show)")
-    if args.seq_len is not None and args.seq_len < 1:
-        raise ValueError(f"--seq-len {args.seq_len} must be >= 1")
-    if args.global_batch_tokens is not None and args.global_batch_tokens < 1:
-        raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} must be >= 1 (a multiple of the "
-                         f"sequence length)")
-    if args.nodes is not None and args.nodes < 1:
-        raise ValueError(f"--nodes {args.nodes} must be >= 1")
     if args.host_memory_gb is not None and not args.allow_offload:
         raise ValueError("--host-memory-gb bounds CPU offload; it needs --search --allow-offload")
     if args.verify and args.json:
@@ -294,8 +271,8 @@ def plan_main(argv: list[str]) -> int:
         if arg == "--gpus" and argv[i + 1].startswith("-"):
             argv[i:i + 2] = [f"--gpus={argv[i + 1]}"]
             break
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         _check_args(args)
         conventions = parse_conventions(args.weights)
         fit_convention = "lmforge" if "lmforge" in conventions else conventions[0]

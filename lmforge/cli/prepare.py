@@ -13,10 +13,11 @@ import logging
 import sys
 
 from lmforge.data.prepare_config import describe_prepare_config, load_prepare_config
+from lmforge.cli.options import OptionParser, count, positive_int
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    p = OptionParser(
         prog="lmforge prepare",
         description="Clean, deduplicate and tokenize corpora (.txt/.jsonl/.parquet) into "
                     "token shards. Resumes an interrupted run; does nothing when inputs and "
@@ -25,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="output folder or URL, e.g. s3://bucket/data (overrides "
                         "prepare.output_dir)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=count, default=None,
                    help="local worker processes (overrides prepare.workers and sets "
                         "prepare.parallelism = processes; 0 = all cores)")
     from lmforge.data.stages import STAGES
@@ -33,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only this worker's share of one stage (a Slurm array task); "
                         "rank and worker count from --rank/--world, torchrun's RANK/WORLD_SIZE "
                         "or SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT")
-    p.add_argument("--rank", type=int, default=None, help="this worker's rank (with --stage)")
-    p.add_argument("--world", type=int, default=None, help="number of workers (with --stage)")
+    p.add_argument("--rank", type=count, default=None, help="this worker's rank (with --stage)")
+    p.add_argument("--world", type=positive_int, default=None, help="number of workers (with --stage)")
     p.add_argument("--scratch", default=None,
                    help="node-local folder for temporary files (overrides prepare.scratch_dir)")
     p.add_argument("--status", action="store_true",
@@ -84,7 +85,7 @@ def format_summary(record: dict, up_to_date: bool, out: str) -> str:
 
 def prepare_main(argv: list[str]) -> int:
     """Entry point of ``lmforge prepare``; returns the process exit code (2 on bad input)."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.keys:
         for key, default, doc in describe_prepare_config():
             print(f"{key} = {default}\n    {doc}")

@@ -11,11 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from lmforge.cli.options import OptionParser
 from lmforge.folders import REPORT
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge report", description=__doc__.split("\n\n")[1])
+    p = OptionParser(prog="lmforge report", description=__doc__.split("\n\n")[1])
     p.add_argument("--run", dest="run", action="append", type=Path, default=[], metavar="RUN_DIR",
                    help="a run folder written by `lmforge train`, or a sweep folder (repeatable)")
     p.add_argument("runs", nargs="*", type=Path, metavar="RUN_DIR", help="the same, positional (the old form)")

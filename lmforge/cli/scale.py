@@ -23,33 +23,34 @@ import sys
 from pathlib import Path
 
 from lmforge.config import ConfigError, parse_cli_overrides
+from lmforge.cli.options import OptionParser, count, float_in, positive_int, seed
 
 SPEC_FILE = "isoflop.toml"  # the sweep spec `lmforge scale sweep` writes into its sweep folder
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge scale", description=__doc__,
+    p = OptionParser(prog="lmforge scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("sweep", help="run an IsoFLOP grid as a `lmforge sweep`")
     s.add_argument("--config", "--base", dest="config", default="tiny", help="preset or TOML file: the family")
     s.add_argument("--models", required=True, help="model shapes DIMxLAYERS, comma-separated, e.g. 64x2,96x3,128x4")
     s.add_argument("--budgets", required=True, help="compute budgets C = 6ND in FLOPs, e.g. 1e12,3e12,1e13")
-    s.add_argument("--min-steps", type=int, default=20, help="leave out a model/budget pair with fewer steps")
+    s.add_argument("--min-steps", type=positive_int, default=20, help="leave out a model/budget pair with fewer steps")
     s.add_argument("--out", type=Path, default=None, help="sweep folder (default runs/scale-<config>)")
-    s.add_argument("--parallel", type=int, default=1, help="trials at once (lmforge sweep --parallel)")
+    s.add_argument("--parallel", type=positive_int, default=1, help="trials at once (lmforge sweep --parallel)")
     s.add_argument("--dry-run", action="store_true", help="print the grid and write the spec; run nothing")
     f = sub.add_parser("fit", help="fit L(N, D) to finished runs; write FIT.json")
     f.add_argument("runs", nargs="+", help="run folders, or sweep folders (their trials)")
     f.add_argument("--out", type=Path, default=Path("FIT.json"), help="the fit's file (default FIT.json)")
-    f.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals (default 200)")
-    f.add_argument("--level", type=float, default=0.95, help="interval level (default 0.95)")
+    f.add_argument("--bootstrap", type=count, default=200, help="bootstrap resamples for the intervals (default 200; 0 = none)")
+    f.add_argument("--level", type=float_in(0, 1, lo_open=True, hi_open=True), default=0.95, help="interval level (default 0.95)")
     f.add_argument("--budgets", default=None,
                    help="budgets (FLOPs) for the compute-optimal table (default: the runs' 6ND, grouped)")
     f.add_argument("--holdout", action="append", default=[], metavar="RUN",
                    help="a run left out of the fit; its loss is compared with the prediction (repeatable)")
     f.add_argument("--plot", type=Path, default=None, help="write the IsoFLOP plot (PNG) here")
-    f.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling")
+    f.add_argument("--seed", type=seed, default=0, help="seed of the bootstrap resampling")
     return p
 
 
@@ -135,8 +136,6 @@ def _fit(args: argparse.Namespace) -> int:
     from lmforge.spec.scaling_law import Fit
     from lmforge.scale.runs import collect
 
-    if args.bootstrap < 0 or not 0 < args.level < 1:
-        raise ConfigError(f"--bootstrap {args.bootstrap} must be >= 0 and --level {args.level:g} in (0, 1)")
     held = collect(args.holdout) if args.holdout else []
     held_runs = {h["run"] for h in held}
     points = [p for p in collect(args.runs) if p["run"] not in held_runs]

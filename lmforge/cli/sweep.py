@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from lmforge.config import ConfigError, parse_cli_overrides, parse_override_value
+from lmforge.cli.options import OptionParser, positive_int, seed
 
 
 def flatten_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -86,7 +87,7 @@ def parse_range(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge sweep", description=__doc__,
+    p = OptionParser(prog="lmforge sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", "--base", dest="config", default=None,
                    help="preset name or TOML file of the base config (default: tiny)")
@@ -94,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="discrete values of a key")
     p.add_argument("--range", action="append", default=[], metavar="KEY=LO:HI[:log|:int]",
                    help="continuous range of a key (with --random)")
-    p.add_argument("--random", type=int, default=None, metavar="N", help="random search: N trials (default: grid)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the random search (default 0)")
-    p.add_argument("--parallel", type=int, default=None, metavar="K", help="trials run at once (default 1)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--random", type=positive_int, default=None, metavar="N", help="random search: N trials (default: grid)")
+    p.add_argument("--seed", type=seed, default=None, help="seed of the random search (default 0)")
+    p.add_argument("--parallel", type=positive_int, default=None, metavar="K", help="trials run at once (default 1)")
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per trial (default: cores / parallel when parallel > 1)")
     p.add_argument("--metric", default=None, help="summary.json key to rank by, lower is better (default val_loss)")
     p.add_argument("--out", type=Path, default=None, help="sweep folder (default runs/sweep-<config>, or "

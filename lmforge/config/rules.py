@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from lmforge.config.base import ConfigError, divisors
 from lmforge.config.launch import launcher_command
 from lmforge.config.layout_rules import (LAYOUT_RULES, LayoutRefused, Refusal, check_layout,
                                          pipeline_micro_batches_ok)
+from lmforge.folders import MIXTURE, mixture_entries
 from lmforge.spec.optimizers import REGISTRY, SPECS
 
 if TYPE_CHECKING:
@@ -228,6 +230,7 @@ def check_data_recipes(cfg: "Config") -> None:
         if stage.start_step < s.warmup_steps:
             raise ConfigError(f"data.stages[{decays[0]}].lr_decay = true at start_step = {stage.start_step} falls in "
                               f"the warmup (schedule.warmup_steps = {s.warmup_steps}); start the stage after it.")
+    check_stage_sources(cfg)
     if cfg.finetune.data and (d.stages or d.packing != "concat"):
         raise ConfigError("data.stages and data.packing apply to pre-training token data, not to finetune.data rows "
                           "(those pack with finetune.pack); leave them at their defaults.")
@@ -241,6 +244,34 @@ def check_data_recipes(cfg: "Config") -> None:
             if value:
                 raise ConfigError(f"data.attention = 'document' is not supported with {key} = {value} yet ({why}); "
                                   f"set data.attention = 'causal' or {key} = 0.")
+
+
+def unknown_stage_sources(key: str, label: str, unknown: list[str], names: list[str]) -> str:
+    """The error of stage `key` (named `label`) whose weights name sources not among `names`."""
+    known = list(names) if list(names) != [""] else "none: data.corpus is one unnamed source (leave weights empty)"
+    return (f"{key}{f' ({label!r})' if label else ''}.weights names unknown sources {sorted(unknown)}; the prepared "
+            f"mixture's sources: {known}.")
+
+
+def check_stage_sources(cfg: "Config") -> None:
+    """Each stage's weights name sources of data.corpus's prepared mixture: read from its manifest
+    (train/mixture.json, not the shards) with the rest of the config, so a typo stops the run before
+    anything loads rather than when the data opens. A corpus not prepared yet (or not a mixture) is
+    checked there instead (lmforge.data.mixture.configured_stages)."""
+    d = cfg.data
+    if not any(st.weights for st in d.stages) or d.corpus == "default":
+        return
+    train = Path(d.corpus).expanduser() / "train"
+    if not (train / MIXTURE).is_file():
+        return
+    try:
+        names = [name for name, _, _ in mixture_entries(train)]
+    except (ValueError, OSError):  # a damaged manifest: the loader says so, naming the file
+        return
+    for i, st in enumerate(d.stages):
+        unknown = sorted(set(st.weights) - set(names))
+        if unknown:
+            raise ConfigError(unknown_stage_sources(f"data.stages[{i}]", st.name, unknown, names))
 
 
 def check_multi_token_prediction(cfg: "Config") -> None:

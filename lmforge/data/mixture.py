@@ -21,7 +21,6 @@ source is repeated over the run (the run header; `lmforge plan`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from lmforge.config import ConfigError
-from lmforge.folders import MIXTURE
+from lmforge.config.rules import unknown_stage_sources
+from lmforge.folders import mixture_entries  # (read by the config check too; lmforge.data.loader imports it here)
 
 MIX_BLOCK = 1000  # samples per mixture block (weights resolved to 1/MIX_BLOCK)
 
@@ -132,19 +132,6 @@ def stage_record(start_step: int, names: Sequence[str], weights: Sequence[float]
     return {**rec, "lr_decay": True} if lr_decay else rec
 
 
-def mixture_entries(train_dir: Path) -> list[tuple[str, str, float]]:
-    """(name, folder, weight) of each source of a prepared train mixture (`lmforge prepare`'s
-    <output>/train/mixture.json), in order."""
-    path = Path(train_dir) / MIXTURE
-    if not path.is_file():
-        raise ValueError(f"{path} not found: {train_dir} is not a prepared train mixture")
-    try:
-        spec = json.loads(path.read_text())
-        return [(e["name"], e["dir"], float(e["weight"])) for e in spec["sources"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: invalid mixture file ({e})") from e
-
-
 def configured_stages(specs: Sequence, names: Sequence[str], prepared: Sequence[float],
                       start_samples: Sequence[int]) -> list[MixStage]:
     """data.stages (`specs`, StageConfig) over sources `names` as the loader runs them: before the first
@@ -161,10 +148,7 @@ def configured_stages(specs: Sequence, names: Sequence[str], prepared: Sequence[
         if st is not None and st.weights:
             unknown = sorted(set(st.weights) - set(names))
             if unknown:
-                known = list(names) if list(names) != [""] else \
-                    "none: data.corpus is one unnamed source (leave weights empty)"
-                raise ConfigError(f"{key}.weights names unknown sources {unknown}; the prepared mixture's sources: "
-                                  f"{known}.")
+                raise ConfigError(unknown_stage_sources(key, st.name, unknown, names))
             weights = [st.weights.get(n, 0.0) for n in names]
         step = st.start_step if st else 0
         out.append(MixStage(int(start), tuple(w / sum(weights) for w in weights), label,

@@ -43,6 +43,19 @@ def _f(default: Any = dataclasses.MISSING, doc: str = "", **kw: Any) -> Any:
     return field(default=default, metadata={"doc": doc}, **kw)
 
 
+def name_from_path(path: str, index: int) -> str:
+    """A source's default name: the last part of `path` before any glob, less its extensions, in
+    the characters a name allows (`raw/web/**/*.jsonl` -> web, `s3://b/books.txt.gz` -> books);
+    `source<index>` where nothing is left."""
+    parts = [p for p in re.split(r"[/\\]", re.sub(r"^[a-z][a-z0-9+.-]*://", "", path)) if p and p not in (".", "..")]
+    for part in reversed(parts):  # (a glob part: the folder above it names the source)
+        if not any(c in part for c in "*?["):
+            stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", part.split(".", 1)[0] if not part.startswith(".") else part)
+            stem = stem.strip("-.")
+            return stem or f"source{index}"
+    return f"source{index}"
+
+
 @dataclass
 class SourceConfig:
     """One input corpus: files matched by a path, folder or glob, all of one format."""
@@ -50,8 +63,10 @@ class SourceConfig:
     path: str = _f(doc="A file, a folder (searched recursively for .txt/.jsonl/.parquet/"
                        ".arrow, optionally .gz for txt/jsonl) or a glob (`**` recurses); a local "
                        "path or any fsspec URL (s3://bucket/raw/*.jsonl).")
-    name: str = _f("", doc="Short unique name (letters, digits, -_.); names the per-source "
-                           "shard folder. Empty = source0, source1, ...")
+    name: str = _f("", doc="Short unique name (letters, digits, -_.): the per-source shard "
+                           "folder, data.stages weights, val_loss/<name>. Empty = from the path: its "
+                           "last folder or file name before any glob, less extensions (raw/web/**/*.jsonl "
+                           "-> web, books.txt -> books), made unique with -<index>.")
     format: Literal["auto", "txt", "jsonl", "parquet", "arrow"] = _f(
         "auto", doc="File format; auto = by extension (.txt, .jsonl/.json, .parquet, .arrow, "
                     "+.gz).")
@@ -152,9 +167,12 @@ class PrepareConfig:
         if not self.sources:
             raise ValueError("prepare.sources: at least one [[prepare.sources]] is required")
         names = []
+        typed = [s.name for s in self.sources if s.name]
+        derived = [name_from_path(s.path, i) if not s.name else "" for i, s in enumerate(self.sources)]
         for i, s in enumerate(self.sources):
-            if not s.name:
-                s.name = f"source{i}"
+            if not s.name:  # (a name the user typed wins; derived ones that meet step aside with their index)
+                clash = derived[i] in typed or derived.count(derived[i]) > 1
+                s.name = f"{derived[i]}-{i}" if clash else derived[i]
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", s.name) or s.name in (".", ".."):
                 raise ValueError(f"prepare.sources[{i}].name = {s.name!r}: use letters, digits "
                                  f"and -_. only")
