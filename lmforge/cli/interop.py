@@ -47,7 +47,7 @@ def export_main(argv: list[str]) -> int:
         return export_hf(run, out, overwrite=overwrite, ema=ema, dtype=dtype)
 
     return _run(argv, "lmforge export", "Write a run as a transformers folder (Llama, Qwen2, Qwen3, Mistral, "
-                "Mixtral, Qwen3-MoE or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
+                "Mixtral, Qwen3-MoE, DeepSeek-V3 or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.", "run",
                 "lmforge run folder (config.toml + model.safetensors)", export, export=True)
 
 
@@ -55,5 +55,7 @@ def import_main(argv: list[str]) -> int:
     from lmforge.interop.hf import import_hf_run
 
     return _run(argv, "lmforge import", "Turn a local transformers Llama, Qwen2, Qwen3, Mistral, Mixtral, "
-                "Qwen3-MoE or GPT-2 folder into an lmforge run folder (for generate, eval and fine-tuning).", "hf",
+                "Qwen3-MoE, DeepSeek-V3 or GPT-2 folder into an lmforge run folder (for generate, eval and fine-tuning); "
+                "its weights must be exactly those config.json describes (a missing or extra tensor is refused, "
+                "named).", "hf",
                 "transformers folder (config.json + safetensors or pytorch_model.bin)", import_hf_run)
