@@ -18,7 +18,9 @@ VARIANTS = {"llama": LLAMA, "gpt2": GPT2, "gqa": {**LLAMA, "n_kv_heads": 2, "tie
             # the families' attention options (issue 37)
             "qwen2": {**LLAMA, "n_kv_heads": 2, "qkv_bias": True}, "qwen3": {**LLAMA, "qk_norm": True},
             "mistral": {**LLAMA, "n_kv_heads": 2, "sliding_window": 6},
-            "llama3": {**LLAMA, "rope_scaling": "llama3", "rope_original_max_seq_len": 16}}
+            "llama3": {**LLAMA, "rope_scaling": "llama3", "rope_original_max_seq_len": 16},
+            # Qwen3-Next's full attention (issue 57): the output gate and RoPE on a quarter of each head
+            "gated": {**LLAMA, "n_kv_heads": 2, "qk_norm": True, "attn_gate": True, "rope_fraction": 0.25}}
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -90,7 +92,7 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(score(3, 1) - score(3, 2)) > 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gqa", "qwen2", "qwen3", "mistral", "llama3"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gqa", "qwen2", "qwen3", "mistral", "llama3", "gated"])
 def test_kv_cache_generation_equals_full_recompute(name):
     model = build_model(ModelConfig(**VARIANTS[name]), seed=0)
     prompt = [5, 17, 3]
@@ -137,7 +139,7 @@ def test_streamed_text_never_contains_a_stop_string(monkeypatch):
     assert list(gen.stream_text(None, Tok(), "x", 3)) == ["a", "b", "\n"]  # no stops: nothing held back
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gated"])
 def test_chunked_prefill_and_decoding_with_a_cache_equal_the_full_forward(name):
     """Chunks of several tokens after cached ones (the offset mask, within the sliding window) and
     single tokens (the window over the cache) give the full forward's logits."""

@@ -159,6 +159,8 @@ class ModelConfig:
     rope_mscale: float = _f(0.0, "rope_scaling 'yarn' only: with rope_mscale_all_dim, the attention factor applied to the cos / sin tables is mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), mscale(s, m) = 0.1 m ln(s) + 1 (DeepSeek-V3: 1 and 1, a factor of 1); 0 = unset (the factor is mscale(factor, 1)).")
     rope_mscale_all_dim: float = _f(0.0, "rope_scaling 'yarn' only: see rope_mscale; also, in multi-head latent attention (model.mla), the softmax scale is multiplied by mscale(factor, rope_mscale_all_dim)^2, as DeepSeek-V3 does (DeepSeek-V3: 1). 0 = unset.")
     sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean (seq x keys) mask built per forward (per chunk under context parallelism), which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
+    attn_gate: bool = _f(False, "Gated attention (Qwen3-Next / Qwen3.5): the attention output of every head is multiplied elementwise by sigmoid(x W_g), before the output projection; W_g (`attn.wg`, dim -> n_heads x head_dim, biases as model.qkv_bias) projects the block's normalised input, one gate per output element. Under tensor parallelism it is split by heads like q (column-parallel). Not with multi-head latent attention; no Hugging Face family exports it yet.")
+    rope_fraction: float = _f(1.0, "Partial RoPE (Qwen3-Next: 0.25, transformers' partial_rotary_factor): RoPE rotates the first rope_fraction x head_dim dimensions of every query and key head (half-split pairs within them, frequencies over that width), the rest pass through unrotated. head_dim x rope_fraction must be an even whole number; 1 = every dimension. Not with multi-head latent attention (model.mla.qk_rope_head_dim sets its RoPE part); no Hugging Face family exports a value below 1 yet.")
     attn_head_dim: int | None = _f(None, "Width of each attention head; None = dim / n_heads. Set where heads x head_dim differs from dim (Qwen3-30B-A3B: 32 heads of 128 on dim 2048).")
     parametrization: Literal["sp", "mup"] = _f("sp", "'sp' = standard parametrization (init_std everywhere, one learning rate, attention 1/sqrt(head_dim)); 'mup' = Maximal Update Parametrization (Tensor Programs V; lmforge.model.mup), relative to a model of width model.mup_base_width: hidden matrices start at init_std / sqrt(m) and train at lr / m (Adam family; m = dim / mup_base_width), the attention scale is sqrt(base head_dim) / head_dim, the logits are multiplied by 1 / m; at the base width it is the same model as 'sp', and the best optim.lr found there holds at other widths. Scale ffn_hidden and heads x head_dim with dim (the defaults do). Optimizers: sgd, momentum, adam, adamw, adam8bit, lion, muon (Muon's matrices keep its own shape scale). HF export folds the multipliers into the weights.")
     mup_base_width: int | None = _f(None, "model.parametrization = 'mup': the width (model.dim) the hyperparameters are tuned at, e.g. the small model of an LR sweep. Required with 'mup'; ignored with 'sp'.")
@@ -175,7 +177,9 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """The width RoPE rotates: a head (or, with model.mla, the decoupled RoPE part of one)."""
-        return self.mla.qk_rope_head_dim if self.mla.enabled else self.head_dim
+        if self.mla.enabled:
+            return self.mla.qk_rope_head_dim
+        return self.head_dim if self.rope_fraction == 1.0 else round(self.head_dim * self.rope_fraction)
 
     @property
     def attn_qkv_bias(self) -> bool:
@@ -227,7 +231,8 @@ class ModelConfig:
             return
         clash = {"pos_emb": (self.pos_emb, "rope"), "n_kv_heads": (self.n_kv_heads, None),
                  "qk_norm": (self.qk_norm, False), "sliding_window": (self.sliding_window, 0),
-                 "bias": (self.bias, False), "qkv_bias": (self.attn_qkv_bias, False)}
+                 "bias": (self.bias, False), "qkv_bias": (self.attn_qkv_bias, False),
+                 "attn_gate": (self.attn_gate, False), "rope_fraction": (self.rope_fraction, 1.0)}
         for key, (value, needed) in clash.items():
             if value != needed and not (key == "n_kv_heads" and value == self.n_heads):
                 raise ConfigError(f"model.{key} = {value!r} does not apply to multi-head latent attention "
@@ -288,6 +293,22 @@ class ModelConfig:
             raise ConfigError("model.qk_norm = true needs model.norm = 'rmsnorm' (QK-norm is an RMSNorm per head).")
         if self.sliding_window < 0:
             raise ConfigError(f"model.sliding_window = {self.sliding_window} must be >= 0 (0 = no window).")
+        self.check_rope_fraction()
+
+    def check_rope_fraction(self) -> None:
+        """Partial RoPE (model.rope_fraction) rotates a whole, even number of each head's dimensions."""
+        if self.rope_fraction == 1.0 or self.mla.enabled:  # (check_mla refuses it with MLA)
+            return
+        if not 0.0 < self.rope_fraction <= 1.0:
+            raise ConfigError(f"model.rope_fraction = {self.rope_fraction} must be in (0, 1] (Qwen3-Next: 0.25).")
+        if self.pos_emb != "rope":
+            raise ConfigError(f"model.rope_fraction = {self.rope_fraction} needs model.pos_emb = 'rope'; set "
+                              f"model.rope_fraction = 1 for learned positions.")
+        width = self.head_dim * self.rope_fraction
+        if width != round(width) or round(width) % 2:
+            raise ConfigError(f"model.rope_fraction = {self.rope_fraction} rotates {width:g} of the {self.head_dim} "
+                              f"dimensions of a head; it must be an even whole number (RoPE rotates pairs): choose "
+                              f"rope_fraction = k / {self.head_dim} for an even k.")
 
 
 @dataclass

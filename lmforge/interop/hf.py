@@ -47,8 +47,8 @@ from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_
                              atomic_write, check_target)
 from lmforge.ckpt.export import WEIGHT_DTYPES, WeightReader, model_state, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
-from lmforge.interop.hf_common import (check_tensor_names, hf_rope_keys, hf_weight_files, read_hf_config,
-                                       rope_from_hf)
+from lmforge.interop.hf_common import (check_no_new_attention, check_tensor_names, hf_rope_keys, hf_weight_files,
+                                       read_hf_config, rope_from_hf)
 from lmforge.interop.mup_fold import folded_reader
 from lmforge.interop.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_hf_config, deepseek_refs, deepseek_tensors,
                                          model_config_from_deepseek, mtp_copies, mtp_layers_present)
@@ -74,6 +74,7 @@ DECODERS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "
 def hf_family(cfg: ModelConfig) -> str:
     """'llama', 'qwen2', 'qwen3', 'mistral' or 'gpt2': the transformers class that represents `cfg`
     exactly, or ValueError naming the setting none can."""
+    check_no_new_attention(cfg, "LlamaForCausalLM, Qwen2/3ForCausalLM, MistralForCausalLM or GPT2LMHeadModel")
     llama = (cfg.norm, cfg.activation, cfg.pos_emb) == ("rmsnorm", "swiglu", "rope")
     gpt2 = (cfg.norm, cfg.activation, cfg.pos_emb) == ("layernorm", "gelu", "learned")
     if gpt2 and cfg.kv_heads != cfg.n_heads:

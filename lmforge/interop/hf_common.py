@@ -34,6 +34,16 @@ def hf_rope_keys(cfg: ModelConfig) -> dict:
     return out
 
 
+def check_no_new_attention(cfg: ModelConfig, arch: str) -> None:
+    """ValueError when `cfg` has an attention option `arch` (a transformers class lmforge exports) has
+    no place for: the gate and partial RoPE of Qwen3-Next (model.attn_gate, model.rope_fraction) would
+    otherwise be dropped from the export without a word."""
+    for key, value, plain in (("attn_gate", cfg.attn_gate, False), ("rope_fraction", cfg.rope_fraction, 1.0)):
+        if value != plain:
+            raise ValueError(f"model.{key} = {value} cannot be represented by {arch}; set model.{key} = {plain} to "
+                             f"export (no Hugging Face family lmforge exports has it yet).")
+
+
 def rope_from_hf(hf: dict, source: str) -> dict:
     """ModelConfig RoPE keys of rope_parameters (transformers 5) or rope_theta + rope_scaling (4.x)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}

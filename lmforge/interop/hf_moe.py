@@ -42,7 +42,8 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.config.sections import MoEConfig
 from lmforge.folders import HF_CONFIG
-from lmforge.interop.hf_common import check_tensor_names, hf_rope_keys, hf_weight_files, read_hf_config, rope_from_hf
+from lmforge.interop.hf_common import (check_no_new_attention, check_tensor_names, hf_rope_keys, hf_weight_files,
+                                       read_hf_config, rope_from_hf)
 from lmforge.interop.mup_fold import fold_multipliers
 from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer
@@ -67,6 +68,7 @@ def check_moe(cfg: ModelConfig, family: str | None = None) -> None:
     `cfg` exactly; the message names every setting it cannot."""
     family = family or moe_family(cfg)
     arch, m = MOE_DECODERS[family], cfg.moe
+    check_no_new_attention(cfg, arch)
     problems = []
     if not m.enabled:
         problems.append("model.moe.num_experts = 0 (a dense model: export it as Llama / Qwen3)")

@@ -62,7 +62,8 @@ def attention_params(cfg: ModelConfig) -> int:
         return q + kv + H * m.v_head_dim * d
     qkv_b = 1 if cfg.attn_qkv_bias else 0
     attn = d * h * (H + 2 * cfg.kv_heads) + qkv_b * h * (H + 2 * cfg.kv_heads)
-    return attn + H * h * d + (d if cfg.bias else 0) + (2 * h if cfg.qk_norm else 0)
+    gate = (d * H * h + qkv_b * H * h) if cfg.attn_gate else 0  # (model.attn_gate: attn.wg, q's shape)
+    return attn + gate + H * h * d + (d if cfg.bias else 0) + (2 * h if cfg.qk_norm else 0)
 
 
 def block_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
@@ -207,6 +208,8 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
         else:
             qkv = [linear(b + "attn.wq", d, q_width, h, bias=qb), linear(b + "attn.wk", d, kv_width, h, bias=qb),
                    linear(b + "attn.wv", d, kv_width, h, bias=qb)]
+        if cfg.attn_gate:  # (the gate's projection, q's shape; its sigmoid and product: elementwise, not counted)
+            qkv.append(linear(b + "attn.wg", d, q_width, h, bias=qb))
         if cfg.qk_norm:  # (head_dim weights each, counted like the other norms)
             qkv += [trains(b + "attn.q_norm.weight"), trains(b + "attn.k_norm.weight")]
             total["elementwise"] += sum(cost(cfg.head_dim, any(qkv[:3]), trains(b + f"attn.{n}.weight"))

@@ -98,6 +98,8 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             out = linear(f"{p}.attn.wq", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias, where)
             out += linear(f"{p}.attn.wk", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias, where)
             out += linear(f"{p}.attn.wv", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias, where)
+        if cfg.attn_gate:  # (model.attn_gate: q's shape, column-split by heads like q)
+            out += linear(f"{p}.attn.wg", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias, where)
         out += linear(f"{p}.attn.wo", cfg.n_heads * hd, d, 1, i, where=where)
         if cfg.qk_norm:  # (head_dim each, replicated under TP)
             out += [ParamSpec(f"{p}.attn.{n}.weight", (hd,), where, i) for n in ("q_norm", "k_norm")]
