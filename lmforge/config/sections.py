@@ -94,6 +94,26 @@ class MoEConfig:
 
 
 @dataclass
+class DeltaNetConfig:
+    """Gated DeltaNet token mixers (`model.deltanet.*`; lmforge.model.gated_deltanet; Qwen3-Next /
+    Qwen3.5's linear attention): the shape of the layers model.layer_types makes linear. Unused while
+    every layer is full attention."""
+
+    key_heads: int | None = _f(None, "Query / key heads (Qwen3-Next 16). None = model.n_heads.")
+    value_heads: int | None = _f(None, "Value heads (Qwen3-Next 32): each query / key head serves value_heads / key_heads consecutive value heads. None = key_heads. A multiple of key_heads.")
+    key_head_dim: int | None = _f(None, "Width of a query / key head (Qwen3-Next 128); the queries are scaled by its inverse square root. None = model's head dim.")
+    value_head_dim: int | None = _f(None, "Width of a value head (Qwen3-Next 128); the output gate and gated RMSNorm act per value head. None = key_head_dim.")
+    conv_kernel: int = _f(4, "Width of the short causal depthwise convolution over q, k and v (followed by SiLU; Qwen3-Next 4); a generation cache keeps its last conv_kernel - 1 inputs.")
+    chunk_size: int = _f(64, "Tokens per chunk of the chunked form used for training and prefill (the result does not depend on it, up to rounding; the state passes from chunk to chunk).")
+
+    def check(self) -> None:
+        at_least(1, "model.deltanet", conv_kernel=self.conv_kernel, chunk_size=self.chunk_size,
+                 **{k: v for k, v in (("key_heads", self.key_heads), ("value_heads", self.value_heads),
+                                      ("key_head_dim", self.key_head_dim), ("value_head_dim", self.value_head_dim))
+                    if v is not None})
+
+
+@dataclass
 class MLAConfig:
     """Multi-head latent attention (`model.mla.*`; lmforge.model.mla; DeepSeek-V2 / V3): keys and values
     come from one low-rank latent per token, queries optionally from another, and a narrow decoupled
@@ -167,6 +187,7 @@ class ModelConfig:
     mup_base_head_dim: int | None = _f(None, "model.parametrization = 'mup': the head dim of the base model; the attention scale is sqrt(mup_base_head_dim) / head_dim. None = mup_base_width / n_heads (the heads stay, their width grows with dim), or model.attn_head_dim when that is set (fixed-width heads: the scale stays 1 / sqrt(head_dim)). Set it when the number of heads grows with dim instead.")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
     mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "Multi-head latent attention (off by default)."})
+    deltanet: DeltaNetConfig = field(default_factory=DeltaNetConfig, metadata={"doc": "The shape of the Gated DeltaNet (linear attention) layers, where there are any."})
     mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1; lmforge.model.mtp): D sequential modules after the main model; module k takes the previous depth's hidden states (the main model's for k = 1) and the embedding of the token k ahead, [RMSNorm(embedding); RMSNorm(hidden)] projected to dim, through one transformer block (MoE where model.moe makes block n_layers + k - 1 one), its own final norm and the shared output head, and predicts the token k + 1 ahead. The embedding and head are the main model's. Trained only (evaluation and generation ignore it); its losses per depth are in the metrics (mtp_loss_1 .. mtp_loss_D). 0 = off.")
     mtp_loss_weight: float = _f(0.3, "lambda: the training objective is the language-model loss + lambda / D x the sum of the D depths' losses, each the summed NLL of its targets over the same token count as the main loss (the paper's 1/T). DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1.")
 
@@ -180,6 +201,13 @@ class ModelConfig:
         if self.mla.enabled:
             return self.mla.qk_rope_head_dim
         return self.head_dim if self.rope_fraction == 1.0 else round(self.head_dim * self.rope_fraction)
+
+    @property
+    def deltanet_shape(self) -> tuple[int, int, int, int]:
+        """(key heads, value heads, key head dim, value head dim) of a Gated DeltaNet layer (model.deltanet)."""
+        d = self.deltanet
+        key_heads, key_dim = d.key_heads or self.n_heads, d.key_head_dim or self.head_dim
+        return key_heads, d.value_heads or key_heads, key_dim, d.value_head_dim or key_dim
 
     @property
     def attn_qkv_bias(self) -> bool:
@@ -223,6 +251,11 @@ class ModelConfig:
         self.moe.check(self.activation, self.n_layers)
         self.mla.check()
         self.check_mla()
+        self.deltanet.check()
+        key_heads, value_heads = self.deltanet_shape[:2]
+        if value_heads % key_heads:
+            raise ConfigError(f"model.deltanet.value_heads = {value_heads} must be a multiple of model.deltanet."
+                              f"key_heads = {key_heads} (each key head serves value_heads / key_heads value heads).")
         at_least(0, "model", mtp_depth=self.mtp_depth, mtp_loss_weight=self.mtp_loss_weight)
 
     def check_mla(self) -> None:
