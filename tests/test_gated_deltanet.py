@@ -104,9 +104,9 @@ def test_the_module_equals_transformers_qwen3_next_gated_deltanet():
     ba = hf.in_proj_ba.weight.view(KEY_HEADS, 2 * rep, DIM)
     rows = lambda t, a, b: t[:, a:b].reshape(-1, DIM)  # noqa: E731
     v_end = 2 * KEY_DIM + rep * VALUE_DIM
-    weights = {"wq.weight": rows(qkvz, 0, KEY_DIM), "wk.weight": rows(qkvz, KEY_DIM, 2 * KEY_DIM),
-               "wv.weight": rows(qkvz, 2 * KEY_DIM, v_end), "wz.weight": rows(qkvz, v_end, qkvz.shape[1]),
-               "wb.weight": rows(ba, 0, rep), "wa.weight": rows(ba, rep, 2 * rep),
+    weights = {"in_q.weight": rows(qkvz, 0, KEY_DIM), "in_k.weight": rows(qkvz, KEY_DIM, 2 * KEY_DIM),
+               "in_v.weight": rows(qkvz, 2 * KEY_DIM, v_end), "in_z.weight": rows(qkvz, v_end, qkvz.shape[1]),
+               "in_b.weight": rows(ba, 0, rep), "in_a.weight": rows(ba, rep, 2 * rep),
                "conv_q.weight": hf.conv1d.weight[:keys], "conv_k.weight": hf.conv1d.weight[keys:2 * keys],
                "conv_v.weight": hf.conv1d.weight[2 * keys:], "A_log": hf.A_log, "dt_bias": hf.dt_bias,
                "norm.weight": hf.norm.weight, "wo.weight": hf.out_proj.weight}
@@ -142,7 +142,7 @@ def test_the_initial_values_follow_lmforges_rules():
         module = GatedDeltaNet(cfg)
     module = materialise(module, "cpu", init_source(cfg, 7))
     assert all(not p.is_meta for p in module.parameters())
-    assert abs(module.wv.weight.std().item() - cfg.init_std) < 0.005
+    assert abs(module.in_v.weight.std().item() - cfg.init_std) < 0.005
     assert module.conv_q.weight.abs().max().item() <= 1 / math.sqrt(TAPS)
     assert 0.01 <= module.A_log.exp().min().item() and module.A_log.exp().max().item() <= 16
     assert torch.equal(module.dt_bias, torch.ones(VALUE_HEADS)) and torch.equal(module.norm.weight, torch.ones(VALUE_DIM))

@@ -187,6 +187,8 @@ class ModelConfig:
     mup_base_head_dim: int | None = _f(None, "model.parametrization = 'mup': the head dim of the base model; the attention scale is sqrt(mup_base_head_dim) / head_dim. None = mup_base_width / n_heads (the heads stay, their width grows with dim), or model.attn_head_dim when that is set (fixed-width heads: the scale stays 1 / sqrt(head_dim)). Set it when the number of heads grows with dim instead.")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
     mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "Multi-head latent attention (off by default)."})
+    layer_types: list[Literal["full_attention", "linear_attention"]] = field(default_factory=list, metadata={"doc": "Per block, its token mixer: 'full_attention' (softmax attention, with every model option above) or 'linear_attention' (Gated DeltaNet, shaped by model.deltanet; lmforge.model.gated_deltanet), one entry per block, e.g. Qwen3-Next's [\"linear_attention\", \"linear_attention\", \"linear_attention\", \"full_attention\", ...]. Empty = every block full attention (or model.full_attention_interval's pattern). Multi-token prediction's blocks are full attention. Linear-attention blocks run on one process or under FSDP2 / DDP; tensor, pipeline, context and expert parallelism refuse them for now (config/layout_rules.py)."})
+    full_attention_interval: int = _f(0, "The layer_types pattern of Qwen3-Next (4: three linear-attention blocks, then one full-attention block, repeated; transformers' full_attention_interval): block i is full attention when (i + 1) is a multiple of it. 0 = off (model.layer_types, or all full attention). Not with model.layer_types.")
     deltanet: DeltaNetConfig = field(default_factory=DeltaNetConfig, metadata={"doc": "The shape of the Gated DeltaNet (linear attention) layers, where there are any."})
     mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1; lmforge.model.mtp): D sequential modules after the main model; module k takes the previous depth's hidden states (the main model's for k = 1) and the embedding of the token k ahead, [RMSNorm(embedding); RMSNorm(hidden)] projected to dim, through one transformer block (MoE where model.moe makes block n_layers + k - 1 one), its own final norm and the shared output head, and predicts the token k + 1 ahead. The embedding and head are the main model's. Trained only (evaluation and generation ignore it); its losses per depth are in the metrics (mtp_loss_1 .. mtp_loss_D). 0 = off.")
     mtp_loss_weight: float = _f(0.3, "lambda: the training objective is the language-model loss + lambda / D x the sum of the D depths' losses, each the summed NLL of its targets over the same token count as the main loss (the paper's 1/T). DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1.")
@@ -201,6 +203,19 @@ class ModelConfig:
         if self.mla.enabled:
             return self.mla.qk_rope_head_dim
         return self.head_dim if self.rope_fraction == 1.0 else round(self.head_dim * self.rope_fraction)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based; n_layers and above: multi-token prediction's, full attention)
+        is Gated DeltaNet (model.layer_types / model.full_attention_interval)."""
+        if layer >= self.n_layers:
+            return False
+        if self.layer_types:
+            return self.layer_types[layer] == "linear_attention"
+        return self.full_attention_interval > 0 and (layer + 1) % self.full_attention_interval != 0
+
+    @property
+    def has_linear_layers(self) -> bool:
+        return any(self.is_linear_layer(i) for i in range(self.n_layers))
 
     @property
     def deltanet_shape(self) -> tuple[int, int, int, int]:
@@ -252,6 +267,7 @@ class ModelConfig:
         self.mla.check()
         self.check_mla()
         self.deltanet.check()
+        self.check_layer_types()
         key_heads, value_heads = self.deltanet_shape[:2]
         if value_heads % key_heads:
             raise ConfigError(f"model.deltanet.value_heads = {value_heads} must be a multiple of model.deltanet."
@@ -327,6 +343,29 @@ class ModelConfig:
         if self.sliding_window < 0:
             raise ConfigError(f"model.sliding_window = {self.sliding_window} must be >= 0 (0 = no window).")
         self.check_rope_fraction()
+
+    def check_layer_types(self) -> None:
+        """model.layer_types / full_attention_interval name a mixer per block; what linear attention does
+        not combine with yet."""
+        kinds = ("full_attention", "linear_attention")
+        if self.layer_types and self.full_attention_interval:
+            raise ConfigError(f"model.layer_types and model.full_attention_interval = {self.full_attention_interval} "
+                              f"both set the blocks' mixers; set one (full_attention_interval = 0 with layer_types).")
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ConfigError(f"model.layer_types has {len(self.layer_types)} entries but model.n_layers = "
+                              f"{self.n_layers}; give one per block.")
+        for i, kind in enumerate(self.layer_types):
+            if kind not in kinds:
+                raise ConfigError(f"model.layer_types[{i}] = {kind!r} must be one of {', '.join(map(repr, kinds))}.")
+        at_least(0, "model", full_attention_interval=self.full_attention_interval)
+        if not self.has_linear_layers:
+            return
+        for key, value, plain in (("mla.kv_lora_rank", self.mla.kv_lora_rank, 0),
+                                  ("parametrization", self.parametrization, "sp")):
+            if value != plain:
+                raise ConfigError(f"model.{key} = {value!r} is not supported with linear-attention blocks "
+                                  f"(model.layer_types / full_attention_interval) yet; set model.{key} = {plain!r} "
+                                  f"or make every block full attention.")
 
     def check_rope_fraction(self) -> None:
         """Partial RoPE (model.rope_fraction) rotates a whole, even number of each head's dimensions."""

@@ -152,10 +152,11 @@ class GatedDeltaNet(nn.Module):
         self.chunk = cfg.deltanet.chunk_size
         kernel = cfg.deltanet.conv_kernel
         qk, vz = self.key_heads * self.key_dim, self.value_heads * self.value_dim
-        self.wq, self.wk = nn.Linear(cfg.dim, qk, bias=False), nn.Linear(cfg.dim, qk, bias=False)
-        self.wv, self.wz = nn.Linear(cfg.dim, vz, bias=False), nn.Linear(cfg.dim, vz, bias=False)
-        self.wb = nn.Linear(cfg.dim, self.value_heads, bias=False)  # beta, the write strength
-        self.wa = nn.Linear(cfg.dim, self.value_heads, bias=False)  # the decay's input
+        self.in_q, self.in_k = nn.Linear(cfg.dim, qk, bias=False), nn.Linear(cfg.dim, qk, bias=False)
+        self.in_v, self.in_z = nn.Linear(cfg.dim, vz, bias=False), nn.Linear(cfg.dim, vz, bias=False)
+        # (in_*, not attention's wq / wk / wv: the fused-q/k/v conversions of checkpoints match those names)
+        self.in_b = nn.Linear(cfg.dim, self.value_heads, bias=False)  # beta, the write strength
+        self.in_a = nn.Linear(cfg.dim, self.value_heads, bias=False)  # the decay's input
         # depthwise causal convolutions, one per q / k / v (a channel's taps see only that channel:
         # three convolutions are one over their concatenation, and each splits with its heads)
         self.conv_q, self.conv_k = (nn.Conv1d(qk, qk, kernel, groups=qk, bias=False) for _ in range(2))
@@ -182,16 +183,16 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, cache: DeltaNetCache | None = None, mask=None) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self._conv("conv_q", self.wq(x), cache).view(bsz, seq, self.key_heads, self.key_dim)
-        k = self._conv("conv_k", self.wk(x), cache).view(bsz, seq, self.key_heads, self.key_dim)
-        v = self._conv("conv_v", self.wv(x), cache).view(bsz, seq, self.value_heads, self.value_dim)
+        q = self._conv("conv_q", self.in_q(x), cache).view(bsz, seq, self.key_heads, self.key_dim)
+        k = self._conv("conv_k", self.in_k(x), cache).view(bsz, seq, self.key_heads, self.key_dim)
+        v = self._conv("conv_v", self.in_v(x), cache).view(bsz, seq, self.value_heads, self.value_dim)
         q = l2_normalise(q.float()) / math.sqrt(self.key_dim)
         k = l2_normalise(k.float())
         rep = self.value_heads // self.key_heads
         if rep > 1:  # key head j serves value heads j rep .. (j + 1) rep - 1
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        beta = torch.sigmoid(self.wb(x).float())
-        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(self.in_b(x).float())
+        g = -self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias.float())
         state = cache.state if cache is not None else None
         if seq == 1 and cache is not None:  # one new token: the recurrence itself
             o, state = recurrent_delta_rule(q, k, v, g, beta, state)
@@ -199,7 +200,7 @@ class GatedDeltaNet(nn.Module):
             o, state = chunked_delta_rule(q, k, v, g, beta, self.chunk, state)
         if cache is not None:
             cache.state, cache.length = state.detach(), cache.length + seq
-        z = self.wz(x).view(bsz, seq, self.value_heads, self.value_dim)
+        z = self.in_z(x).view(bsz, seq, self.value_heads, self.value_dim)
         return self.wo(self.norm(o.to(x.dtype), z).reshape(bsz, seq, -1))
 
 
