@@ -18,7 +18,7 @@ from lmforge.model.gated_deltanet import GatedDeltaNet
 from lmforge.model.layers import Attention
 from lmforge.model.transformer import build_model
 from lmforge.plan.params import total_params
-from tests.test_parallel_dp import corpus, train  # noqa: F401  (module-scoped corpus fixture)
+from tests.test_parallel_dp import assert_runs_match, corpus, train, train_runs  # noqa: F401  (module-scoped corpus)
 
 HYBRID = dict(vocab_size=97, dim=32, n_layers=4, n_heads=4, max_seq_len=64, attn_gate=True,
               deltanet=DeltaNetConfig(key_heads=2, value_heads=4, chunk_size=8))
@@ -105,3 +105,17 @@ def test_tiny_hybrid_trains_through_lmforge_train(corpus, tmp_path):  # noqa: F8
     loss = [r["loss"] for r in recs if "loss" in r and "val_loss" not in r]
     assert len(loss) == 6 and loss[-1] < loss[0]
     assert "full_attention_interval = 4" in (out / "config.toml").read_text()
+
+
+@pytest.mark.slow
+def test_tiny_hybrid_under_ddp_and_fsdp2_matches_one_process(corpus, tmp_path):  # noqa: F811
+    """The layouts a hybrid model runs under (data parallelism: DDP, FSDP2) give one process's
+    per-step losses and gradient norms."""
+    shared = {"config": "tiny-hybrid", "model.n_layers": 4, "train.steps": 6, "train.log_every": 1}
+    proc = train_runs(corpus, {tmp_path / "single": {}}, **shared)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = {tmp_path / "ddp2": {"parallel.dp_replicate": 2}, tmp_path / "fsdp2": {"parallel.dp_shard": 2}}
+    proc = train_runs(corpus, runs, nproc=2, timeout=300, **shared)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for out in runs:
+        assert_runs_match(out, tmp_path / "single", f"tiny-hybrid, {out.name} vs one process")
