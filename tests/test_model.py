@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmforge.config import ModelConfig
+from lmforge.config.sections import DeltaNetConfig
 from lmforge.eval.generate import generate_tokens
 from lmforge.model.layers import apply_rope, rope_tables
 from lmforge.model.transformer import Transformer, build_model, count_params, flops_per_token
@@ -18,7 +19,12 @@ VARIANTS = {"llama": LLAMA, "gpt2": GPT2, "gqa": {**LLAMA, "n_kv_heads": 2, "tie
             # the families' attention options (issue 37)
             "qwen2": {**LLAMA, "n_kv_heads": 2, "qkv_bias": True}, "qwen3": {**LLAMA, "qk_norm": True},
             "mistral": {**LLAMA, "n_kv_heads": 2, "sliding_window": 6},
-            "llama3": {**LLAMA, "rope_scaling": "llama3", "rope_original_max_seq_len": 16}}
+            "llama3": {**LLAMA, "rope_scaling": "llama3", "rope_original_max_seq_len": 16},
+            # Qwen3-Next's full attention (issue 57): the output gate and RoPE on a quarter of each head
+            "gated": {**LLAMA, "n_kv_heads": 2, "qk_norm": True, "attn_gate": True, "rope_fraction": 0.25},
+            # Qwen3-Next's 3:1 pattern (issue 57): Gated DeltaNet blocks, then a gated full-attention one
+            "hybrid": {**LLAMA, "n_layers": 4, "full_attention_interval": 4, "attn_gate": True,
+                       "deltanet": DeltaNetConfig(value_heads=8, chunk_size=4)}}
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -90,7 +96,7 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(score(3, 1) - score(3, 2)) > 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gqa", "qwen2", "qwen3", "mistral", "llama3"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gqa", "qwen2", "qwen3", "mistral", "llama3", "gated", "hybrid"])
 def test_kv_cache_generation_equals_full_recompute(name):
     model = build_model(ModelConfig(**VARIANTS[name]), seed=0)
     prompt = [5, 17, 3]
@@ -137,15 +143,15 @@ def test_streamed_text_never_contains_a_stop_string(monkeypatch):
     assert list(gen.stream_text(None, Tok(), "x", 3)) == ["a", "b", "\n"]  # no stops: nothing held back
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gated", "hybrid"])
 def test_chunked_prefill_and_decoding_with_a_cache_equal_the_full_forward(name):
     """Chunks of several tokens after cached ones (the offset mask, within the sliding window) and
     single tokens (the window over the cache) give the full forward's logits."""
-    from lmforge.model.layers import KVCache
+    from lmforge.model.transformer import generation_caches
 
     model = build_model(ModelConfig(**VARIANTS[name]), seed=0).eval()
     tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
-    caches = [KVCache() for _ in range(2)]
+    caches = generation_caches(model.cfg)  # (Gated DeltaNet blocks: their fixed-size state)
     with torch.no_grad():
         full = model(tokens)
         parts = [model(tokens[:, a:b], caches) for a, b in ((0, 9), (9, 10), (10, 25), (25, 26), (26, 40))]

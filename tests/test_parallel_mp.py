@@ -311,6 +311,7 @@ ATTENTION_OPTIONS = {
     "qk_norm": {"model.qk_norm": "true"},  # Qwen3: replicated head_dim weights on the rank's heads
     "sliding_window": {"model.sliding_window": 8},  # Mistral: 8 < data.seq_len 32, the masked path
     "rope_llama3": {"model.rope_scaling": "llama3", "model.rope_factor": 4, "model.rope_original_max_seq_len": 16},
+    "gate_partial_rope": {"model.attn_gate": "true", "model.rope_fraction": 0.5},  # Qwen3-Next (issue 57)
 }
 
 
@@ -322,7 +323,7 @@ FAMILY_STEPS = {"train.steps": 10, "schedule.warmup_steps": 2}  # (each launch p
 PAIRS = {"tied": {"model.n_layers": 2, "model.tie_embeddings": "true"}, "lora": LORA,
          **{f"attention-{name}": {"model.n_layers": 2, "model.n_kv_heads": 2, **FAMILY_STEPS, **option}
             for name, option in ATTENTION_OPTIONS.items()}}
-# all four options at once on the MP model, under FSDP2 x TP (2 x 2, SP), PP=2 (1F1B) and CP=2
+# all the options at once on the MP model, under FSDP2 x TP (2 x 2, SP), PP=2 (1F1B) and CP=2
 FAMILY = {**MP, "model.n_kv_heads": 2, **{k: v for option in ATTENTION_OPTIONS.values() for k, v in option.items()},
           **FAMILY_STEPS}
 FAMILY_LAYOUTS = {"fsdp2xtp2": LAYOUTS["fsdp2xtp2"], "pp2-1f1b": LAYOUTS["pp2-1f1b"], "cp2": (2, {"parallel.cp": 2})}
@@ -332,14 +333,14 @@ FAMILY_LAYOUTS = {"fsdp2xtp2": LAYOUTS["fsdp2xtp2"], "pp2-1f1b": LAYOUTS["pp2-1f
 def test_attention_options_under_tensor_and_sequence_parallel_match_one_process(reference, launches):
     """Each family option alone under TP=2 + SP (GQA, 2 kv heads: one per rank) against one process:
     same per-step losses and gradient norms (the gradient of a replicated QK-norm weight is summed
-    over the ranks' heads; a bias is split like its weight)."""
+    over the ranks' heads; a bias is split like its weight; the attention gate by heads, like q)."""
     for name in ATTENTION_OPTIONS:
         one_process_vs_tp2_sp(reference, launches, f"attention-{name}", name)
 
 
 @pytest.mark.slow
 def test_family_options_together_under_fsdp_tp_pipeline_and_context_parallel_match_one_process(reference, launches):
-    """All four options at once under FSDP2 x TP (2 x 2, SP), under PP=2 (1F1B) and under CP=2 (the
+    """All the options at once under FSDP2 x TP (2 x 2, SP), under PP=2 (1F1B) and under CP=2 (the
     8-token window inside 32-token sequences cut into 4 chunks of 8: the windowed chunk attention)
     against one process: the new weights compose with FSDP2's sharding and the pipeline split, and
     the window is exact across the CP ranks' chunks."""

@@ -238,6 +238,14 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        "{k[ep]} = {p.ep} must divide model.moe.num_experts = {m.moe.num_experts} (each expert-parallel "
        "rank holds an equal share of the routed experts); choose {k[ep]} among {ok}.",
        lambda c, k: {"ok": divisors(c.model.moe.num_experts)}, structural=True, needs=frozenset({"model"})),
+    # -- Gated DeltaNet blocks (model.layer_types): one process or data parallelism (DDP / FSDP2) for now
+    _R("linear-attention-layouts", lambda c: c.model.has_linear_layers
+       and max(c.parallel.tp, c.parallel.pp, c.parallel.cp, c.parallel.ep) > 1,
+       "{k[tp]} = {p.tp}, {k[pp]} = {p.pp}, {k[cp]} = {p.cp}, {k[ep]} = {p.ep}: model.layer_types / "
+       "full_attention_interval make Gated DeltaNet (linear-attention) blocks, which lmforge runs on one process or "
+       "under data parallelism (DDP, FSDP2) only for now: tensor, pipeline, context and expert parallelism do not "
+       "split or pass on their state, convolutions and gates yet; set {k[tp]} = {k[pp]} = {k[cp]} = {k[ep]} = 1, or "
+       "make every block full attention."),
     # -- the chunked loss runs without tensor and pipeline parallelism
     _R("loss-chunk-alone", lambda c: c.train.loss_chunk != "auto" and bool(c.train.loss_chunk)
        and (c.parallel.tp > 1 or c.parallel.pp > 1),

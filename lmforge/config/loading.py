@@ -88,6 +88,10 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
         if len(errors) > 1:  # e.g. `bool | Literal["auto"]`: name every allowed kind of value
             raise ConfigError(f"{key} = {value!r} must be {', or '.join(wanted)}.")
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}.")
+    if origin is list:  # an array of values (model.layer_types)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r} must be an array, e.g. [{_wanted(typing.get_args(tp)[0])}, ...].")
+        return [_check_type(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value)]
     if origin is dict:  # a table of name = value pairs (data.stages[].weights)
         if not isinstance(value, dict):
             raise ConfigError(f"{key} = {value!r} must be a table, e.g. {{name = 1.0}}.")

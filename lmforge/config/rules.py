@@ -378,10 +378,27 @@ def check_features(cfg: "Config") -> None:
                           "checkpoint.every_steps = 0.")
 
 
+def check_linear_attention(cfg: "Config") -> None:
+    """Gated DeltaNet blocks (model.layer_types): what does not run with them yet, beside the layouts
+    (config/layout_rules.py, linear-attention-layouts)."""
+    m = cfg.model
+    if not m.has_linear_layers:
+        return
+    blocks = sum(m.is_linear_layer(i) for i in range(m.n_layers))
+    if cfg.data.attention == "document":
+        raise ConfigError(f"data.attention = 'document' is not supported with linear-attention blocks (model."
+                          f"layer_types / full_attention_interval make {blocks} of them) yet: a Gated DeltaNet state "
+                          f"runs across document boundaries; set data.attention = 'causal'.")
+    if cfg.optim.name == "muon":
+        raise ConfigError("optim.name = 'muon' is not supported with linear-attention blocks (model.layer_types / "
+                          "full_attention_interval) yet: Muon takes matrices, and Gated DeltaNet's convolutions are "
+                          "3-D; use optim.name = 'adamw'.")
+
+
 # The cross-section checks in the order `Config.validate` runs them (the layout's rules: `check_layout`).
 CROSS_SECTION_CHECKS: tuple[Callable[["Config"], None], ...] = (
     check_data_vs_model, check_batch, check_layout, check_features, check_parametrization, check_data_recipes,
-    check_multi_token_prediction)
+    check_multi_token_prediction, check_linear_attention)
 
 
 def check_resolved_precision(cfg: "Config", precision: str, why: str = "") -> None:

@@ -94,6 +94,26 @@ class MoEConfig:
 
 
 @dataclass
+class DeltaNetConfig:
+    """Gated DeltaNet token mixers (`model.deltanet.*`; lmforge.model.gated_deltanet; Qwen3-Next /
+    Qwen3.5's linear attention): the shape of the layers model.layer_types makes linear. Unused while
+    every layer is full attention."""
+
+    key_heads: int | None = _f(None, "Query / key heads (Qwen3-Next 16). None = model.n_heads.")
+    value_heads: int | None = _f(None, "Value heads (Qwen3-Next 32): each query / key head serves value_heads / key_heads consecutive value heads. None = key_heads. A multiple of key_heads.")
+    key_head_dim: int | None = _f(None, "Width of a query / key head (Qwen3-Next 128); the queries are scaled by its inverse square root. None = model's head dim.")
+    value_head_dim: int | None = _f(None, "Width of a value head (Qwen3-Next 128); the output gate and gated RMSNorm act per value head. None = key_head_dim.")
+    conv_kernel: int = _f(4, "Width of the short causal depthwise convolution over q, k and v (followed by SiLU; Qwen3-Next 4); a generation cache keeps its last conv_kernel - 1 inputs.")
+    chunk_size: int = _f(64, "Tokens per chunk of the chunked form used for training and prefill (the result does not depend on it, up to rounding; the state passes from chunk to chunk).")
+
+    def check(self) -> None:
+        at_least(1, "model.deltanet", conv_kernel=self.conv_kernel, chunk_size=self.chunk_size,
+                 **{k: v for k, v in (("key_heads", self.key_heads), ("value_heads", self.value_heads),
+                                      ("key_head_dim", self.key_head_dim), ("value_head_dim", self.value_head_dim))
+                    if v is not None})
+
+
+@dataclass
 class MLAConfig:
     """Multi-head latent attention (`model.mla.*`; lmforge.model.mla; DeepSeek-V2 / V3): keys and values
     come from one low-rank latent per token, queries optionally from another, and a narrow decoupled
@@ -159,12 +179,17 @@ class ModelConfig:
     rope_mscale: float = _f(0.0, "rope_scaling 'yarn' only: with rope_mscale_all_dim, the attention factor applied to the cos / sin tables is mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), mscale(s, m) = 0.1 m ln(s) + 1 (DeepSeek-V3: 1 and 1, a factor of 1); 0 = unset (the factor is mscale(factor, 1)).")
     rope_mscale_all_dim: float = _f(0.0, "rope_scaling 'yarn' only: see rope_mscale; also, in multi-head latent attention (model.mla), the softmax scale is multiplied by mscale(factor, rope_mscale_all_dim)^2, as DeepSeek-V3 does (DeepSeek-V3: 1). 0 = unset.")
     sliding_window: int = _f(0, "Sliding-window attention (Mistral): each token attends to itself and the sliding_window - 1 tokens before it; 0 = full causal attention. A window >= the sequence length is full causal attention (SDPA's is_causal path, any kernel); a shorter one is exact through a boolean (seq x keys) mask built per forward (per chunk under context parallelism), which SDPA runs on the memory-efficient or math kernels (not flash). Exact under context parallelism too (lmforge.parallel.context_parallel).")
+    attn_gate: bool = _f(False, "Gated attention (Qwen3-Next / Qwen3.5): the attention output of every head is multiplied elementwise by sigmoid(x W_g), before the output projection; W_g (`attn.wg`, dim -> n_heads x head_dim, biases as model.qkv_bias) projects the block's normalised input, one gate per output element. Under tensor parallelism it is split by heads like q (column-parallel). Not with multi-head latent attention; no Hugging Face family exports it yet.")
+    rope_fraction: float = _f(1.0, "Partial RoPE (Qwen3-Next: 0.25, transformers' partial_rotary_factor): RoPE rotates the first rope_fraction x head_dim dimensions of every query and key head (half-split pairs within them, frequencies over that width), the rest pass through unrotated. head_dim x rope_fraction must be an even whole number; 1 = every dimension. Not with multi-head latent attention (model.mla.qk_rope_head_dim sets its RoPE part); no Hugging Face family exports a value below 1 yet.")
     attn_head_dim: int | None = _f(None, "Width of each attention head; None = dim / n_heads. Set where heads x head_dim differs from dim (Qwen3-30B-A3B: 32 heads of 128 on dim 2048).")
     parametrization: Literal["sp", "mup"] = _f("sp", "'sp' = standard parametrization (init_std everywhere, one learning rate, attention 1/sqrt(head_dim)); 'mup' = Maximal Update Parametrization (Tensor Programs V; lmforge.model.mup), relative to a model of width model.mup_base_width: hidden matrices start at init_std / sqrt(m) and train at lr / m (Adam family; m = dim / mup_base_width), the attention scale is sqrt(base head_dim) / head_dim, the logits are multiplied by 1 / m; at the base width it is the same model as 'sp', and the best optim.lr found there holds at other widths. Scale ffn_hidden and heads x head_dim with dim (the defaults do). Optimizers: sgd, momentum, adam, adamw, adam8bit, lion, muon (Muon's matrices keep its own shape scale). HF export folds the multipliers into the weights.")
     mup_base_width: int | None = _f(None, "model.parametrization = 'mup': the width (model.dim) the hyperparameters are tuned at, e.g. the small model of an LR sweep. Required with 'mup'; ignored with 'sp'.")
     mup_base_head_dim: int | None = _f(None, "model.parametrization = 'mup': the head dim of the base model; the attention scale is sqrt(mup_base_head_dim) / head_dim. None = mup_base_width / n_heads (the heads stay, their width grows with dim), or model.attn_head_dim when that is set (fixed-width heads: the scale stays 1 / sqrt(head_dim)). Set it when the number of heads grows with dim instead.")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
     mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "Multi-head latent attention (off by default)."})
+    layer_types: list[Literal["full_attention", "linear_attention"]] = field(default_factory=list, metadata={"doc": "Per block, its token mixer: 'full_attention' (softmax attention, with every model option above) or 'linear_attention' (Gated DeltaNet, shaped by model.deltanet; lmforge.model.gated_deltanet), one entry per block, e.g. Qwen3-Next's [\"linear_attention\", \"linear_attention\", \"linear_attention\", \"full_attention\", ...]. Empty = every block full attention (or model.full_attention_interval's pattern). Multi-token prediction's blocks are full attention. Linear-attention blocks run on one process or under FSDP2 / DDP; tensor, pipeline, context and expert parallelism refuse them for now (config/layout_rules.py)."})
+    full_attention_interval: int = _f(0, "The layer_types pattern of Qwen3-Next (4: three linear-attention blocks, then one full-attention block, repeated; transformers' full_attention_interval): block i is full attention when (i + 1) is a multiple of it. 0 = off (model.layer_types, or all full attention). Not with model.layer_types.")
+    deltanet: DeltaNetConfig = field(default_factory=DeltaNetConfig, metadata={"doc": "The shape of the Gated DeltaNet (linear attention) layers, where there are any."})
     mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1; lmforge.model.mtp): D sequential modules after the main model; module k takes the previous depth's hidden states (the main model's for k = 1) and the embedding of the token k ahead, [RMSNorm(embedding); RMSNorm(hidden)] projected to dim, through one transformer block (MoE where model.moe makes block n_layers + k - 1 one), its own final norm and the shared output head, and predicts the token k + 1 ahead. The embedding and head are the main model's. Trained only (evaluation and generation ignore it); its losses per depth are in the metrics (mtp_loss_1 .. mtp_loss_D). 0 = off.")
     mtp_loss_weight: float = _f(0.3, "lambda: the training objective is the language-model loss + lambda / D x the sum of the D depths' losses, each the summed NLL of its targets over the same token count as the main loss (the paper's 1/T). DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1.")
 
@@ -175,7 +200,29 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """The width RoPE rotates: a head (or, with model.mla, the decoupled RoPE part of one)."""
-        return self.mla.qk_rope_head_dim if self.mla.enabled else self.head_dim
+        if self.mla.enabled:
+            return self.mla.qk_rope_head_dim
+        return self.head_dim if self.rope_fraction == 1.0 else round(self.head_dim * self.rope_fraction)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based; n_layers and above: multi-token prediction's, full attention)
+        is Gated DeltaNet (model.layer_types / model.full_attention_interval)."""
+        if layer >= self.n_layers:
+            return False
+        if self.layer_types:
+            return self.layer_types[layer] == "linear_attention"
+        return self.full_attention_interval > 0 and (layer + 1) % self.full_attention_interval != 0
+
+    @property
+    def has_linear_layers(self) -> bool:
+        return any(self.is_linear_layer(i) for i in range(self.n_layers))
+
+    @property
+    def deltanet_shape(self) -> tuple[int, int, int, int]:
+        """(key heads, value heads, key head dim, value head dim) of a Gated DeltaNet layer (model.deltanet)."""
+        d = self.deltanet
+        key_heads, key_dim = d.key_heads or self.n_heads, d.key_head_dim or self.head_dim
+        return key_heads, d.value_heads or key_heads, key_dim, d.value_head_dim or key_dim
 
     @property
     def attn_qkv_bias(self) -> bool:
@@ -219,6 +266,12 @@ class ModelConfig:
         self.moe.check(self.activation, self.n_layers)
         self.mla.check()
         self.check_mla()
+        self.deltanet.check()
+        self.check_layer_types()
+        key_heads, value_heads = self.deltanet_shape[:2]
+        if value_heads % key_heads:
+            raise ConfigError(f"model.deltanet.value_heads = {value_heads} must be a multiple of model.deltanet."
+                              f"key_heads = {key_heads} (each key head serves value_heads / key_heads value heads).")
         at_least(0, "model", mtp_depth=self.mtp_depth, mtp_loss_weight=self.mtp_loss_weight)
 
     def check_mla(self) -> None:
@@ -227,7 +280,8 @@ class ModelConfig:
             return
         clash = {"pos_emb": (self.pos_emb, "rope"), "n_kv_heads": (self.n_kv_heads, None),
                  "qk_norm": (self.qk_norm, False), "sliding_window": (self.sliding_window, 0),
-                 "bias": (self.bias, False), "qkv_bias": (self.attn_qkv_bias, False)}
+                 "bias": (self.bias, False), "qkv_bias": (self.attn_qkv_bias, False),
+                 "attn_gate": (self.attn_gate, False), "rope_fraction": (self.rope_fraction, 1.0)}
         for key, (value, needed) in clash.items():
             if value != needed and not (key == "n_kv_heads" and value == self.n_heads):
                 raise ConfigError(f"model.{key} = {value!r} does not apply to multi-head latent attention "
@@ -288,6 +342,45 @@ class ModelConfig:
             raise ConfigError("model.qk_norm = true needs model.norm = 'rmsnorm' (QK-norm is an RMSNorm per head).")
         if self.sliding_window < 0:
             raise ConfigError(f"model.sliding_window = {self.sliding_window} must be >= 0 (0 = no window).")
+        self.check_rope_fraction()
+
+    def check_layer_types(self) -> None:
+        """model.layer_types / full_attention_interval name a mixer per block; what linear attention does
+        not combine with yet."""
+        kinds = ("full_attention", "linear_attention")
+        if self.layer_types and self.full_attention_interval:
+            raise ConfigError(f"model.layer_types and model.full_attention_interval = {self.full_attention_interval} "
+                              f"both set the blocks' mixers; set one (full_attention_interval = 0 with layer_types).")
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ConfigError(f"model.layer_types has {len(self.layer_types)} entries but model.n_layers = "
+                              f"{self.n_layers}; give one per block.")
+        for i, kind in enumerate(self.layer_types):
+            if kind not in kinds:
+                raise ConfigError(f"model.layer_types[{i}] = {kind!r} must be one of {', '.join(map(repr, kinds))}.")
+        at_least(0, "model", full_attention_interval=self.full_attention_interval)
+        if not self.has_linear_layers:
+            return
+        for key, value, plain in (("mla.kv_lora_rank", self.mla.kv_lora_rank, 0),
+                                  ("parametrization", self.parametrization, "sp")):
+            if value != plain:
+                raise ConfigError(f"model.{key} = {value!r} is not supported with linear-attention blocks "
+                                  f"(model.layer_types / full_attention_interval) yet; set model.{key} = {plain!r} "
+                                  f"or make every block full attention.")
+
+    def check_rope_fraction(self) -> None:
+        """Partial RoPE (model.rope_fraction) rotates a whole, even number of each head's dimensions."""
+        if self.rope_fraction == 1.0 or self.mla.enabled:  # (check_mla refuses it with MLA)
+            return
+        if not 0.0 < self.rope_fraction <= 1.0:
+            raise ConfigError(f"model.rope_fraction = {self.rope_fraction} must be in (0, 1] (Qwen3-Next: 0.25).")
+        if self.pos_emb != "rope":
+            raise ConfigError(f"model.rope_fraction = {self.rope_fraction} needs model.pos_emb = 'rope'; set "
+                              f"model.rope_fraction = 1 for learned positions.")
+        width = self.head_dim * self.rope_fraction
+        if width != round(width) or round(width) % 2:
+            raise ConfigError(f"model.rope_fraction = {self.rope_fraction} rotates {width:g} of the {self.head_dim} "
+                              f"dimensions of a head; it must be an even whole number (RoPE rotates pairs): choose "
+                              f"rope_fraction = k / {self.head_dim} for an even k.")
 
 
 @dataclass

@@ -6,8 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from lmforge.model.layers import KVCache
-from lmforge.model.transformer import Transformer
+from lmforge.model.transformer import Transformer, generation_caches
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -42,7 +41,7 @@ def generate_tokens(model: Transformer, prompt: list[int], max_new_tokens: int, 
         gen.manual_seed(seed)
     max_len = model.cfg.max_seq_len
     tokens = list(prompt[-max_len:])
-    caches = [KVCache() for _ in range(model.cfg.n_layers)] if use_cache else None
+    caches = generation_caches(model.cfg) if use_cache else None
     pending = torch.tensor([tokens], device=device)
     try:
         for _ in range(max_new_tokens):

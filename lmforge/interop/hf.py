@@ -47,10 +47,11 @@ from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_
                              atomic_write, check_target)
 from lmforge.ckpt.export import WEIGHT_DTYPES, WeightReader, model_state, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
-from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
+from lmforge.interop.hf_common import (check_no_new_attention, check_tensor_names, hf_rope_keys, hf_weight_files,
+                                       read_hf_config, rope_from_hf)
 from lmforge.interop.mup_fold import folded_reader
 from lmforge.interop.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_hf_config, deepseek_refs, deepseek_tensors,
-                                         model_config_from_deepseek, mtp_layers_present)
+                                         model_config_from_deepseek, mtp_copies, mtp_layers_present)
 from lmforge.interop.hf_moe import MOE_DECODERS, import_moe, model_config_from_moe, moe_hf_config, save_moe
 from lmforge.model.layers import QKV_PARTS, qkv_conversions, qkv_layout, read_fused_qkv, split_qkv
 from lmforge.model.materialise import materialise
@@ -73,6 +74,7 @@ DECODERS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "
 def hf_family(cfg: ModelConfig) -> str:
     """'llama', 'qwen2', 'qwen3', 'mistral' or 'gpt2': the transformers class that represents `cfg`
     exactly, or ValueError naming the setting none can."""
+    check_no_new_attention(cfg, "LlamaForCausalLM, Qwen2/3ForCausalLM, MistralForCausalLM or GPT2LMHeadModel")
     llama = (cfg.norm, cfg.activation, cfg.pos_emb) == ("rmsnorm", "swiglu", "rope")
     gpt2 = (cfg.norm, cfg.activation, cfg.pos_emb) == ("layernorm", "gelu", "learned")
     if gpt2 and cfg.kv_heads != cfg.n_heads:
@@ -193,7 +195,7 @@ def hf_model_config(hf_dir: str | Path) -> ModelConfig:
     hf = read_hf_config(hf_dir)
     if hf.get("model_type") != DEEPSEEK:
         return model_config_from_hf(hf, str(hf_dir / HF_CONFIG))
-    return model_config_from_deepseek(hf, str(hf_dir / HF_CONFIG), mtp_layers_present(hf, _hf_weight_files(hf_dir)))
+    return model_config_from_deepseek(hf, str(hf_dir / HF_CONFIG), mtp_layers_present(hf, hf_weight_files(hf_dir)))
 
 
 def _decoder_config(hf: dict, source: str, kind: str) -> ModelConfig:
@@ -384,18 +386,29 @@ def hf_weight_refs(cfg: ModelConfig, hf_dir: str | Path) -> dict[str, TensorRef]
     """Where each lmforge weight of a `cfg` model lies in the transformers folder `hf_dir`
     (model.safetensors, a sharded index, or pytorch_model.bin memory-mapped): read slice by slice,
     a rank of a sharded run reads only its own parts (lmforge.ckpt.streaming.TensorRef). ValueError
-    names a missing weight."""
+    names a missing weight, or a stored one the model has no place for (hf_common.check_tensor_names)."""
     hf_dir = Path(hf_dir)
-    where = _hf_weight_files(hf_dir)
+    where, used = hf_weight_files(hf_dir), set()
 
-    def ref(key: str, transpose: bool = False, offset: tuple[int, ...] = ()) -> TensorRef:
+    def ref(key: str, transpose: bool = False, offset: tuple[int, ...] = ()) -> TensorRef | None:
         for k in (key, f"transformer.{key}"):
             if k in where:
+                used.add(k)
                 file, tensors = where[k]
                 return TensorRef(file, k, transpose, offset, tensors)
-        raise ValueError(f"{hf_dir}: weight {key!r} is missing; the weights do not match config.json (layers, "
-                         f"biases or tied embeddings).")
+        used.add(key)  # (missing: the check below names it, with how many more are)
+        return None
 
+    refs = _weight_refs(cfg, hf_dir, ref)
+    # A tied model's folder may keep a copy of the embedding as lm_head.weight (transformers ties over it);
+    # DeepSeek-V3's MTP layers keep their own copies of the embedding and head (lmforge shares the model's).
+    optional = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    check_tensor_names(hf_dir, used, where, optional | set(mtp_copies(cfg)))
+    return refs
+
+
+def _weight_refs(cfg: ModelConfig, hf_dir: Path, ref: Callable[..., TensorRef]) -> dict[str, TensorRef]:
+    """`hf_weight_refs` of a folder whose stored tensors `ref(key, transpose, offset)` finds."""
     if cfg.mla.enabled:  # DeepSeek-V3 (lmforge.interop.hf_deepseek), its expert_bias buffers included
         return deepseek_refs(cfg, ref, bool(read_hf_config(hf_dir).get("rope_interleave", True)))
     if hf_family(cfg) != "gpt2":
@@ -416,37 +429,6 @@ def hf_weight_refs(cfg: ModelConfig, hf_dir: str | Path) -> dict[str, TensorRef]
             out[b + ours + ".weight"], out[b + ours + ".bias"] = ref(h + theirs + ".weight", transpose=True), \
                 ref(h + theirs + ".bias")
     return qkv_refs(cfg, out)
-
-
-def _hf_weight_files(hf_dir: Path) -> dict[str, tuple[Path, dict | None]]:
-    """Stored tensor name -> (its file, the memory-mapped tensors of a pytorch_model.bin or None)."""
-    from safetensors import SafetensorError, safe_open
-
-    index = hf_dir / "model.safetensors.index.json"
-    if (hf_dir / WEIGHTS).is_file():
-        files = [hf_dir / WEIGHTS]
-    elif index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise ValueError(f"{index}: not a safetensors index ({exc}); save the model again.") from None
-        return {key: (hf_dir / name, None) for key, name in weight_map.items()}
-    elif (hf_dir / "pytorch_model.bin").is_file():  # (loaded with weights_only=True: no code runs; mmap: no copy)
-        path = hf_dir / "pytorch_model.bin"
-        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return {key: (path, tensors) for key in tensors}
-    else:
-        raise ValueError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
-                         f"save the model with `save_pretrained` first.")
-    where = {}
-    for file in files:
-        try:
-            with safe_open(str(file), "pt") as f:
-                where.update({key: (file, None) for key in f.keys()})
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"{file} is not a complete safetensors file ({exc}): it was truncated or is "
-                             f"corrupt. Fix: copy or write it again from its source.") from None
-    return where
 
 
 def write_hf_weights(cfg: ModelConfig, weights: WeightReader, path: Path) -> None:

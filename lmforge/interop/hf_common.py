@@ -1,13 +1,18 @@
-"""Config-level pieces shared by the dense (lmforge.interop.hf) and MoE (lmforge.interop.hf_moe)
-transformers interop: RoPE keys both ways, and reading a folder's config.json."""
+"""Pieces shared by the dense (lmforge.interop.hf), MoE (lmforge.interop.hf_moe) and DeepSeek-V3
+(lmforge.interop.hf_deepseek) transformers interop: RoPE keys both ways, reading a folder's config.json,
+the names of the tensors its weights hold, and the one check that they are exactly the model's."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
 from lmforge.config import ModelConfig
-from lmforge.folders import HF_CONFIG
+from lmforge.folders import HF_CONFIG, WEIGHTS
 
 
 def hf_rope_keys(cfg: ModelConfig) -> dict:
@@ -27,6 +32,19 @@ def hf_rope_keys(cfg: ModelConfig) -> dict:
                                **({"mscale": cfg.rope_mscale} if cfg.rope_mscale else {}),
                                **({"mscale_all_dim": cfg.rope_mscale_all_dim} if cfg.rope_mscale_all_dim else {})}
     return out
+
+
+def check_no_new_attention(cfg: ModelConfig, arch: str) -> None:
+    """ValueError when `cfg` has an attention option `arch` (a transformers class lmforge exports) has
+    no place for: the Gated DeltaNet blocks, gate and partial RoPE of Qwen3-Next (model.layer_types,
+    model.attn_gate, model.rope_fraction) would otherwise be dropped from the export without a word."""
+    if cfg.has_linear_layers:
+        raise ValueError(f"model.layer_types / full_attention_interval make Gated DeltaNet blocks, which {arch} "
+                         f"cannot represent; no Hugging Face family lmforge exports has them yet.")
+    for key, value, plain in (("attn_gate", cfg.attn_gate, False), ("rope_fraction", cfg.rope_fraction, 1.0)):
+        if value != plain:
+            raise ValueError(f"model.{key} = {value} cannot be represented by {arch}; set model.{key} = {plain} to "
+                             f"export (no Hugging Face family lmforge exports has it yet).")
 
 
 def rope_from_hf(hf: dict, source: str) -> dict:
@@ -64,3 +82,65 @@ def read_hf_config(hf_dir: Path) -> dict:
         return json.loads(cfg_path.read_text())
     except ValueError as exc:
         raise ValueError(f"{cfg_path}: invalid JSON ({exc})") from exc
+
+
+def hf_weight_files(hf_dir: Path) -> dict[str, tuple[Path, dict | None]]:
+    """Stored tensor name -> (its file, the memory-mapped tensors of a pytorch_model.bin or None)."""
+    from safetensors import SafetensorError, safe_open
+
+    index = hf_dir / "model.safetensors.index.json"
+    if (hf_dir / WEIGHTS).is_file():
+        files = [hf_dir / WEIGHTS]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({exc}); save the model again.") from None
+        return {key: (hf_dir / name, None) for key, name in weight_map.items()}
+    elif (hf_dir / "pytorch_model.bin").is_file():  # (loaded with weights_only=True: no code runs; mmap: no copy)
+        path = hf_dir / "pytorch_model.bin"
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return {key: (path, tensors) for key in tensors}
+    else:
+        raise ValueError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
+                         f"save the model with `save_pretrained` first.")
+    where = {}
+    for file in files:
+        try:
+            with safe_open(str(file), "pt") as f:
+                where.update({key: (file, None) for key in f.keys()})
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{file} is not a complete safetensors file ({exc}): it was truncated or is "
+                             f"corrupt. Fix: copy or write it again from its source.") from None
+    return where
+
+
+# Tensors a folder may hold that no model has as a weight: derived buffers that older transformers
+# versions saved (GPT-2's causal-mask `attn.bias` / `attn.masked_bias`, Llama's `rotary_emb.inv_freq`).
+# transformers recomputes them on load, and so does lmforge.
+_DERIVED_BUFFERS = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|rotary_emb\.inv_freq)$")
+
+
+def _natural(name: str) -> list:
+    """Sort key putting model.layers.2 before model.layers.10 (the first missing tensor named is the first layer's)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def check_tensor_names(hf_dir: Path, expected: Iterable[str], stored: Iterable[str],
+                       optional: Iterable[str] = ()) -> None:
+    """ValueError, one line naming the first tensor, unless the folder's `stored` tensor names are
+    exactly the `expected` ones (plus any of `optional`, and derived buffers). Every family's import
+    calls it before it builds anything, from the names in the safetensors headers or index: a missing
+    tensor would otherwise be left at a random initialisation, an unexpected one silently dropped."""
+    expected, stored = set(expected), set(stored)
+    missing = sorted(expected - stored, key=_natural)
+    extra = sorted((n for n in stored - expected - set(optional) if not _DERIVED_BUFFERS.search(n)), key=_natural)
+    more = lambda names: f" (and {len(names) - 1} more)" if len(names) > 1 else ""  # noqa: E731
+    if missing:
+        raise ValueError(f"{hf_dir}: weight {missing[0]!r} is missing{more(missing)}; the weights do not match "
+                         f"config.json (layers, experts, biases or tied embeddings). Fix: save the model again "
+                         f"with all its weights, or correct config.json.")
+    if extra:
+        raise ValueError(f"{hf_dir}: weight {extra[0]!r} is not part of the model config.json describes{more(extra)}; "
+                         f"the weights do not match config.json (layers, experts, biases or tied embeddings). Fix: "
+                         f"save the model again, or correct config.json.")

@@ -24,7 +24,9 @@ Mixtral renormalises the top-k weights, Qwen3-MoE as its `norm_topk_prob` says (
 Mixtral has every block MoE with experts of model.ffn_hidden; Qwen3-MoE's experts have
 `moe_intermediate_size` (model.moe.expert_hidden) and its MoE blocks are those not in `mlp_only_layers`
 whose (index + 1) is a multiple of `decoder_sparse_step`; lmforge's first_dense / every must give the
-same set. Anything either side cannot represent is refused with a ValueError naming it. The
+same set. The folder's tensor names (from the safetensors headers) must be exactly the model's before
+transformers reads anything (hf_common.check_tensor_names): it would leave a missing one at its random
+initialisation. Anything either side cannot represent is refused with a ValueError naming it. The
 `expert_bias` buffer (zero unless the auxiliary-loss-free update moved it, which neither has a
 place for) must be zero to export. Conversion holds the whole model in memory (a tool for models
 that fit one host), unlike lmforge's streaming dense export (lmforge.interop.hf).
@@ -40,7 +42,8 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.config.sections import MoEConfig
 from lmforge.folders import HF_CONFIG
-from lmforge.interop.hf_common import hf_rope_keys, read_hf_config, rope_from_hf
+from lmforge.interop.hf_common import (check_no_new_attention, check_tensor_names, hf_rope_keys, hf_weight_files,
+                                       read_hf_config, rope_from_hf)
 from lmforge.interop.mup_fold import fold_multipliers
 from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer
@@ -65,6 +68,7 @@ def check_moe(cfg: ModelConfig, family: str | None = None) -> None:
     `cfg` exactly; the message names every setting it cannot."""
     family = family or moe_family(cfg)
     arch, m = MOE_DECODERS[family], cfg.moe
+    check_no_new_attention(cfg, arch)
     problems = []
     if not m.enabled:
         problems.append("model.moe.num_experts = 0 (a dense model: export it as Llama / Qwen3)")
@@ -180,6 +184,32 @@ def _block_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     return {f"blocks.{i}.{ours}.weight": f"model.layers.{i}.{theirs}.weight" for ours, theirs in parts.items()}
 
 
+def moe_tensor_names(cfg: ModelConfig, family: str, stored) -> set[str]:
+    """Every tensor name a transformers folder of `cfg` holds. The experts come in one of two layouts,
+    both of which transformers 5 reads: fused per layer (`mlp.experts.gate_up_proj` / `down_proj`, as
+    lmforge's export writes them through transformers' model) or one tensor per expert (what
+    `save_pretrained` writes and the published checkpoints hold: Mixtral's `block_sparse_moe.experts.j.w1/w2/w3`
+    and router `block_sparse_moe.gate`, Qwen3-MoE's `mlp.experts.j.gate_proj/up_proj/down_proj`);
+    `stored` (the folder's names) says which."""
+    fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in stored)
+    names = {"model.embed_tokens.weight", "model.norm.weight", *([] if cfg.tie_embeddings else ["lm_head.weight"])}
+    for i in range(cfg.n_layers):
+        block = set(_block_names(cfg, i).values())
+        if cfg.moe.is_moe_layer(i):
+            h = f"model.layers.{i}."
+            if fused:
+                block |= {f"{h}mlp.experts.gate_up_proj", f"{h}mlp.experts.down_proj"}
+            elif family == "mixtral":
+                block = {n.replace(f"{h}mlp.gate.", f"{h}block_sparse_moe.gate.") for n in block}
+                block |= {f"{h}block_sparse_moe.experts.{j}.{w}.weight"
+                          for j in range(cfg.moe.num_experts) for w in ("w1", "w2", "w3")}
+            else:
+                block |= {f"{h}mlp.experts.{j}.{w}_proj.weight"
+                          for j in range(cfg.moe.num_experts) for w in ("gate", "up", "down")}
+        names |= block
+    return names
+
+
 def to_moe_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """lmforge weights (unwrapped names) -> transformers Mixtral / Qwen3-MoE weights."""
     weights = qkv_state(replace(cfg, fused_qkv=False), weights)  # (a fused attn.wqkv: its q, k, v rows)
@@ -230,6 +260,9 @@ def import_moe(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[
     hf = read_hf_config(hf_dir)
     cfg = model_config_from_moe(hf, str(hf_dir / HF_CONFIG))
     cfg.check()
+    stored = hf_weight_files(hf_dir)  # (names only, from the safetensors headers or index: nothing big is read yet)
+    optional = {"lm_head.weight"} if cfg.tie_embeddings else set()  # (a tied copy transformers ties over)
+    check_tensor_names(hf_dir, moe_tensor_names(cfg, hf["model_type"], stored), stored, optional)
     hf_class = getattr(transformers, MOE_DECODERS[hf["model_type"]])
     weights = from_moe_state_dict(cfg, hf_class.from_pretrained(str(hf_dir), dtype=torch.float32).state_dict())
     with torch.device("meta"):
@@ -275,4 +308,4 @@ import_mixtral, export_mixtral = import_moe, export_moe
 
 __all__ = ["MOE_DECODERS", "check_mixtral", "check_moe", "export_mixtral", "export_moe", "from_mixtral_state_dict",
            "from_moe_state_dict", "import_mixtral", "import_moe", "mixtral_config", "model_config_from_moe",
-           "moe_family", "moe_hf_config", "save_moe", "to_mixtral_state_dict", "to_moe_state_dict"]
+           "moe_family", "moe_hf_config", "moe_tensor_names", "save_moe", "to_mixtral_state_dict", "to_moe_state_dict"]

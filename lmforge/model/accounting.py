@@ -62,14 +62,32 @@ def attention_params(cfg: ModelConfig) -> int:
         return q + kv + H * m.v_head_dim * d
     qkv_b = 1 if cfg.attn_qkv_bias else 0
     attn = d * h * (H + 2 * cfg.kv_heads) + qkv_b * h * (H + 2 * cfg.kv_heads)
-    return attn + H * h * d + (d if cfg.bias else 0) + (2 * h if cfg.qk_norm else 0)
+    gate = (d * H * h + qkv_b * H * h) if cfg.attn_gate else 0  # (model.attn_gate: attn.wg, q's shape)
+    return attn + gate + H * h * d + (d if cfg.bias else 0) + (2 * h if cfg.qk_norm else 0)
+
+
+def deltanet_params(cfg: ModelConfig) -> int:
+    """One Gated DeltaNet block's token mixer (lmforge.model.gated_deltanet): the q/k/v/z projections,
+    beta's and the decay's, the three depthwise convolutions, A_log and dt_bias, the gated norm, wo."""
+    hk, hv, dk, dv = cfg.deltanet_shape
+    qkv = 2 * hk * dk + hv * dv
+    return cfg.dim * (qkv + hv * dv + 2 * hv) + qkv * cfg.deltanet.conv_kernel + 2 * hv + dv + hv * dv * cfg.dim
+
+
+def deltanet_flops(cfg: ModelConfig) -> float:
+    """The gated delta rule's own forward FLOPs per token of one layer, by the recurrent form's count:
+    per value head the state's read S^T k, its rank-one write and the output S^T q, 2 dk dv each
+    (the chunked form regroups the same work; the planner's detailed count is later work)."""
+    _, hv, dk, dv = cfg.deltanet_shape
+    return 6.0 * hv * dk * dv
 
 
 def block_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
-    """(total, active) parameters of block `layer` (n_layers + k - 1: MTP depth k's block): attention,
-    the dense MLP or the MoE feed-forward, two norms."""
+    """(total, active) parameters of block `layer` (n_layers + k - 1: MTP depth k's block): attention
+    (or Gated DeltaNet, model.layer_types), the dense MLP or the MoE feed-forward, two norms."""
     d, f, b = cfg.dim, cfg.ffn_dim, 1 if cfg.bias else 0
-    common = attention_params(cfg) + 2 * norm_params(cfg)
+    mixer = deltanet_params(cfg) if cfg.is_linear_layer(layer) else attention_params(cfg)
+    common = mixer + 2 * norm_params(cfg)
     if cfg.moe.is_moe_layer(layer):
         moe = moe_params(cfg)
         return common + moe["total"], common + moe["active"]
@@ -113,7 +131,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int]
         heads = 1 + cfg.mtp_depth  # the output projection: the main model's and each MTP depth's
         n_matmul = counts["active"] - counts["embedding"] - counts["position"] - counts["lm_head"] \
             - norm_params(cfg) + heads * cfg.vocab_size * cfg.dim
-        return 6.0 * n_matmul + 12.0 * (cfg.n_layers + cfg.mtp_depth) * attention_width(cfg) * seq_len
+        linear = sum(cfg.is_linear_layer(i) for i in range(cfg.n_layers))  # (Gated DeltaNet: its recurrence, x 3)
+        return 6.0 * n_matmul + 12.0 * (cfg.n_layers - linear + cfg.mtp_depth) * attention_width(cfg) * seq_len \
+            + 3.0 * linear * deltanet_flops(cfg)
     return training_flops(cfg, seq_len, trainable)["total"]
 
 
@@ -207,19 +227,41 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
         else:
             qkv = [linear(b + "attn.wq", d, q_width, h, bias=qb), linear(b + "attn.wk", d, kv_width, h, bias=qb),
                    linear(b + "attn.wv", d, kv_width, h, bias=qb)]
+        if cfg.attn_gate:  # (the gate's projection, q's shape; its sigmoid and product: elementwise, not counted)
+            qkv.append(linear(b + "attn.wg", d, q_width, h, bias=qb))
         if cfg.qk_norm:  # (head_dim weights each, counted like the other norms)
             qkv += [trains(b + "attn.q_norm.weight"), trains(b + "attn.k_norm.weight")]
             total["elementwise"] += sum(cost(cfg.head_dim, any(qkv[:3]), trains(b + f"attn.{n}.weight"))
                                         for n in ("q_norm", "k_norm"))
         return any(qkv)
 
+    def deltanet(b: str, h: bool) -> bool:
+        """Gated DeltaNet's projections, convolutions, gates and norm (elementwise, counted as weights) and
+        its recurrence (forward, and twice that backward where its inputs need a gradient)."""
+        hk, hv, dk, dv = cfg.deltanet_shape
+        parts = [linear(b + f"attn.{n}", d, w, h, bias=False) for n, w in (
+            ("in_q", hk * dk), ("in_k", hk * dk), ("in_v", hv * dv), ("in_z", hv * dv), ("in_b", hv), ("in_a", hv))]
+        x_grad = any(parts)
+        for name, n in (("conv_q.weight", hk * dk), ("conv_k.weight", hk * dk), ("conv_v.weight", hv * dv)):
+            total["elementwise"] += cost(n * cfg.deltanet.conv_kernel, x_grad, trains(b + "attn." + name))
+        for name, n in (("A_log", hv), ("dt_bias", hv), ("norm.weight", dv)):
+            total["elementwise"] += cost(n, x_grad, trains(b + "attn." + name))
+        out = x_grad or any(trains(b + f"attn.{n}") for n in (
+            "conv_q.weight", "conv_k.weight", "conv_v.weight", "A_log", "dt_bias", "norm.weight"))
+        total["attention"] += deltanet_flops(cfg) * (3.0 if out else 1.0)
+        return out
+
     def block(b: str, i: int, grad: bool) -> bool:
         """Block `i` (prefix `b`) on a residual stream needing a gradient if `grad`: whether its output does."""
         h = norm(b + "attn_norm", grad)
-        a_grad = attention(b, h)
-        total["attention"] += 4.0 * width * seq_len + (8.0 * width * seq_len if a_grad else 0.0)
-        o_width = cfg.n_heads * cfg.mla.v_head_dim if cfg.mla.enabled else q_width
-        grad = linear(b + "attn.wo", o_width, d, a_grad, bias=False if cfg.mla.enabled else None) or grad
+        if cfg.is_linear_layer(i):
+            _, hv, _, dv = cfg.deltanet_shape
+            grad = linear(b + "attn.wo", hv * dv, d, deltanet(b, h), bias=False) or grad
+        else:
+            a_grad = attention(b, h)
+            total["attention"] += 4.0 * width * seq_len + (8.0 * width * seq_len if a_grad else 0.0)
+            o_width = cfg.n_heads * cfg.mla.v_head_dim if cfg.mla.enabled else q_width
+            grad = linear(b + "attn.wo", o_width, d, a_grad, bias=False if cfg.mla.enabled else None) or grad
         h = norm(b + "mlp_norm", grad)
         if cfg.moe.is_moe_layer(i):  # MoE: the router, top_k routed experts per token, the shared experts
             m, he = cfg.moe, cfg.moe.expert_hidden or f

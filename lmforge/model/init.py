@@ -20,6 +20,10 @@ The rules (GPT-2 / nanoGPT style; `init_rule`):
 * model.parametrization = "mup": each of these stds x its μP factor (lmforge.model.mup: hidden matrices
   1/sqrt(m), the MoE router 1/m, embeddings and lm_head 1; m = dim / mup_base_width);
 * biases 0; norm weights 1 (norm biases 0);
+* Gated DeltaNet (lmforge.model.gated_deltanet): its projections as the linear weights above (`wo`
+  a residual projection), the depthwise convolutions U(-1/sqrt(taps), 1/sqrt(taps)) (torch's own
+  Conv1d init), `A_log` = log U(0.01, 16) and `dt_bias` = 1 (transformers' Qwen3-Next), the gated
+  norm's weight 1;
 * LoRA adapters (lmforge.model.lora): A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's Kaiming uniform),
   B = 0, so the adapted model starts as the base model; the q/k/v part adapters of a fused attn.wqkv
   draw the values of the separate projections' adapters (by the separate names).
@@ -42,6 +46,7 @@ from torch import nn
 
 from lmforge.config import ModelConfig
 from lmforge.model import mup
+from lmforge.model.gated_deltanet import GatedRMSNorm
 from lmforge.model.layers import QKV_PARTS, read_fused_qkv
 
 BLOCK_ELEMENTS = 1 << 16  # values per generator block (rows of a parameter, at least one row)
@@ -52,8 +57,9 @@ Index = Sequence["torch.Tensor | None"]  # per dim of the full tensor: the indic
 
 @dataclass(frozen=True)
 class InitRule:
-    kind: str  # "normal" | "uniform" | "zeros" | "ones"
-    scale: float = 0.0  # normal: the standard deviation; uniform: the bound
+    kind: str  # "normal" | "uniform" | "log_uniform" | "zeros" | "ones"
+    scale: float = 0.0  # normal: the standard deviation; uniform: the bound; log_uniform: the upper bound
+    low: float = 0.0  # log_uniform: log of U(low, scale)
 
 
 def init_rule(cfg: ModelConfig, module: nn.Module, module_name: str, param_name: str) -> InitRule:
@@ -62,8 +68,12 @@ def init_rule(cfg: ModelConfig, module: nn.Module, module_name: str, param_name:
         return InitRule("uniform", 1.0 / math.sqrt(module.in_features))
     if param_name in ("lora_b", "bias"):
         return InitRule("zeros")
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, GatedRMSNorm)) or param_name == "dt_bias":
         return InitRule("ones")
+    if param_name == "A_log":  # Gated DeltaNet's decay rates exp(A_log) in (0.01, 16), as transformers' Qwen3-Next
+        return InitRule("log_uniform", 16.0, low=0.01)
+    if isinstance(module, nn.Conv1d):  # (its depthwise convolutions: fan-in = the taps, torch's Conv1d bound)
+        return InitRule("uniform", 1.0 / math.sqrt(module.kernel_size[0] * module.in_channels // module.groups))
     # model.parametrization = "mup": SP's std x the weight's μP factor (lmforge.model.mup; 1 under SP)
     std = cfg.init_std * mup.init_std_factor(cfg, mup.param_kind(f"{module_name}.{param_name}", 2))
     if param_name in ("w_gate", "w_up", "w_down"):  # MoE experts (lmforge.model.moe.GroupedExperts): per expert a linear
@@ -101,6 +111,8 @@ def init_values(rule: InitRule, name: str, shape: Sequence[int], index: Index, s
         block = torch.empty((min(per, shape[0] - b * per), *shape[1:]))
         if rule.kind == "normal":
             block.normal_(0.0, rule.scale, generator=gen)
+        elif rule.kind == "log_uniform":
+            block.uniform_(rule.low, rule.scale, generator=gen).log_()
         else:
             block.uniform_(-rule.scale, rule.scale, generator=gen)
         mine = (rows // per) == b

@@ -202,7 +202,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Half-split convention: dimension i is paired with i + head_dim/2 (the convention of Hugging
     Face's Llama), so weights export to and import from `transformers` without permutation.
+    Tables narrower than x (partial RoPE, model.rope_fraction: 2 x cos's width < head_dim) rotate the
+    first dimensions that way and pass the rest through, as transformers' Qwen3-Next does.
     """
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.type_as(x)
@@ -293,7 +298,8 @@ def read_fused_qkv(cfg: ModelConfig, read, shape, index) -> torch.Tensor:
 class Attention(nn.Module):
     """Causal multi-head attention with grouped-query support, through scaled_dot_product_attention;
     optional q/k/v biases (model.qkv_bias), QK-norm (model.qk_norm), a sliding window
-    (model.sliding_window) and μP's 1/head_dim attention scale (model.parametrization)."""
+    (model.sliding_window), an output gate (model.attn_gate), partial RoPE (model.rope_fraction) and
+    μP's 1/head_dim attention scale (model.parametrization)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -309,6 +315,9 @@ class Attention(nn.Module):
             self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
             self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        # Gated attention (model.attn_gate): one sigmoid gate per output element of every head, from
+        # the block's normalised input; its rows are heads in q's order, so TP splits it as q
+        self.wg = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=qkv_bias) if cfg.attn_gate else None
         # QK-norm (Qwen3): one RMSNorm over head_dim shared by every head, applied before RoPE on
         # (batch, seq, heads, head_dim), so tensor parallelism can treat the heads as a sharded dim
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -377,7 +386,10 @@ class Attention(nn.Module):
             mask = window_mask(start, seq, start + seq, self.window, x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0 and seq > 1,
                                                  dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+        out = out.transpose(1, 2).reshape(bsz, seq, -1)
+        if self.wg is not None:
+            out = out * torch.sigmoid(self.wg(x))
+        return self.wo(out)
 
 
 class KVCache:

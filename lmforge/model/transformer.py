@@ -24,16 +24,24 @@ from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401
 from lmforge.model.layers import (Block, KVCache, attention_mask, local_positions, make_norm, rope_rows, rope_tables,
                                   token_positions)
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
+from lmforge.model.gated_deltanet import DeltaNetCache, GatedDeltaNet
 from lmforge.model.mla import MLAttention
 from lmforge.model.moe import MoE
 from lmforge.model.mtp import MTP, with_mtp_loss
 
 
 def make_block(cfg: ModelConfig, layer: int) -> Block:
-    """Block `layer` (0-based; n_layers + k - 1 for multi-token prediction's depth k): multi-head latent
-    attention under model.mla, the Mixture-of-Experts feed-forward where model.moe puts one."""
-    return Block(cfg, attn=MLAttention(cfg) if cfg.mla.enabled else None,
-                 mlp=MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else None)
+    """Block `layer` (0-based; n_layers + k - 1 for multi-token prediction's depth k): Gated DeltaNet
+    where model.layer_types makes it linear attention, multi-head latent attention under model.mla,
+    the Mixture-of-Experts feed-forward where model.moe puts one."""
+    attn = GatedDeltaNet(cfg) if cfg.is_linear_layer(layer) else MLAttention(cfg) if cfg.mla.enabled else None
+    return Block(cfg, attn=attn, mlp=MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else None)
+
+
+def generation_caches(cfg: ModelConfig) -> list[KVCache | DeltaNetCache]:
+    """Empty generation caches, one per block: keys and values for attention, the fixed-size
+    convolution and recurrent state for Gated DeltaNet (model.layer_types)."""
+    return [DeltaNetCache() if cfg.is_linear_layer(i) else KVCache() for i in range(cfg.n_layers)]
 
 
 class Transformer(nn.Module):

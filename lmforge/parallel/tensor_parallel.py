@@ -109,7 +109,8 @@ def _column_parallel_attention(attn: nn.Module) -> tuple[str, ...]:
     """The column-parallel projections of a block's attention (its heads split over the TP ranks)."""
     if isinstance(attn, MLAttention):
         return ("wq_b" if hasattr(attn, "wq_b") else "wq", "wkv_b")
-    return ("wqkv",) if getattr(attn, "fused", False) else ("wq", "wk", "wv")
+    gate = ("wg",) if getattr(attn, "wg", None) is not None else ()  # (model.attn_gate: rows are heads, as q's)
+    return (("wqkv",) if getattr(attn, "fused", False) else ("wq", "wk", "wv")) + gate
 
 
 def _qk_norm_plan(pre: str) -> dict:

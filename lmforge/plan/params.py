@@ -36,8 +36,8 @@ _TOTAL_CACHE: dict[tuple, int] = {}
 def cfg_key(cfg) -> tuple:
     """A hashable key of a model config (for the planner's caches; nested sections such as model.moe
     as tuples too)."""
-    return tuple(cfg_key(v) if dataclasses.is_dataclass(v) else v
-                 for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
+    return tuple(cfg_key(v) if dataclasses.is_dataclass(v) else tuple(v) if isinstance(v, list) else v
+                 for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg)))  # (lists: model.layer_types)
 
 
 def total_params(cfg: ModelConfig) -> int:
@@ -79,6 +79,18 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         return specs
 
     def attention(p: str, i: int, where: str) -> list[ParamSpec]:
+        if cfg.is_linear_layer(i):  # Gated DeltaNet (lmforge.model.gated_deltanet; not split: TP refuses it)
+            hk, hv, dk, dv = cfg.deltanet_shape
+            kernel = cfg.deltanet.conv_kernel
+            out = []
+            for name, width in (("in_q", hk * dk), ("in_k", hk * dk), ("in_v", hv * dv), ("in_z", hv * dv),
+                                ("in_b", hv), ("in_a", hv)):
+                out += linear(f"{p}.attn.{name}", d, width, None, i, False, where)
+            out += [ParamSpec(f"{p}.attn.conv_{n}.weight", (width, 1, kernel), where, i)
+                    for n, width in (("q", hk * dk), ("k", hk * dk), ("v", hv * dv))]
+            out += [ParamSpec(f"{p}.attn.{n}", (hv,), where, i) for n in ("A_log", "dt_bias")]
+            out.append(ParamSpec(f"{p}.attn.norm.weight", (dv,), where, i))
+            return out + linear(f"{p}.attn.wo", hv * dv, d, None, i, False, where)
         if cfg.mla.enabled:  # lmforge.model.mla: up-projections split by heads, latent ones replicated
             m, heads, out = cfg.mla, cfg.n_heads, []
             if m.q_lora_rank:
@@ -98,6 +110,8 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             out = linear(f"{p}.attn.wq", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias, where)
             out += linear(f"{p}.attn.wk", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias, where)
             out += linear(f"{p}.attn.wv", d, cfg.kv_heads * hd, 0, i, cfg.attn_qkv_bias, where)
+        if cfg.attn_gate:  # (model.attn_gate: q's shape, column-split by heads like q)
+            out += linear(f"{p}.attn.wg", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias, where)
         out += linear(f"{p}.attn.wo", cfg.n_heads * hd, d, 1, i, where=where)
         if cfg.qk_norm:  # (head_dim each, replicated under TP)
             out += [ParamSpec(f"{p}.attn.{n}.weight", (hd,), where, i) for n in ("q_norm", "k_norm")]

@@ -1,0 +1,121 @@
+"""Hybrid models (issue 57 item 3, its config part): model.layer_types / full_attention_interval make
+blocks Gated DeltaNet (lmforge.model.gated_deltanet) in a one-process model: the blocks built, the
+parameter and FLOP accounting, the tiny-hybrid preset training through `lmforge train`, and what is
+not supported with linear attention yet refused with its reason, never run wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmforge.config import ConfigError, ModelConfig, load_config
+from lmforge.config.layout_rules import layout_refusals
+from lmforge.config.sections import DeltaNetConfig
+from lmforge.model.accounting import count_params, flops_per_token, training_flops
+from lmforge.model.gated_deltanet import GatedDeltaNet
+from lmforge.model.layers import Attention
+from lmforge.model.transformer import build_model
+from lmforge.plan.params import total_params
+from tests.test_parallel_dp import assert_runs_match, corpus, train, train_runs  # noqa: F401  (module-scoped corpus)
+
+HYBRID = dict(vocab_size=97, dim=32, n_layers=4, n_heads=4, max_seq_len=64, attn_gate=True,
+              deltanet=DeltaNetConfig(key_heads=2, value_heads=4, chunk_size=8))
+
+
+@pytest.mark.parametrize("pattern", [{"full_attention_interval": 4},
+                                     {"layer_types": ["linear_attention"] * 3 + ["full_attention"]}])
+def test_the_3_to_1_pattern_builds_deltanet_then_attention_blocks(pattern):
+    cfg = ModelConfig(**HYBRID, **pattern)
+    cfg.check()
+    model = build_model(cfg, seed=0)
+    assert [type(b.attn) for b in model.blocks.values()] == [GatedDeltaNet] * 3 + [Attention]
+    assert model.num_params() == count_params(cfg)["total"] == total_params(cfg)
+    trainable = {name: p.numel() for name, p in model.named_parameters()}
+    assert training_flops(cfg, 64, trainable)["total"] == flops_per_token(cfg, 64)
+    loss = model(torch.randint(0, 97, (2, 20)), targets=torch.randint(0, 97, (2, 20)))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_a_linear_block_cannot_see_the_future():
+    model = build_model(ModelConfig(**HYBRID, layer_types=["linear_attention"] * 4), seed=0).eval()
+    x = torch.randint(0, 97, (1, 19))
+    y = x.clone()
+    y[0, 11:] = (y[0, 11:] + 1) % 97
+    with torch.no_grad():
+        assert torch.equal(model(x)[0, :11], model(y)[0, :11])
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"full_attention_interval": 4, "layer_types": ["full_attention"] * 4}, r"both set the blocks' mixers"),
+    ({"layer_types": ["linear_attention"] * 3}, r"model.layer_types has 3 entries but model.n_layers = 4"),
+    ({"layer_types": ["linear_attention"] * 3 + ["mamba"]}, r"model.layer_types\[3\] = 'mamba' must be one of"),
+    ({"full_attention_interval": 2, "parametrization": "mup", "mup_base_width": 32},
+     r"model.parametrization = 'mup' is not supported with linear-attention blocks"),
+])
+def test_impossible_layer_types_are_refused(edit, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**{**HYBRID, **edit}).check()
+
+
+@pytest.mark.parametrize("key", ["parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep"])
+def test_layouts_that_do_not_split_linear_attention_yet_are_refused_with_the_reason(key):
+    cfg = load_config("tiny-hybrid")
+    cfg.parallel = type(cfg.parallel)(**{**cfg.parallel.__dict__, key.split(".")[1]: 2})
+    refused = {r.rule: r.message for r in layout_refusals(cfg)}
+    assert "linear-attention-layouts" in refused
+    assert "Gated DeltaNet" in refused["linear-attention-layouts"] and f"{key} = 2" in refused["linear-attention-layouts"]
+    assert "linear-attention-layouts" not in {r.rule for r in layout_refusals(load_config("tiny-hybrid"))}
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"data.attention": "document"}, r"data.attention = 'document' is not supported with linear-attention blocks"),
+    ({"optim.name": "muon"}, r"optim.name = 'muon' is not supported with linear-attention blocks"),
+])
+def test_what_else_linear_attention_does_not_run_with_yet_is_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny-hybrid", overrides)
+
+
+def test_export_refuses_a_hybrid_model():
+    from lmforge.interop.hf import hf_family
+
+    with pytest.raises(ValueError, match="make Gated DeltaNet blocks, which LlamaForCausalLM"):
+        hf_family(ModelConfig(**{**HYBRID, "attn_gate": False}, full_attention_interval=4))
+
+
+def test_the_tiny_hybrid_preset_is_the_3_to_1_pattern():
+    m = load_config("tiny-hybrid").model
+    assert [m.is_linear_layer(i) for i in range(m.n_layers)] == [True, True, True, False]
+    assert (m.attn_gate, m.qk_norm, m.rope_dim, m.deltanet_shape) == (True, True, 8, (3, 6, 32, 32))
+    assert count_params(m)["total"] == 2_606_212
+
+
+@pytest.mark.slow
+def test_tiny_hybrid_trains_through_lmforge_train(corpus, tmp_path):  # noqa: F811
+    """`lmforge train --config tiny-hybrid` for a few steps (the small test corpus and width; four
+    blocks, so the 3:1 pattern stays): the loss falls, and the run's config keeps the pattern."""
+    out = tmp_path / "hybrid"
+    proc = train(corpus, out, **{"config": "tiny-hybrid", "model.n_layers": 4, "train.steps": 6,
+                                 "train.log_every": 1})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    loss = [r["loss"] for r in recs if "loss" in r and "val_loss" not in r]
+    assert len(loss) == 6 and loss[-1] < loss[0]
+    assert "full_attention_interval = 4" in (out / "config.toml").read_text()
+
+
+@pytest.mark.slow
+def test_tiny_hybrid_under_ddp_and_fsdp2_matches_one_process(corpus, tmp_path):  # noqa: F811
+    """The layouts a hybrid model runs under (data parallelism: DDP, FSDP2) give one process's
+    per-step losses and gradient norms."""
+    shared = {"config": "tiny-hybrid", "model.n_layers": 4, "train.steps": 6, "train.log_every": 1}
+    proc = train_runs(corpus, {tmp_path / "single": {}}, **shared)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = {tmp_path / "ddp2": {"parallel.dp_replicate": 2}, tmp_path / "fsdp2": {"parallel.dp_shard": 2}}
+    proc = train_runs(corpus, runs, nproc=2, timeout=300, **shared)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for out in runs:
+        assert_runs_match(out, tmp_path / "single", f"tiny-hybrid, {out.name} vs one process")
