@@ -47,10 +47,10 @@ log = logging.getLogger("lmforge.train")
 
 
 class AsyncSGDTrainer(Trainer):
-    def build_layout(self, model, precision: str) -> Layout:
+    def build_layout(self, model, precision: str, weight_source, documents) -> Layout:
         """Every rank holds the whole model: the server steps it, a worker computes gradients on its
         pulled copy; the one-process layout, with no collective in the step."""
-        materialise(model, self.device, self.weight_source)
+        materialise(model, self.device, weight_source)
         return Layout(model, self.cfg, self.dist, precision)
 
     def end_together(self) -> None:
