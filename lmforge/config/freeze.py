@@ -34,6 +34,23 @@ def _frozen_setattr(self, name: str, value) -> None:
     object.__setattr__(self, name, value)
 
 
+def _base(cls: type) -> type:
+    return cls.__mro__[1] if getattr(cls, "_lmforge_frozen_class", False) else cls
+
+
+def _frozen_eq(self, other):
+    """Equal to the same section, frozen or not (dataclasses compare only objects of one class)."""
+    base = _base(type(self))
+    if _base(type(other)) is not base:
+        return NotImplemented
+    return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(base))
+
+
+def _frozen_repr(self) -> str:
+    """The section's own repr (its class's name, not the frozen subclass's)."""
+    return _base(type(self)).__qualname__ + _base(type(self)).__repr__(self)[len(type(self).__qualname__):]
+
+
 def _frozen_class(cls: type) -> type:
     if getattr(cls, "_lmforge_frozen_class", False):
         return cls
@@ -41,7 +58,8 @@ def _frozen_class(cls: type) -> type:
     module = sys.modules[__name__]
     frozen = getattr(module, name, None)
     if frozen is None:
-        frozen = type(name, (cls,), {"__setattr__": _frozen_setattr, "_lmforge_frozen_class": True,
+        frozen = type(name, (cls,), {"__setattr__": _frozen_setattr, "__eq__": _frozen_eq, "__hash__": None,
+                                     "__repr__": _frozen_repr, "_lmforge_frozen_class": True,
                                      "__module__": __name__, "__qualname__": name})
         setattr(module, name, frozen)
     return frozen

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lmforge.ckpt.checkpointer import check_compatible, load_states, save_states
-from lmforge.ckpt.manager import read_meta
+from lmforge.ckpt.manager import CheckpointFailure, read_meta
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted
 from lmforge.train.progress import is_rank0
 from lmforge.train.run_folder import config_differences
@@ -101,3 +101,16 @@ class Checkpoints:
         manager.close()
         trainer.end_together()
         raise Preempted(message, st.step, name, where)
+
+    def close_protected(self, weights_error: str | None, weights: Path, step: int, metrics) -> None:
+        """The end of a run: the last save written, validated and backed up before the run reports;
+        if it failed, or the final weights could not be written (`weights_error`), no summary:
+        CheckpointFailure (every rank alike), and a rerun resumes."""
+        manager = self.manager
+        manager.close()
+        if manager.consecutive_failures or weights_error:
+            what = [f"the last checkpoint failed ({manager.last_error})"] if manager.consecutive_failures else []
+            what += [f"the final weights {weights} could not be written ({weights_error})"] if weights_error else []
+            metrics.close()
+            raise CheckpointFailure(f"training reached step {step}, but {' and '.join(what)}. Fix that and run the "
+                                    f"same command again: it resumes from the newest valid checkpoint.")

@@ -87,6 +87,18 @@ class SpikeGuard:
         self.n_skipped = int(sd.get("n_skipped", 0))
 
 
+def can_skip_on_device(optimizer, scaler, async_sgd: bool) -> bool:
+    """Can a rejected update be skipped on the device, so that the guard never makes the host wait
+    inside a step? Yes for torch's fused Adam / AdamW (their kernels honour `found_inf`: a skipped
+    step changes neither the weights nor any state, the step count included) unless fp16's
+    GradScaler already drives `found_inf`. Every other optimizer (foreach kernels, ZeRO-1, the
+    lmforge optimizers, fp16) keeps the host verdict: one host wait per step, after the backward;
+    so does asynchronous SGD's server, which reads every update's values anyway."""
+    return not async_sgd and (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+                              and bool(optimizer.defaults.get("fused"))
+                              and getattr(optimizer, "_step_supports_amp_scaling", False) and not scaler.is_enabled())
+
+
 class StepGuard(SpikeGuard):
     """The spike guard of a training run (its checkpointed state: `SpikeGuard`'s). `log_event` writes
     the skipped-update events; `fp16`: an fp16 overflow is the GradScaler's to skip, not a bad step.

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lmforge.data.prepare import mixture_entropy, mixture_weights, recorded_unigram_entropy, unigram_counts
-from lmforge.folders import FAILED_RECORD, REPORT, SUMMARY, atomic_write
+from lmforge.eval.generate import generate_text
+from lmforge.folders import FAILED_RECORD, REPORT, SAMPLE, SUMMARY, atomic_write
 from lmforge.model.transformer import count_params
 from lmforge.train.components import stage_plan_lines
 from lmforge.train.metrics import memory_gb
@@ -73,9 +74,9 @@ def corpus_entropy(data, train_shards, dist) -> float:
     return mixture_entropy(counts.numpy(), mixture_weights(train_shards))
 
 
-def log_header(trainer) -> float:
-    """The run's header (every rank: the entropy may be counted collectively); returns the corpus'
-    unigram entropy (nan for fine-tuning: it is the baseline of pre-training only)."""
+def log_header(trainer) -> None:
+    """The run's header (every rank: the entropy may be counted collectively), and the corpus' unigram
+    entropy into `trainer.facts` (nan for fine-tuning: it is the baseline of pre-training only)."""
     cfg, t, facts = trainer.cfg, trainer.cfg.train, trainer.facts
     counts = count_params(cfg.model)
     ft = cfg.finetune
@@ -112,7 +113,7 @@ def log_header(trainer) -> float:
         done = " (the run is already complete: use --checkpoint.resume none or another --train.out_dir " \
                "to start over)" if trainer.state.step >= t.steps else ""
         log.info("resuming at step %d of %d from %s%s", trainer.state.step, t.steps, trainer.resumed_from, done)
-    return entropy
+    facts.entropy = entropy
 
 
 def report_finished(trainer) -> TrainResult:
@@ -148,9 +149,27 @@ def operability_summary(trainer, history: list[dict]) -> dict:
                             "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None}}
 
 
-def write_summary(trainer, summary: dict) -> None:
-    """summary.json (rank 0; a failed attempt's record goes: the run is made good), then the plots."""
+def write_sample(trainer) -> str:
+    """train.sample_tokens of text from train.sample_prompt, into SAMPLE (rank 0). Every rank runs it
+    (sharded forwards are collective); the same seed gives the same text."""
+    t = trainer.cfg.train
+    if not t.sample_tokens:
+        return ""
+    sample = generate_text(trainer.layout.inference_model(), trainer.data.tokenizer, t.sample_prompt,
+                           t.sample_tokens, temperature=0.8, top_k=50, seed=t.seed)
+    if is_rank0():
+        atomic_write(trainer.out_dir / SAMPLE, t.sample_prompt + sample + "\n")
+    return sample
+
+
+def write_summary(trainer, result: TrainResult, extra: dict) -> None:
+    """summary.json: `result`, the operability keys, then `extra` (the EMA's and the tasks' scores,
+    validation per source, a loop's own keys); rank 0 writes it and a failed attempt's record goes
+    (the run is made good); then the plots."""
     out = trainer.out_dir
+    summary = {k: v for k, v in result.__dict__.items() if k != "history"}
+    summary.update(operability_summary(trainer, result.history))
+    summary.update(extra)
     if is_rank0():
         atomic_write(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
         (out / FAILED_RECORD).unlink(missing_ok=True)

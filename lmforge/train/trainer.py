@@ -15,16 +15,14 @@
 
 Everything that differs between parallel layouts is behind `self.layout` (lmforge.parallel.layout):
 the trainer never asks which one it has. Checkpoints hold `self.states`, a mapping of `Stateful`
-objects (lmforge.ckpt.checkpointer). The concerns around the step join it through the events of
-lmforge.train.events (run_start, step_begin, backward_end, update_end, log_window, paused, step_end,
-run_end, close: their order and contract are written there), as handlers: the rank health report
-and hang watchdog (lmforge.train.rank_health), the profiler (lmforge.train.profiler.Profiling), and
-whatever a caller adds (`Trainer(cfg, handlers=[...])`, `add_handler`, `events.register_handler`).
-Elsewhere: the guard and its rollback (lmforge.train.guard.StepGuard), checkpoints and preemption
-(lmforge.train.checkpointing), the step records and log lines (lmforge.train.step_log), the header,
-summary and plots (lmforge.train.run_report), the final weights (lmforge.ckpt.export). Asynchronous
-SGD is its own loop on top of this class (lmforge.train.async_sgd.AsyncSGDTrainer; `trainer_for(cfg)`
-picks the class).
+objects (lmforge.ckpt.checkpointer). The other concerns join the loop through the events of
+lmforge.train.events (their order and contract are written there) as handlers: the rank health
+report and hang watchdog (train.rank_health), the profiler (train.profiler.Profiling), and what a
+caller adds (`Trainer(cfg, handlers=[...])`, `add_handler`, `events.register_handler`). Elsewhere:
+the guard and its rollback (train.guard.StepGuard), checkpoints and preemption (train.checkpointing),
+step records and log lines (train.step_log), header, summary and plots (train.run_report), final
+weights (ckpt.export). Asynchronous SGD is its own loop on top of this class
+(train.async_sgd.AsyncSGDTrainer; `trainer_for(cfg)` picks the class).
 """
 
 from __future__ import annotations
@@ -44,9 +42,7 @@ from lmforge.ckpt.state import ModelOptimizerState, RNGState
 from lmforge.config import Config
 from lmforge.config.freeze import freeze
 from lmforge.data.prefetch import Prefetcher
-from lmforge.eval.generate import generate_text
-from lmforge.folders import EMA_WEIGHTS, FAILED_RECORD, SAMPLE, SUMMARY, WEIGHTS, atomic_write, new_run_id, read_run_id, \
-    record_failure
+from lmforge.folders import EMA_WEIGHTS, FAILED_RECORD, SUMMARY, WEIGHTS, new_run_id, read_run_id, record_failure
 from lmforge.model.documents import describe_document_attention
 from lmforge.model.transformer import flops_per_token
 from lmforge.optim.optimizers import build_optimizer, schedule_lr
@@ -61,7 +57,7 @@ from lmforge.train.components import (build_loaders, build_training_model, docum
 from lmforge.train.ema import WeightEMA
 from lmforge.train.eval_tasks import TaskEvaluator
 from lmforge.train.events import Handler, Handlers, registered_handlers
-from lmforge.train.guard import StepGuard
+from lmforge.train.guard import StepGuard, can_skip_on_device
 from lmforge.train.metrics import format_duration
 from lmforge.train.precision import Resolved, make_precision
 from lmforge.train.preempt import Preemption
@@ -77,7 +73,6 @@ from lmforge.train.validation import Validation
 log = logging.getLogger("lmforge.train")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-__all__ = ["Trainer", "TrainResult", "StepEvents", "Batch"]
 
 
 class Trainer:
@@ -214,15 +209,8 @@ class Trainer:
         return self.rank0_decides(value)
 
     def guard_can_skip_on_device(self) -> bool:
-        """Can a rejected update be skipped on the device, so that the guard never makes the host wait
-        inside a step? Yes for torch's fused Adam / AdamW (their kernels honour `found_inf`: a skipped
-        step changes neither the weights nor any state, the step count included) unless fp16's
-        GradScaler already drives `found_inf`. Every other optimizer (foreach kernels, ZeRO-1, the
-        lmforge optimizers, fp16) keeps the host verdict: one host wait per step, after the backward;
-        so does asynchronous SGD's server, which reads every update's values anyway."""
-        opt = self.optimizer
-        return not self.cfg.parallel.async_sgd and (type(opt) in (torch.optim.Adam, torch.optim.AdamW) and bool(opt.defaults.get("fused"))
-                and getattr(opt, "_step_supports_amp_scaling", False) and not self.precision.scaler.is_enabled())
+        """Whether the guard's verdict may skip a rejected update on the device (lmforge.train.guard.can_skip_on_device)."""
+        return can_skip_on_device(self.optimizer, self.precision.scaler, self.cfg.parallel.async_sgd)
 
     # what the parts hold, by the names callers use
     model = property(lambda self: self.layout.model)
@@ -252,9 +240,9 @@ class Trainer:
             self.end_together()
             return result
         except BaseException as e:
-            error = e
-            if isinstance(e, CheckpointFailure) and is_rank0() and not record_failure(self.out_dir, self.state.step,
-                                                                                      str(e)):
+            error = e  # (a CheckpointFailure, every rank alike: the rerun says what happened)
+            failed = isinstance(e, CheckpointFailure) and is_rank0()
+            if failed and not record_failure(self.out_dir, self.state.step, str(e)):
                 log.error("could not record the failure in %s", self.out_dir / FAILED_RECORD)
             raise
         finally:
@@ -291,7 +279,7 @@ class Trainer:
     def train(self) -> TrainResult:
         """The synchronous loop: every rank steps together; the handlers hear its events in order."""
         cfg, t, st, steps, events = self.cfg, self.cfg.train, self.state, self.steplog, self.handlers
-        self.log_run_header()
+        run_report.log_header(self)
         steps.start(st)
         events.emit("run_start", self)
         initial = self.validate()
@@ -455,9 +443,6 @@ class Trainer:
         """The training corpus' unigram entropy (lmforge.train.run_report.corpus_entropy)."""
         return run_report.corpus_entropy(self.data, self.loaders.train_shards, self.dist)
 
-    def log_run_header(self) -> None:
-        self.facts.entropy = run_report.log_header(self)
-
     def log_event(self, event: dict) -> None:
         """An event (skipped update, rollback, checkpoint, ...) into metrics.jsonl and the log."""
         self.run.log_event(event)
@@ -483,44 +468,25 @@ class Trainer:
         if ema:
             log.info("final: EMA of the weights (train.ema_decay %g): val loss %.4f", t.ema_decay, ema["val_loss_ema"])
         tasks = self.score_tasks()
-        sample = ""
-        if t.sample_tokens:  # every rank runs it (sharded forwards are collective); same seed -> same text
-            sample = generate_text(self.layout.inference_model(), self.data.tokenizer, t.sample_prompt,
-                                   t.sample_tokens, temperature=0.8, top_k=50, seed=t.seed)
-            if is_rank0():
-                atomic_write(out / SAMPLE, t.sample_prompt + sample + "\n")
+        sample = run_report.write_sample(self)  # (every rank: sharded forwards are collective)
         weights_error = None
         if cfg.checkpoint.save_final:
             if checkpoint and (st.step > start_step or self.resumed_from is None):  # (not if resumed at this step)
                 self.save_checkpoint()
             with self.steplog.timers("checkpoint"):
-                weights_error = self.save_final_weights(out / WEIGHTS)
+                weights_error = save_final_weights(self.layout, cfg, out / WEIGHTS, is_rank0(), self.finish_decides)
                 if self.ema is not None and self.ema.started and not weights_error:  # (every rank: a collective)
                     with self.ema.swapped_in():
-                        weights_error = self.save_final_weights(out / EMA_WEIGHTS)
-        self.ckpt.close()  # the last save is written, validated and backed up before we report
-        if self.ckpt.consecutive_failures or weights_error:  # (every rank alike) no summary: a rerun resumes
-            what = [f"the last checkpoint failed ({self.ckpt.last_error})"] if self.ckpt.consecutive_failures else []
-            what += [f"the final weights {out / WEIGHTS} could not be written ({weights_error})"] \
-                if weights_error else []
-            self.metrics.close()
-            raise CheckpointFailure(f"training reached step {st.step}, but {' and '.join(what)}. Fix that and run the "
-                                    f"same command again: it resumes from the newest valid checkpoint.")
-
+                        weights_error = save_final_weights(self.layout, cfg, out / EMA_WEIGHTS, is_rank0(),
+                                                           self.finish_decides)
+        self.checkpoints.close_protected(weights_error, out / WEIGHTS, st.step, self.metrics)  # (every rank alike)
         result = TrainResult(
             steps=st.step, tokens=st.tokens_seen, train_loss=st.last_loss, val_loss=final["loss"],
             val_perplexity=final["perplexity"], initial_val_loss=first_val, unigram_entropy=entropy,
             sample=sample, out_dir=str(out), seconds=elapsed,
             tokens_per_second=st.tokens_seen / max(elapsed, 1e-9), history=history)
-        summary = {k: v for k, v in result.__dict__.items() if k != "history"}
-        summary.update(run_report.operability_summary(self, history))
-        if final.get("sources"):  # (validation per source of a prepared mixture)
-            summary["val_loss_per_source"] = final["sources"]
-        summary.update({**ema, **({"eval_tasks": tasks} if tasks else {})})
-        summary.update(extra_summary or {})
-        run_report.write_summary(self, summary)
+        per_source = {"val_loss_per_source": final["sources"]} if final.get("sources") else {}  # (a mixture)
+        run_report.write_summary(self, result, {**per_source, **ema, **({"eval_tasks": tasks} if tasks else {}),
+                                                **(extra_summary or {})})
         return result
 
-    def save_final_weights(self, path: Path) -> str | None:
-        """The final safetensors weights (lmforge.ckpt.export.save_final_weights; a collective)."""
-        return save_final_weights(self.layout, self.cfg, path, is_rank0(), self.finish_decides)
