@@ -123,7 +123,7 @@ class Trainer:
         # or hardware probing (a refused resume answers at once); before the precision: it records
         # the run's precision (the run's identity keys its S3 backup: the folder's, or a new one)
         run_id = self.rank0_decides((read_run_id(self.out_dir) or new_run_id()) if is_rank0() else None)
-        self.checkpoints = Checkpoints(manager_for_run(cfg, self.out_dir, self.dist, self.log_event, run_id=run_id))
+        self.checkpointing = Checkpoints(manager_for_run(cfg, self.out_dir, self.dist, self.log_event, run_id=run_id))
         self.resumed_from = resolve_resume(cfg.checkpoint, self.ckpt)
         if self.resumed_from is not None:
             check_compatible(read_meta(self.resumed_from), cfg, self.resumed_from)
@@ -216,7 +216,7 @@ class Trainer:
     model = property(lambda self: self.layout.model)
     loader = property(lambda self: self.loaders.train)
     val_instruct = property(lambda self: self.loaders.val_instruct)
-    ckpt = property(lambda self: self.checkpoints.manager)
+    ckpt = property(lambda self: self.checkpointing.manager)
     metrics = property(lambda self: self.run.metrics if self.run is not None else None)
     n_params = property(lambda self: self.facts.n_params)
     flops_per_token = property(lambda self: self.facts.flops_per_token)
@@ -256,7 +256,7 @@ class Trainer:
         without an active exception"), the handlers (`close`), the lock, the signal handlers."""
         if isinstance(getattr(self, "loader", None), Prefetcher):
             self.loader.close()
-        if getattr(self, "checkpoints", None) is not None:
+        if getattr(self, "checkpointing", None) is not None:
             self.ckpt.close()
         if getattr(self, "dist", None) is not None and self.dist.distributed:
             destroy_distributed()
@@ -285,7 +285,7 @@ class Trainer:
         initial = self.validate()
         self.score_tasks()
         steps.start_window(st, self.facts.flops_per_token, self.facts.peak)
-        start_step, self.checkpoints.last_save_time = st.step, time.time()
+        start_step, self.checkpointing.last_save_time = st.step, time.time()
 
         while st.step < t.steps:
             step = st.step + 1
@@ -315,7 +315,7 @@ class Trainer:
             if self.tasks is not None and self.tasks.due(step):
                 with steps.timed_eval(), events.paused(self):
                     self.score_tasks()
-            if (not due.last or not cfg.checkpoint.save_final) and self.checkpoints.due(cfg, self.dist, due):
+            if (not due.last or not cfg.checkpoint.save_final) and self.checkpointing.due(cfg, self.dist, due):
                 st.last_loss = float(loss)
                 with events.paused(self):
                     self.save_checkpoint()
@@ -323,7 +323,7 @@ class Trainer:
                 stop = self.preemption.requested()  # (every rank, every step: one tiny all-reduce)
             events.emit("step_end", self, step)
             if stop:
-                self.checkpoints.stop_for_preemption(self)
+                self.checkpointing.stop_for_preemption(self)
 
         steps.close()
         events.emit("run_end", self)
@@ -405,11 +405,11 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Checkpoint `self.states` at the current step (every rank; lmforge.train.checkpointing)."""
-        self.checkpoints.save(self)
+        self.checkpointing.save(self)
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore `self.states` from `path` (every rank; the checkpoint may come from any layout)."""
-        self.checkpoints.load(self, path)
+        self.checkpointing.load(self, path)
 
     # ------------------------------------------------------------------------------------------
     # evaluation, logging
@@ -479,7 +479,7 @@ class Trainer:
                     with self.ema.swapped_in():
                         weights_error = save_final_weights(self.layout, cfg, out / EMA_WEIGHTS, is_rank0(),
                                                            self.finish_decides)
-        self.checkpoints.close_protected(weights_error, out / WEIGHTS, st.step, self.metrics)  # (every rank alike)
+        self.checkpointing.close_protected(weights_error, out / WEIGHTS, st.step, self.metrics)  # (every rank alike)
         result = TrainResult(
             steps=st.step, tokens=st.tokens_seen, train_loss=st.last_loss, val_loss=final["loss"],
             val_perplexity=final["perplexity"], initial_val_loss=first_val, unigram_entropy=entropy,
