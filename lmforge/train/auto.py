@@ -1,8 +1,9 @@
 """Every "auto" of a run's config resolved in one place, once, at run start; then the config is frozen.
 
-    choices = resolve_auto(cfg, device, resumed_from, decides)   # every rank, the same answers
-    write_choices(out_dir, choices)                              # RESOLVED beside CONFIG (lmforge.folders)
-    freeze(cfg)                                                  # nothing changes it afterwards
+    precision, choices = resolve_auto(cfg, device, resumed_from, decides)   # every rank, the same answers
+    freeze(cfg)                                         # (lmforge.config.freeze) nothing changes it afterwards
+    choices_text(choices)                               # RESOLVED, beside CONFIG (lmforge.folders), and
+                                                        # the header's `resolved:` lines (lmforge.train.run_report)
 
 Rank 0 probes the hardware (its device's bf16 units, the memory free, the GPU's compute capability)
 and every rank receives its answers (`decides`: Trainer.rank0_decides, a broadcast over the host
@@ -20,8 +21,11 @@ only calls them, in order, and records each key's given value, its value for thi
     parallel.dp_shard     inferred from the launch with expert parallelism (lmforge.config.rules)
     checkpoint.resume     the checkpoint the run continues from, if any (lmforge.ckpt.checkpointer)
 
-The other keys' values are pure functions of the frozen config and these (the layouts call the
-same rules with the same arguments, so they read the same answers).
+Where the layouts need these values again (parallelize's compile, the Layout's loss chunk) they call
+the same rules on the frozen config, so they read the same answers. Two "auto"s are not one value
+per run and stay with their rule: optim.fused (torch's fused kernels for each parameter group where
+this torch has them: lmforge.optim.optimizers) and model.moe.grouped_mm (per expert matmul's shapes:
+lmforge.model.moe); train.progress = auto is each rank's terminal, shown on rank 0 only.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import torch
 from lmforge.ckpt.manager import read_meta
 from lmforge.config import Config
 from lmforge.config.rules import check_resolved_precision, resolve_loss_chunk
-from lmforge.folders import RESOLVED, atomic_write
 from lmforge.train.micro_batch import decide_micro_batch
 from lmforge.train.precision import Resolved, resolve_precision
 from lmforge.train.progress import is_rank0
@@ -86,7 +89,8 @@ def resolve_micro_batch(cfg: Config, precision: str, device: torch.device, decid
     return choice.reason
 
 
-def resolve_auto(cfg: Config, device: torch.device, resumed_from: Path | None, decides) -> tuple[Resolved, list[Choice]]:
+def resolve_auto(cfg: Config, device: torch.device, resumed_from: Path | None,
+                 decides) -> tuple[Resolved, list[Choice]]:
     """Every "auto" of `cfg` for this run (module docstring), in the order the run needs them: the
     precision first (the micro-batch's memory depends on it). Every rank calls this."""
     from lmforge.model.documents import document_kernel
@@ -117,8 +121,8 @@ def choices_text(choices: list[Choice]) -> str:
     """The file RESOLVED: one `key = value` line per choice (TOML strings), with its given value and why."""
     from lmforge.config.loading import _toml_value
 
-    lines = ["# what this run resolved at start (lmforge.train.auto); the config as given: " +
-             "config.toml, beside this file"]
+    lines = ["# what this run resolved at start (lmforge.train.auto); beside this file, config.toml: the config",
+             "# as given (train.micro_batch_size as resolved: the run's batches follow from it)"]
     for c in choices:
         if c.key == "config":
             lines.append(f"# {c.reason}")
@@ -126,8 +130,3 @@ def choices_text(choices: list[Choice]) -> str:
         lines.append(f"# given {c.given!r}: {c.reason}")
         lines.append(f'"{c.key}" = {_toml_value(c.value if isinstance(c.value, (bool, int, float)) else str(c.value))}')
     return "\n".join(lines) + "\n"
-
-
-def write_choices(out_dir: Path, choices: list[Choice]) -> None:
-    """RESOLVED in the run folder (rank 0, atomically)."""
-    atomic_write(out_dir / RESOLVED, choices_text(choices))
