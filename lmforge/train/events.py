@@ -24,7 +24,8 @@ The events, in the order the synchronous loop (lmforge.train.trainer.Trainer.tra
       step_end(trainer, step)        the step's validation, checkpoint and preemption check are done
     run_end(trainer)                 the loop is over (also before a preemption's checkpoint);
                                      before the final validation, weights and summary
-    close(trainer, error)            whatever ended the run (`error`: the exception, or None), once
+    close(trainer, error)            whatever ended the run (`error`: the exception, or None), once,
+                                     the last handler first (as a stack unwinds)
 
 The contract. Every rank builds the same handlers in the same order and calls every event on
 every rank, in that order: built-in handlers first (`Trainer.builtin_handlers`), then the ones
@@ -32,8 +33,8 @@ passed to the Trainer, then the registered ones. A handler may run a collective 
 (the straggler report gathers every rank's phase times at `log_window`), so it must do so on every
 rank, and must not skip an event on some ranks only. `close` is the exception: it runs on the
 error path too, where a peer may never arrive, so it must not run a collective. The asynchronous
-SGD loop (lmforge.train.async_sgd) calls only `run_start`, `run_end` and `close`: its ranks never
-step together.
+SGD loop (lmforge.train.async_sgd) calls only `close`: its ranks never step together, so no event
+of the synchronous loop would reach every rank at the same point.
 """
 
 from __future__ import annotations
