@@ -41,6 +41,7 @@ from typing import Any
 
 # ---- run folder -----------------------------------------------------------------------------
 CONFIG = "config.toml"
+RESOLVED = "resolved.toml"  # every "auto" of CONFIG as the run resolved it at start (lmforge.train.auto)
 TOKENIZER = "tokenizer.json"
 WEIGHTS = "model.safetensors"
 EMA_WEIGHTS = "model.ema.safetensors"  # the EMA of the weights at the end of a run with train.ema_decay

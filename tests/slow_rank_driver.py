@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N tests/slow_rank_driver.py RANK SECONDS [train overrides ...]
 
 Runs the real `lmforge train` command line, except that rank RANK sleeps SECONDS at the start of
-every optimizer step's compute (as a slow loader or a busy host would), RANK -1: no rank.
+every optimizer step (the `step_begin` event, lmforge.train.events: in the step's data phase, as a
+slow loader or a busy host would), RANK -1: no rank.
 """
 
 from __future__ import annotations
@@ -11,22 +12,20 @@ from __future__ import annotations
 import sys
 import time
 
-import lmforge.train.trainer as trainer_module
 from lmforge.cli import main
+from lmforge.train.events import Handler, register_handler
 
 
-def slow(rank: int, seconds: float) -> None:
-    train_step = trainer_module.Trainer.train_step
+class Slow(Handler):
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
 
-    def slowed(self, micro_batches):
-        if self.dist.rank == rank:
-            time.sleep(seconds)
-        return train_step(self, micro_batches)
-
-    trainer_module.Trainer.train_step = slowed
+    def step_begin(self, trainer, step: int) -> None:
+        if trainer.dist.rank == self.rank:
+            time.sleep(self.seconds)
 
 
 if __name__ == "__main__":
     rank, seconds, *overrides = sys.argv[1:]
-    slow(int(rank), float(seconds))
+    register_handler(lambda: Slow(int(rank), float(seconds)))
     sys.exit(main(["train", *overrides]))

@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node N tests/stall_driver.py RANK STEP SECONDS MARKER [train overrides ...]
 
-Runs the real `lmforge train` command line, except that rank RANK sleeps SECONDS before its
-optimizer step STEP (1-based), after writing the time it fell asleep to MARKER: the other ranks
-then wait in that step's first collective, which must fail after parallel.timeout_s.
+Runs the real `lmforge train` command line, except that rank RANK sleeps SECONDS at the start of
+its optimizer step STEP (1-based: the `step_begin` event, lmforge.train.events), after writing the
+time it fell asleep to MARKER: the other ranks then wait in that step's first collective, which must
+fail after parallel.timeout_s.
 """
 
 from __future__ import annotations
@@ -13,23 +14,24 @@ import sys
 import time
 from pathlib import Path
 
-import lmforge.train.trainer as trainer_module
 from lmforge.cli import main
+from lmforge.train.events import Handler, register_handler
 
 
-def stall(rank: int, step: int, seconds: float, marker: Path) -> None:
-    train_step = trainer_module.Trainer.train_step
+class Stall(Handler):
+    def __init__(self, rank: int, step: int, seconds: float, marker: Path):
+        self.rank, self.step, self.seconds, self.marker = rank, step, seconds, marker
 
-    def stalled(self, micro_batches):
-        if self.dist.rank == rank and self.state.step + 1 == step:
-            marker.write_text(f"{time.time()}\n")
-            time.sleep(seconds)
-        return train_step(self, micro_batches)
+    def step_begin(self, trainer, step: int) -> None:
+        if trainer.dist.rank == self.rank and step == self.step:
+            self.stalled()
 
-    trainer_module.Trainer.train_step = stalled
+    def stalled(self) -> None:  # (the name test_rank_health looks for in the hang's stack dump)
+        self.marker.write_text(f"{time.time()}\n")
+        time.sleep(self.seconds)
 
 
 if __name__ == "__main__":
     rank, step, seconds, marker, *overrides = sys.argv[1:]
-    stall(int(rank), int(step), float(seconds), Path(marker))
+    register_handler(lambda: Stall(int(rank), int(step), float(seconds), Path(marker)))
     sys.exit(main(["train", *overrides]))

@@ -110,7 +110,7 @@ def test_training_reads_the_recorded_entropy_without_reading_the_shards(prepared
         raise AssertionError("the corpus was read for its unigram entropy")
 
     monkeypatch.setattr(prepare_mod, "unigram_counts", refuse)
-    monkeypatch.setattr("lmforge.train.trainer.unigram_counts", refuse)
+    monkeypatch.setattr("lmforge.train.run_report.unigram_counts", refuse)
     monkeypatch.setattr(TokenShards, "iter_chunks", refuse)
     result = _trainer(prepared, tmp_path).fit()
     assert result.unigram_entropy == want
@@ -128,7 +128,7 @@ def test_a_folder_prepared_before_the_record_is_counted_once_with_a_log_line(pre
     assert recorded_unigram_entropy(open_tokens(old / "train")) is None
     calls = []
     real = prepare_mod.unigram_counts
-    monkeypatch.setattr("lmforge.train.trainer.unigram_counts", lambda *a: calls.append(a[1:]) or real(*a))
+    monkeypatch.setattr("lmforge.train.run_report.unigram_counts", lambda *a: calls.append(a[1:]) or real(*a))
     trainer = _trainer(old, tmp_path)
     trainer.setup()
     with caplog.at_level(logging.INFO, logger="lmforge.train"):

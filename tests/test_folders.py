@@ -105,7 +105,7 @@ NAMES = {value for name, value in vars(folders).items() if name.isupper() and is
 # (module, literal) -> why the literal there is not a file name
 ALLOWED = {
     ("lmforge/cli/__init__.py", folders.REPORT): "the `lmforge report` subcommand's name",
-    ("lmforge/train/trainer.py", folders.CHECKPOINTS): "a key of summary.json (checkpoint statistics), not a path",
+    ("lmforge/train/run_report.py", folders.CHECKPOINTS): "a key of summary.json (checkpoint statistics), not a path",
 }
 
 

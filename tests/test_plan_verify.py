@@ -62,19 +62,16 @@ SUM_INSTEAD_OF_AVERAGE = textwrap.dedent('''
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch
-        from lmforge.train import trainer
+        from lmforge.train.events import Handler, register_handler
 
-        real = trainer.Trainer.forward_backward
+        class Summed(Handler):
+            def backward_end(self, trainer, loss):
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(trainer.dist.dp_size)
 
-        def summed(self, micro_batches):
-            loss = real(self, micro_batches)
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(self.dist.dp_size)
-            return loss
-
-        trainer.Trainer.forward_backward = summed
+        register_handler(Summed)
 ''')
 
 

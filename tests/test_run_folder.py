@@ -103,8 +103,8 @@ def test_a_refused_resume_answers_before_any_data_or_hardware_work(finished, mon
     def too_early(*args, **kwargs):
         raise AssertionError("data or precision work before the config was checked against the checkpoint")
 
-    monkeypatch.setattr(trainer_module.Trainer, "prepare_data", too_early)
-    monkeypatch.setattr(trainer_module.Trainer, "decide_precision", too_early)
+    monkeypatch.setattr(trainer_module, "prepare_data_once", too_early)
+    monkeypatch.setattr(trainer_module.auto, "resolve_auto", too_early)
     monkeypatch.setattr(trainer_module, "build_loaders", too_early)
     with pytest.raises(ConfigError, match="incompatible with this config .*model.n_layers"):
         Trainer(load_config("tiny", {**SMALL, "model.n_layers": 3}), out_dir=finished).fit()

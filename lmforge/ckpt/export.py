@@ -240,3 +240,56 @@ def checkpoint_ema(folder: Path, weights: WeightReader) -> WeightReader:
         return ema.read(name).to(weights.dtypes[name]) if name in ema.shapes else weights.read(name)
 
     return WeightReader(weights.shapes, weights.dtypes, read)
+
+
+def save_final_weights(layout, cfg: Config, path: Path, rank0: bool, decides) -> str | None:
+    """The run's final safetensors weights, streamed by rank 0 one tensor at a time as `layout`
+    (lmforge.parallel.layout.Layout) gathers them: LoRA adapters folded in unless
+    finetune.merge_lora = false; a tied head stored once, as the embedding; floating-point tensors in
+    checkpoint.weights_dtype. A collective: every rank calls this. Returns why the file could not be
+    written (a full disk: the bytes free and needed), as `decides` (rank 0's value on every rank that
+    calls it) gives it, or None; rank 0 then still drains the layout's gathers so that no rank is
+    left in a collective."""
+    import contextlib
+    import math
+
+    from lmforge.ckpt.manager import describe_write_error, free_bytes
+    from lmforge.model.lora import is_adapter, merge_adapters
+
+    ft = cfg.finetune
+    merge = bool(ft.lora_rank and ft.merge_lora)
+    target = WEIGHT_DTYPES[cfg.checkpoint.weights_dtype]
+    specs = [(name, written_dtype(dtype, target), shape) for name, dtype, shape in layout.weight_specs()
+             if not (merge and is_adapter(name))]
+    adapters: dict[str, torch.Tensor] = {}
+    needed = sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in specs)
+    free = free_bytes(path.parent) if rank0 else None
+    error: BaseException | None = None
+    stack = contextlib.ExitStack()
+    write = None
+    if rank0:
+        try:
+            write = stack.enter_context(save_streaming(path, specs))
+        except OSError as e:
+            error = e
+    for name, tensor in layout.full_weights():
+        if write is None or error is not None:
+            continue
+        if merge and is_adapter(name):
+            adapters[name] = tensor
+            continue
+        if merge:  # (its adapters came first: weight_specs' order)
+            tensor = merge_adapters(name, tensor, adapters, ft.lora_rank, ft.lora_alpha, cfg.model)
+        try:
+            write(name, tensor.to(written_dtype(tensor.dtype, target)))
+        except OSError as e:
+            error = e
+    try:
+        if error is not None:  # (the writer removes its temp file; `path` stays as it was)
+            stack.__exit__(type(error), error, error.__traceback__)
+        else:
+            stack.close()  # fsync, check, rename
+    except OSError as e:
+        error = error or e
+    why = describe_write_error(error, path.parent, needed, free) if error is not None else None
+    return decides(why)

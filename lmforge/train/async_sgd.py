@@ -41,16 +41,17 @@ from lmforge.parallel.param_server import (ServerLink, WorkerLink, flat_grads, f
                                            set_flat_grads)
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE, Preempted
 from lmforge.train.progress import Progress
+from lmforge.train import run_report
 from lmforge.train.trainer import Trainer, TrainResult
 
 log = logging.getLogger("lmforge.train")
 
 
 class AsyncSGDTrainer(Trainer):
-    def build_layout(self, model, precision: str) -> Layout:
+    def build_layout(self, model, precision: str, weight_source, documents) -> Layout:
         """Every rank holds the whole model: the server steps it, a worker computes gradients on its
         pulled copy; the one-process layout, with no collective in the step."""
-        materialise(model, self.device, self.weight_source)
+        materialise(model, self.device, weight_source)
         return Layout(model, self.cfg, self.dist, precision)
 
     def end_together(self) -> None:
@@ -73,7 +74,7 @@ class AsyncSGDTrainer(Trainer):
             return TrainResult(steps=self.state.step, tokens=0, train_loss=nan, val_loss=nan, val_perplexity=nan,
                                initial_val_loss=nan, unigram_entropy=nan, sample="", out_dir=str(self.out_dir),
                                seconds=0.0, tokens_per_second=0.0)
-        self.log_run_header()
+        run_report.log_header(self)
         log.info("async SGD: parameter server (rank 0) + %d workers, %d updates of %d sequences each, "
                  "max staleness %d (staler gradients are dropped)", self.dist.world_size - 1, self.cfg.train.steps,
                  self.cfg.train.micro_batch_size, self.cfg.parallel.max_staleness)

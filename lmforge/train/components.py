@@ -61,6 +61,26 @@ class Loaders:
     val_instruct: object | None  # held-out instruction data, if any
 
 
+def prepare_data_once(cfg: Config, dist) -> PreparedData:
+    """The dataset, prepared (or read from its cache) by one rank first, then read by the others:
+    rank 0 when every rank sees the same cache folder, else each node's local rank 0 (node-local
+    disks: every node prepares its own copy)."""
+    if not dist.distributed:
+        return prepare_data(cfg)
+    from lmforge.parallel.mesh import folder_is_shared
+
+    shared = cfg.data.corpus != "default" or folder_is_shared(cache_dir(cfg), dist)
+    first = dist.rank == 0 if shared else dist.local_rank == 0
+    if not shared and dist.rank == 0:
+        log.info("data: the cache %s is not shared by all ranks: each node prepares its own copy", cache_dir(cfg))
+    if not first:
+        torch.distributed.barrier(group=dist.host_group)
+    data = prepare_data(cfg)
+    if first:
+        torch.distributed.barrier(group=dist.host_group)
+    return data
+
+
 def build_loaders(cfg: Config, data: PreparedData, dp_rank: int, dp_size: int) -> Loaders:
     """This rank's train loader (rank r of W data-parallel ranks takes global samples r, r+W, ...:
     the 1-rank order, split) and the validation data."""

@@ -34,8 +34,10 @@ from pathlib import Path
 import torch
 
 from lmforge.config.rules import compute_precision
+from lmforge.folders import PROFILE
 from lmforge.plan.hardware import get_device
 from lmforge.train.peak import REPS, machine_peak
+from lmforge.train.events import Handler
 
 log = logging.getLogger("lmforge.train")
 
@@ -259,3 +261,23 @@ class StepProfiler:
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             self._prof = None
+
+
+class Profiling(Handler):
+    """The StepProfiler of train.profile_steps as a handler of the loop's events (lmforge.train.events):
+    a traced step runs from `step_begin` to `update_end`."""
+
+    def __init__(self) -> None:
+        self.profiler: StepProfiler | None = None
+
+    def run_start(self, trainer) -> None:
+        self.profiler = StepProfiler(trainer.cfg.train.profile_steps, trainer.out_dir / PROFILE, trainer.device)
+
+    def step_begin(self, trainer, step: int) -> None:
+        self.profiler.step_begin(step)
+
+    def update_end(self, trainer, step: int) -> None:
+        self.profiler.step_end(step)
+
+    def run_end(self, trainer) -> None:
+        self.profiler.close()

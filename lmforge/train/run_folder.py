@@ -248,3 +248,72 @@ def check_folder_free(folder: str | Path) -> None:
     if (Path(folder) / TRAIN_LOCK).is_file():
         with RunLock(folder):
             pass
+
+
+class RunRecords:
+    """A running trainer's run folder: its lock (held by rank 0 for the run's life), its identity
+    (run.json), what the run writes into it at start (CONFIG as given, RESOLVED, the tokenizer) and
+    its metrics (metrics.jsonl + TensorBoard / W&B, rank 0), with the events logged before the folder
+    was open kept until it is (`log_event`). `step()`: the trainer's step, stamped on each event."""
+
+    def __init__(self, out_dir: Path, rank0: bool, step):
+        self.out_dir, self.rank0, self.step = out_dir, rank0, step
+        self.lock = RunLock(out_dir)
+        self.metrics = None  # opened once the run really starts (events before that wait in `early`)
+        self.early: list[dict] = []
+
+    def hold(self, decides) -> None:
+        """Rank 0 takes the folder's lock (RunLock): a second trainer on the folder stops here, every
+        rank with the same one-line error (`decides`: rank 0's value on every rank)."""
+        refused = None
+        if self.rank0:
+            try:
+                self.lock.acquire()
+            except RunFolderInUse as e:
+                refused = str(e)
+        refused = decides(refused)
+        if refused:
+            raise RunFolderInUse(refused)
+
+    def start(self, cfg: Config, run_id: str, tokenizer_path: Path, resolved: str) -> None:
+        """Every check passed and the run starts (or continues): write its config, the values it
+        resolved and its tokenizer, open the metrics, log what waited, and a failed earlier attempt."""
+        import shutil
+
+        from lmforge.config import to_toml
+        from lmforge.folders import (METRICS, RESOLVED, TOKENIZER, atomic_path, atomic_write, read_failure,
+                                     read_run_id, write_run_record)
+        from lmforge.train.metrics import MetricsWriter, make_sinks
+
+        t = cfg.train
+        if self.rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.out_dir / CONFIG, to_toml(cfg))
+            atomic_write(self.out_dir / RESOLVED, resolved)
+            if read_run_id(self.out_dir) != run_id:
+                write_run_record(self.out_dir, run_id)
+            with atomic_path(self.out_dir / TOKENIZER) as tmp:
+                shutil.copyfile(tokenizer_path, tmp)
+        self.metrics = MetricsWriter(self.out_dir / METRICS, make_sinks(
+            self.out_dir, t.tensorboard and self.rank0, t.wandb and self.rank0, cfg.to_dict(), self.out_dir.name),
+            enabled=self.rank0)
+        for event in self.early:
+            self.log_event(event)
+        self.early.clear()
+        failed = read_failure(self.out_dir) if self.rank0 else None
+        if failed:  # (the record goes once the run completes)
+            self.log_event({"event": "previous_attempt_failed", **failed, "message": (
+                f"the previous attempt in {self.out_dir} stopped at step {failed.get('step')} ({failed.get('time')}) "
+                f"without protecting its work: {failed.get('error')}")})
+
+    def log_event(self, event: dict) -> None:
+        """An event (skipped update, rollback, checkpoint, ...) into metrics.jsonl and the log (rank 0)."""
+        if not self.rank0:
+            return
+        if self.metrics is None:  # (the run folder is not open yet)
+            self.early.append(event)
+            return
+        self.metrics.write({"step": self.step(), **event})
+        self.metrics.flush()
+        if event.get("event") not in ("checkpoint", "backup", "checkpoint_failed"):  # (those log their own line)
+            log.warning("%s", event.get("message", event.get("event")))

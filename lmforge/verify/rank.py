@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from lmforge.config import load_config
+from lmforge.train.events import Handler
 from lmforge.train.trainer import Trainer
 
 MEMORY_FILE = "memory.rank{rank}.json"
@@ -30,25 +31,29 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-class MeasuringTrainer(Trainer):
-    """The trainer, recording the largest bytes of gradients and optimizer state this rank holds."""
+class MemoryMeasure(Handler):
+    """A handler of the trainer's events (lmforge.train.events): the largest bytes of gradients (once
+    the backward has accumulated them) and of optimizer state (after the update) this rank holds."""
 
-    measured: dict[str, int]
+    def __init__(self) -> None:
+        self.measured = {"gradients": 0, "optimizer_states": 0}
+        self.grads = 0
 
-    def _params(self) -> list[torch.Tensor]:
-        return list({id(p): p for g in self.optimizer.param_groups for p in g["params"]}.values())
+    @staticmethod
+    def _params(trainer) -> list[torch.Tensor]:
+        return list({id(p): p for g in trainer.optimizer.param_groups for p in g["params"]}.values())
 
-    def update(self, loss: torch.Tensor) -> torch.Tensor:
-        grads = sum(_local_bytes(p.grad) for p in self._params() if p.grad is not None)
-        grad_norm = super().update(loss)
-        inner = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: the local shard's
+    def backward_end(self, trainer, loss) -> None:
+        self.grads = sum(_local_bytes(p.grad) for p in self._params(trainer) if p.grad is not None)
+
+    def update_end(self, trainer, step: int) -> None:
+        inner = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeroRedundancyOptimizer: the local shard's
         states = sum(_local_bytes(v) for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-        seen = getattr(self, "measured", {"gradients": 0, "optimizer_states": 0})
-        self.measured = {"weights": sum(_local_bytes(p) for p in self._params()),
-                         "gradients": max(seen["gradients"], grads),
+        seen = self.measured
+        self.measured = {"weights": sum(_local_bytes(p) for p in self._params(trainer)),
+                         "gradients": max(seen["gradients"], self.grads),
                          "optimizer_states": max(seen["optimizer_states"], states),
-                         "ema": self.ema.local_bytes() if self.ema is not None else 0}
-        return grad_norm
+                         "ema": trainer.ema.local_bytes() if trainer.ema is not None else 0}
 
 
 def run(job: dict) -> int:
@@ -56,9 +61,11 @@ def run(job: dict) -> int:
         overrides = {"train.out_dir": spec["out"]}
         if spec.get("resume"):
             overrides["checkpoint.resume"] = spec["resume"]
-        trainer = MeasuringTrainer(load_config(spec["config"], overrides), out_dir=spec["out"])
+        measure = MemoryMeasure()
+        trainer = Trainer(load_config(spec["config"], overrides), out_dir=spec["out"], handlers=[measure])
         trainer.fit()
-        record = {"rank": trainer.dist.rank, "pp_rank": trainer.dist.pp_rank, **getattr(trainer, "measured", {})}
+        measured = measure.measured if "weights" in measure.measured else {}  # (no step ran: nothing measured)
+        record = {"rank": trainer.dist.rank, "pp_rank": trainer.dist.pp_rank, **measured}
         path = Path(spec["out"]) / MEMORY_FILE.format(rank=trainer.dist.rank)
         path.write_text(json.dumps(record))
     return 0
