@@ -399,3 +399,51 @@ def test_the_layout_check_sees_a_planted_violation(planted):
     assert layout_branches(f"def step(self, cfg):\n    {PLANTED_BRANCHES[planted]}\n")
     if planted == "allowed elsewhere only":  # the allowlist is per function
         assert not layout_branches(f"def log_run_header(self, cfg):\n    {PLANTED_BRANCHES[planted]}\n")
+
+
+# ---- the trainer stays a loop: its size, and no one extends it by patching -------------------------
+
+TRAINER_MAX_LINES, LOOP_MAX_LINES, TRAINER_MAX_ATTRIBUTES = 500, 60, 25
+
+
+def trainer_shape(source: str) -> tuple[int, int, set[str]]:
+    """(lines of the module, lines of Trainer.train, the distinct `self.x = ...` names of Trainer)."""
+    tree = ast.parse(source)
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    loop = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    attributes = set()
+    for node in ast.walk(trainer):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    attributes.add(t.attr)
+    return len(source.splitlines()), loop.end_lineno - loop.lineno + 1, attributes
+
+
+def test_the_trainer_stays_small():
+    """Issue 53's bounds: a new concern is a handler of lmforge.train.events, not trainer code."""
+    lines, loop, attributes = trainer_shape(TRAINER.read_text())
+    assert lines <= TRAINER_MAX_LINES, f"train/trainer.py has {lines} lines (at most {TRAINER_MAX_LINES}): move a concern into a handler"
+    assert loop <= LOOP_MAX_LINES, f"Trainer.train has {loop} lines (at most {LOOP_MAX_LINES})"
+    assert len(attributes) <= TRAINER_MAX_ATTRIBUTES, f"Trainer has {len(attributes)} attributes: {sorted(attributes)}"
+
+
+def test_the_trainer_shape_check_counts_what_it_should():
+    source = ("class Trainer:\n    def __init__(self):\n        self.a = 1\n        self.b, self.c = 2, 3\n"
+              "        self.a += 1\n        self.d: int = 4\n    def train(self):\n        x = 1\n        return x\n")
+    lines, loop, attributes = trainer_shape(source)
+    assert (lines, loop, attributes) == (9, 3, {"a", "b", "c", "d"})
+
+
+PATCHING = re.compile(r"monkeypatch\.setattr\([^)]*Trainer|Trainer\.[a-z_]+ *= ")
+
+
+def test_nothing_extends_the_trainer_by_patching_its_methods():
+    """Tests, benchmarks and lmforge itself extend the trainer through its events (handlers)."""
+    bad = [f"{path.relative_to(ROOT)}:{i}" for folder in ("tests", "benchmarks", "lmforge")
+           for path in sorted((ROOT / folder).rglob("*.py")) if path.resolve() != Path(__file__).resolve()
+           for i, line in enumerate(path.read_text().splitlines(), 1) if PATCHING.search(line)]
+    assert not bad, "the Trainer patched (add a handler: lmforge.train.events) at:\n" + "\n".join(bad)
+    assert PATCHING.search('monkeypatch.setattr(Trainer, "update", fake)') and PATCHING.search("Trainer.update = f")
