@@ -158,10 +158,14 @@ class Pipelined(ShardedLayout):
         self.microbatches = cfg.grad_accum_steps
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         self.chunks, self.stages = [], []
+        # a tied weight in a V: rank 0's first and last stage chunks share one parameter, which two FSDP2
+        # roots cannot both shard; it stays whole (replicated over dp) and its gradient is averaged here
+        self.whole_tied = cfg.model.tie_embeddings and self.first and self.last and p.dp * p.cp > 1
         for s in stage_ids:
             chunk = StageChunk(model, stage_layers(cfg.model.n_layers, n_stages, s), s == 0, s == n_stages - 1)
             if p.dp * p.cp > 1:  # (over dp_shard x cp with context parallelism)
-                chunk = apply_fsdp(chunk, cfg, dist_info, precision)
+                chunk = apply_fsdp(chunk, cfg, dist_info, precision,
+                                   ignored={model.tok_emb.weight} if self.whole_tied else None)
             self.chunks.append(chunk)
             self.stages.append(pipelining.PipelineStage(chunk, s, n_stages, dist_info.device,
                                                         group=dist_info.group("pp")))
@@ -214,12 +218,22 @@ class Pipelined(ShardedLayout):
         (over this rank's 2-rank embedding group, before clipping and the optimizer step) gives both the
         one-process gradient, so the copies stay bit-equal. FSDP2 / TP shards line up (both copies are
         sharded alike), so the local shards are summed. In a V (zbv, dualpipev) rank 0 holds both stages
-        and one parameter: autograd has summed the two uses already."""
+        and one parameter: autograd has summed the two uses already; with dp > 1 it is outside FSDP2
+        (`whole_tied`), so its gradient is averaged over the data-parallel ranks here, as FSDP2 would."""
+        if self.whole_tied:
+            grad = self.model.tok_emb.weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.dist.dp_cp_group)
+            local.div_(self.dp)
         if self.embedding_group is None or not (self.first or self.last):
             return
-        grad = self.model.tok_emb.weight.grad
+        weight = self.model.tok_emb.weight
+        grad = weight.grad
         if grad is None:  # (a stage that ran no micro-batch: nothing to add, but its peer waits for the sum)
-            grad = self.model.tok_emb.weight.grad = torch.zeros_like(self.model.tok_emb.weight)
+            grad = weight.grad = torch.zeros_like(weight)
+        if hasattr(grad, "placements") and grad.placements != weight.placements:
+            # (TP's embedding backward leaves its gradient replicated, the head's is vocab-sharded like the weight)
+            grad = weight.grad = grad.redistribute(placements=weight.placements)
         dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.embedding_group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
