@@ -45,24 +45,46 @@ def test_tied_pipelines_are_accepted():
     assert cfg.model.pos_emb == "learned" and cfg.parallel.sequence_parallel
 
 
-@pytest.mark.slow
-def test_every_schedule_with_tied_embeddings_matches_one_process(corpus, tmp_path):  # noqa: F811
-    ref = tmp_path / "single"
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:  # noqa: F811
+    ref = tmp_path_factory.mktemp("tied-single") / "single"
     proc = train_runs(corpus, {ref: {}}, **TIED)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(losses(ref)) == list(range(1, 21))
-    runs = {tmp_path / name: {"parallel.pp": 2, **schedule} for name, schedule in SCHEDULES.items()}
+    return ref
+
+
+def run_tied(corpus: Path, runs: dict[Path, dict], nproc: int, reference: Path) -> list[str]:  # noqa: F811
+    """`runs` in one launch of tests/pp_tied_driver.py, each matched against one process; returns the
+    driver's lines saying the copies were bit-equal after the 20 steps."""
     args = [overrides(corpus, out, **{**TIED, **own}) for out, own in runs.items()]
-    proc = subprocess.run(launcher(2) + [DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(launcher(nproc) + [DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for out in runs:
-        assert_runs_match(out, ref, f"tied, pp2 {out.name} vs one process", tol=TOL)
-    checked = [line for line in proc.stdout.splitlines() if line.startswith("tied copies bit-equal after 20 steps")]
-    assert len(checked) == 4, proc.stdout[-3000:]  # (the V schedules hold one parameter)
+        assert_runs_match(out, reference, f"tied, {out.name} vs one process", tol=TOL)
+    return [line for line in proc.stdout.splitlines() if line.startswith("tied copies bit-equal after 20 steps")]
+
+
+@pytest.mark.slow
+def test_every_schedule_with_tied_embeddings_matches_one_process(corpus, reference, tmp_path):  # noqa: F811
+    runs = {tmp_path / f"pp2-{name}": {"parallel.pp": 2, **schedule} for name, schedule in SCHEDULES.items()}
+    checked = run_tied(corpus, runs, 2, reference)
+    assert len(checked) == 4, checked  # (the V schedules hold one parameter)
     from safetensors.torch import load_file
 
-    saved = load_file(str(tmp_path / "1f1b" / "model.safetensors"))
+    saved = load_file(str(tmp_path / "pp2-1f1b" / "model.safetensors"))
     assert "tok_emb.weight" in saved and "lm_head.weight" not in saved  # (exported once)
+
+
+@pytest.mark.slow
+def test_tied_pipelines_under_fsdp2_match_one_process(corpus, reference, tmp_path):  # noqa: F811
+    """With FSDP2 (dp_shard = 2): 1F1B sums the two copies' local shards over the embedding group;
+    zbv's rank 0 holds one parameter in two stage chunks, which FSDP2 leaves whole (its gradient
+    averaged over dp by the pipeline)."""
+    fsdp = {"parallel.dp_shard": 2, "parallel.pp": 2, "train.micro_batch_size": 1}
+    runs = {tmp_path / "fsdp2xpp2-1f1b": {**fsdp, **SCHEDULES["1f1b"]},
+            tmp_path / "fsdp2xpp2-zbv": {**fsdp, **SCHEDULES["zbv"]}}
+    assert len(run_tied(corpus, runs, 4, reference)) == 1  # (1f1b; each embedding group checks its copies)
 
 
 @pytest.mark.slow
