@@ -169,6 +169,8 @@ class Pipelined(ShardedLayout):
             self.chunks.append(chunk)
             self.stages.append(pipelining.PipelineStage(chunk, s, n_stages, dist_info.device,
                                                         group=dist_info.group("pp")))
+        if self.whole_tied:  # (FSDP2's mixed precision leaves it fp32: the head's 16-bit input meets it in its dtype)
+            model.lm_head.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype), *args[1:]))
         cls = getattr(pipelining, PP_SCHEDULE_CLASSES[p.pp_schedule])
         multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # (a list of this rank's stages)
         self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches=self.microbatches,
