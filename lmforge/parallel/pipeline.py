@@ -7,7 +7,12 @@ The model is split into ``pp x v`` stages of consecutive blocks, v stages per pi
 (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), or in a V, rank r holds stages r and
 2pp - 1 - r (ScheduleZBVZeroBubble, ScheduleDualPipeV: rank 0 holds the first and the last stage).
 Stage 0 also holds the token (and position) embedding; the last stage holds the final norm, the
-output head and the loss.
+output head and the loss. Tied embeddings (Megatron's embedding group): the last stage's head keeps
+its own copy of the embedding, held by the embedding module as in one process (named
+tok_emb.weight, so it starts from the same values, loads the same checkpoint entry and joins the
+same optimizer group); after each step's backward the first- and last-stage ranks of each pipeline
+sum the two copies' gradients (`reduce_tied_gradients`), the norm counts the weight once, and the
+copies stay bit-equal. In a V rank 0 holds both stages and one parameter.
 
     stage_ids = split_model(model, cfg, pp_rank)    # parallelize step 1: drop the parts this rank does not hold
     layout = Pipelined(model, cfg, info, precision, stage_ids)   # step 5, after TP / AC / compile
