@@ -123,10 +123,11 @@ def test_refusal_through_the_command_line_names_the_reason():
 
 
 def test_a_layout_lmforge_refuses_for_the_family_fails_as_a_finding():
-    """A pipeline over a tied embedding: lmforge's config refuses it, so the certificate fails, naming why."""
-    proc = plan("--model gpt2-124m --gpus 2xH100 --layout pp=2,ga=4", timeout=120)
+    """ZeRO-1 under a pipeline: lmforge's config refuses it, so the certificate fails, naming why. (A
+    pipeline over a tied embedding, the example before issue 59, runs now.)"""
+    proc = plan("--model gpt2-124m --gpus 4xH100 --layout dp=2,zero=1,pp=2,ga=4", timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL  config: lmforge refuses the layout" in proc.stdout and "tie_embeddings" in proc.stdout, proc.stdout
+    assert "FAIL  config: lmforge refuses the layout" in proc.stdout and "zero_stage = 1" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("n, want", [(1, 1), (2, 2), (8, 2), (6, 2), (9, 3), (7, 7), (128, 2)])

@@ -71,6 +71,7 @@ def test_two_rank_layouts_materialise_one_processs_weights(corpus, tmp_path):  #
         "tp2-sp-tied": {"parallel.tp": 2, "parallel.sequence_parallel": True},
         "pp2-interleaved": {**UNTIED, "parallel.pp": 2, "parallel.pp_schedule": "interleaved",
                             "parallel.pp_virtual_stages": 2},
+        "pp2-tied": {"parallel.pp": 2},  # (the last stage's copy of the embedding: the same values)
         "fsdp2-hf-lora": {**UNTIED, "model.n_kv_heads": 2, "parallel.dp_shard": 2,
                           "finetune.init_from": str(llama), **LORA},
         "tp2-sp-qkv-bias-qk-norm": {**FAMILY, "model.qkv_bias": True, "parallel.tp": 2,
@@ -95,6 +96,9 @@ def test_four_rank_layouts_materialise_one_processs_weights(corpus, tmp_path):  
         "hsdp2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2},
         "tp2xpp2": {**UNTIED, "parallel.tp": 2, "parallel.pp": 2},
         "fsdp2xtp2-gpt2-hf": {**GPT2, "parallel.dp_shard": 2, "parallel.tp": 2, "finetune.init_from": str(gpt2)},
+        # learned positions under SP: the position weight a replicated DTensor, FSDP2-sharded over dp
+        "fsdp2xtp2-sp-gpt2-hf": {**GPT2, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
+                                 "finetune.init_from": str(gpt2)},
     })
 
 

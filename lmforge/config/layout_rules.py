@@ -12,9 +12,9 @@ asks: the config's (`CONFIG_NAMES`: parallel.tp, data.seq_len, ...) or the plann
 * structural (`structural=True`): the layout cannot exist for this model and sequence (TP of whole
   heads, pipeline stages of whole layers, CP chunks of whole tokens, a key that needs another). The
   planner refuses to plan it, as the config does.
-* the rest: what lmforge does not run (ZeRO-1 with TP or PP, PP with tied embeddings, SP with learned
-  positions, ...). Megatron-LM and others run some of them, so `lmforge plan --layout` still plans
-  them and says at the top that lmforge refuses them, with every reason; the search leaves them out.
+* the rest: what lmforge does not run (ZeRO-1 with TP or PP, ...). Megatron-LM and others run some
+  of them, so `lmforge plan --layout` still plans them and says at the top that lmforge refuses
+  them, with every reason; the search leaves them out.
 
 The rules that read no layout key (a section's own values, data recipes, ...) stay in
 `lmforge.config.sections` and `lmforge.config.rules`, and so does one that does:
@@ -189,9 +189,6 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
     _R("sp-divides-sequence", lambda c: c.parallel.sequence_parallel and c.data.seq_len % c.parallel.tp > 0,
        "parallel.sequence_parallel: data.seq_len = {d.seq_len} must be divisible by parallel.tp = {p.tp}; the "
        "degrees this model allows are {ok}.", lambda c, k: {"ok": valid_tp_degrees(c)}),
-    _R("sp-needs-rope", lambda c: c.parallel.sequence_parallel and c.model.pos_emb == "learned",
-       "parallel.sequence_parallel = true supports RoPE positions only; set model.pos_emb = 'rope' or "
-       "parallel.sequence_parallel = false."),
     # -- context parallelism: 2 x cp chunks of each sequence (rank i keeps chunks i and 2cp-1-i)
     _R("cp-whole-chunks", lambda c: c.parallel.cp > 1 and c.data.seq_len % (2 * c.parallel.cp) > 0,
        "{k[cp]} = {p.cp} must divide {k[seq_len]} / 2 = {half:g}: each sequence is cut into 2 x cp = {chunks} equal "
@@ -203,7 +200,7 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        "{k[tp]} = {p.tp}, over whose ranks sequence parallelism splits them.",
        lambda c, k: {"tokens": c.data.seq_len // c.parallel.cp}, structural=True,
        needs=frozenset({"seq_len"})),
-    # -- pipelines: stages of whole layers, enough micro-batches, embedding and head apart; the zero-bubble
+    # -- pipelines: stages of whole layers, enough micro-batches; the zero-bubble
     #    schedules run each backward as an input-gradient and a later weight-gradient pass through the same graph
     _R("pp-whole-layers", lambda c: c.model.n_layers % (c.parallel.pp * c.parallel.stages_per_rank) > 0,
        "{k[pp]} = {p.pp}{stages} must divide model.n_layers = {m.n_layers}; choose a divisor of {m.n_layers} or "
@@ -226,9 +223,6 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        and not pipeline_micro_batches_ok(_accum(c), c.parallel.pp, c.parallel.pp_schedule),
        "parallel.pp_schedule = {p.pp_schedule!r}: the step's {accum} micro-batches must be {need}; change "
        "train.micro_batch_size or train.global_batch_size.", _micro_batches_needed),
-    _R("pp-untied", lambda c: c.parallel.pp > 1 and c.model.tie_embeddings,
-       "parallel.pp > 1 with model.tie_embeddings = true: the embedding (first stage) and the output head (last "
-       "stage) live in different stage modules; set model.tie_embeddings = false."),
     # -- expert parallelism splits the routed experts
     _R("ep-needs-experts", lambda c: c.parallel.ep > 1 and not c.model.moe.enabled,
        "{k[ep]} = {p.ep} splits the routed experts of Mixture-of-Experts layers, but model.moe.num_experts = 0 (a "

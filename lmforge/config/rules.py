@@ -142,7 +142,7 @@ def check_process_count(cfg: "Config", world: int, launch: str) -> None:
 # The layout rules of the model and the data: the layouts a wrong process count is offered pass them
 # (the user's other settings keep their own rules, named once the process count is right).
 MODEL_AND_DATA_RULES = frozenset({"tp-whole-heads", "tp-divides-vocab", "tp-divides-mlp", "sp-divides-sequence",
-                                  "cp-whole-chunks", "sp-divides-cp-chunk", "pp-whole-layers", "pp-untied"})
+                                  "cp-whole-chunks", "sp-divides-cp-chunk", "pp-whole-layers"})
 
 
 def fitting_layouts(cfg: "Config", world: int, most: int = 3) -> list[dict[str, int]]:

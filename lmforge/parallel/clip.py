@@ -23,7 +23,8 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
 
 
 @torch.no_grad()
-def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: DistInfo) -> torch.Tensor:
+def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: DistInfo,
+                            uncounted: list[nn.Parameter] = ()) -> torch.Tensor:
     """Global gradient L2 norm over every TP shard, FSDP shard and pipeline stage, then clip.
 
     A local shard of a DTensor gradient counts on the ranks whose coordinate is 0 along the mesh
@@ -33,6 +34,8 @@ def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: D
     on replicated norm weights, are all-reduced to Replicate first, so the optimizer sees the true
     gradient. The squared norm is summed on the training device (FSDP2 CPU offload keeps gradients
     in host memory: their partial sums move to the device), so the all-reduce is an NCCL one on GPUs.
+    `uncounted`: parameters clipped but left out of the norm (a tied weight's second copy, whose
+    gradient another rank counts: lmforge.parallel.pipeline).
     """
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -44,6 +47,7 @@ def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: D
     replicated_dims = [d for d in info.mesh.mesh_dim_names if d != "pp"]
     sq = torch.zeros((), dtype=torch.float32, device=info.device)
     grads = []
+    skip = {id(p) for p in uncounted}
     for p in params:
         g = p.grad
         if g is None:
@@ -56,7 +60,7 @@ def clip_grad_norm_sharded_(params: list[nn.Parameter], max_norm: float, info: D
         else:
             rep, local = replicated_dims, g
         grads.append(local)
-        if all(coord[d] == 0 for d in rep):
+        if id(p) not in skip and all(coord[d] == 0 for d in rep):
             sq += local.float().pow(2).sum().to(sq.device)
     dist.all_reduce(sq, op=dist.ReduceOp.SUM)
     total = sq.sqrt()

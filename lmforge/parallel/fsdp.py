@@ -102,10 +102,12 @@ def reshard_after_forward(cfg: Config) -> bool:
     return p.reshard_after_forward
 
 
-def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str) -> nn.Module:
+def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str,
+               ignored: set[nn.Parameter] | None = None) -> nn.Module:
     """fully_shard every transformer block of `model` (a Transformer or a pipeline stage chunk), then
     `model` itself, on the data-parallel sub-mesh (sharded over dp_shard x cp under context
-    parallelism: the CP ranks hold the same parameters)."""
+    parallelism: the CP ranks hold the same parameters). `ignored`: root parameters FSDP2 leaves
+    whole (its caller reduces their gradients: a tied weight two stage chunks share)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     p = cfg.parallel
@@ -123,5 +125,5 @@ def apply_fsdp(model: nn.Module, cfg: Config, info: DistInfo, precision: str) ->
         shard_experts(block, info, reshard_after_forward=reshard,  # (EP: over the expert replicas)
                       **{k: v for k, v in kw.items() if k != "mesh"})
         fully_shard(block, reshard_after_forward=reshard, **kw)
-    fully_shard(model, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=reshard, ignored_params=ignored, **kw)
     return model

@@ -227,7 +227,8 @@ class Layout:
         if self.dist.pp_size > 1:
             parts: list = [None] * self.dist.pp_size
             dist.all_gather_object(parts, mine, group=self.dist.group("pp"))
-            mine = [spec for part in parts for spec in part]
+            # (a tied weight's two copies, first and last stage: once)
+            mine = list({spec[0]: spec for part in reversed(parts) for spec in part}.values())
         return sorted(mine, key=lambda spec: _natural(spec[0]))
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -244,7 +245,7 @@ class Layout:
         if pp:  # which stage holds each weight: the pp rank whose names include it
             owned: list = [None] * self.dist.pp_size
             dist.all_gather_object(owned, sorted(mine), group=self.dist.group("pp"))
-            owner = {name: r for r, names in enumerate(owned) for name in names}
+            owner = {name: r for r, names in reversed(list(enumerate(owned))) for name in names}  # (the first holder)
             group = self.dist.group("pp")
             rank0_row = dist.get_global_rank(group, 0) == 0  # this rank's pp group is rank 0's
         for name, dtype, shape in specs:

@@ -7,7 +7,12 @@ The model is split into ``pp x v`` stages of consecutive blocks, v stages per pi
 (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), or in a V, rank r holds stages r and
 2pp - 1 - r (ScheduleZBVZeroBubble, ScheduleDualPipeV: rank 0 holds the first and the last stage).
 Stage 0 also holds the token (and position) embedding; the last stage holds the final norm, the
-output head and the loss.
+output head and the loss. Tied embeddings (Megatron's embedding group): the last stage's head keeps
+its own copy of the embedding, held by the embedding module as in one process (named
+tok_emb.weight, so it starts from the same values, loads the same checkpoint entry and joins the
+same optimizer group); after each step's backward the first- and last-stage ranks of each pipeline
+sum the two copies' gradients (`reduce_tied_gradients`), the norm counts the weight once, and the
+copies stay bit-equal. In a V rank 0 holds both stages and one parameter.
 
     stage_ids = split_model(model, cfg, pp_rank)    # parallelize step 1: drop the parts this rank does not hold
     layout = Pipelined(model, cfg, info, precision, stage_ids)   # step 5, after TP / AC / compile
@@ -56,6 +61,7 @@ from lmforge.model.layers import KVCache, attention_mask, local_positions, rope_
 from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
 from lmforge.spec.parallel import PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_rank
+from lmforge.parallel.clip import clip_grad_norm_sharded_
 from lmforge.parallel.fsdp import apply_fsdp
 from lmforge.parallel.inference import ShardedInference
 from lmforge.parallel.layout import Batch, ShardedLayout
@@ -78,12 +84,27 @@ def split_model(model: nn.Module, cfg: Config, pp_rank: int) -> list[int]:
     for name in [n for n in model.blocks if n not in keep]:
         del model.blocks[name]
     if 0 not in stage_ids:
-        model.tok_emb = None
+        # a tied head keeps the embedding module as its weight's owner, so the last stage's copy goes by
+        # the one-process name (tok_emb.weight: its initial values, checkpoint key, optimizer group)
+        if not (cfg.model.tie_embeddings and n_stages - 1 in stage_ids):
+            model.tok_emb = None
         model.pos_emb = None
     if n_stages - 1 not in stage_ids:
         model.norm = None
         model.lm_head = None
     return stage_ids
+
+
+def embedding_group(info: DistInfo, last_rank: int) -> dist.ProcessGroup | None:
+    """Megatron's embedding group: for each (dp, cp, tp) coordinate the 2 ranks holding the first stage
+    (pp rank 0) and the last (`last_rank`) of one pipeline, which sum their tied weight's gradients;
+    None in a V (rank 0 holds both) and on the ranks of neither. A collective: every rank calls it."""
+    if last_rank == 0:
+        return None
+    names = info.mesh.mesh_dim_names
+    ranks = info.mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, info.pp_size)[:, [0, last_rank]]
+    group, _ = dist.new_subgroups_by_enumeration(ranks.tolist())
+    return group
 
 
 class StageChunk(nn.Module):
@@ -92,7 +113,10 @@ class StageChunk(nn.Module):
 
     def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool):
         super().__init__()
-        self.tok_emb = model.tok_emb if first else None
+        self.first = first
+        # the last stage of a tied model holds the embedding module too (unused in its forward): the head's
+        # weight is the embedding's, and FSDP2 keeps a tie only between modules of one fully_shard root
+        self.tok_emb = model.tok_emb if first or (last and model.cfg.tie_embeddings) else None
         self.pos_emb = model.pos_emb if first else None
         self.emb_dropout = model.emb_dropout
         self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layer_ids})
@@ -109,7 +133,7 @@ class StageChunk(nn.Module):
         model = self._model[0]
         caches = [kv_caches[int(name)] for name in self.blocks] if kv_caches else [None] * len(self.blocks)
         positions = local_positions(positions)
-        if self.tok_emb is not None:
+        if self.first:
             h = self.tok_emb(x)
             if self.pos_emb is not None:
                 start = caches[0].length if caches[0] is not None else 0
@@ -139,13 +163,19 @@ class Pipelined(ShardedLayout):
         self.microbatches = cfg.grad_accum_steps
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         self.chunks, self.stages = [], []
+        # a tied weight in a V: rank 0's first and last stage chunks share one parameter, which two FSDP2
+        # roots cannot both shard; it stays whole (replicated over dp) and its gradient is averaged here
+        self.whole_tied = cfg.model.tie_embeddings and self.first and self.last and p.dp * p.cp > 1
         for s in stage_ids:
             chunk = StageChunk(model, stage_layers(cfg.model.n_layers, n_stages, s), s == 0, s == n_stages - 1)
             if p.dp * p.cp > 1:  # (over dp_shard x cp with context parallelism)
-                chunk = apply_fsdp(chunk, cfg, dist_info, precision)
+                chunk = apply_fsdp(chunk, cfg, dist_info, precision,
+                                   ignored={model.tok_emb.weight} if self.whole_tied else None)
             self.chunks.append(chunk)
             self.stages.append(pipelining.PipelineStage(chunk, s, n_stages, dist_info.device,
                                                         group=dist_info.group("pp")))
+        if self.whole_tied:  # (FSDP2's mixed precision leaves it fp32: the head's 16-bit input meets it in its dtype)
+            model.lm_head.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype), *args[1:]))
         cls = getattr(pipelining, PP_SCHEDULE_CLASSES[p.pp_schedule])
         multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # (a list of this rank's stages)
         self.schedule = cls(self.stages if multi else self.stages[0], n_microbatches=self.microbatches,
@@ -153,6 +183,7 @@ class Pipelined(ShardedLayout):
         self.bubble = pipeline_bubble(p.pp, self.microbatches, p.pp_virtual_stages, p.pp_schedule)
         self.last_rank = stage_rank(p.pp_schedule, p.pp, n_stages - 1)  # (holds the loss: pp - 1, or 0 in a V)
         self._n_targets = torch.ones(())
+        self.embedding_group = embedding_group(dist_info, self.last_rank) if cfg.model.tie_embeddings else None
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return normalise(token_nll_sum(logits, y), self._n_targets, self.dp)
@@ -178,6 +209,7 @@ class Pipelined(ShardedLayout):
                 self.schedule.step(target=y, losses=losses, **docs)
             else:
                 self.schedule.step(**docs)
+        self.reduce_tied_gradients()
         total = torch.zeros((), device=self.dist.device)
         if self.last:
             for loss in losses:  # (not counted inside loss_fn: the first step also runs it for shape inference)
@@ -186,6 +218,36 @@ class Pipelined(ShardedLayout):
                 total.zero_()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)  # over dp x cp (partial sums) and pp (only the last stage)
         return total
+
+    def reduce_tied_gradients(self) -> None:
+        """Tied embeddings (Megatron's embedding group): the first stage's embedding and the last stage's
+        head are two copies of one weight, each with its stage's part of the gradient; summing the two
+        (over this rank's 2-rank embedding group, before clipping and the optimizer step) gives both the
+        one-process gradient, so the copies stay bit-equal. FSDP2 / TP shards line up (both copies are
+        sharded alike), so the local shards are summed. In a V (zbv, dualpipev) rank 0 holds both stages
+        and one parameter: autograd has summed the two uses already; with dp > 1 it is outside FSDP2
+        (`whole_tied`), so its gradient is averaged over the data-parallel ranks here, as FSDP2 would."""
+        if self.whole_tied:
+            grad = self.model.tok_emb.weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.dist.dp_cp_group)
+            local.div_(self.dp)
+        if self.embedding_group is None or not (self.first or self.last):
+            return
+        weight = self.model.tok_emb.weight
+        grad = weight.grad
+        if grad is None:  # (a stage that ran no micro-batch: nothing to add, but its peer waits for the sum)
+            grad = weight.grad = torch.zeros_like(weight)
+        if hasattr(grad, "placements") and grad.placements != weight.placements:
+            # (TP's embedding backward leaves its gradient replicated, the head's is vocab-sharded like the weight)
+            grad = weight.grad = grad.redistribute(placements=weight.placements)
+        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.embedding_group)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The sharded global norm, with a tied weight's last-stage copy scaled but not counted (its
+        gradient equals the first stage's: the one-process norm counts the weight once)."""
+        copy = [self.model.tok_emb.weight] if self.embedding_group is not None and self.last and not self.first else []
+        return clip_grad_norm_sharded_(self.params(), max_norm, self.dist, uncounted=copy)
 
     def forward_roots(self) -> list[nn.Module]:
         return list(self.chunks)  # (with dp > 1 each is an FSDP2 root: the model holds its blocks, not it)

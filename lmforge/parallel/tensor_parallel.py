@@ -15,7 +15,10 @@ Per transformer block (on the "tp" sub-mesh of the DeviceMesh):
   ``loss_parallel()`` cross-entropy (the full logits are never gathered);
 * sequence parallel (``parallel.sequence_parallel``): the norms run on a sequence shard
   (``SequenceParallel``); ``PrepareModuleInput`` all-gathers the sequence before attention / MLP
-  and the row-parallel outputs reduce-scatter back to sequence shards.
+  and the row-parallel outputs reduce-scatter back to sequence shards. Learned positions
+  (GPT-2 / GPT-3's ``pos_emb``): each rank adds the rows of its own sequence shard to the
+  embedding's (already scattered) output (`positions_of_sequence_shard`); the weight is replicated,
+  its gradient a partial sum of the ranks' rows, reduced over the TP group with the norms'.
 
 Tied embeddings: the embedding and the head are both sharded along the vocabulary (dim 0 of the
 shared weight), so after sharding the head's weight is re-pointed at the embedding's DTensor
@@ -62,6 +65,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
     plan: dict = {}
     if getattr(model, "tok_emb", None) is not None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    if sp and getattr(model, "pos_emb", None) is not None:
+        plan["pos_emb"] = positions_of_sequence_shard()
     if getattr(model, "lm_head", None) is not None:
         if sp:
             plan["norm"] = SequenceParallel()
@@ -103,6 +108,40 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
                 plan[f"{pre}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                         use_local_output=True)
     return plan
+
+
+def positions_of_sequence_shard():
+    """The `PositionsOfSequenceShard` style for a learned position embedding (below)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class PositionsOfSequenceShard(ParallelStyle):
+        """Learned position embedding under sequence parallelism: its weight replicated over the TP
+        ranks; its input (the forward's positions, the sequence last) cut to this rank's sequence
+        shard, the same torch.chunk split as the token embedding's Shard(1) output, and seen as a
+        DTensor sharded along the sequence, so the lookup's weight gradient is a Partial sum that
+        lmforge.parallel.clip reduces over the TP group (the true gradient: every position once)."""
+
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            return distribute_module(module, mesh, self._replicate, self._shard_positions, self._local)
+
+        @staticmethod
+        def _replicate(name: str, module: nn.Module, mesh) -> None:
+            for key, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
+                                                            requires_grad=p.requires_grad))
+
+        @staticmethod
+        def _shard_positions(module: nn.Module, inputs: tuple, mesh) -> tuple:
+            positions = inputs[0]
+            mine = positions.chunk(mesh.size(), dim=-1)[mesh.get_local_rank()]
+            return (DTensor.from_local(mine, mesh, [Shard(positions.ndim - 1)], run_check=False), *inputs[1:])
+
+        @staticmethod
+        def _local(module: nn.Module, output, mesh) -> torch.Tensor:
+            return output.to_local()
+
+    return PositionsOfSequenceShard()
 
 
 def _column_parallel_attention(attn: nn.Module) -> tuple[str, ...]:

@@ -112,7 +112,7 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
         full_n = math.prod(local)
         # routed experts under EP: E / ep of them per rank, sharded (ZeRO / FSDP2) over the dp / ep
         # ranks holding the same experts (lmforge.parallel.expert_parallel)
-        n_dp = max(all_dp // layout.ep, 1) if spec.expert else all_dp
+        n_dp = max(all_dp // layout.ep, 1) if spec.expert else 1 if spec.whole else all_dp
         params += full_n
         if spec.where == "block":
             layer += full_n if spec.layer == first_layer else 0
@@ -140,8 +140,8 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
         comp["optimizer_states"] += lmforge_state_bytes(opt, spec, state_shape)
         # the EMA of the weights (lmforge.train.ema): fp32, one tensor per parameter made like it (FSDP2's shard)
         comp["ema"] += 4 * (shard_n if layout.fsdp else full_n) if layout.ema else 0.0
-    if cfg.tie_embeddings and layout.pp == 1:
-        # the tied embedding is also the head: its matmul uses a 16-bit cast of the embedding
+    if cfg.tie_embeddings and stage == layout.last_rank == 0:
+        # the tied embedding is also the head (one process, or a V's rank 0): its matmul uses a 16-bit cast of it
         emb = math.prod(tp_shape(specs[0], layout.tp))
         matmul += 2 * emb
         head += emb

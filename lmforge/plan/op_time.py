@@ -320,7 +320,7 @@ def _params_on_rank(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[float
         n = math.prod(tp_shape(spec, layout.tp, layout.ep))
         params += n
         matmul += n if spec.matmul else 0
-    if cfg.tie_embeddings and layout.pp == 1:
+    if cfg.tie_embeddings and stage == layout.last_rank == 0:  # (one process, or a V's rank 0)
         matmul += math.prod(tp_shape(specs[0], layout.tp))  # the embedding is also the head's weight
     return params, matmul, len(specs)
 

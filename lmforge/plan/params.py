@@ -23,6 +23,7 @@ class ParamSpec:
     is_embedding: bool = False
     matmul: bool = False          # an input of a Linear (weight or bias): the step casts it to 16-bit
     expert: bool = False          # routed experts (MoE; experts along dim 0): split over layout.ep
+    whole: bool = False           # left whole by FSDP2 (a tied weight that a V's two stage chunks share)
 
     @property
     def numel(self) -> int:
@@ -158,7 +159,7 @@ def stage_specs(cfg: ModelConfig, pp: int, stage: int, last_rank: int | None = N
     """Parameters held by pipeline rank `stage` of `pp`: its share of the blocks (n_layers / pp,
     counted as a contiguous range), the embedding on rank 0 and the final norm and head on
     `last_rank` (default pp - 1; rank 0 under a V-shaped schedule, lmforge.spec.parallel.V_SHAPED);
-    a tied head copied there."""
+    a tied head copied there (in a V rank 0 holds the one weight, whole under FSDP2)."""
     last = pp - 1 if last_rank is None else last_rank
     key = (cfg_key(cfg), pp, stage, last)
     if key not in _STAGE_CACHE:
@@ -179,10 +180,12 @@ def _stage_specs(cfg: ModelConfig, pp: int, stage: int, last: int) -> list[Param
             specs.append(s)
         elif s.where == "last" and stage == last:
             specs.append(s)
-    if cfg.tie_embeddings and stage == last:
-        head = ParamSpec("lm_head.weight", (cfg.vocab_size, cfg.dim), "last", tp_dim=0, is_embedding=True, matmul=True)
-        if pp > 1:
-            specs.append(head)  # the last stage's own copy of the tied embedding
+    if cfg.tie_embeddings and pp > 1 and stage == last:
+        if last != 0:  # the last stage's own copy of the tied embedding (its gradient summed with the first's)
+            specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, cfg.dim), "last", tp_dim=0, is_embedding=True,
+                                   matmul=True))
+        else:  # a V: rank 0 holds both stages and the one weight, which FSDP2 leaves whole (two stage chunks use it)
+            specs = [dataclasses.replace(s, whole=True) if s.name == "tok_emb.weight" else s for s in specs]
     return specs
 
 
