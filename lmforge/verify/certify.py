@@ -5,7 +5,11 @@ family's options at toy width and depth) and trained for a few steps on gloo, on
 (`python -m torch.distributed.run`, lmforge/verify/rank.py), then checked:
 
   parity   every step's loss and gradient norm (before clipping) against the same run in one process
-           (same seed, data, global batch and micro-batches), within PARITY_TOL relative: the layouts
+           (same seed, data, global batch and micro-batches). A 16-bit toy (bf16, bf16-pure, fp16: the
+           layout's precision) within the band its one-process run measures from BAND_RERUNS reruns with
+           the 16-bit rounding perturbed (lmforge/verify/band.py states the statistic); the band and where
+           the layout falls in it (its distance as a fraction of the band) are printed. An fp32 toy
+           within PARITY_TOL relative: the layouts
            differ from one process only in the order of fp32 sums. The gradient norm sees the gradient's
            scale, which a layout that summed instead of averaged, or lost a factor, would change. Its
            tolerance is wider: the one-process norm (torch.linalg.vector_norm, torch 2.13 on a CPU) is off
@@ -37,9 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.config import Config, ConfigError, to_toml
-from lmforge.folders import CHECKPOINTS, METRICS
+from lmforge.folders import CHECKPOINTS
 from lmforge.plan.layout import Layout
 from lmforge.plan.memory import estimate_memory
+from lmforge.verify.band import BAND_RERUNS, Band, measure_band, read_metrics, within_band
 from lmforge.verify.toy import STEPS, CannotEmulate, Toy, describe, toy_run
 
 PARITY_TOL = {"loss": 1e-4, "grad_norm": 3e-4}  # relative, per step
@@ -106,7 +111,10 @@ def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
     ckpt = work / "layout" / CHECKPOINTS / f"step_{STEPS // 2:08d}"  # (lmforge.ckpt.manager.step_name, without torch)
     t0 = time.perf_counter()
     layout_run = {"config": str(layout_cfg), "out": str(work / "layout")}
+    sixteen = toy.config.train.precision != "fp32"
+    reruns = [f"perturbed{k}" for k in range(1, BAND_RERUNS + 1)] if sixteen else []
     runs = [{"config": str(single_cfg), "out": str(work / "single")}]
+    runs += [{"config": str(single_cfg), "out": str(work / name), "perturb": k} for k, name in enumerate(reruns, 1)]
     if world > 1:
         _launch(world, [layout_run], work / "layout.job.json")
         runs.append({"config": str(resume_cfg), "out": str(work / "resumed"), "resume": str(ckpt)})
@@ -116,11 +124,18 @@ def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
     if resume_world != 1:
         _launch(resume_world, [{"config": str(resume_cfg), "out": str(work / "resumed"), "resume": str(ckpt)}],
                 work / "resumed.job.json")
-    echo(f"  ran {world}-process layout, one-process reference and the resume in {time.perf_counter() - t0:.0f} s")
+    echo(f"  ran {world}-process layout, one-process reference{f' and {len(reruns)} reruns' if reruns else ''} and "
+         f"the resume in {time.perf_counter() - t0:.0f} s ({toy.config.train.precision})")
     layout_m, single_m, resumed_m = (read_metrics(work / name) for name in ("layout", "single", "resumed"))
+    steps = list(range(1, STEPS + 1))
+    band = None
+    if sixteen:
+        band = measure_band(single_m, [read_metrics(work / name) for name in reruns],
+                            how=f"band ({toy.config.train.precision}, measured)")
+        echo(f"  {band.describe(steps)}")
     return [
-        compare(f"parity with one process, steps 1-{STEPS}", layout_m, single_m, list(range(1, STEPS + 1))),
-        resume_check(resume_world, resumed_m, single_m),
+        band_check(f"parity with one process, steps 1-{STEPS}", layout_m, single_m, steps, band),
+        resume_check(resume_world, resumed_m, single_m, band),
         memory_check(toy, optimizer, [json.loads(p.read_text()) for p in sorted((work / "layout").glob("memory.rank*.json"))]),
     ]
 
@@ -155,16 +170,13 @@ def _launch(world: int, runs: list[dict], job: Path) -> None:
                         + "\n      ".join(tail[-25:]))
 
 
-def read_metrics(run: Path) -> dict[int, dict[str, float]]:
-    """{step: {"loss", "grad_norm"}} of a run's metrics.jsonl (the last record of a step wins)."""
-    out: dict[int, dict[str, float]] = {}
-    if not (run / METRICS).is_file():
-        return out
-    for line in (run / METRICS).read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec and "grad_norm" in rec and "event" not in rec:
-            out[rec["step"]] = {"loss": rec["loss"], "grad_norm": rec["grad_norm"]}
-    return out
+def band_check(name: str, got: dict, want: dict, steps: list[int], band: Band | None) -> Check:
+    """`got` against `want`: within `band` (a 16-bit toy), else at fp32's PARITY_TOL (`compare`)."""
+    if band is None:
+        return compare(name, got, want, steps)
+    parity = within_band(got, want, band, steps)
+    detail = parity.summary() + "".join(f"; {o.line()}" for o in parity.outside)
+    return Check(name, parity.ok, detail)
 
 
 def compare(name: str, got: dict, want: dict, steps: list[int]) -> Check:
@@ -181,7 +193,7 @@ def compare(name: str, got: dict, want: dict, steps: list[int]) -> Check:
     return Check(name, ok, detail)
 
 
-def resume_check(world: int, resumed: dict, single: dict) -> Check:
+def resume_check(world: int, resumed: dict, single: dict, band: Band | None = None) -> Check:
     """The resumed run trained exactly the steps after the checkpoint (a run that started over, or went on
     from another step, fails here), each as the one-process run did."""
     after = list(range(STEPS // 2 + 1, STEPS + 1))
@@ -189,7 +201,7 @@ def resume_check(world: int, resumed: dict, single: dict) -> Check:
     if sorted(resumed) != after:
         return Check(name, False, f"the run did not continue from the checkpoint: it trained steps {sorted(resumed)}, "
                                   f"not {after}")
-    return compare(name, resumed, single, after)
+    return band_check(name, resumed, single, after, band)
 
 
 def memory_check(toy: Toy, optimizer: str, ranks: list[dict]) -> Check:

@@ -3,7 +3,8 @@ and records, per rank, the bytes of the model states it holds.
 
     [python -m torch.distributed.run --nproc-per-node W] -m lmforge.verify.rank JOB.json
 
-JOB.json: {"runs": [{"config": CONFIG.toml, "out": RUN_DIR, "resume": CHECKPOINT or null}, ...]}. Each run
+JOB.json: {"runs": [{"config": CONFIG.toml, "out": RUN_DIR, "resume": CHECKPOINT or null, "perturb": SEED or
+null}, ...]} ("perturb": the run's 16-bit rounding perturbed, lmforge/verify/perturb.py: a band's rerun). Each run
 writes its run folder as `lmforge train` does (metrics.jsonl: every step's loss and gradient norm) and
 RUN_DIR/memory.rank<r>.json: the bytes of this rank's parameters (local shards, each tensor once),
 of its gradients at their largest (before the optimizer step zeroes them), of its optimizer state
@@ -13,6 +14,7 @@ gradients and optimizer states.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ import torch
 
 from lmforge.config import load_config
 from lmforge.train.trainer import Trainer
+from lmforge.verify.perturb import rounding_perturbed
 
 MEMORY_FILE = "memory.rank{rank}.json"
 
@@ -57,7 +60,8 @@ def run(job: dict) -> int:
         if spec.get("resume"):
             overrides["checkpoint.resume"] = spec["resume"]
         trainer = MeasuringTrainer(load_config(spec["config"], overrides), out_dir=spec["out"])
-        trainer.fit()
+        with rounding_perturbed(spec["perturb"]) if spec.get("perturb") else contextlib.nullcontext():
+            trainer.fit()
         record = {"rank": trainer.dist.rank, "pp_rank": trainer.dist.pp_rank, **getattr(trainer, "measured", {})}
         path = Path(spec["out"]) / MEMORY_FILE.format(rank=trainer.dist.rank)
         path.write_text(json.dumps(record))
