@@ -316,6 +316,7 @@ DELEGATED = {
     "export": ("lmforge.cli.interop", "export_main", "write a run as a Hugging Face transformers folder"),
     "import": ("lmforge.cli.interop", "import_main", "turn a transformers Llama/Qwen/Mixtral/GPT-2 folder into a run"),
     "merge": ("lmforge.cli.merge", "merge_main", "average the weights of saved checkpoints into a run folder"),
+    "compare": ("lmforge.cli.compare", "compare_main", "two runs' loss and grad norm per step, within a band"),
 }
 
 
