@@ -22,6 +22,15 @@ family's options at toy width and depth) and trained for a few steps on gloo, on
            convention): ranks of the stage the plan reports must match within MEMORY_TOL; the others
            may hold less (the plan is the worst stage's).
 
+When parity fails, the layout and the one-process run (and the band's reruns) train again with hooks that
+record, per module, the norm of its output and of its parameters' gradient at the first failing step
+(lmforge/verify/probe.py: of the full tensors, shards gathered and ranks merged), and the first module
+whose difference leaves the band is printed with its numbers: in forward order for outputs, in backward
+order for gradients (`localise`). The band per module: a 16-bit toy's measured as the steps' is (BAND_FACTOR
+x the largest rerun's relative difference, at least MODULE_FLOOR: half an ulp of the dtype, which a norm
+of rounded values can move by where a layout keeps an fp32 tensor in 16 bits, e.g. FSDP's gathered
+embedding), an fp32 toy's MODULE_TOL relative.
+
 Each check prints PASS or FAIL with its numbers; the command exits 0 when all pass, 1 otherwise, and 2
 when the layout cannot be emulated on the CPU (the reason is printed).
 """
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import socket
@@ -44,10 +54,13 @@ from lmforge.config import Config, ConfigError, to_toml
 from lmforge.folders import CHECKPOINTS
 from lmforge.plan.layout import Layout
 from lmforge.plan.memory import estimate_memory
-from lmforge.verify.band import BAND_RERUNS, Band, measure_band, read_metrics, within_band
+from lmforge.verify.band import BAND_FACTOR, BAND_RERUNS, Band, measure_band, read_metrics, within_band
+from lmforge.verify.probe import read_probe
 from lmforge.verify.toy import STEPS, CannotEmulate, Toy, describe, toy_run
 
 PARITY_TOL = {"loss": 1e-4, "grad_norm": 3e-4}  # relative, per step
+MODULE_TOL = 1e-4  # fp32: relative, per module norm (the parity check's loss tolerance)
+MODULE_FLOOR = {"bf16": 2.0 ** -9, "bf16-pure": 2.0 ** -9, "fp16": 2.0 ** -12}
 MEMORY_TOL = 0.01
 RUN_TIMEOUT_S = 900
 MEMORY_PARTS = ("weights", "gradients", "optimizer_states")
@@ -58,6 +71,7 @@ class Check:
     name: str
     passed: bool
     detail: str
+    first_step: int | None = None  # the first step outside the tolerance (parity)
 
     def line(self) -> str:
         return f"  {'PASS' if self.passed else 'FAIL'}  {self.name}: {self.detail}"
@@ -88,6 +102,12 @@ def verify_layout(cfg: Config, layout: Layout, optimizer: str, echo=print, keep:
         return 1
     for check in checks:
         echo(check.line())
+    parity = checks[0]
+    if not parity.passed and parity.first_step:
+        try:
+            localise(toy, work, parity.first_step, echo)
+        except RunFailed as exc:
+            echo(f"  (the runs that localise the difference failed: {exc})")
     failed = [c for c in checks if not c.passed]
     if failed:
         echo(f"verify: FAIL ({len(failed)} of {len(checks)} checks; the runs are in {work})")
@@ -140,6 +160,62 @@ def run_checks(toy: Toy, optimizer: str, work: Path, echo=print) -> list[Check]:
     ]
 
 
+def localise(toy: Toy, work: Path, step: int, echo=print) -> None:
+    """Train the layout and the one-process run again (and a 16-bit toy's reruns) with per-module probes at
+    `step`, and print the first module whose output (forward order) and whose gradient (backward order)
+    leaves the band (module docstring)."""
+    precision = toy.config.train.precision
+    reruns = range(1, BAND_RERUNS + 1) if precision != "fp32" else range(0)
+    layout_run = {"config": str(work / "layout.toml"), "out": str(work / "probe-layout"), "probe": step}
+    single = [{"config": str(work / "single.toml"), "out": str(work / "probe-single"), "probe": step}]
+    single += [{"config": str(work / "single.toml"), "out": str(work / f"probe-perturbed{k}"), "probe": step,
+                "perturb": k} for k in reruns]
+    t0 = time.perf_counter()
+    if toy.world_size > 1:
+        _launch(toy.world_size, [layout_run], work / "probe-layout.job.json")
+    else:
+        single.insert(0, layout_run)
+    _launch(1, single, work / "probe-single.job.json")
+    clip = toy.config.optim.grad_clip
+    lay, ref = (_probed(work / name, step, clip) for name in ("probe-layout", "probe-single"))
+    others = [_probed(work / f"probe-perturbed{k}", step, clip) for k in reruns]
+    echo(f"  localised at step {step} (per-module norms of the full tensors, layout vs one process; "
+         f"{'band: ' + f'{BAND_FACTOR:g} x the largest of {len(others)} reruns, at least {MODULE_FLOOR[precision]:.1e}' if others else f'tolerance {MODULE_TOL:g}'}"
+         f", relative; {time.perf_counter() - t0:.0f} s):")
+    order = ref["order"]
+    for kind, names in (("forward output", order), ("gradient", [n for n in reversed(order) if n in ref["gradient"]])):
+        key = "forward" if kind == "forward output" else "gradient"
+        first = None
+        for name in names:
+            if name not in lay[key] or name not in ref[key]:
+                continue
+            got, want = lay[key][name], ref[key][name]
+            diff = abs(got - want) / want if want else (0.0 if got == want else math.inf)
+            band = (max(MODULE_FLOOR[precision], BAND_FACTOR * max(abs(o[key][name] - want) / want if want else 0.0
+                                                                   for o in others)) if others else MODULE_TOL)
+            if diff > band:
+                first = (name, got, want, diff, band)
+                break
+        order_word = "forward" if key == "forward" else "backward"
+        if first:
+            name, got, want, diff, band = first
+            echo(f"    first {kind} outside the band ({order_word} order): {name}: norm {got:.6g} vs {want:.6g}, "
+                 f"relative difference {diff:.2e} (band {band:.2e})")
+        else:
+            echo(f"    every module's {kind} norm within the band")
+
+
+def _probed(run: Path, step: int, clip: float) -> dict:
+    """A run's per-module norms at `step`, its gradients as before clipping (the clip's factor,
+    min(1, clip / (norm + 1e-6)) of lmforge.parallel.clip, undone with the run's reported norm)."""
+    probe = read_probe(run)
+    norm = read_metrics(run).get(step, {}).get("grad_norm")
+    if clip > 0 and norm is not None:
+        scale = max(1.0, (norm + 1e-6) / clip)
+        probe["gradient"] = {k: v * scale for k, v in probe["gradient"].items()}
+    return probe
+
+
 def _ddp_config(toy: Toy, work: Path) -> Path:
     """A one-process layout's resume: the reference run's config on two DDP ranks, each micro-batch split
     between them."""
@@ -176,7 +252,7 @@ def band_check(name: str, got: dict, want: dict, steps: list[int], band: Band | 
         return compare(name, got, want, steps)
     parity = within_band(got, want, band, steps)
     detail = parity.summary() + "".join(f"; {o.line()}" for o in parity.outside)
-    return Check(name, parity.ok, detail)
+    return Check(name, parity.ok, detail, parity.outside[0].step if parity.outside else None)
 
 
 def compare(name: str, got: dict, want: dict, steps: list[int]) -> Check:
@@ -188,9 +264,11 @@ def compare(name: str, got: dict, want: dict, steps: list[int]) -> Check:
         rel = [(abs(got[s][key] - want[s][key]) / abs(want[s][key]), s) for s in steps]
         worst[key] = max(rel)
     ok = all(v < PARITY_TOL[k] for k, (v, _) in worst.items())
+    first = next((s for s in steps for k in PARITY_TOL
+                  if abs(got[s][k] - want[s][k]) / abs(want[s][k]) >= PARITY_TOL[k]), None)
     detail = ", ".join(f"{k.replace('_', ' ')} max relative difference {v:.1e} (step {s}: {got[s][k]:.6g} vs "
                        f"{want[s][k]:.6g}; tolerance {PARITY_TOL[k]:g})" for k, (v, s) in worst.items())
-    return Check(name, ok, detail)
+    return Check(name, ok, detail, first)
 
 
 def resume_check(world: int, resumed: dict, single: dict, band: Band | None = None) -> Check:

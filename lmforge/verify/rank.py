@@ -4,7 +4,10 @@ and records, per rank, the bytes of the model states it holds.
     [python -m torch.distributed.run --nproc-per-node W] -m lmforge.verify.rank JOB.json
 
 JOB.json: {"runs": [{"config": CONFIG.toml, "out": RUN_DIR, "resume": CHECKPOINT or null, "perturb": SEED or
-null}, ...]} ("perturb": the run's 16-bit rounding perturbed, lmforge/verify/perturb.py: a band's rerun). Each run
+null, "probe": STEP or null}, ...]} ("perturb": the run's 16-bit rounding perturbed, lmforge/verify/perturb.py: a
+band's rerun; "probe": per-module norms at optimizer step STEP, lmforge/verify/probe.py, written per rank
+to RUN_DIR/probe.rank<r>.json). TEST-ONLY: LMFORGE_VERIFY_FAULT names a fault of lmforge/verify/faults.py
+that the multi-process runs get. Each run
 writes its run folder as `lmforge train` does (metrics.jsonl: every step's loss and gradient norm) and
 RUN_DIR/memory.rank<r>.json: the bytes of this rank's parameters (local shards, each tensor once),
 of its gradients at their largest (before the optimizer step zeroes them), of its optimizer state
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +27,9 @@ import torch
 
 from lmforge.config import load_config
 from lmforge.train.trainer import Trainer
+from lmforge.verify import faults
 from lmforge.verify.perturb import rounding_perturbed
+from lmforge.verify.probe import PROBE_FILE, Probe
 
 MEMORY_FILE = "memory.rank{rank}.json"
 
@@ -60,8 +66,16 @@ def run(job: dict) -> int:
         if spec.get("resume"):
             overrides["checkpoint.resume"] = spec["resume"]
         trainer = MeasuringTrainer(load_config(spec["config"], overrides), out_dir=spec["out"])
-        with rounding_perturbed(spec["perturb"]) if spec.get("perturb") else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if spec.get("perturb"):
+                stack.enter_context(rounding_perturbed(spec["perturb"]))
+            probe = stack.enter_context(Probe(spec["probe"])) if spec.get("probe") else None
+            stack.enter_context(faults.installed(os.environ.get(faults.FAULT_ENV)))
             trainer.fit()
+        if probe is not None:
+            d = trainer.dist
+            probe.write(Path(spec["out"]) / PROBE_FILE.format(rank=d.rank),
+                        {"rank": d.rank, "dp": d.dp_rank, "cp": d.cp_rank, "tp": d.tp_rank, "pp": d.pp_rank})
         record = {"rank": trainer.dist.rank, "pp_rank": trainer.dist.pp_rank, **getattr(trainer, "measured", {})}
         path = Path(spec["out"]) / MEMORY_FILE.format(rank=trainer.dist.rank)
         path.write_text(json.dumps(record))
