@@ -41,19 +41,26 @@ def test_the_toy_trains_in_the_layout_precision(precision):
     assert toy.config.train.precision == toy.reference.train.precision == precision
 
 
-def test_the_perturbed_rounding_moves_16_bit_outputs_by_about_one_ulp_and_leaves_fp32_alone():
+def test_the_perturbed_rounding_moves_outputs_by_about_one_16_bit_ulp():
+    """A bf16 output by about one ulp (eps relative at most, + its rounding); an fp32 output (a norm's,
+    an embedding's under autocast) by up to bf16's eps, as rounding it to bf16 would; a module without
+    weights of its own is left alone; fp32 runs have no band and are refused."""
     torch.manual_seed(0)
-    lin = nn.Linear(64, 64)
+    lin, norm, act = nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()
     x = torch.randn(8, 64)
+    eps = torch.finfo(torch.bfloat16).eps
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain = lin(x)
-        with rounding_perturbed(1):
-            moved = lin(x)
+        plain, plain_norm = lin(x), norm(x)
+        with rounding_perturbed(1, "bf16"):
+            moved, moved_norm, same = lin(x), norm(x), act(x)
     assert moved.dtype == torch.bfloat16 and not torch.equal(moved, plain)
-    rel = ((moved.float() - plain.float()).abs() / plain.float().abs().clamp_min(1e-6)).max()
-    assert rel <= 2 * torch.finfo(torch.bfloat16).eps  # (one ulp is eps relative at most, + the rounding)
-    with rounding_perturbed(1):
-        assert torch.equal(lin(x), lin.forward(x))  # fp32: untouched
+    assert ((moved.float() - plain.float()).abs() / plain.float().abs().clamp_min(1e-6)).max() <= 2 * eps
+    assert moved_norm.dtype == torch.float32 and not torch.equal(moved_norm, plain_norm)
+    assert ((moved_norm - plain_norm).abs() / plain_norm.abs().clamp_min(1e-6)).max() <= eps * (1 + 1e-6)
+    assert torch.equal(same, act(x))
+    with pytest.raises(ValueError, match="'fp32' has no 16-bit rounding"):
+        with rounding_perturbed(1, "fp32"):
+            pass
 
 
 def test_ranks_merge_shards_add_and_replicas_count_once():

@@ -19,8 +19,8 @@ and a run passes at step s when |loss(s) - loss_ref(s)| <= band_loss(s) and |gno
 gnorm_ref(s) <= band_grad_norm(s). BAND_FACTOR = 3: the max over K = 3 reruns is a small sample of the
 spread (a fourth draw exceeds the max of three with probability 1/4), and a layout rounds at places the
 reruns do not; the bugs the band is for move the loss or norm much further than rounding does (measured
-on the toy in bf16: a gradient summed instead of averaged, or a TP bias added twice, 30-140x the band at
-step 1; a correct FSDP x TP layout sits at about a quarter of it: docs/planning.md).
+on the toy in bf16: a gradient summed instead of averaged moves the grad norm ~1000x the band at step 1;
+correct layouts, FSDP and FSDP x TP, sit at 0.2-0.4 of it: docs/planning.md).
 """
 
 from __future__ import annotations

@@ -65,10 +65,11 @@ def run(job: dict) -> int:
         overrides = {"train.out_dir": spec["out"]}
         if spec.get("resume"):
             overrides["checkpoint.resume"] = spec["resume"]
-        trainer = MeasuringTrainer(load_config(spec["config"], overrides), out_dir=spec["out"])
+        cfg = load_config(spec["config"], overrides)
+        trainer = MeasuringTrainer(cfg, out_dir=spec["out"])
         with contextlib.ExitStack() as stack:
             if spec.get("perturb"):
-                stack.enter_context(rounding_perturbed(spec["perturb"]))
+                stack.enter_context(rounding_perturbed(spec["perturb"], cfg.train.precision))
             probe = stack.enter_context(Probe(spec["probe"])) if spec.get("probe") else None
             stack.enter_context(faults.installed(os.environ.get(faults.FAULT_ENV)))
             trainer.fit()
