@@ -27,6 +27,7 @@ def test_the_band_is_the_largest_rerun_distance_per_step_times_the_factor():
     assert band.at("grad_norm", 1) == pytest.approx(2 * 0.01) and band.at("grad_norm", 2) == pytest.approx(2 * 0.1)
     parity = within_band(metrics((5.003, 2.0), (4.03, 1.0)), ref, band)
     assert [(o.step, o.key) for o in parity.outside] == [(2, "loss")] and not parity.ok
+    assert parity.step_lines() == ["step 2: loss 4.03 vs 4, difference 3.00e-02 (absolute) outside the band 2.00e-02 (1.5x)"]
     assert parity.worst["loss"] == (pytest.approx(1.5), 2) and parity.worst["grad_norm"][0] == 0.0
 
 
@@ -57,6 +58,7 @@ def test_compare_within_a_measured_band_passes_and_a_changed_run_fails_per_step(
     out = capsys.readouterr().out
     steps = [line for line in out.splitlines() if line.startswith("  step ")]
     assert steps and all("outside the band" in line for line in steps), out
+    assert len(steps) == len({line.split(":")[0] for line in steps}), out  # one line per step
     assert not any(line.startswith("  step 1:") for line in steps), out  # (step 1: before the first update)
     assert out.splitlines()[-1].startswith("FAIL: ") and "step(s) outside the band" in out
 

@@ -48,8 +48,9 @@ def compare_main(argv: list[str]) -> int:
         return 2
     print(f"compare {args.run_a} against {args.run_b}, steps {parity.steps[0]}-{parity.steps[-1]}")
     print(f"  {band.describe(parity.steps)}")
-    for o in parity.outside:
-        print(f"  {o.line()}")
+    lines = parity.step_lines()
+    for line in lines:
+        print(f"  {line}")
     print(f"{'PASS' if parity.ok else 'FAIL'}: {parity.summary()}"
-          + (f"; {len({o.step for o in parity.outside})} step(s) outside the band" if parity.outside else ""))
+          + (f"; {len(lines)} step(s) outside the band" if lines else ""))
     return 0 if parity.ok else 1

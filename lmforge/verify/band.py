@@ -113,12 +113,12 @@ class Outside:
     distance: float
     band: float
 
-    def line(self) -> str:
+    def part(self) -> str:
         kind = "relative" if self.key == "grad_norm" else "absolute"
-        return (f"step {self.step}: {self.key.replace('_', ' ')} {self.got:.6g} vs {self.want:.6g}, difference "
-                f"{self.distance:.2e} ({kind}) outside the band {self.band:.2e} ({self.distance / self.band:.1f}x)"
-                if self.band > 0 else f"step {self.step}: {self.key.replace('_', ' ')} {self.got:.6g} vs "
-                f"{self.want:.6g}, difference {self.distance:.2e} ({kind}); the band is 0")
+        return (f"{self.key.replace('_', ' ')} {self.got:.6g} vs {self.want:.6g}, difference {self.distance:.2e} "
+                f"({kind}) outside the band {self.band:.2e} ({self.distance / self.band:.1f}x)" if self.band > 0 else
+                f"{self.key.replace('_', ' ')} {self.got:.6g} vs {self.want:.6g}, difference {self.distance:.2e} "
+                f"({kind}); the band is 0")
 
 
 @dataclass
@@ -133,6 +133,11 @@ class Parity:
     @property
     def ok(self) -> bool:
         return not self.outside and not self.missing
+
+    def step_lines(self) -> list[str]:
+        """One line per step outside the band: `step S: loss ...; grad norm ...`."""
+        steps = sorted({o.step for o in self.outside})
+        return [f"step {s}: " + "; ".join(o.part() for o in self.outside if o.step == s) for s in steps]
 
     def summary(self) -> str:
         if self.missing:

@@ -263,7 +263,7 @@ def band_check(name: str, got: dict, want: dict, steps: list[int], band: Band | 
     if band is None:
         return compare(name, got, want, steps)
     parity = within_band(got, want, band, steps)
-    detail = parity.summary() + "".join(f"; {o.line()}" for o in parity.outside)
+    detail = parity.summary() + "".join(f"; {line}" for line in parity.step_lines())
     return Check(name, parity.ok, detail, parity.outside[0].step if parity.outside else None)
 
 
