@@ -20,11 +20,13 @@ def metrics(*rows):
     return {s: {"loss": loss, "grad_norm": g} for s, (loss, g) in enumerate(rows, 1)}
 
 
-def test_the_band_is_the_largest_rerun_distance_per_step_times_the_factor():
+def test_the_band_is_the_largest_rerun_distance_up_to_each_step_times_the_factor():
     ref = metrics((5.0, 2.0), (4.0, 1.0))
     band = measure_band(ref, [metrics((5.001, 2.02), (4.0, 1.0)), metrics((4.998, 2.0), (4.01, 1.1))], factor=2)
     assert band.at("loss", 1) == pytest.approx(2 * 0.002) and band.at("loss", 2) == pytest.approx(2 * 0.01)
     assert band.at("grad_norm", 1) == pytest.approx(2 * 0.01) and band.at("grad_norm", 2) == pytest.approx(2 * 0.1)
+    # (a spread reached is kept: step 2's smaller one does not narrow the band)
+    assert measure_band(ref, [metrics((5.01, 2.0), (4.001, 1.0))], factor=1).at("loss", 2) == pytest.approx(0.01)
     parity = within_band(metrics((5.003, 2.0), (4.03, 1.0)), ref, band)
     assert [(o.step, o.key) for o in parity.outside] == [(2, "loss")] and not parity.ok
     assert parity.step_lines() == ["step 2: loss 4.03 vs 4, difference 3.00e-02 (absolute) outside the band 2.00e-02 (1.5x)"]
