@@ -108,7 +108,8 @@ def test_a_broken_layout_fails_with_the_reason(tmp_path, monkeypatch, capsys):
     step1 = re.search(r"step 1: (?:[^;]*; )?grad norm \S+ vs \S+, difference (\S+) \(relative\) outside the band",
                       parity)
     assert step1 and float(step1.group(1)) == pytest.approx(1.0, abs=0.01), parity  # twice the one-process norm
-    assert "localised at step 1" in out and "first gradient outside the band" in out, out
+    # every gradient is 2x: the first in backward order is the head's (the chunked loss uses its weight)
+    assert "localised at step 1" in out and "first gradient outside the band (backward order): lm_head: " in out, out
     assert any(k.startswith("PASS  resume") for k in lines), lines
     memory = next(v for k, v in lines.items() if k.startswith("FAIL  memory"))
     assert "rank 0 weights" in memory and "vs planned" in memory, memory

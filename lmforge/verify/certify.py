@@ -177,14 +177,23 @@ def localise(toy: Toy, work: Path, step: int, echo=print) -> None:
     else:
         single.insert(0, layout_run)
     _launch(1, single, work / "probe-single.job.json")
-    clip = toy.config.optim.grad_clip
+    report_localised(work, step, precision, toy.config.optim.grad_clip, len(reruns), time.perf_counter() - t0, echo)
+
+
+def report_localised(work: Path, step: int, precision: str, clip: float, reruns: int, seconds: float,
+                     echo=print) -> None:
+    """`localise`'s verdict from the probed runs in `work` (probe-layout, probe-single, probe-perturbed<k>)."""
     lay, ref = (_probed(work / name, step, clip) for name in ("probe-layout", "probe-single"))
-    others = [_probed(work / f"probe-perturbed{k}", step, clip) for k in reruns]
+    others = [_probed(work / f"probe-perturbed{k}", step, clip) for k in range(1, reruns + 1)]
     echo(f"  localised at step {step} (per-module norms of the full tensors, layout vs one process; "
          f"{'band: ' + f'{BAND_FACTOR:g} x the largest of {len(others)} reruns, at least {MODULE_FLOOR[precision]:.1e}' if others else f'tolerance {MODULE_TOL:g}'}"
-         f", relative; {time.perf_counter() - t0:.0f} s):")
+         f", relative; {seconds:.0f} s):")
     order = ref["order"]
-    for kind, names in (("forward output", order), ("gradient", [n for n in reversed(order) if n in ref["gradient"]])):
+    # backward order: the modules whose weights the loss uses without running them (the chunked loss's head:
+    # lm_head's weight, no forward call) first, then the modules in reverse forward order
+    unrun = sorted(n for n in ref["gradient"] if n not in order)
+    for kind, names in (("forward output", order),
+                        ("gradient", unrun + [n for n in reversed(order) if n in ref["gradient"]])):
         key = "forward" if kind == "forward output" else "gradient"
         first = None
         for name in names:
