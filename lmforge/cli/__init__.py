@@ -12,6 +12,7 @@
     lmforge eval     --run RUN_DIR [--text F] [--bleu F] [--mc F] (lmforge/cli/eval.py)
     lmforge export   --run RUN_DIR --out HF_DIR    (lmforge/cli/interop.py)
     lmforge merge    RUN_DIR --last K --out DIR    (lmforge/cli/merge.py)
+    lmforge compare  RUN_A RUN_B --band loss=1e-3,grad_norm=1e-2 | --reference RUN ...  (lmforge/cli/compare.py)
     lmforge import   --hf HF_DIR --out RUN_DIR     (lmforge/cli/interop.py)
     lmforge launch   [torchrun options] train ...  (lmforge/launch.py: torchrun, exit statuses mapped)
 """
@@ -317,6 +318,7 @@ DELEGATED = {
     "export": ("lmforge.cli.interop", "export_main", "write a run as a Hugging Face transformers folder"),
     "import": ("lmforge.cli.interop", "import_main", "turn a transformers Llama/Qwen/Mixtral/GPT-2 folder into a run"),
     "merge": ("lmforge.cli.merge", "merge_main", "average the weights of saved checkpoints into a run folder"),
+    "compare": ("lmforge.cli.compare", "compare_main", "two runs' loss and grad norm per step, within a band"),
 }
 
 

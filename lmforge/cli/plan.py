@@ -126,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "interval, and the compute-optimal N and D for its compute budget")
     p.add_argument("--verify", action="store_true",
                    help="certify the planned layout on this machine's CPU: scaled down (each degree to its smallest "
-                        "divisor > 1) at toy width and depth, a few steps on gloo against one process (loss, gradient "
-                        "norm), a resume at another world size, each rank's memory against this plan; PASS/FAIL per "
-                        "check (lmforge/verify/certify.py)")
+                        "divisor > 1) at toy width and depth, a few steps on gloo in the plan's precision against one "
+                        "process (loss, gradient norm; 16 bits: within a band measured from reruns), a resume at another "
+                        "world size, each rank's memory against this plan; PASS/FAIL per check, and a failing layout's "
+                        "first diverging module (lmforge/verify/certify.py)")
     return p
 
 

@@ -3,7 +3,11 @@ and records, per rank, the bytes of the model states it holds.
 
     [python -m torch.distributed.run --nproc-per-node W] -m lmforge.verify.rank JOB.json
 
-JOB.json: {"runs": [{"config": CONFIG.toml, "out": RUN_DIR, "resume": CHECKPOINT or null}, ...]}. Each run
+JOB.json: {"runs": [{"config": CONFIG.toml, "out": RUN_DIR, "resume": CHECKPOINT or null, "perturb": SEED or
+null, "probe": STEP or null}, ...]} ("perturb": the run's 16-bit rounding perturbed, lmforge/verify/perturb.py: a
+band's rerun; "probe": per-module norms at optimizer step STEP, lmforge/verify/probe.py, written per rank
+to RUN_DIR/probe.rank<r>.json). TEST-ONLY: LMFORGE_VERIFY_FAULT names a fault of lmforge/verify/faults.py
+that the multi-process runs get. Each run
 writes its run folder as `lmforge train` does (metrics.jsonl: every step's loss and gradient norm) and
 RUN_DIR/memory.rank<r>.json: the bytes of this rank's parameters (local shards, each tensor once),
 of its gradients at their largest (before the optimizer step zeroes them), of its optimizer state
@@ -13,7 +17,9 @@ gradients and optimizer states.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +28,9 @@ import torch
 from lmforge.config import load_config
 from lmforge.train.events import Handler
 from lmforge.train.trainer import Trainer
+from lmforge.verify import faults
+from lmforge.verify.perturb import rounding_perturbed
+from lmforge.verify.probe import PROBE_FILE, Probe
 
 MEMORY_FILE = "memory.rank{rank}.json"
 
@@ -61,9 +70,19 @@ def run(job: dict) -> int:
         overrides = {"train.out_dir": spec["out"]}
         if spec.get("resume"):
             overrides["checkpoint.resume"] = spec["resume"]
+        cfg = load_config(spec["config"], overrides)
         measure = MemoryMeasure()
-        trainer = Trainer(load_config(spec["config"], overrides), out_dir=spec["out"], handlers=[measure])
-        trainer.fit()
+        trainer = Trainer(cfg, out_dir=spec["out"], handlers=[measure])
+        with contextlib.ExitStack() as stack:
+            if spec.get("perturb"):
+                stack.enter_context(rounding_perturbed(spec["perturb"], cfg.train.precision))
+            probe = stack.enter_context(Probe(spec["probe"])) if spec.get("probe") else None
+            stack.enter_context(faults.installed(os.environ.get(faults.FAULT_ENV)))
+            trainer.fit()
+        if probe is not None:
+            d = trainer.dist
+            probe.write(Path(spec["out"]) / PROBE_FILE.format(rank=d.rank),
+                        {"rank": d.rank, "dp": d.dp_rank, "cp": d.cp_rank, "tp": d.tp_rank, "pp": d.pp_rank})
         measured = measure.measured if "weights" in measure.measured else {}  # (no step ran: nothing measured)
         record = {"rank": trainer.dist.rank, "pp_rank": trainer.dist.pp_rank, **measured}
         path = Path(spec["out"]) / MEMORY_FILE.format(rank=trainer.dist.rank)

@@ -11,8 +11,10 @@ The toy model keeps the family's options (norm, activation, positions, biases, Q
 tied or untied embeddings, the query-to-key/value head ratio of GQA up to 4, a sliding window, MoE
 routing with shared experts, dense first blocks and expert groups, multi-head latent attention with its latents at toy
 width, one multi-token-prediction depth) at head width 16, one block per pipeline chunk (at least 2), and the default corpus's 4096-token BPE vocabulary (a toy needs no GPT-2 vocabulary). It
-trains in fp32 without compile: bf16 on a CPU without bf16 units is emulated 50-100x slower, and
-16-bit rounding would hide a layout's error in the noise; the layout's arithmetic is what is checked.
+trains in the layout's precision (fp32, bf16 autocast, bf16-pure, fp16; fp8 is refused) without compile: a 16-bit
+layout is checked against a band measured from perturbed one-process reruns (lmforge/verify/band.py), an fp32
+one at fp32's tolerance. bf16 on a CPU without bf16 units (AVX2 only) is emulated 50-100x slower: the toy
+stays small enough for minutes (the run's time is printed).
 
 Refused, with the reason: CPU offload and FP8 (CUDA only), and worlds of more than MAX_PROCESSES after
 scaling.
@@ -70,7 +72,7 @@ def scale_layout(layout: Layout) -> tuple[Layout, list[str]]:
               "pp": smallest_divisor(layout.pp), "ep": ep}
     notes = [f"{k} {getattr(layout, k)} -> {v}" for k, v in scaled.items() if v != getattr(layout, k)]
     # (a document mask runs on SDPA's dense mask on the CPU: lmforge.plan.documents plans that kernel)
-    toy = dataclasses.replace(layout, **scaled, cpu_offload=False, compile=False, precision="fp32",
+    toy = dataclasses.replace(layout, **scaled, cpu_offload=False, compile=False,
                               documents="sdpa" if layout.documents != "none" else "none")
     if toy.world_size > MAX_PROCESSES:
         raise CannotEmulate(f"scaled down to dp x cp x tp x pp = {toy.dp} x {toy.cp} x {toy.tp} x {toy.pp} = "
@@ -151,6 +153,9 @@ def toy_run(cfg: Config, layout: Layout) -> Toy:
                                  micro_batch=toy_layout.micro_batch * toy_layout.dp,
                                  fsdp_reduce_every_micro_batch=False)
     reference = dataclasses.replace(config_for_layout(base, single, seq), parallel=ParallelConfig())
+    if toy_layout.precision == "bf16-pure":  # (config_for_layout maps it to bf16, whose layout rules it shares)
+        run, reference = (dataclasses.replace(c, train=dataclasses.replace(c.train, precision="bf16-pure"))
+                          for c in (run, reference))
     return Toy(toy_layout, run, reference, notes)
 
 
@@ -170,5 +175,6 @@ def describe(toy: Toy) -> str:
                       + (f" + {m.moe.shared_experts} shared" if m.moe.shared_experts else ""))
     return (f"toy model: dim {m.dim}, {m.n_layers} layers, {m.n_heads} heads ({', '.join(family)}), vocab "
             f"{m.vocab_size}, {toy.config.data.seq_len} tokens; {lay.micro_batch} x {lay.grad_accum} micro-batches "
-            f"x dp {lay.dp} per step, {STEPS} steps, {toy.config.optim.name} at lr {toy.config.optim.lr:g}, fp32, "
+            f"x dp {lay.dp} per step, {STEPS} steps, {toy.config.optim.name} at lr {toy.config.optim.lr:g}, "
+            f"{toy.config.train.precision}, "
             f"compile off" + (f", EMA of the weights {toy.config.train.ema_decay:g}" if lay.ema else ""))
