@@ -42,9 +42,11 @@ BRIEF = ("--train.steps 10 --train.global_batch_size 12 --data.seq_len 32 "
          "--train.plot false --train.tensorboard false --train.progress lines --train.threads 1 "
          "--checkpoint.every_minutes 0 --schedule.warmup_steps 2")
 # the test file that runs each page's commands (the pages of a file share one scratch folder, in page order)
+# docs/checkpoints.md runs with the README: its first training line is the README's, which it then finds
+# complete, as a user who read both would (in a folder of its own it would train that run again).
 FILES = {
-    "test_readme_commands.py": ("README.md", "docs/training.md", "docs/planning.md"),
-    "test_docs_commands_parallel.py": ("docs/parallel.md", "docs/checkpoints.md"),
+    "test_readme_commands.py": ("README.md", "docs/training.md", "docs/planning.md", "docs/checkpoints.md"),
+    "test_docs_commands_parallel.py": ("docs/parallel.md",),
     "test_docs_commands_eval.py": ("docs/evaluation.md", "docs/operations.md"),
 }
 FIRST = "README.md: Train, sample, evaluate"  # its first line trains runs/tiny, which later pages use

@@ -1,4 +1,4 @@
-"""The commands of docs/parallel.md and docs/checkpoints.md run as written (tests/docs_commands.py: how;
+"""The commands of docs/parallel.md run as written (tests/docs_commands.py: how;
 tests/test_readme_commands.py runs the other pages'): a file of its own, so that the other pytest-xdist
 worker can run it while the README's run."""
 

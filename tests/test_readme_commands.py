@@ -1,7 +1,7 @@
 """Every command of README.md and of the pages in docs/ runs as written, so the docs cannot drift from
-the code: this file runs README.md's, docs/training.md's and docs/planning.md's, one test per page;
-tests/test_docs_commands_parallel.py and tests/test_docs_commands_eval.py run the other pages' (split so
-that the two pytest-xdist workers share them). tests/docs_commands.py says how, and what is left out.
+the code: this file runs README.md's, docs/training.md's, docs/planning.md's and docs/checkpoints.md's,
+one test per page; tests/test_docs_commands_parallel.py and tests/test_docs_commands_eval.py run the
+other pages' (split so that the two pytest-xdist workers share them). tests/docs_commands.py says how, and what is left out.
 """
 
 from __future__ import annotations
