@@ -263,9 +263,9 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     import argparse as ap
 
     from lmforge.cli import DELEGATED, build_parser
-    from lmforge.cli import eval as eval_cli, interop, merge, plan, prepare, report, scale, sweep
+    from lmforge.cli import compare, eval as eval_cli, interop, merge, plan, prepare, report, scale, sweep
 
-    own = {"prepare": prepare.build_parser, "plan": plan.build_parser, "eval": eval_cli.build_parser,
+    own = {"compare": compare.build_parser, "prepare": prepare.build_parser, "plan": plan.build_parser, "eval": eval_cli.build_parser,
            "merge": merge.build_parser, "report": report.build_parser, "scale": scale.build_parser,
            "sweep": sweep.build_parser, "export": lambda: interop.build_parser(**interop.EXPORT),
            "import": lambda: interop.build_parser(**interop.IMPORT)}

@@ -84,7 +84,7 @@ def test_split_argv_finds_the_sub_command_after_torchrun_options():
 
 
 @pytest.mark.parametrize("argv, error", [
-    ([], "no lmforge sub-command given (one of: config, eval, "),  # was: the help, exit 0
+    ([], "no lmforge sub-command given (one of: compare, config, eval, "),  # was: the help, exit 0
     (["--nproc-per-node", "2", "trian", "--config", "c.toml"], "unknown lmforge sub-command 'trian' (one of: "),
     (["--nproc-per-node", "2"], "no lmforge sub-command in ['--nproc-per-node', '2']"),
 ])

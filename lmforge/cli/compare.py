@@ -12,14 +12,14 @@ step of RUN_B is within the band in RUN_A, 1 otherwise (one line per step outsid
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from lmforge.cli.options import OptionParser, float_in
 from lmforge.verify.band import BAND_FACTOR, compare_runs, measure_band, parse_band, read_metrics
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmforge compare", description="Compare two runs' loss and gradient norm per "
+def build_parser() -> OptionParser:
+    p = OptionParser(prog="lmforge compare", description="Compare two runs' loss and gradient norm per "
                                 "step within a band; exit 0 within, 1 outside.")
     p.add_argument("run_a", metavar="RUN_A", help="the run checked (a run folder with metrics.jsonl)")
     p.add_argument("run_b", metavar="RUN_B", help="the reference run")
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "grad-norm difference a step may show")
     how.add_argument("--reference", nargs="+", metavar="RUN", help="other runs of RUN_B's config (reruns or seeds): "
                      "the band is measured from their distance to RUN_B")
-    p.add_argument("--factor", type=float, default=BAND_FACTOR, help="times the measured spread (with --reference; "
+    p.add_argument("--factor", type=float_in(0, lo_open=True), default=BAND_FACTOR, help="times the measured spread (with --reference; "
                    f"default {BAND_FACTOR:g})")
     return p
 
