@@ -72,7 +72,7 @@ def test_checkpoint_due_and_parameter_server_use_the_host_gloo_group(corpus, tmp
     # synchronous DDP, a checkpoint due by the clock at every log step before the last (steps 2 and 4)
     sync = run_driver("rules", corpus, tmp_path / "ddp", 2, **{"parallel.dp_replicate": 2, "train.steps": 6,
                                                                "checkpoint.every_minutes": 1e-9, "train.log_every": 2})
-    due = [c for calls in sync for c in calls if c["caller"].endswith(":checkpoint_due")]
+    due = [c for calls in sync for c in calls if c["caller"] == "checkpointing.py:due"]  # (Checkpoints.due)
     assert len(due) == 2 * 2 and all(c["op"] == "broadcast" and c["host_group"] for c in due), due
     # asynchronous SGD: every parameter-server message on the host group, every receive naming its source
     asy = run_driver("rules", corpus, tmp_path / "async", 3, **{"parallel.dp_replicate": 3, "parallel.async_sgd": "true",
