@@ -54,8 +54,10 @@ def _same_logits_and_generation(model, hf):
         ours, theirs = model(tokens), hf(tokens).logits
     assert theirs.abs().max() > 1  # (real logits, not vanishing ones)
     assert (ours - theirs).abs().max().item() < 1e-4
-    prompt = tokens[0, :7].tolist()
-    want = hf.generate(tokens[:1, :7], max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 7:].tolist()
+    prompt = tokens[:1, :7]  # (an explicit mask: generate would otherwise mask the prompt's tokens equal to pad)
+    want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                       pad_token_id=0)[0, 7:].tolist()
+    prompt = prompt[0].tolist()
     assert list(generate_tokens(model, prompt, 10, temperature=0)) == want
 
 
@@ -168,3 +170,13 @@ def test_what_cannot_map_is_refused_in_one_line(tmp_path):
         check_hybrid(replace(_hybrid_cfg(), attn_gate=False))
     with pytest.raises(ValueError, match="Qwen3NextForCausalLM.*gated shared expert"):
         check_hybrid(_hybrid_cfg(moe=MoEConfig(num_experts=4, top_k=2, shared_experts=1)))
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_the_help_of_import_and_export_names_the_hybrid_families(command, capsys):
+    from lmforge.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Qwen3-Next" in text and "Qwen3.5 (dense or MoE)" in text, text
