@@ -98,10 +98,18 @@ def test_lmforge_hybrid_models_export_with_the_same_logits_and_generation(tmp_pa
         assert torch.equal(p, q), n
 
 
-def test_transformers_qwen3_5_moe_imports_with_the_same_logits_and_generation(tmp_path):
-    hf = _hf(tmp_path, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", **MOE)
+@pytest.mark.parametrize("moe", [True, False], ids=["qwen3.5-moe", "qwen3.5-dense"])
+def test_transformers_qwen3_5_imports_with_the_same_logits_and_generation(tmp_path, moe):
+    """Qwen3.5's own Gated DeltaNet projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and its
+    multimodal RoPE, which is plain RoPE for text."""
+    if moe:
+        hf = _hf(tmp_path, "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", **MOE)
+    else:
+        hf = _hf(tmp_path, "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", intermediate_size=40)
     cfg, model = import_qwen3next(tmp_path / "hf")
-    assert (cfg.moe.first_dense, cfg.moe.every, cfg.moe.renormalize, cfg.moe.shared_gate) == (0, 1, True, True)
+    m = cfg.moe
+    assert (m.enabled, m.first_dense, m.every, m.renormalize, m.shared_gate) == \
+        ((True, 0, 1, True, True) if moe else (False, 0, 1, True, False))
     _same_logits_and_generation(model, hf)
 
 
