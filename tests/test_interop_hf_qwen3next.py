@@ -188,3 +188,26 @@ def test_the_help_of_import_and_export_names_the_hybrid_families(command, capsys
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "Qwen3-Next" in text and "Qwen3.5 (dense or MoE)" in text, text
+
+
+def test_the_tiny_hybrid_preset_exports_tied_over_several_chunks(tmp_path):
+    """tiny-hybrid (tied embeddings, default shapes) exports as Qwen3.5 with its logits over 100 tokens
+    (two chunks of the chunked delta rule) and imports back as the same model."""
+    from lmforge.config import load_config
+    from lmforge.model.accounting import count_params
+
+    cfg = load_config("tiny-hybrid").model
+    model = build_model(cfg, seed=1).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    export_qwen3next(model, tmp_path / "out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(hf).__name__ == "Qwen3_5ForCausalLM" and hf.config.tie_word_embeddings
+    tokens = torch.randint(0, cfg.vocab_size, (2, 100))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+    back, again = import_qwen3next(tmp_path / "out")
+    assert count_params(back) == count_params(cfg)
+    for (n, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), n
