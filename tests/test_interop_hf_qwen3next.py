@@ -80,22 +80,32 @@ def _hybrid_cfg(**kw) -> ModelConfig:
                        deltanet=DeltaNetConfig(key_heads=2, value_heads=4, key_head_dim=8, value_head_dim=8), **kw)
 
 
+def _exported(cfg, tmp_path, std):
+    """A model of `cfg` with N(0, std) weights and norm weights in [0.5, 1.5] (where w - 1 + 1 is exact),
+    exported; (it, what transformers loads of the export)."""
+    model = build_model(cfg, seed=3).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, std)
+    export_qwen3next(model, tmp_path / "out")
+    return model, transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+
+
+def _imports_back_bit_for_bit(model, tmp_path):
+    back, again = import_qwen3next(tmp_path / "out")
+    for (n, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), n
+    return back
+
+
 @pytest.mark.parametrize("moe", [True, False], ids=["qwen3-next", "qwen3.5-dense"])
 def test_lmforge_hybrid_models_export_with_the_same_logits_and_generation(tmp_path, moe):
     cfg = _hybrid_cfg(moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, shared_experts=1, shared_gate=True,
                                     first_dense=1) if moe else MoEConfig())
-    model = build_model(cfg, seed=3).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.3)
-    export_qwen3next(model, tmp_path / "out")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    model, hf = _exported(cfg, tmp_path, 0.3)
     assert type(hf).__name__ == ("Qwen3NextForCausalLM" if moe else "Qwen3_5ForCausalLM")
     _same_logits_and_generation(model, hf)
-    back, again = import_qwen3next(tmp_path / "out")  # and back, bit for bit (w - 1 + 1 is exact on [0.5, 1.5])
-    assert back == cfg
-    for (n, p), q in zip(model.named_parameters(), again.parameters()):
-        assert torch.equal(p, q), n
+    assert _imports_back_bit_for_bit(model, tmp_path) == cfg
 
 
 @pytest.mark.parametrize("moe", [True, False], ids=["qwen3.5-moe", "qwen3.5-dense"])
@@ -197,17 +207,9 @@ def test_the_tiny_hybrid_preset_exports_tied_over_several_chunks(tmp_path):
     from lmforge.model.accounting import count_params
 
     cfg = load_config("tiny-hybrid").model
-    model = build_model(cfg, seed=1).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
-    export_qwen3next(model, tmp_path / "out")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    model, hf = _exported(cfg, tmp_path, 0.1)
     assert type(hf).__name__ == "Qwen3_5ForCausalLM" and hf.config.tie_word_embeddings
     tokens = torch.randint(0, cfg.vocab_size, (2, 100))
     with torch.no_grad():
         assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
-    back, again = import_qwen3next(tmp_path / "out")
-    assert count_params(back) == count_params(cfg)
-    for (n, p), q in zip(model.named_parameters(), again.parameters()):
-        assert torch.equal(p, q), n
+    assert count_params(_imports_back_bit_for_bit(model, tmp_path)) == count_params(cfg)
