@@ -1,6 +1,6 @@
 """Hugging Face `transformers` interop: export an lmforge model as a transformers folder, and
-import a transformers Llama / Qwen2 / Qwen3 / Mistral / GPT-2 folder as an lmforge model. Local
-files only, no hub.
+import a transformers Llama / Qwen2 / Qwen3 / Mistral / GPT-2 folder (and the families below) as an
+lmforge model. Local files only, no hub.
 
 Layouts (lmforge name -> transformers name):
 
@@ -18,6 +18,9 @@ Layouts (lmforge name -> transformers name):
   any of them (`rope_scaling` / transformers 5's `rope_parameters`).
 * DeepSeek-V3 (`DeepseekV3ForCausalLM`): a model with multi-head latent attention (model.mla), its
   MoE and multi-token prediction layers (lmforge.interop.hf_deepseek), streamed like the dense ones.
+* Mixtral / Qwen3-MoE (lmforge.interop.hf_moe) and the hybrid linear-attention Qwen3-Next /
+  Qwen3.5 / Qwen3.5-MoE (lmforge.interop.hf_qwen3next: Gated DeltaNet, gated attention, partial
+  RoPE, a gated shared expert), converted whole through transformers' own model.
 * GPT-2 (`GPT2LMHeadModel`): LayerNorm + GELU(tanh) + learned positions. GPT-2's `Conv1D`
   stores weights as (in, out), the transpose of `nn.Linear`, and fuses q/k/v into `c_attn`;
   an lmforge GPT-2 without biases exports zero biases (the same function).
@@ -53,6 +56,8 @@ from lmforge.interop.mup_fold import folded_reader
 from lmforge.interop.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_hf_config, deepseek_refs, deepseek_tensors,
                                          model_config_from_deepseek, mtp_copies, mtp_layers_present)
 from lmforge.interop.hf_moe import MOE_DECODERS, import_moe, model_config_from_moe, moe_hf_config, save_moe
+from lmforge.interop.hf_qwen3next import (HYBRID_DECODERS, MULTIMODAL, import_qwen3next, is_hybrid,
+                                          model_config_from_qwen3next, qwen3next_hf_config, save_qwen3next)
 from lmforge.model.layers import QKV_PARTS, qkv_conversions, qkv_layout, read_fused_qkv, split_qkv
 from lmforge.model.materialise import materialise
 from lmforge.model.transformer import Transformer
@@ -165,6 +170,8 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
     kind = hf.get("model_type")
     if kind in MOE_DECODERS:  # (Mixtral, Qwen3-MoE: lmforge.interop.hf_moe)
         return model_config_from_moe(hf, source)
+    if kind in HYBRID_DECODERS or kind in MULTIMODAL:  # (Qwen3-Next, Qwen3.5: lmforge.interop.hf_qwen3next)
+        return model_config_from_qwen3next(hf, source)
     if kind == DEEPSEEK:  # (lmforge.interop.hf_deepseek)
         return model_config_from_deepseek(hf, source)
     if kind in DECODERS:
@@ -184,7 +191,7 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
             norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), activation="gelu", bias=True,
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
     raise ValueError(f"{source}: model_type = {kind!r} is not supported; lmforge imports "
-                     f"{', '.join(repr(k) for k in [*DECODERS, *MOE_DECODERS, DEEPSEEK, 'gpt2'])}.")
+                     f"{', '.join(repr(k) for k in [*DECODERS, *MOE_DECODERS, *HYBRID_DECODERS, DEEPSEEK, 'gpt2'])}.")
 
 
 def hf_model_config(hf_dir: str | Path) -> ModelConfig:
@@ -479,15 +486,19 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = {cfg.vocab_size}.")
         ids = {"eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id}
-    if cfg.mla.enabled:  # (DeepSeek-V3: streamed as the dense models are)
+    hybrid = is_hybrid(cfg) and not cfg.mla.enabled  # (Qwen3-Next / Qwen3.5: lmforge.interop.hf_qwen3next)
+    if hybrid:
+        hf_cfg = qwen3next_hf_config(cfg, **ids)
+    elif cfg.mla.enabled:  # (DeepSeek-V3: streamed as the dense models are)
         hf_cfg = deepseek_hf_config(cfg, **ids)
     else:
         hf_cfg = moe_hf_config(cfg, **ids) if cfg.moe.enabled else hf_config(cfg, **ids)
     hf_cfg.dtype = str(next(d for d in weights.dtypes.values() if d.is_floating_point)).removeprefix("torch.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.moe.enabled and not cfg.mla.enabled:  # (Mixtral / Qwen3-MoE: the whole model in memory, through transformers)
-        save_moe(cfg, hf_cfg, {name: weights.read(name) for name in weights.shapes}, out)
+    if hybrid or (cfg.moe.enabled and not cfg.mla.enabled):  # (the whole model in memory, through transformers)
+        save = save_qwen3next if hybrid else save_moe
+        save(cfg, hf_cfg, {name: weights.read(name) for name in weights.shapes}, out)
     else:
         hf_cfg.save_pretrained(out)
         write_hf_weights(cfg, weights, out / WEIGHTS)
@@ -515,11 +526,13 @@ def save_hf_tokenizer(tokenizer, out_dir: Path, max_len: int) -> None:
 
 
 def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
-    """A local transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2) -> (ModelConfig, lmforge Transformer in eval mode),
+    """A local transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2; Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5 read
+    whole through transformers) -> (ModelConfig, lmforge Transformer in eval mode),
     built on the meta device and filled one weight at a time."""
     hf_dir = Path(hf_dir)
-    if read_hf_config(hf_dir).get("model_type") in MOE_DECODERS:
-        return import_moe(hf_dir, device)
+    whole = _whole_importer(hf_dir)
+    if whole is not None:
+        return whole(hf_dir, device)
     cfg = hf_model_config(hf_dir)
     refs = hf_weight_refs(cfg, hf_dir)
 
@@ -537,6 +550,13 @@ def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[M
                 buf.copy_(refs[name].read(tuple(buf.shape), (None,) * buf.dim(), name))
     model.eval()
     return cfg, model
+
+
+def _whole_importer(hf_dir: Path):
+    """The import of a family read whole through transformers (lmforge.interop.hf_moe / hf_qwen3next) for
+    the folder's model_type, or None for the streamed ones."""
+    kind = read_hf_config(hf_dir).get("model_type")
+    return import_moe if kind in MOE_DECODERS else import_qwen3next if kind in HYBRID_DECODERS else None
 
 
 def import_hf_tokenizer(hf_dir: Path):
@@ -565,8 +585,9 @@ def import_hf_run(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = Fal
     hf_dir, out = Path(hf_dir), Path(out_dir)
     check_target(out, "run", RUN_FILES + (TOKENIZER_CONFIG,), "--out", overwrite)
     cfg = hf_model_config(hf_dir)
-    if cfg.moe.enabled and not cfg.mla.enabled:  # (Mixtral / Qwen3-MoE: read whole by transformers; buffers too)
-        state = model_state(import_moe(hf_dir)[1])
+    whole = _whole_importer(hf_dir)
+    if whole is not None:  # (Mixtral / Qwen3-MoE / Qwen3-Next / Qwen3.5: read whole by transformers; buffers too)
+        state = model_state(whole(hf_dir)[1])
         specs = [(name, t.dtype, tuple(t.shape)) for name, t in state.items()]
         read = lambda name, shape: state[name]  # noqa: E731
     else:

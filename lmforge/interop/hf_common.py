@@ -37,14 +37,16 @@ def hf_rope_keys(cfg: ModelConfig) -> dict:
 def check_no_new_attention(cfg: ModelConfig, arch: str) -> None:
     """ValueError when `cfg` has an attention option `arch` (a transformers class lmforge exports) has
     no place for: the Gated DeltaNet blocks, gate and partial RoPE of Qwen3-Next (model.layer_types,
-    model.attn_gate, model.rope_fraction) would otherwise be dropped from the export without a word."""
+    model.attn_gate, model.rope_fraction) would otherwise be dropped from the export without a word.
+    (`lmforge export` writes such models as Qwen3-Next / Qwen3.5: lmforge.interop.hf_qwen3next.)"""
     if cfg.has_linear_layers:
         raise ValueError(f"model.layer_types / full_attention_interval make Gated DeltaNet blocks, which {arch} "
-                         f"cannot represent; no Hugging Face family lmforge exports has them yet.")
-    for key, value, plain in (("attn_gate", cfg.attn_gate, False), ("rope_fraction", cfg.rope_fraction, 1.0)):
+                         f"cannot represent; export them as Qwen3-Next / Qwen3.5 (`lmforge export` does).")
+    for key, value, plain in (("attn_gate", cfg.attn_gate, False), ("rope_fraction", cfg.rope_fraction, 1.0),
+                              ("moe.shared_gate", cfg.moe.shared_gate, False)):
         if value != plain:
-            raise ValueError(f"model.{key} = {value} cannot be represented by {arch}; set model.{key} = {plain} to "
-                             f"export (no Hugging Face family lmforge exports has it yet).")
+            raise ValueError(f"model.{key} = {value} cannot be represented by {arch}; set model.{key} = {plain}, or "
+                             f"export as Qwen3-Next / Qwen3.5 (`lmforge export` does).")
 
 
 def rope_from_hf(hf: dict, source: str) -> dict:

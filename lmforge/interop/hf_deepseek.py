@@ -64,6 +64,8 @@ def check_deepseek(cfg: ModelConfig) -> None:
             problems.append("DeepseekV3's MoE blocks are all blocks after the first dense ones (model.moe.every = 1)")
         if m.shared_experts < 1:
             problems.append("DeepseekV3's MoE blocks have shared experts (model.moe.shared_experts >= 1)")
+        if m.shared_gate:
+            problems.append("DeepseekV3's shared experts are not gated (model.moe.shared_gate = false)")
     if problems:
         raise ValueError(f"cannot be represented by {ARCH}: " + "; ".join(problems) + ".")
 

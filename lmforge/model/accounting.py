@@ -97,12 +97,12 @@ def block_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
 
 def moe_params(cfg: ModelConfig) -> dict[str, int]:
     """One MoE feed-forward's parameters (lmforge.model.moe.MoE): router + routed experts (SwiGLU,
-    3 x dim x expert_hidden each) + shared experts; "active" counts top_k routed experts."""
+    3 x dim x expert_hidden each) + shared experts (and their gate); "active" counts top_k routed experts."""
     m = cfg.moe
     if not m.enabled:
         return {"total": 0, "active": 0, "experts": 0}
     one = 3 * cfg.dim * (m.expert_hidden or cfg.ffn_dim)
-    common = cfg.dim * m.num_experts + m.shared_experts * one
+    common = cfg.dim * m.num_experts + m.shared_experts * one + (cfg.dim if m.shared_experts and m.shared_gate else 0)
     return {"total": common + m.num_experts * one, "active": common + m.top_k * one, "experts": m.num_experts * one}
 
 
@@ -273,6 +273,8 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
                 s_gate = linear(b + "mlp.shared.gate", d, m.shared_experts * he, h)
                 s_up = linear(b + "mlp.shared.up", d, m.shared_experts * he, h)
                 out = linear(b + "mlp.shared.down", m.shared_experts * he, d, s_gate or s_up) or out
+                if m.shared_gate:  # (Qwen3-Next's per-token gate on them: dim -> 1)
+                    out = linear(b + "mlp.shared_gate", d, 1, h, bias=False) or out
             return out or grad
         if cfg.activation == "swiglu":
             gate, up = linear(b + "mlp.gate", d, f, h), linear(b + "mlp.up", d, f, h)

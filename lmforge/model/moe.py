@@ -32,7 +32,8 @@ One forward, for the T tokens of a micro-batch on this rank (x flattened to (T, 
    layer.
 4. **Combine.** Each assignment's output comes back from its row and the k slots of a token are
    summed with their weights (a fixed order: the result does not depend on where experts ran);
-   shared experts (one SwiGLU of shared_experts x expert_hidden) are added.
+   shared experts (one SwiGLU of shared_experts x expert_hidden) are added, times a per-token sigmoid
+   gate with model.moe.shared_gate (Qwen3-Next).
 
 Balancing: the auxiliary loss E * sum_i f_i P_i (f_i: share of assignments to expert i, P_i: mean
 router probability) and the z-loss mean(logsumexp(logits)^2) are computed over the micro-batch's
@@ -326,6 +327,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(m.num_experts, cfg.dim, hidden, m.grouped_mm)
         self.shared = SwiGLU(dataclasses.replace(cfg, ffn_hidden=m.shared_experts * hidden, dropout=0.0)) \
             if m.shared_experts else None
+        # Qwen3-Next / Qwen3.5's shared_expert_gate (model.moe.shared_gate): one sigmoid gate per token on the
+        # shared experts' output
+        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if m.shared_experts and m.shared_gate else None
         self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=True)
         # set by lmforge.parallel.expert_parallel: the all-to-all around the experts, the group of
         # ranks that split the data (global balancing statistics) and the backward scale of the aux losses
@@ -395,7 +399,8 @@ class MoE(nn.Module):
             slots = self.parallel_experts(xc, order, keep, kept)
         y = (slots.to(x.dtype).view(tokens, self.top_k, -1) * weights.unsqueeze(-1).to(x.dtype)).sum(1)
         if self.shared is not None:
-            y = y + self.shared(x)
+            shared = self.shared(x)
+            y = y + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         if self.training and torch.is_grad_enabled():
             seqs = shape[0] if len(shape) == 3 else 1
             y = self.balance(y, logits, scores, counts, (counts - kept).sum().float(), tokens,

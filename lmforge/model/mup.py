@@ -111,7 +111,7 @@ def param_kind(name: str, ndim: int) -> str:
         return "vector"
     if name.endswith("lm_head.weight"):
         return "output"
-    if name.endswith("router.weight"):
+    if name.endswith(("router.weight", "shared_gate.weight")):  # (dim -> experts, dim -> 1: readouts)
         return "readout"
     return "hidden"
 

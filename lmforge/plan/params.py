@@ -130,6 +130,8 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
                 hs = m.shared_experts * he
                 out += [ParamSpec(f"{p}.mlp.shared.{n}.weight", sh, where, i, matmul=True)
                         for n, sh in (("gate", (hs, d)), ("up", (hs, d)), ("down", (d, hs)))]
+                if m.shared_gate:  # (Qwen3-Next's per-token gate on the shared experts)
+                    out.append(ParamSpec(f"{p}.mlp.shared_gate.weight", (1, d), where, i, matmul=True))
         elif cfg.activation == "swiglu":
             out += linear(f"{p}.mlp.gate", d, f, 0, i, where=where)
             out += linear(f"{p}.mlp.up", d, f, 0, i, where=where)
