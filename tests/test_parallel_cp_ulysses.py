@@ -125,6 +125,92 @@ def test_ulysses_communication_matches_the_formula(runs):
 # ---- without a launch --------------------------------------------------------------------------
 
 
+def simulated_ulysses(monkeypatch, q, k, v, cp: int, window: int = 0, doc_ids=None):
+    """Every Ulysses rank's `attention` over whole-sequence q (b, heads, T, d), k, v (b, kv heads, T, d),
+    in this process: one thread per rank, the all-to-all replaced by an exchange between the threads
+    (forward and backward). Returns the output and the gradients of q, k and v (of the outputs' sum
+    weighted by noise), the ranks' chunks put back in sequence order."""
+    import threading
+
+    import torch
+
+    from lmforge.parallel.context_parallel import UlyssesSharding
+
+    barrier, box = threading.Barrier(cp, timeout=120), {}
+
+    def exchange(self, send):  # what dist.all_to_all_single hands rank `self.rank`
+        box[self.rank] = send.contiguous()
+        barrier.wait()
+        received = torch.stack([box[src][self.rank] for src in range(cp)])
+        barrier.wait()  # (every rank has read the boxes before the next exchange fills them)
+        self.count("all_to_all_bytes", send)
+        return received
+
+    monkeypatch.setattr(UlyssesSharding, "all_to_all", exchange)
+    shards = [UlyssesSharding(None, r, cp, torch.device("cpu")) for r in range(cp)]
+    weight = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
+    results: dict = {}
+
+    def rank(s):
+        try:
+            q_r, k_r, v_r = (s.local(t, 2).detach().requires_grad_() for t in (q, k, v))
+            masks = None if doc_ids is None else s.document_masks(doc_ids, window, 0.0)
+            out = s.attention(q_r, k_r, v_r, 0.0, window, masks)
+            out.backward(s.local(weight, 2))
+            results[s.rank] = (out.detach(), q_r.grad, k_r.grad, v_r.grad)
+        except BaseException as exc:  # (re-raised below; the barrier breaks for the other threads)
+            results[s.rank] = exc
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(s,)) for s in shards]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(cp):
+        if isinstance(results[r], BaseException):
+            raise results[r]
+
+    def whole(i: int) -> torch.Tensor:  # the ranks' chunks back in sequence order
+        chunks = [None] * (2 * cp)
+        for s in shards:
+            lo, hi = s.chunks_of[s.rank]
+            chunks[lo], chunks[hi] = results[s.rank][i].chunk(2, dim=-2)
+        return torch.cat(chunks, dim=-2)
+
+    return [whole(i) for i in range(4)], weight, shards
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("window, documents", [(0, False), (5, False), (20, False), (0, True), (6, True)])
+def test_ulysses_attention_equals_one_process(monkeypatch, cp, kv_heads, window, documents):
+    """The all-to-alls and the chunk order around one process's attention (lmforge.model.layers.
+    dense_attention): output and gradients of q, k and v equal one process's, fp64, for as many KV
+    heads as query heads and for fewer (2 KV heads at cp 4, 1 at cp 2 and 4: replicated), causal,
+    within sliding windows (inside a chunk, across chunks) and within documents; the bytes exchanged
+    are the closed form's forward + backward of one layer."""
+    import torch
+
+    from lmforge.model.documents import document_mask
+    from lmforge.model.layers import dense_attention
+
+    gen = torch.Generator().manual_seed(0)
+    b, heads, seq, d = 2, 4, 64, 8
+    q = torch.randn(b, heads, seq, d, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(b, kv_heads, seq, d, dtype=torch.float64, generator=gen) for _ in range(2))
+    doc_ids = torch.cumsum(torch.rand(b, seq, generator=gen) < 0.1, dim=1) if documents else None
+    got, weight, shards = simulated_ulysses(monkeypatch, q, k, v, cp, window, doc_ids)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = None if doc_ids is None else document_mask(doc_ids, doc_ids, 0, window, 0.0)
+    ref = dense_attention(q, k, v, 0.0, window, mask)
+    ref.backward(weight)
+    for name, a, want in zip(("out", "dq", "dk", "dv"), got, (ref, q.grad, k.grad, v.grad)):
+        assert ((a - want).abs().max() / want.abs().max()).item() < 1e-10, (name, cp, kv_heads, window, documents)
+    qkv, out = ulysses_bytes(b, seq, heads, kv_heads, d, 8, 1, cp)
+    assert {s.comm["all_to_all_bytes"] for s in shards} == {ulysses_comm_bytes(qkv, out, cp, 1, 1)["all_to_all_bytes"]}
+
+
 def test_heads_split_over_the_ranks_or_kv_heads_are_replicated():
     assert ulysses_kv_heads(8, 8, 4) == 8 and ulysses_kv_heads(8, 2, 4) == 4 and ulysses_kv_heads(8, 1, 8) == 8
     assert not ulysses_splits(6, 6, 4) and not ulysses_splits(12, 6, 4) and ulysses_splits(12, 2, 4)
