@@ -371,10 +371,10 @@ def explain_winner(cands: list[Candidate], offload_tried: bool = False) -> str:
     if L.pp > 1:
         lines.append(f"Pipeline bubble {best.step.bubble_fraction:.1%} with {L.grad_accum} micro-batches over {L.pp} stages.")
     if L.cp > 1 and L.cp_mode == "ulysses":
-        lines.append(f"Context parallelism (Ulysses) splits each {best.memory.seq_len:,}-token sequence over {L.cp} GPUs "
-                     f"(two chunks each) and, around attention, exchanges heads for tokens by all-to-alls: each GPU "
-                     f"attends over whole sequences for 1/{L.cp} of the heads, so it holds 1/{L.cp} of the K/V and "
-                     f"sends no more per layer as cp grows.")
+        lines.append(f"Context parallelism splits each {best.memory.seq_len:,}-token sequence over {L.cp} GPUs (two "
+                     f"chunks each; Ulysses) and, around attention, exchanges heads for tokens by all-to-alls: each GPU "
+                     f"attends over whole sequences for 1/{L.cp} of the query heads and their KV heads, and sends no "
+                     f"more per layer as cp grows.")
     elif L.cp > 1:
         lines.append(f"Context parallelism splits each {best.memory.seq_len:,}-token sequence over {L.cp} GPUs (two "
                      f"chunks each, balanced causal work): activations per GPU shrink to 1/{L.cp} plus the whole "
