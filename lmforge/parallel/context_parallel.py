@@ -309,6 +309,11 @@ class SequenceSharding:
         self.comm[what] += t.numel() * t.element_size()
         self.comm[what.replace("bytes", "calls")] += 1
 
+    def held(self, seq_len: int) -> str:
+        """The log lines' words for the chunks a rank holds."""
+        return (f"{self.size} ranks, rank i holds chunks i and {2 * self.size - 1}-i of {seq_len // (2 * self.size)} "
+                f"tokens of every {seq_len}-token sequence")
+
     def describe(self, cfg, dtype_bytes: int) -> Iterator[str]:
         """A log line: the chunks, and the step's traffic by the closed form (lmforge.spec.parallel)."""
         m, t = cfg.model, cfg.train
@@ -319,8 +324,7 @@ class SequenceSharding:
             kv = cp_kv_bytes(t.micro_batch_size, cfg.data.seq_len, m.kv_heads, m.head_dim, dtype_bytes, cfg.parallel.tp)
         comm = cp_comm_bytes(kv, self.size, m.n_layers, cfg.grad_accum_steps,
                              recomputed_layers(t.activation_checkpoint, m.n_layers, t.ac_every))
-        yield (f"context parallel: {self.size} ranks, rank i holds chunks i and {2 * self.size - 1}-i of "
-               f"{cfg.data.seq_len // (2 * self.size)} tokens of every {cfg.data.seq_len}-token sequence; "
+        yield (f"context parallel: {self.held(cfg.data.seq_len)}; "
                f"{'the MLA latent and RoPE key' if m.mla.enabled else 'K/V'} "
                f"all-gathered per layer ({kv / 2**20:.2f} MiB per micro-batch), their gradients reduce-scattered: "
                f"{comm['collective_bytes'] / 2**20:.1f} MiB through the collectives per step and rank, "
@@ -392,9 +396,8 @@ class UlyssesSharding(SequenceSharding):
                                  cfg.parallel.tp, self.size)
         comm = ulysses_comm_bytes(qkv, out, self.size, m.n_layers, cfg.grad_accum_steps,
                                   recomputed_layers(t.activation_checkpoint, m.n_layers, t.ac_every))
-        yield (f"context parallel (Ulysses): {self.size} ranks, rank i holds chunks i and {2 * self.size - 1}-i of "
-               f"{cfg.data.seq_len // (2 * self.size)} tokens of every {cfg.data.seq_len}-token sequence and attends "
-               f"over whole sequences for 1/{self.size} of the heads; per layer an all-to-all of q, k, v "
+        yield (f"context parallel (Ulysses): {self.held(cfg.data.seq_len)} and attends over whole sequences "
+               f"for 1/{self.size} of the heads; per layer an all-to-all of q, k, v "
                f"({qkv / 2**20:.2f} MiB per micro-batch) and one of the output ({out / 2**20:.2f} MiB), again in "
                f"backward: {comm['collective_bytes'] / 2**20:.1f} MiB through the all-to-alls per step and rank, "
                f"{comm['wire_bytes'] / 2**20:.1f} MiB sent")
