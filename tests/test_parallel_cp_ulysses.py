@@ -15,7 +15,10 @@ per-step loss AND gradient norm must agree to 1e-5 relative, tests/test_parallel
   1 per CP rank).
 
 Every launch also counts the bytes through the all-to-alls (`UlyssesSharding.comm`), which must be
-lmforge.spec.parallel.ulysses_comm_bytes per step. Without a launch: the layout rule (the config and
+lmforge.spec.parallel.ulysses_comm_bytes per step, and the 4-process launch probes the hook alone
+(tests/cp_driver.py) at cp = 1, 2 and 4 with 2 KV heads: loss and gradients equal one process's, and
+the bytes autograd saves per rank are spec.parallel.ulysses_activation_bytes (observed 6 B off of
+1.7 MB at cp 2, 1 B of 0.9 MB at cp 4, where the KV heads are replicated). Without a launch: the layout rule (the config and
 the planner refuse the same heads), and the planner's Ulysses traffic, memory and search.
 """
 
@@ -29,8 +32,8 @@ import pytest
 
 from lmforge.config import ConfigError, ModelConfig, load_config
 from lmforge.config.layout_rules import LayoutRefused
-from lmforge.spec.parallel import (cp_comm_bytes, cp_kv_bytes, ulysses_bytes, ulysses_comm_bytes, ulysses_kv_heads,
-                                   ulysses_splits)
+from lmforge.spec.parallel import (cp_comm_bytes, cp_kv_bytes, ulysses_activation_bytes, ulysses_bytes,
+                                   ulysses_comm_bytes, ulysses_kv_heads, ulysses_splits)
 from tests.test_parallel_cp import BASE, TOL, corpus, finish, launch, records, worst  # noqa: F401  (fixture)
 from tests.test_parallel_dp import docs_corpus, docs_run  # noqa: F401  (fixture)
 
@@ -50,6 +53,9 @@ RUNS = {  # name: (processes, overrides, one-process reference); "docs" runs are
                         "train.micro_batch_size": 8}, "single"),
 }
 SINGLE = {"single": {}, "single-window": WINDOW, "single-gqa1": GQA1, "single-gqa2": GQA2}
+# tests/cp_driver.py's probe of the hook at cp = 1, 2 and 4 (4 ranks), Ulysses on 4 query heads and 2 KV heads
+PROBE = {"model": {"vocab_size": 320, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
+         "batch": 2, "seq_len": 128, "cp_mode": "ulysses"}
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +71,8 @@ def runs(corpus, docs_corpus, tmp_path_factory):  # noqa: F811  (the imported fi
         return {**(docs if name.endswith("docs") else base), **extra}
 
     t0 = time.time()
-    launched = [launch(root, n, {name: overrides(name, o) for name, (procs, o, _) in RUNS.items() if procs == n})
-                for n in (2, 4)]
+    launched = [launch(root, n, {name: overrides(name, o) for name, (procs, o, _) in RUNS.items() if procs == n},
+                       probe=PROBE if n == 4 else None) for n in (2, 4)]
     try:
         run_trainings({"out": str(root), "runs": [{"name": n, "overrides": {**base, **o}} for n, o in SINGLE.items()]
                        + [{"name": "single-docs", "overrides": docs}]})
@@ -120,6 +126,31 @@ def test_ulysses_communication_matches_the_formula(runs):
         want = ulysses_comm_bytes(qkv, out, cp, m.n_layers, BASE["train.global_batch_size"] // (micro * dp))
         assert comm["all_to_all_bytes"] == want["all_to_all_bytes"] * comm["steps"], (name, comm, want)
         assert comm["all_to_all_calls"] == want["calls"] * comm["steps"], (name, comm, want)
+
+
+@pytest.mark.slow
+def test_ulysses_hook_saves_one_over_cp_of_the_activations_with_replicated_kv(runs):
+    """The probe (the hook alone, cp = 1, 2 and 4 on 4 ranks, 2 KV heads): loss and gradients (summed
+    over the CP ranks) equal one process's; per-rank bytes autograd saves (parameters excluded) =
+    spec.parallel.ulysses_activation_bytes: 1/cp of one process's, with the K/V counted twice at cp = 4
+    (2 KV heads replicated to 4), equal on every rank."""
+    probe = [json.loads((runs / f"probe_rank{r}.json").read_text()) for r in range(4)]
+    m, b, t = PROBE["model"], PROBE["batch"], PROBE["seq_len"]
+    head_dim = m["dim"] // m["n_heads"]
+    kv = m["n_layers"] * cp_kv_bytes(b, t, m["n_kv_heads"], head_dim, 4)
+    one = probe[0]["1"]
+    for cp in (2, 4):
+        for rank, p in enumerate(probe):
+            assert abs(p[str(cp)]["nll"] - one["nll"]) / one["nll"] < 1e-6, (rank, cp, p[str(cp)]["nll"], one["nll"])
+            scale = max(abs(g) for g in one["grad"])
+            assert max(abs(a - b) for a, b in zip(p[str(cp)]["grad"], one["grad"])) / scale < 1e-5, (rank, cp)
+        saved = {p[str(cp)]["saved_bytes"] for p in probe}
+        assert len(saved) == 1, saved
+        replication = ulysses_kv_heads(m["n_heads"], m["n_kv_heads"], cp) / m["n_kv_heads"]
+        want, got = ulysses_activation_bytes(one["saved_bytes"], kv, cp, replication), saved.pop()
+        print(f"\ncp={cp}: saved {got:,} B per rank, formula (A - KV)/cp + KV x {replication:g}/cp = {want:,.0f} B "
+              f"(A = {one['saved_bytes']:,} B one process, KV = {kv:,} B)")
+        assert abs(got - want) / want < 1e-5, (cp, got, want)
 
 
 # ---- without a launch --------------------------------------------------------------------------
