@@ -6,8 +6,9 @@ SPEC: {"out": folder, "runs": [{"name": ..., "overrides": {key: value}}, ...], "
 absent}. Each run is a real `Trainer(cfg).fit()` (the "tiny" preset + its overrides) writing
 OUT/<name>/, one after another in the same process group (torch's import and the process-group
 setup are paid once per launch). The probe (4 ranks) measures, on every rank, what the CP hook does
-at cp = 1, 2 and 4 against one process: attention outputs and gradients, the bytes autograd saves
-and the bytes through the collectives, and writes OUT/probe_rank<r>.json.
+at cp = 1, 2 and 4 (its "cp_mode": "allgather", the default, or "ulysses") against one process:
+attention outputs and gradients, the bytes autograd saves and the bytes through the collectives, and
+writes OUT/probe_rank<r>.json.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def probe(spec: dict) -> None:
     from lmforge.model.loss import token_nll_sum
     from lmforge.model.transformer import build_model
     from lmforge.parallel.activation_ckpt import saved_activation_bytes
-    from lmforge.parallel.context_parallel import SequenceSharding
+    from lmforge.parallel.context_parallel import sequence_sharding
 
     p = spec["probe"]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,7 +64,8 @@ def probe(spec: dict) -> None:
     out: dict = {}
     for cp in (1, 2, 4):
         group = None if cp == world else (pairs[rank // 2] if cp == 2 else None)
-        sharding = None if cp == 1 else SequenceSharding(group, rank % cp, cp, torch.device("cpu"))
+        sharding = None if cp == 1 else sequence_sharding(p.get("cp_mode", "allgather"), group, rank % cp, cp,
+                                                          torch.device("cpu"))
         xs, ys = (x, y) if sharding is None else (sharding.local(x), sharding.local(y))
 
         def loss():  # (the trainer's default loss: logits, then the summed token NLL)

@@ -69,13 +69,15 @@ def _draw(rng: random.Random, seq: int) -> tuple[str, dict, int]:
     mb, ga, ac = pick(1, 2, 4), pick(8, 1, 2, 4, 16, 6), pick("full", "none", "selective", "every_k")
     reduce_every, offload, loss_chunk = pick(0, 1, plainly=0.8), pick(0, 1, plainly=0.8), pick(0, 4096, plainly=0.8)
     precision, seq_len = pick("bf16", "fp16", "fp32"), pick(seq, seq // 2, seq - 6)
-    text = (f"dp={dp},zero={zero},tp={tp},pp={pp},cp={cp},sp={sp},sched={sched},v={v},mb={mb},ga={ga},ac={ac},"
-            f"reduce_every={reduce_every},offload={offload},ep={ep},loss_chunk={loss_chunk},precision={precision}")
+    cpm = pick("allgather", "ulysses", plainly=0.7)
+    text = (f"dp={dp},zero={zero},tp={tp},pp={pp},cp={cp},cpm={cpm},sp={sp},sched={sched},v={v},mb={mb},ga={ga},"
+            f"ac={ac},reduce_every={reduce_every},offload={offload},ep={ep},loss_chunk={loss_chunk},precision={precision}")
     sharded = zero >= 1 and dp * cp > 1  # (ZeRO over more than one rank: the shard dimension)
     overrides = {
         "parallel.dp_replicate": 1 if sharded else dp, "parallel.dp_shard": dp if sharded else 1,
         "parallel.zero_stage": zero if sharded else 0, "parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp,
-        "parallel.sequence_parallel": bool(sp), "parallel.pp_schedule": sched, "parallel.pp_virtual_stages": v,
+        "parallel.cp_mode": cpm, "parallel.sequence_parallel": bool(sp), "parallel.pp_schedule": sched,
+        "parallel.pp_virtual_stages": v,
         "parallel.ep": ep, "parallel.cpu_offload": bool(offload),
         "parallel.fsdp_reduce_every_micro_batch": bool(reduce_every),
         "train.micro_batch_size": mb, "train.global_batch_size": mb * ga * dp, "train.activation_checkpoint": ac,

@@ -1,8 +1,8 @@
 """`lmforge plan ... --verify` (lmforge/verify/): the planned layout, scaled down, trained on CPU processes
 and checked against one process, a resume at another world size and the plan's memory.
 
-It passes for the layouts docs/planning.md's plan commands show (here: the 128k-context Mistral search's CP x
-TP+SP x FSDP layout, 8 processes; the 70B FSDP line runs with --verify in docs/planning.md itself, so
+It passes for the layouts docs/planning.md's plan commands show (here: the 128k-context Mistral search's Ulysses
+CP x FSDP layout, 4 processes; the 70B FSDP line runs with --verify in docs/planning.md itself, so
 tests/test_readme_commands.py runs it; benchmarks/RESULTS.md has all six),
 and fails, naming the check and the numbers, for a layout broken on purpose: a `sitecustomize` module
 on the runs' PYTHONPATH makes every multi-process rank sum its gradients over the data-parallel ranks
@@ -44,7 +44,7 @@ def plan(args: str, env: dict | None = None, timeout: int = 900) -> subprocess.C
 
 @pytest.mark.slow
 def test_the_readme_layouts_pass():
-    """The 128k-context Mistral layout, the largest composition docs/planning.md shows (8 processes: FSDP x CP x TP + SP).
+    """The 128k-context Mistral layout, the largest composition docs/planning.md shows (4 processes: FSDP x Ulysses CP).
     (The 70B line passes in tests/test_readme_commands.py, where docs/planning.md runs it with --verify as printed,
     and fails here when broken on purpose; a one-process layout's resume on two ranks is checked below, and
     all six README lines in benchmarks/RESULTS.md: CI time.)"""

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=positive_int, default=None, help="number of nodes (multiplies a one-node --gpus spec)")
     p.add_argument("--layout", default=None,
                    help="dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ga=4,ac=full,sp=1,sched=1f1b,v=1,offload=0,"
-                        "loss_chunk=4096 (cp: context parallelism, cp divides seq_len / 2; dp left out fills the "
+                        "loss_chunk=4096 (cp: context parallelism, cp divides seq_len / 2; cpm=ulysses: its "
+                        "all-to-all of heads instead of the K/V all-gather, cpm=allgather; dp left out fills the "
                         "cluster; loss_chunk left out: train.loss_chunk as resolved on CUDA)")
     p.add_argument("--global-batch-tokens", type=positive_int, default=None,
                    help="tokens per optimizer step, a multiple of the sequence length (default: from the config)")

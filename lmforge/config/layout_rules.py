@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from lmforge.config.base import ConfigError, divisors
-from lmforge.spec.parallel import LOOPED, V_SHAPED
+from lmforge.spec.parallel import LOOPED, V_SHAPED, ulysses_splits
 
 if TYPE_CHECKING:
     from lmforge.config.sections import Config
@@ -38,12 +38,14 @@ if TYPE_CHECKING:
 # How a message names the layout's keys: `lmforge train`'s config keys, or `lmforge plan --layout`'s.
 CONFIG_NAMES: dict[str, str] = {
     "dp": "dp (parallel.dp_replicate x parallel.dp_shard)", "tp": "parallel.tp", "pp": "parallel.pp",
-    "cp": "parallel.cp", "ep": "parallel.ep", "sp": "parallel.sequence_parallel", "v": "parallel.pp_virtual_stages",
+    "cp": "parallel.cp", "cp_mode": "parallel.cp_mode", "ep": "parallel.ep", "sp": "parallel.sequence_parallel",
+    "v": "parallel.pp_virtual_stages",
     "sched": "parallel.pp_schedule", "reduce_every": "parallel.fsdp_reduce_every_micro_batch",
     "loss_chunk": "train.loss_chunk", "seq_len": "data.seq_len", "change_seq_len": "data.seq_len",
     "true": "true", "false": "false"}
 LAYOUT_NAMES: dict[str, str] = {
-    "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "sp": "sp", "v": "v", "sched": "sched",
+    "dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "cp_mode": "cpm", "ep": "ep", "sp": "sp", "v": "v",
+    "sched": "sched",
     "reduce_every": "reduce_every", "loss_chunk": "loss_chunk", "seq_len": "seq_len", "change_seq_len": "--seq-len",
     "true": "1", "false": "0"}
 
@@ -125,6 +127,20 @@ def _cp_chunks(cfg: "Config", k: dict[str, str]) -> dict[str, Any]:
     return {"half": seq / 2, "chunks": 2 * cfg.parallel.cp, "hint": hint}
 
 
+def _ulysses_broken(cfg: "Config") -> bool:
+    """Ulysses CP whose all-to-all cannot split a TP rank's heads over the cp ranks: cp must divide
+    the query heads, and the KV heads be a multiple of cp or divide it (then replicated)."""
+    p, m = cfg.parallel, cfg.model
+    return p.cp > 1 and p.cp_mode == "ulysses" and not ulysses_splits(m.n_heads // p.tp, m.kv_heads // p.tp, p.cp)
+
+
+def _ulysses_heads(cfg: "Config", k: dict[str, str]) -> dict[str, Any]:
+    p, m = cfg.parallel, cfg.model
+    heads, kv = m.n_heads // p.tp, m.kv_heads // p.tp
+    ok = [c for c in divisors(heads) if c > 1 and ulysses_splits(heads, kv, c)]
+    return {"heads": heads, "kv": kv, "hint": f"choose {k['cp']} among {ok}" if ok else f"lower {k['tp']}"}
+
+
 def _micro_batches_needed(cfg: "Config", k: dict[str, str]) -> dict[str, Any]:
     p = cfg.parallel
     need = f">= 2 x parallel.pp = {2 * p.pp} (its stages)" if p.pp_schedule in V_SHAPED else \
@@ -200,6 +216,14 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        "{k[tp]} = {p.tp}, over whose ranks sequence parallelism splits them.",
        lambda c, k: {"tokens": c.data.seq_len // c.parallel.cp}, structural=True,
        needs=frozenset({"seq_len"})),
+    _R("ulysses-whole-heads", _ulysses_broken,
+       "{k[cp_mode]} = 'ulysses' with {k[cp]} = {p.cp}: its all-to-all gives each CP rank 1/cp of a TP rank's heads, "
+       "so cp must divide the {heads} query heads per TP rank (model.n_heads / {k[tp]}) and the {kv} KV heads per TP "
+       "rank must be a multiple of cp or divide it (fewer are replicated); {hint}, or set {k[cp_mode]} = 'allgather' "
+       "(any head count).", _ulysses_heads, structural=True, needs=frozenset({"model"})),
+    _R("ulysses-no-mla", lambda c: c.parallel.cp > 1 and c.parallel.cp_mode == "ulysses" and c.model.mla.enabled,
+       "{k[cp_mode]} = 'ulysses' with multi-head latent attention (model.mla): lmforge's Ulysses splits K/V heads, "
+       "and MLA's context parallelism gathers its per-token latent instead; set {k[cp_mode]} = 'allgather'."),
     # -- pipelines: stages of whole layers, enough micro-batches; the zero-bubble
     #    schedules run each backward as an input-gradient and a later weight-gradient pass through the same graph
     _R("pp-whole-layers", lambda c: c.model.n_layers % (c.parallel.pp * c.parallel.stages_per_rank) > 0,

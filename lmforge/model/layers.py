@@ -295,6 +295,20 @@ def read_fused_qkv(cfg: ModelConfig, read, shape, index) -> torch.Tensor:
     return out[torch.argsort(torch.cat(order))]
 
 
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, window: int = 0,
+                    mask=None, start: int = 0) -> torch.Tensor:
+    """Attention of one process's queries q (b, heads, seq, d) at positions start .. start + seq - 1 over
+    the keys k, v (b, kv heads, start + seq, d): within each document under `mask` (`attention_mask`),
+    else causal within the sliding `window` (0 = none). Also Ulysses context parallelism's attention
+    (lmforge.parallel.context_parallel), which runs it on whole sequences for the rank's heads."""
+    if mask is not None:  # within each document (lmforge.model.documents)
+        return masked_attention(q, k, v, mask, dropout_p)
+    seq = q.shape[2]
+    mask = window_mask(start, seq, start + seq, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0 and seq > 1,
+                                          dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with grouped-query support, through scaled_dot_product_attention;
     optional q/k/v biases (model.qkv_bias), QK-norm (model.qk_norm), a sliding window
@@ -380,12 +394,8 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if _shard is not None:  # context parallelism: this rank's queries over the whole sequence's keys/values
             out = _shard.attention(q, k, v, dropout_p, self.window, mask)
-        elif mask is not None:  # within each document (lmforge.model.documents)
-            out = masked_attention(q, k, v, mask, dropout_p)
         else:
-            mask = window_mask(start, seq, start + seq, self.window, x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0 and seq > 1,
-                                                 dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
+            out = dense_attention(q, k, v, dropout_p, self.window, mask, start)
         out = out.transpose(1, 2).reshape(bsz, seq, -1)
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))

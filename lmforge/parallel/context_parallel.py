@@ -73,6 +73,28 @@ Traffic per step and rank: one all-gather and one reduce-scatter of `cp_kv_bytes
 micro-batch (one more all-gather where activation checkpointing recomputes a layer); counted in
 `SequenceSharding.comm` as the collectives run (`spec.parallel.cp_comm_bytes` is the closed form).
 
+Ulysses (parallel.cp_mode = "ulysses", DeepSpeed-Ulysses; `UlyssesSharding`): the same chunks and
+positions (RoPE rotates q and k at the rank's real positions before anything moves), but before
+attention one all-to-all over the CP group (`_AllToAll`, an autograd function: the all-to-all is its
+own transpose, so backward is the same all-to-all of the gradient) turns q, k and v of [the rank's
+2c tokens, all its heads] into [the whole sequence, heads / cp]: rank r sends each rank s the heads
+s heads/cp .. (s+1) heads/cp - 1 of its two chunks, receives its own heads of every rank's chunks
+and puts them in sequence order (`owners`, as the all-gather does). Attention then is one process's
+(`lmforge.model.layers.dense_attention`: causal, sliding window, or the document mask of the whole
+sequences, `document_masks`) on whole sequences for the rank's heads, and a second all-to-all sends
+each rank its two chunks of every rank's heads back. q, k and v travel in one all-to-all (the
+heads of each concatenated per destination), so a layer makes two per forward and two in backward.
+Heads: cp must divide the query heads of a TP rank; with GQA, the KV heads of a TP rank must be a
+multiple of cp or divide it: with fewer KV heads than cp, each KV head is replicated cp / kv heads
+times (`repeat_interleave`, whose backward sums the copies' gradients), so that every rank receives
+the one KV head its query heads share (query heads r heads/cp ... belong to KV head r kv / cp).
+Multi-head latent attention is not run under Ulysses (its latent is per token, not per head;
+lmforge.config.layout_rules). Memory per rank and layer: 1/cp of one process's activations, the
+K/V of 1/cp of the heads for the whole sequence taking the place of the rank's own K/V, except the
+replicated KV heads (`spec.parallel.ulysses_activation_bytes`). Traffic: each all-to-all keeps 1/cp
+of its tensor on the rank and sends the rest (`spec.parallel.ulysses_comm_bytes`; counted in
+`UlyssesSharding.comm` as they run).
+
 Everything else is data parallelism over dp x cp: the CP ranks hold the same parameters, so their
 gradients are averaged together with the data-parallel ones (DDP over "dp_cp", FSDP2 over
 "dp_shard_cp"), and the step's target count and loss are summed over "dp_cp"
@@ -90,8 +112,9 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from lmforge.model.documents import document_mask, masked_attention
-from lmforge.model.layers import sequence_sharded
-from lmforge.spec.parallel import cp_comm_bytes, cp_kv_bytes, cp_latent_bytes, recomputed_layers
+from lmforge.model.layers import dense_attention, sequence_sharded
+from lmforge.spec.parallel import (cp_comm_bytes, cp_kv_bytes, cp_latent_bytes, recomputed_layers, ulysses_bytes,
+                                   ulysses_comm_bytes, ulysses_kv_heads)
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); GPU images may be older
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -286,6 +309,11 @@ class SequenceSharding:
         self.comm[what] += t.numel() * t.element_size()
         self.comm[what.replace("bytes", "calls")] += 1
 
+    def held(self, seq_len: int) -> str:
+        """The log lines' words for the chunks a rank holds."""
+        return (f"{self.size} ranks, rank i holds chunks i and {2 * self.size - 1}-i of {seq_len // (2 * self.size)} "
+                f"tokens of every {seq_len}-token sequence")
+
     def describe(self, cfg, dtype_bytes: int) -> Iterator[str]:
         """A log line: the chunks, and the step's traffic by the closed form (lmforge.spec.parallel)."""
         m, t = cfg.model, cfg.train
@@ -296,9 +324,85 @@ class SequenceSharding:
             kv = cp_kv_bytes(t.micro_batch_size, cfg.data.seq_len, m.kv_heads, m.head_dim, dtype_bytes, cfg.parallel.tp)
         comm = cp_comm_bytes(kv, self.size, m.n_layers, cfg.grad_accum_steps,
                              recomputed_layers(t.activation_checkpoint, m.n_layers, t.ac_every))
-        yield (f"context parallel: {self.size} ranks, rank i holds chunks i and {2 * self.size - 1}-i of "
-               f"{cfg.data.seq_len // (2 * self.size)} tokens of every {cfg.data.seq_len}-token sequence; "
+        yield (f"context parallel: {self.held(cfg.data.seq_len)}; "
                f"{'the MLA latent and RoPE key' if m.mla.enabled else 'K/V'} "
                f"all-gathered per layer ({kv / 2**20:.2f} MiB per micro-batch), their gradients reduce-scattered: "
                f"{comm['collective_bytes'] / 2**20:.1f} MiB through the collectives per step and rank, "
                f"{comm['wire_bytes'] / 2**20:.1f} MiB sent by a ring")
+
+
+class _AllToAll(torch.autograd.Function):
+    """(cp, ...) with block r for CP rank r -> (cp, ...) with block s from CP rank s; backward: the same
+    all-to-all of the gradient (an all-to-all of equal blocks is its own transpose)."""
+
+    @staticmethod
+    def forward(ctx, send: torch.Tensor, sharding: "UlyssesSharding") -> torch.Tensor:
+        ctx.sharding = sharding
+        return sharding.all_to_all(send)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.sharding.all_to_all(grad), None
+
+
+class UlyssesSharding(SequenceSharding):
+    """Ulysses context parallelism (parallel.cp_mode = "ulysses"; the module docstring): the same chunks
+    and positions as `SequenceSharding`, attention over whole sequences for heads / cp of the heads."""
+
+    def __init__(self, group, rank: int, size: int, device: torch.device):
+        super().__init__(group, rank, size, device)
+        self.comm = {"all_to_all_bytes": 0, "all_to_all_calls": 0}
+
+    def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        send = send.contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.group)
+        self.count("all_to_all_bytes", send)
+        return received
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                  window: int = 0, masks=None) -> torch.Tensor:
+        """q (b, heads, 2c, d) of this rank's chunks, k, v (b, kv heads, 2c, d) -> (b, heads, 2c, d): the
+        whole sequence's attention for heads / cp heads on each rank, between two all-to-alls; `masks`:
+        the whole sequences' document mask (`document_masks`)."""
+        cp, heads = self.size, q.shape[1]
+        kv_heads = ulysses_kv_heads(heads, k.shape[1], cp)  # (ValueError where the heads do not split)
+        if kv_heads > k.shape[1]:  # fewer KV heads than ranks: each rank gets a copy of its query heads' one
+            k, v = (t.repeat_interleave(kv_heads // k.shape[1], dim=1) for t in (k, v))
+        # one all-to-all for q, k and v: destination rank s gets its heads of each, concatenated
+        send = torch.cat([t.unflatten(1, (cp, -1)) for t in (q, k, v)], dim=2).movedim(1, 0)  # (cp, b, h', 2c, d)
+        whole = self.in_sequence_order(_AllToAll.apply(send, self))  # (b, h', T, d): this rank's heads
+        q, k, v = whole.split([heads // cp, kv_heads // cp, kv_heads // cp], dim=1)
+        out = dense_attention(q, k, v, dropout_p, window, masks).unflatten(2, (2 * cp, -1))
+        send = torch.stack([torch.cat((out[:, :, lo], out[:, :, hi]), dim=2) for lo, hi in self.chunks_of])
+        return _AllToAll.apply(send, self).movedim(0, 1).flatten(1, 2)  # block s: rank s's heads of my chunks
+
+    def in_sequence_order(self, received: torch.Tensor) -> torch.Tensor:
+        """(cp, b, h, 2c, d), block s = rank s's two chunks -> (b, h, T, d) in sequence order."""
+        halves = received.unflatten(-2, (2, -1))  # (cp, b, h, 2 halves, c, d)
+        return torch.cat([halves[r, :, :, half] for r, half in self.owners], dim=-2)
+
+    def document_masks(self, doc_ids: torch.Tensor, window: int, dropout_p: float):
+        """The whole sequences' document mask (one process's): attention runs on whole sequences."""
+        return document_mask(doc_ids, doc_ids, 0, window, dropout_p)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        raise ValueError("parallel.cp_mode = 'ulysses' does not run multi-head latent attention (model.mla); set "
+                         "parallel.cp_mode = 'allgather'")
+
+    def describe(self, cfg, dtype_bytes: int) -> Iterator[str]:
+        m, t = cfg.model, cfg.train
+        qkv, out = ulysses_bytes(t.micro_batch_size, cfg.data.seq_len, m.n_heads, m.kv_heads, m.head_dim, dtype_bytes,
+                                 cfg.parallel.tp, self.size)
+        comm = ulysses_comm_bytes(qkv, out, self.size, m.n_layers, cfg.grad_accum_steps,
+                                  recomputed_layers(t.activation_checkpoint, m.n_layers, t.ac_every))
+        yield (f"context parallel (Ulysses): {self.held(cfg.data.seq_len)} and attends over whole sequences "
+               f"for 1/{self.size} of the heads; per layer an all-to-all of q, k, v "
+               f"({qkv / 2**20:.2f} MiB per micro-batch) and one of the output ({out / 2**20:.2f} MiB), again in "
+               f"backward: {comm['collective_bytes'] / 2**20:.1f} MiB through the all-to-alls per step and rank, "
+               f"{comm['wire_bytes'] / 2**20:.1f} MiB sent")
+
+
+def sequence_sharding(mode: str, group, rank: int, size: int, device: torch.device) -> SequenceSharding:
+    """The CP rank's shard of every sequence under parallel.cp_mode: "allgather" or "ulysses"."""
+    return (UlyssesSharding if mode == "ulysses" else SequenceSharding)(group, rank, size, device)

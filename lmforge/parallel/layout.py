@@ -42,7 +42,7 @@ from lmforge.model.loss import count_targets, model_nll_sum, normalise
 from lmforge.model.mtp import mtp_metrics, take_mtp_stats
 from lmforge.model.transformer import Transformer
 from lmforge.parallel.clip import clip_grad_norm_, clip_grad_norm_sharded_
-from lmforge.parallel.context_parallel import SequenceSharding
+from lmforge.parallel.context_parallel import sequence_sharding
 from lmforge.parallel.expert_parallel import moe_metrics, moe_step
 from lmforge.parallel.mesh import DistInfo, all_reduce_sum
 
@@ -59,8 +59,8 @@ class Layout:
         self.module: nn.Module = model  # what the forward runs through (DDP: its wrapper)
         self.cfg, self.dist = cfg, dist_info
         self.dp = dist_info.dp_cp_size if self.data_parallel else 1  # ranks the gradients are averaged over
-        self.cp = SequenceSharding(dist_info.group("cp"), dist_info.cp_rank, dist_info.cp_size, dist_info.device) \
-            if dist_info.cp_size > 1 else None
+        self.cp = sequence_sharding(cfg.parallel.cp_mode, dist_info.group("cp"), dist_info.cp_rank, dist_info.cp_size,
+                                    dist_info.device) if dist_info.cp_size > 1 else None
         self.moe_stats: dict = {}  # the last step's MoE statistics by block index (lmforge.model.moe.MoEStats)
         self.compiled_nll = None  # the whole training forward + loss as one compiled graph (`compile_model`)
         self.cuda_graphs = False  # (train.compile_mode = reduce-overhead: a step boundary marked per step)

@@ -9,7 +9,8 @@ import dataclasses
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import mlp_activation_width
 from lmforge.spec.parallel import (cp_activation_bytes, cp_kv_bytes, cp_latent_bytes, cp_score_elements,
-                                       pipeline_in_flight, recomputed_layers)
+                                   pipeline_in_flight, recomputed_layers, ulysses_activation_bytes,
+                                   ulysses_kv_heads)
 from lmforge.plan.conventions import LITERATURE, check_convention
 from lmforge.plan.layout import Layout
 from lmforge.plan.loss_memory import lmforge_loss_bytes
@@ -185,7 +186,10 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
     every term of A is linear in the sequence length once attention is fused). Full recompute keeps
     only the block input of the rank's tokens, A / cp. The literature conventions count the same
     all-gather design (Llama 3's, Megatron's `--cp-comm-type allgather`) with their 16-bit K/V; their
-    unfused [s, s] score term becomes the rank's c^2 (2cp + 1) scores per head (`cp_score_elements`)."""
+    unfused [s, s] score term becomes the rank's c^2 (2cp + 1) scores per head (`cp_score_elements`).
+    Ulysses (cp_mode = "ulysses"): attention on whole sequences for heads / cp heads, so 1/cp of A,
+    the K/V counted once per replica where KV heads are replicated up to cp
+    (`lmforge.spec.parallel.ulysses_activation_bytes`), and 1/cp of the score term."""
     ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
     if check_convention(convention) == "lmforge":
         whole = lmforge_activation_per_layer(cfg, layout, seq_len, ac)
@@ -200,6 +204,11 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
         return whole + scores
     if ac == "full":
         return whole / layout.cp
+    if layout.cp_mode == "ulysses":  # (measured on CPU: tests/test_parallel_cp_ulysses.py's probe, within 1e-5)
+        # whole sequences for 1/cp of the heads: 1/cp of everything, the K/V x the KV heads' replication
+        kv_heads = cfg.kv_heads // layout.tp
+        replication = ulysses_kv_heads(cfg.n_heads // layout.tp, kv_heads, layout.cp) / kv_heads
+        return ulysses_activation_bytes(whole, kv, layout.cp, replication) + scores / layout.cp
     if cfg.mla.enabled and convention == "lmforge":  # (not measured yet: derived from what one process saves)
         # the whole sequence's latent (gathered) and K/V; the rank's share of everything else, without the
         # 16-bit copy of the latent a rank's own up-projection would keep (it takes the gathered one)

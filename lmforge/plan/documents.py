@@ -41,8 +41,9 @@ FLEX_BLOCK = 128  # FlexAttention's default block size (torch.nn.attention.flex_
 def _chunks(layout: Layout, seq_len: int) -> list[tuple[int, int]]:
     """(queries, keys) of each attention call of one sequence on a rank: the whole sequence, or under
     context parallelism the two chunks of the rank with the most keys (rank 0: chunks 0 and 2cp - 1,
-    keys c and T, like every rank's (2cp + 1) c in all)."""
-    if layout.cp == 1:
+    keys c and T, like every rank's (2cp + 1) c in all). Ulysses attends over whole sequences (for
+    1/cp of the heads; the mask has no head dimension): one process's mask."""
+    if layout.cp == 1 or layout.cp_mode == "ulysses":
         return [(seq_len, seq_len)]
     c = seq_len // (2 * layout.cp)
     return [(c, c), (c, seq_len)]

@@ -79,9 +79,10 @@ from typing import Any
 
 from lmforge.config import Config, ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
-from lmforge.spec.parallel import cp_comm_bytes, pipeline_bubble, recomputed_layers  # noqa: F401 (re-exported)
+from lmforge.spec.parallel import (cp_comm_bytes, pipeline_bubble, recomputed_layers,  # noqa: F401 (re-exported)
+                                   ulysses_bytes, ulysses_comm_bytes)
 from lmforge.plan.hardware import Cluster, Device
-from lmforge.plan.activations import cp_kv_layer_bytes
+from lmforge.plan.activations import attention_dtype_bytes, cp_kv_layer_bytes
 from lmforge.plan.conventions import check_convention
 from lmforge.plan.layout import Layout
 from lmforge.plan.model_states import literature_state_bytes_per_param
@@ -214,10 +215,18 @@ def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m:
 def cp_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, int]:
     """Context-parallel traffic of one optimizer step on one rank (`spec.parallel.cp_comm_bytes`) for the
     layers of the rank's pipeline stage, with one more K/V all-gather per layer that activation
-    checkpointing re-runs in backward (`spec.parallel.recomputed_layers`)."""
+    checkpointing re-runs in backward (`spec.parallel.recomputed_layers`); under Ulysses
+    (cp_mode = "ulysses") the all-to-alls of q, k, v and the output instead (`spec.parallel.ulysses_comm_bytes`:
+    each sends (cp - 1) / cp of the rank's tensor, so a rank's bytes do not grow with cp)."""
     layers = model_cfg.n_layers // layout.pp
+    recomputed = recomputed_layers(layout.ac, layers, layout.ac_every)
+    if layout.cp_mode == "ulysses":  # two all-to-alls per layer each way (spec.parallel.ulysses_comm_bytes)
+        m = model_cfg
+        qkv, out = ulysses_bytes(layout.micro_batch, seq_len, m.n_heads, m.kv_heads, m.head_dim,
+                                 attention_dtype_bytes(layout), layout.tp, layout.cp)
+        return ulysses_comm_bytes(qkv, out, layout.cp, layers, layout.grad_accum, recomputed)
     return cp_comm_bytes(cp_kv_layer_bytes(model_cfg, layout, seq_len, gathered=True), layout.cp, layers, layout.grad_accum,
-                         recomputed_layers(layout.ac, layers, layout.ac_every))
+                         recomputed)
 
 
 def _cp_comm_seconds(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_len: int) -> float:

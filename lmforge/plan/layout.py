@@ -15,6 +15,7 @@ from lmforge.spec.parallel import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED
 
 AC_MODES = ("none", "full", "every_k", "selective")
 DOCUMENT_MASKS = ("none", "flex", "sdpa")
+CP_MODES = ("allgather", "ulysses")
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "bf16-pure")
 
 
@@ -28,6 +29,7 @@ class Layout:
     dp: int = 1
     zero: int = 0                 # 0 = DDP (replicated), 1, 2, 3 (= FSDP full sharding)
     cp: int = 1                   # context parallelism (lmforge.parallel.context_parallel)
+    cp_mode: str = "allgather"    # allgather (K/V all-gathered per layer) | ulysses (all-to-all of heads)
     tp: int = 1
     sp: bool = False              # sequence parallelism (with tp > 1)
     pp: int = 1
@@ -101,6 +103,8 @@ class Layout:
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
             raise ValueError(f"layout loss_chunk = {self.loss_chunk!r} must be an integer >= 0 (0 = the plain "
                              f"logits; N = the cross-entropy fused with the head over N-token chunks)")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"layout cp_mode = {self.cp_mode!r} is not one of {', '.join(CP_MODES)}")
         if self.documents not in DOCUMENT_MASKS:
             raise ValueError(f"layout documents = {self.documents!r} is not one of {', '.join(DOCUMENT_MASKS)}")
         if not isinstance(self.doc_tokens, int) or self.doc_tokens < 0:
@@ -127,7 +131,7 @@ class Layout:
         return dataclasses.asdict(self)
 
     def short(self) -> str:
-        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        cp = f",cp={self.cp}" + (f",cpm={self.cp_mode}" if self.cp_mode != "allgather" else "") if self.cp > 1 else ""
         s = (f"dp={self.dp},zero={self.zero}{cp},tp={self.tp},pp={self.pp},mb={self.micro_batch},ga={self.grad_accum},"
              f"ac={self.ac}")
         if self.sp:
@@ -154,7 +158,8 @@ class Layout:
             s += f",documents={self.documents}" + (f",doc_tokens={self.doc_tokens}" if self.doc_tokens else "")
         return s
 
-    _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "tp": "tp", "sp": "sp", "pp": "pp", "sched": "pp_schedule",
+    _KEYS = {"dp": "dp", "zero": "zero", "cp": "cp", "cpm": "cp_mode", "cp_mode": "cp_mode", "tp": "tp", "sp": "sp",
+             "pp": "pp", "sched": "pp_schedule",
              "pp_schedule": "pp_schedule", "schedule": "pp_schedule", "v": "virtual_stages",
              "virtual_stages": "virtual_stages", "mb": "micro_batch", "micro_batch": "micro_batch",
              "ga": "grad_accum", "grad_accum": "grad_accum", "m": "grad_accum", "ac": "ac",
@@ -166,7 +171,7 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> "Layout":
-        """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp tp sp pp sched v mb ga ac
+        """Parse "dp=8,zero=3,cp=1,tp=1,pp=1,mb=1,ac=full" (keys: dp zero cp cpm tp sp pp sched v mb ga ac
         ac_every offload precision reduce_every ep loss_chunk compile ema documents doc_tokens); unknown keys or bad values raise
         ValueError naming them."""
         kw: dict[str, Any] = dict(defaults)
@@ -181,7 +186,7 @@ class Layout:
                 if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
                     raise ValueError(f"layout {key} = {value!r} must be 0/1/true/false")
                 kw[field_name] = value.lower() in ("1", "true", "yes")
-            elif field_name in ("pp_schedule", "ac", "precision", "documents"):
+            elif field_name in ("pp_schedule", "ac", "precision", "documents", "cp_mode"):
                 kw[field_name] = value.lower()
             else:
                 try:
@@ -213,7 +218,8 @@ def config_for_layout(config: Config, layout: Layout, seq_len: int) -> Config:
     zero, dp = layout.zero, layout.dp
     sharded = layout.shard_ranks > 1 and zero >= 1
     par = dataclasses.replace(
-        config.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, dp_replicate=1 if sharded else dp,
+        config.parallel, tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_mode=layout.cp_mode,
+        dp_replicate=1 if sharded else dp,
         dp_shard=dp if sharded else 1, zero_stage=zero if sharded else 0, sequence_parallel=layout.sp,
         pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.virtual_stages, cpu_offload=layout.cpu_offload,
         fsdp_reduce_every_micro_batch=layout.fsdp_reduce_every_micro_batch, ep=layout.ep)
@@ -235,7 +241,8 @@ def layout_for_config(config: Config, precision: str, device_type: str, micro_ba
     p, t = config.parallel, config.train
     zero = p.zero_stage or ((3 if p.reshard_after_forward else 2) if p.dp_shard > 1 else 0)
     accum = 1 if p.async_sgd else t.global_batch_size // (micro_batch * p.dp)
-    return Layout(dp=p.dp_shard if zero else p.dp, zero=zero, cp=p.cp, tp=p.tp, sp=p.sequence_parallel, pp=p.pp,
+    return Layout(dp=p.dp_shard if zero else p.dp, zero=zero, cp=p.cp, cp_mode=p.cp_mode, tp=p.tp,
+                  sp=p.sequence_parallel, pp=p.pp,
                   pp_schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1,
                   micro_batch=micro_batch, grad_accum=accum, ac=t.activation_checkpoint, ac_every=t.ac_every,
                   cpu_offload=p.cpu_offload, precision=precision,

@@ -40,7 +40,7 @@ from typing import Any
 
 from lmforge.config import Config, ModelConfig
 from lmforge.config.layout_rules import pipeline_micro_batches_ok
-from lmforge.spec.parallel import SPLIT_BACKWARD
+from lmforge.spec.parallel import SPLIT_BACKWARD, ulysses_splits
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
 from lmforge.plan.conventions import check_convention
@@ -145,6 +145,9 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
             if (world // (tp * cp)) % pp:
                 continue
             dp = world // (tp * cp * pp)
+            # CP's two attentions: K/V all-gathered, or Ulysses' all-to-all of heads where they split over cp
+            cp_modes = ("allgather",) + (("ulysses",) if cp > 1 and ulysses_splits(
+                model_cfg.n_heads // tp, model_cfg.kv_heads // tp, cp) else ())
             if global_batch % dp:
                 continue
             per_dp = global_batch // dp
@@ -177,9 +180,11 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                                 # expert parallelism (MoE): EP degrees dividing dp and the experts, with FSDP
                                 # (lmforge borrows the EP ranks from dp_shard: parallel.ep)
                                 eps = ep_degrees(model_cfg, dp, cp) if zero >= 2 else [1]
-                                for sp, re, ep in itertools.product((True, False) if sp_ok else (False,),
-                                                                    (False, True) if every else (False,), eps):
-                                    out.append(Layout(dp=dp, zero=zero, cp=cp, tp=tp, sp=sp, pp=pp, pp_schedule=sched,
+                                for sp, re, ep, cpm in itertools.product((True, False) if sp_ok else (False,),
+                                                                         (False, True) if every else (False,), eps,
+                                                                         cp_modes):
+                                    out.append(Layout(dp=dp, zero=zero, cp=cp, cp_mode=cpm, tp=tp, sp=sp, pp=pp,
+                                                      pp_schedule=sched,
                                                       virtual_stages=v, micro_batch=mb, grad_accum=ga, ac=ac,
                                                       cpu_offload=offload, precision=precision,
                                                       fsdp_reduce_every_micro_batch=re, ep=ep,
@@ -208,6 +213,7 @@ def complexity(layout: Layout) -> tuple:
     newest mechanism (a K/V all-gather in every layer, chunked sequences, tested on CPU only), ranks
     after pipelining and before TP, a smaller degree first."""
     return (layout.cpu_offload, layout.pp > 1, _SCHEDULE_RANK[layout.pp_schedule] if layout.pp > 1 else 0, layout.cp,
+            layout.cp_mode != "allgather",
             layout.tp > 1, layout.sp, layout.zero, layout.fsdp_reduce_every_micro_batch, _AC_RANK[layout.ac], layout.ep)
 
 
@@ -231,8 +237,9 @@ def _reason(c: Candidate, cluster: Cluster) -> str:
         parts.append(f"TP={L.tp} inside a node ({dev.intra_node_gbps:g} GB/s)")
     if L.cp > 1:
         cp_where = "inside a node" if L.tp * L.cp <= cluster.gpus_per_node else "across nodes"
-        parts.append(f"CP={L.cp} {cp_where} ({c.memory.seq_len // L.cp:,} tokens per rank, K/V "
-                     f"all-gathered per layer, {st.comm_s.get('cp', 0.0) / st.step_s:.0%} of the step)")
+        how = "q, k, v and the output all-to-all (Ulysses)" if L.cp_mode == "ulysses" else "K/V all-gathered"
+        parts.append(f"CP={L.cp} {cp_where} ({c.memory.seq_len // L.cp:,} tokens per rank, {how} "
+                     f"per layer, {st.comm_s.get('cp', 0.0) / st.step_s:.0%} of the step)")
     zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[L.zero]
     dp_where = "inside a node" if L.tp * L.cp * L.dp <= cluster.gpus_per_node else "across nodes"
     over = f" over dp x cp = {L.shard_ranks} ranks" if L.cp > 1 else ""
@@ -303,8 +310,9 @@ def search_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: int, 
     verdicts: dict[tuple, str | None] = {}
     for lay in layouts:
         if config is not None and weights == "lmforge":
-            key = (lay.dp > 1, lay.zero, lay.cp, lay.tp, lay.pp, lay.sp, lay.pp_schedule, lay.virtual_stages,
-                   lay.micro_batch, lay.grad_accum, lay.cpu_offload, lay.ac, lay.fsdp_reduce_every_micro_batch, lay.ep)
+            key = (lay.dp > 1, lay.zero, lay.cp, lay.cp_mode, lay.tp, lay.pp, lay.sp, lay.pp_schedule,
+                   lay.virtual_stages, lay.micro_batch, lay.grad_accum, lay.cpu_offload, lay.ac,
+                   lay.fsdp_reduce_every_micro_batch, lay.ep)
             if key not in verdicts:
                 verdicts[key] = lmforge_refusal(config, lay, seq_len)
             if verdicts[key] is not None:
@@ -362,7 +370,12 @@ def explain_winner(cands: list[Candidate], offload_tried: bool = False) -> str:
                      "pass (1/4 of the hardware work) of full recompute.")
     if L.pp > 1:
         lines.append(f"Pipeline bubble {best.step.bubble_fraction:.1%} with {L.grad_accum} micro-batches over {L.pp} stages.")
-    if L.cp > 1:
+    if L.cp > 1 and L.cp_mode == "ulysses":
+        lines.append(f"Context parallelism splits each {best.memory.seq_len:,}-token sequence over {L.cp} GPUs (two "
+                     f"chunks each; Ulysses) and, around attention, exchanges heads for tokens by all-to-alls: each GPU "
+                     f"attends over whole sequences for 1/{L.cp} of the query heads and their KV heads, and sends no "
+                     f"more per layer as cp grows.")
+    elif L.cp > 1:
         lines.append(f"Context parallelism splits each {best.memory.seq_len:,}-token sequence over {L.cp} GPUs (two "
                      f"chunks each, balanced causal work): activations per GPU shrink to 1/{L.cp} plus the whole "
                      f"sequence's K/V, for a K/V all-gather and reduce-scatter in every layer; CP sits just outside "

@@ -153,6 +153,55 @@ def cp_comm_bytes(kv_bytes: int, cp: int, n_layers: int, micro_batches: int, rec
             "collective_bytes": through, "wire_bytes": through * (cp - 1) // cp, "calls": gathers + scatters}
 
 
+def ulysses_kv_heads(heads: int, kv_heads: int, cp: int) -> int:
+    """Ulysses context parallelism (lmforge.parallel.context_parallel): the KV heads a TP rank's
+    all-to-all scatters over the cp ranks for `heads` query heads and `kv_heads` KV heads: kv_heads
+    when cp divides them, else cp (each KV head replicated cp / kv_heads times: fewer KV heads than
+    ranks, GQA). ValueError where the heads do not split so (lmforge.config.layout_rules says it
+    first, in the config's words)."""
+    if not ulysses_splits(heads, kv_heads, cp):
+        raise ValueError(f"Ulysses context parallelism: cp = {cp} must divide the {heads} query heads of a rank, and "
+                         f"its {kv_heads} KV heads must be a multiple of cp or divide it")
+    return kv_heads if kv_heads % cp == 0 else cp
+
+
+def ulysses_splits(heads: int, kv_heads: int, cp: int) -> bool:
+    """Whether Ulysses' all-to-all can give each of cp ranks 1/cp of a TP rank's `heads` query heads and
+    their KV heads (`ulysses_kv_heads`)."""
+    return heads % cp == 0 and kv_heads > 0 and (kv_heads % cp == 0 or cp % kv_heads == 0)
+
+
+def ulysses_bytes(micro_batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                  tp: int, cp: int) -> tuple[int, int]:
+    """Ulysses: bytes of one layer's two all-to-all inputs on one rank for a micro-batch: q, k and v of
+    the rank's seq_len / cp tokens (heads / tp query heads, `ulysses_kv_heads` KV heads each for k and
+    v), and the attention output of the same tokens (heads / tp heads)."""
+    tokens = micro_batch * seq_len // cp
+    kv = ulysses_kv_heads(heads // tp, kv_heads // tp, cp)
+    return tokens * (heads // tp + 2 * kv) * head_dim * dtype_bytes, tokens * (heads // tp) * head_dim * dtype_bytes
+
+
+def ulysses_comm_bytes(qkv_bytes: int, out_bytes: int, cp: int, n_layers: int, micro_batches: int,
+                       recomputed_layers: int = 0) -> dict[str, int]:
+    """Ulysses traffic of one optimizer step on one rank: per layer and micro-batch, forward (again for
+    each of the `recomputed_layers`) one all-to-all of q, k and v (`qkv_bytes` in and out) and one of
+    the attention output (`out_bytes`); backward the same two of their gradients. An all-to-all keeps
+    1/cp of its input on the rank and sends (cp - 1) / cp of it ('wire_bytes'); 'calls' counts them."""
+    passes = (2 * n_layers + recomputed_layers) * micro_batches  # forwards (with recomputed ones) + backwards
+    through = passes * (qkv_bytes + out_bytes)
+    return {"all_to_all_bytes": through, "collective_bytes": through, "wire_bytes": through * (cp - 1) // cp,
+            "calls": 2 * passes}
+
+
+def ulysses_activation_bytes(single_rank_bytes: float, kv_bytes: float, cp: int, kv_replication: float = 1.0
+                             ) -> float:
+    """Saved activations of one layer on one Ulysses CP rank: 1/cp of one process's A (the rank's tokens;
+    attention saves q, k, v, its output and log-sum-exp for the whole sequence but heads / cp heads,
+    the same bytes), where K/V = `kv_bytes` (part of A) count `kv_replication` times (KV heads
+    replicated to cp of them: cp / kv heads, else 1): (A - KV) / cp + KV x replication / cp."""
+    return (single_rank_bytes - kv_bytes) / cp + kv_bytes * kv_replication / cp
+
+
 def recomputed_layers(activation_checkpoint: str, n_layers: int, every: int = 2) -> int:
     """Of `n_layers` blocks, how many activation checkpointing re-runs forward in backward
     (lmforge.parallel.activation_ckpt): all of them under 'full' and 'selective' (the selective

@@ -23,10 +23,12 @@ scaling.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from lmforge.config import Config, ParallelConfig
 from lmforge.plan.layout import Layout, config_for_layout
+from lmforge.spec.parallel import ulysses_splits
 
 MAX_PROCESSES = 8  # gloo processes the CPU emulation runs at once
 HEAD_DIM = 16
@@ -86,6 +88,8 @@ def toy_model(model, layout: Layout):
     kv = max(layout.tp, 1)
     while kv * group < 4:  # at least 4 query heads
         kv *= 2
+    if layout.cp_mode == "ulysses" and not ulysses_splits(kv * group // layout.tp, kv // layout.tp, layout.cp):
+        kv = math.lcm(kv, layout.cp * layout.tp)  # (Ulysses splits each TP rank's heads over the cp ranks)
     heads = kv * group
     layers = max(2, layout.pp * layout.stages_per_rank)  # (zbv / dualpipev: 2 stages per rank, a V)
     moe = model.moe
