@@ -339,3 +339,30 @@ def test_a_stage_naming_an_unknown_source_fails_before_anything_loads(tmp_path):
     assert err == ("config error: data.stages[1] ('anneal').weights names unknown sources ['bookz']; the prepared "
                    "mixture's sources: ['web', 'books']."), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # no run folder
+
+
+def test_log_lines_follow_stdout_after_an_in_process_main_restores_it(capsys):
+    """`main()` run in-process with stdout captured, then stdout restored: a later log line (an async
+    checkpoint's, from its thread) goes to the stdout of that moment, never to the closed capture."""
+    import io
+    import logging
+    import sys
+
+    from lmforge.cli import _setup_logging
+
+    saved = sys.stdout
+    first = io.StringIO()
+    sys.stdout = first
+    try:
+        _setup_logging()
+    finally:
+        sys.stdout = saved
+    first.close()  # what a finished capture does
+    later = io.StringIO()
+    sys.stdout = later
+    try:
+        logging.getLogger("lmforge.ckpt").info("checkpoint: step 1")
+    finally:
+        sys.stdout = saved
+    assert later.getvalue() == "checkpoint: step 1\n"
+    assert "Logging error" not in capsys.readouterr().err

@@ -36,11 +36,26 @@ from lmforge.folders import CONFIG, TOKENIZER, check_run_folder, check_writable
 TRAIN_ARGS_ENV = "LMFORGE_TRAIN_ARGS"  # overrides appended to every `lmforge train` command line
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """A handler that writes to whatever `sys.stdout` is when a line is logged, not to the stream that
+    was stdout when logging was set up: a caller that runs `main()` in-process with stdout redirected
+    (a notebook cell, a test's capture) and then restores it would otherwise leave every later log line
+    (e.g. an async checkpoint's, from its thread) writing to a closed stream ('--- Logging error ---')."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # (logging.StreamHandler.__init__ assigns it)
+        pass
+
+
 def _setup_logging() -> None:
     """Log lines to stdout. Under torchrun rank 0 alone prints the run's lines (distributed, config,
     data, model, progress, final, ...); another rank prints only its warnings and errors, which are
     about itself, prefixed with its rank."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_StdoutHandler()], force=True)
     rank = os.environ.get("RANK", "0")
     if rank != "0":
         for handler in logging.getLogger().handlers:
