@@ -146,3 +146,25 @@ def check_tensor_names(hf_dir: Path, expected: Iterable[str], stored: Iterable[s
         raise ValueError(f"{hf_dir}: weight {extra[0]!r} is not part of the model config.json describes{more(extra)}; "
                          f"the weights do not match config.json (layers, experts, biases or tied embeddings). Fix: "
                          f"save the model again, or correct config.json.")
+
+
+def model_from_state_dict(cfg, weights: dict, device):
+    """The lmforge model of `cfg`, built on the meta device and materialised on `device` from a whole
+    lmforge-named state dict (the import paths that convert through transformers' own model)."""
+    import torch
+
+    from lmforge.model.materialise import materialise
+    from lmforge.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+
+    def source(name, module, module_name, own, shape, index, dtype):
+        t = weights[name]
+        for d, keep in enumerate(index):
+            if keep is not None:
+                t = t.index_select(d, keep)
+        return t.to(dtype)
+
+    return materialise(model, device, source).eval()
+

@@ -42,12 +42,11 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.config.sections import MoEConfig
 from lmforge.folders import HF_CONFIG
-from lmforge.interop.hf_common import (check_no_new_attention, check_tensor_names, hf_rope_keys, hf_weight_files,
+from lmforge.interop.hf_common import (check_no_new_attention, model_from_state_dict, check_tensor_names, hf_rope_keys, hf_weight_files,
                                        read_hf_config, rope_from_hf)
 from lmforge.interop.mup_fold import fold_multipliers
 from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer
-from lmforge.model.materialise import materialise
 
 # model_type -> transformers class
 MOE_DECODERS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -265,17 +264,7 @@ def import_moe(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[
     check_tensor_names(hf_dir, moe_tensor_names(cfg, hf["model_type"], stored), stored, optional)
     hf_class = getattr(transformers, MOE_DECODERS[hf["model_type"]])
     weights = from_moe_state_dict(cfg, hf_class.from_pretrained(str(hf_dir), dtype=torch.float32).state_dict())
-    with torch.device("meta"):
-        model = Transformer(cfg)
-
-    def source(name, module, module_name, own, shape, index, dtype):
-        t = weights[name]
-        for d, keep in enumerate(index):
-            if keep is not None:
-                t = t.index_select(d, keep)
-        return t.to(dtype)
-
-    return cfg, materialise(model, device, source).eval()
+    return cfg, model_from_state_dict(cfg, weights, device)
 
 
 def save_moe(cfg: ModelConfig, hf_cfg, weights: dict[str, torch.Tensor], out_dir: Path) -> None:

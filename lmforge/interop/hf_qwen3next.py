@@ -56,10 +56,9 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.config.sections import DeltaNetConfig, MoEConfig
 from lmforge.folders import HF_CONFIG
-from lmforge.interop.hf_common import check_tensor_names, hf_weight_files, read_hf_config, rope_from_hf
+from lmforge.interop.hf_common import check_tensor_names, hf_weight_files, model_from_state_dict, read_hf_config, rope_from_hf
 from lmforge.interop.hf_moe import _moe_layers
 from lmforge.model.layers import qkv_state
-from lmforge.model.materialise import materialise
 from lmforge.model.transformer import Transformer
 
 # model_type -> transformers class
@@ -353,17 +352,7 @@ def import_qwen3next(hf_dir: str | Path, device: str | torch.device = "cpu") -> 
     hf_class = getattr(transformers, HYBRID_DECODERS[family])
     weights = from_qwen3next_state_dict(cfg, hf_class.from_pretrained(str(hf_dir), dtype=torch.float32).state_dict(),
                                         family)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-
-    def source(name, module, module_name, own, shape, index, dtype):
-        t = weights[name]
-        for d, keep in enumerate(index):
-            if keep is not None:
-                t = t.index_select(d, keep)
-        return t.to(dtype)
-
-    return cfg, materialise(model, device, source).eval()
+    return cfg, model_from_state_dict(cfg, weights, device)
 
 
 def save_qwen3next(cfg: ModelConfig, hf_cfg, weights: dict[str, torch.Tensor], out_dir: Path) -> None:
