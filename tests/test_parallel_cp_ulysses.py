@@ -158,49 +158,58 @@ def test_ulysses_hook_saves_one_over_cp_of_the_activations_with_replicated_kv(ru
 
 def simulated_ulysses(monkeypatch, q, k, v, cp: int, window: int = 0, doc_ids=None):
     """Every Ulysses rank's `attention` over whole-sequence q (b, heads, T, d), k, v (b, kv heads, T, d),
-    in this process: one thread per rank, the all-to-all replaced by an exchange between the threads
-    (forward and backward). Returns the output and the gradients of q, k and v (of the outputs' sum
-    weighted by noise), the ranks' chunks put back in sequence order."""
-    import threading
-
+    in this process and on this thread: the ranks run one after another, and a run that reaches an
+    all-to-all no earlier run reached records what it sends and stops there; the next round replays
+    every rank from the start, each all-to-all receiving what the ranks recorded, up to the next one.
+    The ranks' work is deterministic (fp64 on the CPU), so the replays redo the same arithmetic. (No
+    threads: a thread per rank, meeting at a barrier, hung a full -n 2 run once in torch's lazy
+    initialisation.) Returns the output and the gradients of q, k and v (of the outputs' sum weighted
+    by noise), the ranks' chunks put back in sequence order, the noise, and the last round's ranks,
+    whose byte counts are one full forward + backward."""
     import torch
 
     from lmforge.parallel.context_parallel import UlyssesSharding
 
-    barrier, box = threading.Barrier(cp, timeout=120), {}
+    class Stop(Exception):
+        """A rank reached an all-to-all whose blocks not every rank has recorded yet."""
+
+    sent: list[list[torch.Tensor]] = [[] for _ in range(cp)]  # sent[r][i]: rank r's i-th all-to-all
+    calls = [0] * cp
 
     def exchange(self, send):  # what dist.all_to_all_single hands rank `self.rank`
-        box[self.rank] = send.contiguous()
-        barrier.wait()
-        received = torch.stack([box[src][self.rank] for src in range(cp)])
-        barrier.wait()  # (every rank has read the boxes before the next exchange fills them)
+        i = calls[self.rank]
+        calls[self.rank] += 1
+        if i == len(sent[self.rank]):
+            sent[self.rank].append(send.detach().contiguous().clone())
+            raise Stop
+        assert torch.equal(sent[self.rank][i], send), "a replay must send what its first run sent"
+        assert all(len(sent[src]) > i for src in range(cp)), "the ranks must reach the same all-to-alls"
         self.count("all_to_all_bytes", send)
-        return received
+        return torch.stack([sent[src][i][self.rank] for src in range(cp)])
 
     monkeypatch.setattr(UlyssesSharding, "all_to_all", exchange)
-    shards = [UlyssesSharding(None, r, cp, torch.device("cpu")) for r in range(cp)]
     weight = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(2))
-    results: dict = {}
 
     def rank(s):
-        try:
-            q_r, k_r, v_r = (s.local(t, 2).detach().requires_grad_() for t in (q, k, v))
-            masks = None if doc_ids is None else s.document_masks(doc_ids, window, 0.0)
-            out = s.attention(q_r, k_r, v_r, 0.0, window, masks)
-            out.backward(s.local(weight, 2))
-            results[s.rank] = (out.detach(), q_r.grad, k_r.grad, v_r.grad)
-        except BaseException as exc:  # (re-raised below; the barrier breaks for the other threads)
-            results[s.rank] = exc
-            barrier.abort()
+        q_r, k_r, v_r = (s.local(t, 2).detach().requires_grad_() for t in (q, k, v))
+        masks = None if doc_ids is None else s.document_masks(doc_ids, window, 0.0)
+        out = s.attention(q_r, k_r, v_r, 0.0, window, masks)
+        out.backward(s.local(weight, 2))
+        return out.detach(), q_r.grad, k_r.grad, v_r.grad
 
-    threads = [threading.Thread(target=rank, args=(s,)) for s in shards]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in range(cp):
-        if isinstance(results[r], BaseException):
-            raise results[r]
+    for _ in range(16):  # (forward and backward hold 4 all-to-alls: 5 rounds)
+        shards = [UlyssesSharding(None, r, cp, torch.device("cpu")) for r in range(cp)]
+        results, calls[:] = {}, [0] * cp
+        for s in shards:
+            try:
+                results[s.rank] = rank(s)
+            except Stop:
+                pass
+        if len(results) == cp:
+            break
+        assert not results, f"ranks {sorted(results)} finished while others wait at an all-to-all"
+    else:
+        raise AssertionError("the ranks did not finish in 16 rounds")
 
     def whole(i: int) -> torch.Tensor:  # the ranks' chunks back in sequence order
         chunks = [None] * (2 * cp)
@@ -215,9 +224,6 @@ def simulated_ulysses(monkeypatch, q, k, v, cp: int, window: int = 0, doc_ids=No
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("window, documents", [(0, False), (5, False), (20, False), (0, True), (6, True)])
-@pytest.mark.skip(reason="defect to fix: this one-process thread simulation of the ranks' all-to-all hung a "
-                         "full -n 2 run once (2026-11-29, both workers idle in futex waits); the multi-process "
-                         "parity tests above still check Ulysses against one process and the all-gather CP")
 def test_ulysses_attention_equals_one_process(monkeypatch, cp, kv_heads, window, documents):
     """The all-to-alls and the chunk order around one process's attention (lmforge.model.layers.
     dense_attention): output and gradients of q, k and v equal one process's, fp64, for as many KV
