@@ -21,7 +21,7 @@ from lmforge.config.layout_rules import LAYOUT_RULES, LayoutRefused
 from lmforge.config.rules import adapt_defaults
 from lmforge.spec.parallel import PP_SCHEDULES
 from lmforge.cli.plan import plan_main
-from lmforge.plan.layout import Layout, lmforge_refusals
+from lmforge.plan.layout import Layout, layout_for_config, lmforge_refusals
 
 LMFORGE = Path(__file__).resolve().parents[1] / "lmforge"
 PRESETS = ("gpt2-124m", "llama2-70b", "gpt3-175b", "tiny-moe", "mixtral-8x7b")
@@ -155,20 +155,24 @@ def test_planner_and_config_accept_the_same_random_layouts():
 
 
 def test_a_typed_layout_lmforge_refuses_is_planned_with_every_reason_at_the_top(capsys):
-    """The issue's GPT-3 layout (Megatron's): planned as before (89.9 GB per GPU, 40% MFU), with
-    lmforge's refusal (ZeRO-1 with TP/PP; SP with learned positions and PP with tied embeddings run:
-    issue 59) at the top, and in --json's `refused`."""
-    assert plan_main(GPT3) == 0
+    """Megatron's GPT-3 layout without its distributed optimizer (plain data parallelism next to TP,
+    which lmforge runs through FSDP2 only): planned (132.0 GB per GPU), with lmforge's refusal at the
+    top and in --json's `refused`; with the distributed optimizer (ZeRO-1 under TP and PP, issue 59)
+    the same layout is lmforge's and says nothing of the kind."""
+    plain = GPT3[:-1] + [GPT3[-1].replace("zero=1", "zero=0")]
+    assert plan_main(plain) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].strip().startswith("lmforge refuses this layout")
-    assert out[2].strip().startswith("- parallel.zero_stage = 1 (ZeroRedundancyOptimizer) is not combined with tp")
+    assert out[2].strip().startswith("- parallel.tp = 4 with parallel.dp_replicate = 16: data parallelism next to")
     text = "\n".join(out)
-    assert re.search(r"TOTAL per GPU\s+89.90 GB", text) and re.search(r"MFU \(model FLOPs, PaLM\)\s+40.0%", text)
-    assert plan_main(GPT3 + ["--json"]) == 0
+    assert re.search(r"TOTAL per GPU\s+132.02 GB", text) and re.search(r"MFU \(model FLOPs, PaLM\)\s+40.7%", text)
+    assert plan_main(plain + ["--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert [r["rule"] for r in rep["refused"]] == ["zero1-alone"]
+    assert [r["rule"] for r in rep["refused"]] == ["tp-needs-fsdp"]
     assert rep["refused"][0]["message"] == out[2].strip()[2:]
-    # a layout lmforge runs says nothing of the kind
+    # layouts lmforge runs say nothing of the kind: ZeRO-1 (Megatron's distributed optimizer), ZeRO-3
+    assert plan_main(GPT3 + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["refused"] == []
     assert plan_main(GPT3[:-1] + ["dp=16,zero=3,tp=4,pp=8,mb=1,ga=96,ac=full", "--set", "model.tie_embeddings=false",
                                   "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["refused"] == []
@@ -177,13 +181,15 @@ def test_a_typed_layout_lmforge_refuses_is_planned_with_every_reason_at_the_top(
 def test_config_check_and_planner_read_the_same_rule():
     """`lmforge train` stops with the first broken rule and carries them all; the planner's structural
     error is the same rule in the layout's words."""
+    megatron = {"parallel.tp": 4, "parallel.pp": 8, "parallel.sequence_parallel": True, "parallel.pp_schedule": "interleaved",
+                "parallel.pp_virtual_stages": 2, "train.micro_batch_size": 1, "schedule.batch_rampup_start": 0}
     with pytest.raises(LayoutRefused) as exc:
-        load_config("gpt3-175b", {"parallel.tp": 4, "parallel.pp": 8, "parallel.dp_shard": 2, "parallel.zero_stage": 1,
-                                  "parallel.sequence_parallel": True, "parallel.pp_schedule": "interleaved",
-                                  "parallel.pp_virtual_stages": 2, "train.micro_batch_size": 1,
-                                  "schedule.batch_rampup_start": 0})
-    assert [r.rule for r in exc.value.refusals] == ["zero1-alone"]
+        load_config("gpt3-175b", {**megatron, "parallel.dp_replicate": 2})
+    assert [r.rule for r in exc.value.refusals] == ["tp-needs-fsdp"]
     assert str(exc.value) == exc.value.refusals[0].message
+    # the issue's Megatron layout with its distributed optimizer: ZeRO-1 under TP and PP runs through FSDP2
+    cfg = load_config("gpt3-175b", {**megatron, "parallel.dp_shard": 16, "parallel.zero_stage": 1})
+    assert cfg.parallel.fsdp and layout_for_config(cfg, "bf16", "cuda", 1).fsdp
     with pytest.raises(LayoutRefused, match=r"^parallel.sequence_parallel = true needs parallel.tp >= 2") as exc:
         load_config("tiny", {"parallel.sequence_parallel": True})
     with pytest.raises(LayoutRefused, match=r"^layout sp = 1 needs tp >= 2") as planned:

@@ -183,9 +183,6 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        and c.parallel.pp_virtual_stages != 1,
        "{k[v]} = {p.pp_virtual_stages} applies to pp_schedule = 'interleaved' or 'interleaved-zb' only; set "
        "{k[sched]} = 'interleaved' or {k[v]} = 1.", structural=True),
-    _R("zero1-alone", lambda c: (c.parallel.tp > 1 or c.parallel.pp > 1) and c.parallel.zero_stage == 1,
-       "parallel.zero_stage = 1 (ZeroRedundancyOptimizer) is not combined with tp / pp; use zero_stage 0, 2 or 3 "
-       "(FSDP2 on parallel.dp_shard)."),
     _R("tp-needs-fsdp", lambda c: c.parallel.tp > 1 and c.parallel.dp_replicate > 1 and c.parallel.dp_shard == 1,
        "parallel.tp = {p.tp} with parallel.dp_replicate = {p.dp_replicate}: data parallelism next to tensor "
        "parallelism goes through FSDP2 on the DeviceMesh; use parallel.dp_shard = {p.dp_replicate} (dp_replicate = "

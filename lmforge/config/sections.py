@@ -573,6 +573,17 @@ class TrainConfig:
                               "train.device = 'cpu'. Set train.fp8 = false.")
 
 
+def zero1_through_fsdp(tp: int, pp: int) -> bool:
+    """How parallel.zero_stage = 1 runs, written once for the config, the layouts and the planner. Alone:
+    DDP + torch's ZeroRedundancyOptimizer. Under tensor or pipeline parallelism (Megatron's distributed
+    optimizer): FSDP2 on dp_shard with the parameters kept gathered from forward to backward and the
+    gradients reduced once per step (lmforge.parallel.fsdp): the same arithmetic (whole gradients
+    reduced, each rank updating its shard of the fp32 weights and optimizer state, the weights gathered
+    again), with the reduced gradients kept as shards. ZeroRedundancyOptimizer cannot take TP's DTensor
+    parameters or a pipeline stage's chunks, which FSDP2 shards as they are."""
+    return tp > 1 or pp > 1
+
+
 @dataclass
 class ParallelConfig:
     """Parallel layout. world size = dp_replicate x dp_shard x cp x tp x pp, on one DeviceMesh with dims
@@ -589,7 +600,7 @@ class ParallelConfig:
     timeout_s: float = _f(600.0, "Timeout (seconds) of every collective: a rank stuck longer than this raises an error naming the rank instead of hanging forever.")
     ddp_comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = _f("none", "DDP gradient compression (torch.distributed.algorithms.ddp_comm_hooks): none, bf16 (bf16_compress_hook: halves the all-reduce bytes; torch allows it only with CUDA + NCCL), fp16 (fp16_compress_hook; also on CPU/gloo) or powersgd (low-rank PowerSGD with error feedback). DDP layouts only (dp_shard = 1 or zero_stage = 1).")
     powersgd_rank: int = _f(4, "PowerSGD matrix approximation rank (parallel.ddp_comm_hook = 'powersgd'); higher = more exact, more bytes.")
-    zero_stage: int = _f(0, "ZeRO stage over the dp_shard ranks. 0 = from the layout (dp_shard > 1: FSDP2 fully_shard, resharding per parallel.reshard_after_forward); 1 = optimizer state sharded only (DDP + torch ZeroRedundancyOptimizer; needs dp_replicate = 1); 2 = fully_shard with reshard_after_forward = false (params kept gathered between forward and backward); 3 = fully_shard with reshard_after_forward = true (params, grads and optimizer state all sharded). Stage 1 needs dp_shard > 1; stages 2/3 with dp_shard = 1 (under torchrun) apply FSDP2 at shard degree 1, for its mixed precision: parameters gathered once in 16 bits per block, gradients reduced in fp32.")
+    zero_stage: int = _f(0, "ZeRO stage over the dp_shard ranks. 0 = from the layout (dp_shard > 1: FSDP2 fully_shard, resharding per parallel.reshard_after_forward); 1 = optimizer state sharded only (DDP + torch ZeroRedundancyOptimizer; under tp / pp, Megatron's distributed optimizer: FSDP2 with the parameters kept gathered for the whole step and the gradients reduced once per step; needs dp_replicate = 1); 2 = fully_shard with reshard_after_forward = false (params kept gathered between forward and backward); 3 = fully_shard with reshard_after_forward = true (params, grads and optimizer state all sharded). Stage 1 needs dp_shard > 1; stages 2/3 with dp_shard = 1 (under torchrun) apply FSDP2 at shard degree 1, for its mixed precision: parameters gathered once in 16 bits per block, gradients reduced in fp32.")
     reshard_after_forward: bool = _f(True, "FSDP2: free the gathered parameters after each block's forward and gather again in backward (true = ZeRO-3 memory; false = ZeRO-2-like, less communication). Overridden by zero_stage 2/3.")
     cpu_offload: bool = _f(False, "FSDP2: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy). Needs a CUDA GPU.")
     fsdp_reduce_every_micro_batch: bool = _f(False, "FSDP2 with gradient accumulation (more than one micro-batch per step; lmforge.parallel.fsdp): reduce-scatter the gradients after every micro-batch's backward, so they stay sharded between micro-batches (no extra memory) at grad_accum times the reduce-scatter traffic. false (default): no gradient communication until the step's last micro-batch, which holds each rank's unsharded fp32 gradients (4 B per parameter of its stage and TP share, what DDP holds) between micro-batches; `lmforge plan` counts them (fsdp_accumulated_gradients). Set true where that memory does not fit. HSDP all-reduces across replicas once per step either way. Not with pp > 1: torch's pipeline schedule always reduces once per step.")
@@ -621,8 +632,9 @@ class ParallelConfig:
     @property
     def fsdp(self) -> bool:
         """Parameters managed by FSDP2 over dp_shard (ZeRO-2/3, HSDP; zero_stage 2/3 also at dp_shard = 1);
-        zero_stage 1 is DDP + a sharded optimizer."""
-        return (self.dp_shard > 1 and self.zero_stage != 1) or self.zero_stage in (2, 3)
+        zero_stage 1 is DDP + a sharded optimizer, or FSDP2 under tp / pp (`zero1_through_fsdp`)."""
+        return ((self.dp_shard > 1 and (self.zero_stage != 1 or zero1_through_fsdp(self.tp, self.pp)))
+                or self.zero_stage in (2, 3))
 
     def check(self) -> None:
         """The section's own values, and expert parallelism's shard dimension (which the launch's inference of

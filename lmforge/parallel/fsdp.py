@@ -60,6 +60,8 @@ def fsdp_description(cfg: Config) -> str:
     shards = f"{p.dp_shard * p.cp} shards" + (f" (dp_shard {p.dp_shard} x cp {p.cp})" if p.cp > 1 else "")
     hsdp = f"HSDP ({p.dp_replicate} replicas x {shards})" if p.dp_replicate > 1 else shards
     stage = "ZeRO-3" if reshard_after_forward(cfg) else "ZeRO-2"
+    if p.zero_stage == 1:  # (under tp / pp: lmforge.config.sections.zero1_through_fsdp)
+        stage = "ZeRO-1 (optimizer state and fp32 weights sharded, parameters gathered for the whole step)"
     sync = ("gradients reduced after every micro-batch" if p.fsdp_reduce_every_micro_batch
             else "gradients reduced once per step (unsharded fp32 gradients held between micro-batches)")
     if cfg.grad_accum_steps == 1 or p.pp > 1:
@@ -95,7 +97,7 @@ def reshard_after_forward(cfg: Config) -> bool:
     p = cfg.parallel
     if p.split_backward:
         return False
-    if p.zero_stage == 2:
+    if p.zero_stage in (1, 2):  # (1: ZeRO-1 under tp / pp, lmforge.config.sections.zero1_through_fsdp)
         return False
     if p.zero_stage == 3:
         return True

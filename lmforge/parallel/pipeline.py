@@ -62,7 +62,7 @@ from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
 from lmforge.spec.parallel import PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_rank
 from lmforge.parallel.clip import clip_grad_norm_sharded_
-from lmforge.parallel.fsdp import apply_fsdp
+from lmforge.parallel.fsdp import apply_fsdp, fsdp_description
 from lmforge.parallel.inference import ShardedInference
 from lmforge.parallel.layout import Batch, ShardedLayout
 from lmforge.parallel.mesh import DistInfo
@@ -273,3 +273,5 @@ class Pipelined(ShardedLayout):
         yield (f"pipeline: {p.pp_schedule} schedule, {p.pp} ranks x {self.v} stage(s) each = {p.pp * self.v} "
                f"stages{where}, {self.microbatches} micro-batches per step; planned bubble fraction "
                f"{self.bubble:.3f} (lmforge.spec.parallel.pipeline_bubble)")
+        if p.dp * p.cp > 1:  # (each stage's chunks are FSDP2's, over dp x cp)
+            yield fsdp_description(self.cfg)

@@ -195,13 +195,18 @@ def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m:
     if layout.zero == 0:
         calls = math.ceil(grad_b * params / DDP_BUCKET_BYTES)
         return calls, 2 * ring * grad_b * params, 0.0, 0.0
-    if layout.zero == 1:
+    if layout.zero == 1 and not (convention == "lmforge" and layout.fsdp):  # (lmforge under tp / pp: FSDP2, below)
         if convention == "lmforge":  # DDP all-reduce + ZeroRedundancyOptimizer's per-tensor broadcasts
             calls = math.ceil(4 * params / DDP_BUCKET_BYTES) + tensors
             return calls, 2 * ring * 4 * params + ring * 4 * params, 0.0, 0.0
         calls = 2 * math.ceil(grad_b * params / DDP_BUCKET_BYTES)  # reduce-scatter + all-gather
         return calls, ring * (grad_b + weight_b) * params, 0.0, 0.0
     gathers = 2 if layout.zero == 3 else 1
+    if convention == "lmforge" and layout.pp > 1 and gathers == 1:
+        # a pipeline stage's FSDP2 chunks (ZeRO-1/2: parameters kept after forward) stay gathered from the
+        # first micro-batch to the step's reduce-scatter: torch's schedule turns the reshard after backward
+        # off until its last (PipelineStage.backward_maybe_with_nosync / perform_reduce_grad)
+        return layers, ring * (grad_b + weight_b) * params, 0.0, 0.0
     if convention == "lmforge" and not layout.fsdp_reduce_every_micro_batch:
         # FSDP2: gather every micro-batch, reduce-scatter once per step (lmforge.parallel.fsdp)
         return layers, ring * grad_b * params, m * layers * gathers, m * ring * gathers * weight_b * params

@@ -10,6 +10,7 @@ from typing import Any
 from lmforge.config import Config, ModelConfig
 from lmforge.config.layout_rules import LAYOUT_NAMES, LayoutRefused, Refusal, layout_refusals
 from lmforge.config.rules import config_refusals, document_kernel_rule, resolve_compile, resolve_loss_chunk
+from lmforge.config.sections import zero1_through_fsdp
 from lmforge.spec.parallel import LOOPED, PP_SCHEDULES, SPLIT_BACKWARD, V_SHAPED, stages_per_rank
 
 
@@ -88,8 +89,9 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        """Parameters sharded over dp x cp (ZeRO-2/3 = FSDP2 `fully_shard` in lmforge)."""
-        return self.zero >= 2 and self.shard_ranks > 1
+        """Parameters sharded over dp x cp (ZeRO-2/3 = FSDP2 `fully_shard` in lmforge; ZeRO-1 too under tp /
+        pp: lmforge.config.sections.zero1_through_fsdp)."""
+        return self.shard_ranks > 1 and (self.zero >= 2 or (self.zero == 1 and zero1_through_fsdp(self.tp, self.pp)))
 
     def validate(self, model_cfg: ModelConfig | None = None, seq_len: int | None = None) -> "Layout":
         """Check the values, then the layout's structural rules (`lmforge.config.layout_rules`: a key that

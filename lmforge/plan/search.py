@@ -40,6 +40,7 @@ from typing import Any
 
 from lmforge.config import Config, ModelConfig
 from lmforge.config.layout_rules import pipeline_micro_batches_ok
+from lmforge.config.sections import zero1_through_fsdp
 from lmforge.spec.parallel import SPLIT_BACKWARD, ulysses_splits
 from lmforge.plan.flops import StepEstimate, estimate_step
 from lmforge.plan.hardware import Cluster
@@ -166,6 +167,8 @@ def enumerate_layouts(model_cfg: ModelConfig, cluster: Cluster, global_batch: in
                 for zero in zero_stages:
                     if zero and dp * cp == 1:
                         continue
+                    if zero == 1 and zero1_through_fsdp(tp, pp):
+                        continue  # (under tp / pp lmforge runs ZeRO-1 as zero 2: the same layout, listed once)
                     # CPU offload is FSDP's (CPUOffloadPolicy): sharded layouts only
                     for offload in ((False, True) if allow_offload and zero >= 2 else (False,)):
                         for ac in ac_modes:
