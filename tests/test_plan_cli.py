@@ -129,7 +129,7 @@ def test_auto_precision_follows_the_device(capsys):
     from lmforge.plan.hardware import CATALOGUE
 
     assert _resolve_precision("auto", CATALOGUE["V100"]) == "fp16"
-    assert _resolve_precision("auto", CATALOGUE["H100-SXM"]) == "bf16"
+    assert _resolve_precision("auto", CATALOGUE["H100-SXM"]) == "bf16-pure"  # (the trainer's rule: spec.precision)
 
 
 def test_gpt3_on_one_v100_through_the_cli(capsys):
@@ -213,17 +213,20 @@ MEGATRON_GPT3 = ["--model", "gpt3-175b", "--gpus", "64x8xH100", "--layout", "dp=
 
 def test_a_presets_fsdp_flag_is_dropped_from_a_typed_layout_it_does_not_apply_to(capsys):
     """Megatron's own GPT-3 layout, typed as a user would: the preset's FSDP-only
-    parallel.fsdp_reduce_every_micro_batch is dropped (a pipeline reduces once per step; ZeRO-1 is not
-    FSDP) and the output says so; an FSDP layout without a pipeline keeps it; typed or chosen by the
+    parallel.fsdp_reduce_every_micro_batch is dropped (a pipeline reduces once per step; ZeRO-1 without
+    TP or PP is not FSDP) and the output says so; an FSDP layout without a pipeline keeps it; typed or chosen by the
     user (reduce_every=1, --set) where it does not apply, it is still an error naming it."""
     assert plan_main(MEGATRON_GPT3) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0]
     assert "dp=8,zero=1,tp=8,pp=8" in first and "reduce_every" not in first
     assert "note: parallel.fsdp_reduce_every_micro_batch = true (the preset's) dropped" in out and "pp = 8" in out
-    assert plan_main(MEGATRON_GPT3[:-1] + ["dp=64,zero=1,tp=8,mb=1,ac=full", "--json"]) == 0
+    assert plan_main(MEGATRON_GPT3[:-1] + ["dp=512,zero=1,mb=1,ac=full", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert not rep["layout"]["fsdp_reduce_every_micro_batch"] and "ZeRO-1, not FSDP" in rep["notes"][0]
+    assert plan_main(MEGATRON_GPT3[:-1] + ["dp=64,zero=1,tp=8,mb=1,ac=full", "--json"]) == 0  # (ZeRO-1 under TP: FSDP2)
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["layout"]["fsdp_reduce_every_micro_batch"] and rep["notes"] == []
     assert plan_main(MEGATRON_GPT3[:-1] + ["zero=3,tp=8,mb=1,ac=full", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["layout"]["fsdp_reduce_every_micro_batch"] and rep["notes"] == []

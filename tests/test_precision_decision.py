@@ -15,7 +15,8 @@ import torch
 from lmforge.config import ConfigError, load_config
 from lmforge.config.rules import check_resolved_precision
 from lmforge.train import precision as precision_module
-from lmforge.train.precision import cpu_bf16_units, cpu_flags, hardware_precision, resolve_precision
+from lmforge.spec.precision import cpu_bf16_units, cpu_flags, hardware_precision
+from lmforge.train.precision import resolve_precision
 from lmforge.train.trainer import Trainer
 from tests.test_gpu_semantics import run_driver
 from tests.test_parallel_dp import corpus  # noqa: F401  (module-scoped corpus fixture)
@@ -43,7 +44,7 @@ def test_cpu_flags_decide_auto(tmp_path):
     assert hardware_precision("cpu", flags=ZEN4).name == "bf16"
     assert hardware_precision("cpu", flags=AVX2_ONLY).name == "fp32"
     assert hardware_precision("cpu").name == "fp32"
-    assert hardware_precision("cuda", cuda_bf16=True).name == "bf16"  # A100, H100
+    assert hardware_precision("cuda", cuda_bf16=True).name == "bf16-pure"  # A100, H100: measured faster
     assert hardware_precision("cuda", cuda_bf16=False).name == "fp16"  # V100, T4
 
 
@@ -70,7 +71,7 @@ def test_checkpoint_precision_kept_under_auto_and_overridden_explicitly(monkeypa
 
 
 def test_bf16_pure_is_chosen_explicitly_and_kept_on_resume(monkeypatch):
-    """`auto` never picks bf16-pure (on CUDA not until a GPU measures it faster; on the CPU it was
+    """`auto` picks bf16-pure on CUDA only (measured faster than autocast on an H100; on the CPU it was
     measured no faster than autocast: benchmarks/RESULTS.md); an explicit bf16-pure is used, flagged where bf16 is
     emulated; a checkpoint trained in it is resumed in it under `auto`, or in bf16 autocast (its
     fp32 masters are the same state) when that is asked for."""
@@ -79,7 +80,7 @@ def test_bf16_pure_is_chosen_explicitly_and_kept_on_resume(monkeypatch):
         assert resolve_precision("auto", CPU).name != "bf16-pure"
         got = resolve_precision("bf16-pure", CPU)
         assert got.name == "bf16-pure" and got.slow == (flags == AVX2_ONLY)
-    assert hardware_precision("cuda", cuda_bf16=True).name == "bf16"
+    assert hardware_precision("cuda", cuda_bf16=True).name == "bf16-pure"
     kept = resolve_precision("auto", CPU, saved="bf16-pure")
     assert kept.name == "bf16-pure" and not kept.changed
     other = resolve_precision("bf16", CPU, saved="bf16-pure")

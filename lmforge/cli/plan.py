@@ -45,6 +45,7 @@ from lmforge.plan.memory import estimate_memory
 from lmforge.plan.micro_batch import AUTO_HEADROOM, largest_fitting
 from lmforge.plan.report import candidates_table, memory_table, step_table, to_json
 from lmforge.plan.search import search_layouts
+from lmforge.spec.precision import hardware_precision
 
 _WEIGHTS_ALIASES = {"all": CONVENTIONS, "both": ("lmforge", "megatron")}
 
@@ -257,12 +258,15 @@ def _auto_micro_batch(cfg, cluster, given: Layout, per_dp: int, seq_len: int, op
 
 
 def _resolve_precision(precision: str, device) -> str:
-    """'auto' (the trainer's default) -> bf16 where the device has a bf16 peak, else fp16, else fp32."""
+    """'auto' (the trainer's default) as the trainer resolves it on that GPU (lmforge.train.precision.
+    hardware_precision: bf16-pure where it has bf16 tensor cores, a bf16 peak, else fp16), or fp32
+    where the catalogue lists no 16-bit peak."""
     if precision != "auto":
         return precision
-    for p in ("bf16", "fp16", "fp32"):
-        if getattr(device, f"{p}_tflops"):
-            return p
+    if device.bf16_tflops or device.fp16_tflops:
+        return hardware_precision("cuda", cuda_bf16=bool(device.bf16_tflops)).name
+    if device.fp32_tflops:
+        return "fp32"
     raise ValueError(f"{device.name} lists no bf16/fp16/fp32 peak; pass --precision")
 
 

@@ -41,9 +41,10 @@ dtypes fail, e.g. gloo's "Received data size doesn't match expected size").
 - An explicit fp32 / bf16 / fp16 / bf16-pure is used as configured. bf16 (either mode) on a CPU
   without native bf16 matmul units is kept but flagged `slow` (oneDNN emulates it there, 10-100x
   slower than fp32).
-- `auto` is decided from the hardware, never from a timing: CUDA gives bf16 (autocast) where the GPU
-  has bf16 tensor cores (compute capability >= 8.0), else fp16 (V100, T4). bf16-pure is not chosen
-  by `auto` on CUDA until a GPU measures it faster than autocast (the GPU suite's bf16-pure rows).
+- `auto` is decided from the hardware, never from a timing: CUDA gives bf16-pure where the GPU has
+  bf16 tensor cores (compute capability >= 8.0), else fp16 (V100, T4). bf16-pure because it measured
+  faster than bf16 autocast there (the GPU suite's bf16-pure rows on an H100, 2026-11-27: GPT-2 124M
+  +2.5%, the 1B +2.1%; benchmarks/RESULTS.md), on every layout's parity (tests/test_bf16_pure.py).
   A CPU gives bf16 only where it has native bf16 matmul units (`cpu_bf16_units`: AMX-BF16 or
   AVX512-BF16 in /proc/cpuinfo's flags; oneDNN runs bf16 2-6x faster than fp32 there), else fp32
   (bf16-pure measured no faster than autocast on such a CPU: benchmarks/RESULTS.md, "Step time per
@@ -95,13 +96,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from lmforge.model.lora import FusedQKVLoRA, LoRALinear, QKVAdapter
 from lmforge.model.moe import GroupedExperts
+from lmforge.spec.precision import Resolved, cpu_flags, hardware_precision
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}
 PURE = frozenset({"bf16-pure"})  # modes that train without autocast, every parameter cast per step
@@ -215,48 +216,6 @@ def _cast_output(dtype: torch.dtype):
     def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
         return output.to(dtype)
     return hook
-
-
-@dataclass
-class Resolved:
-    name: str  # fp32 | bf16 | fp16
-    reason: str
-    slow: bool = False  # the configured precision is emulated here: warn
-    changed: bool = False  # an explicit setting overrides the precision of the checkpoint being resumed: warn
-
-
-CPU_BF16_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}  # /proc/cpuinfo flag -> name
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The CPU's feature flags (the first "flags" line of /proc/cpuinfo); empty where there is none
-    (not Linux): its bf16 units are then unknown, and `auto` stays fp32."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return set(value.split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_bf16_units(flags: set[str]) -> list[str]:
-    """The native bf16 matmul units among a CPU's flags ([] = oneDNN emulates bf16 there)."""
-    return [unit for flag, unit in CPU_BF16_UNITS.items() if flag in flags]
-
-
-def hardware_precision(device_type: str, cuda_bf16: bool = False, flags: set[str] = frozenset()) -> Resolved:
-    """What `auto` means on this hardware (module docstring): `cuda_bf16` whether the GPU has bf16
-    tensor cores, `flags` the CPU's /proc/cpuinfo flags."""
-    if device_type == "cuda":
-        return Resolved("bf16", "GPU has bf16 tensor cores") if cuda_bf16 else \
-            Resolved("fp16", "GPU lacks bf16 tensor cores (compute capability < 8.0)")
-    units = cpu_bf16_units(flags) if device_type == "cpu" else []
-    if units:
-        return Resolved("bf16", f"CPU has native bf16 matmul units ({', '.join(units)})")
-    return Resolved("fp32", f"{device_type.upper()} has no native bf16 matmul units (AMX-BF16, AVX512-BF16): "
-                            f"bf16 would be emulated, 10-100x slower than fp32")
 
 
 def detect_hardware_precision(device: torch.device) -> Resolved:

@@ -230,7 +230,7 @@ def _precision_note(precision: str) -> str:
     """The toy's precision, and for bf16 whether this CPU computes it natively or emulates it (slower)."""
     if precision not in ("bf16", "bf16-pure"):
         return precision
-    from lmforge.train.precision import cpu_bf16_units, cpu_flags
+    from lmforge.spec.precision import cpu_bf16_units, cpu_flags
 
     units = cpu_bf16_units(cpu_flags())
     return f"{precision} on this CPU's {', '.join(units)} units" if units else \
