@@ -494,8 +494,9 @@ class Block(nn.Module):
 
 def scale_embedding(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     """The token embeddings x times sqrt(model.dim) under model.embed_scale (Gemma), the factor rounded
-    to x's dtype first as transformers rounds it (bf16: 33.94 -> 34.0 for dim 1152); x otherwise."""
-    return x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype, device=x.device) if cfg.embed_scale else x
+    to x's dtype first as transformers rounds it (bf16: 33.94 -> 34.0 for dim 1152); x otherwise. (A
+    Python number, which autograd does not save, holding that rounded value: the product is the same.)"""
+    return x * float(torch.tensor(cfg.dim ** 0.5, dtype=x.dtype)) if cfg.embed_scale else x
 
 
 def block_inputs(model, positions: torch.Tensor | None, doc_ids: torch.Tensor | None,

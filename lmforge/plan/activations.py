@@ -105,13 +105,16 @@ def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int,
     F = mlp_activation_width(cfg) / h  # (MoE: the routed and shared experts' width per token)
     if ac == "full":
         return res * sbh  # the residual-stream input of the block
-    norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * 2
+    # model.norm_placement = "sandwich" (Gemma 3): two more norms, on the sublayers' outputs; each keeps its
+    # input and normalised output at the residual's width and its per-token statistics (measured eager)
+    extra_norms = 2 if cfg.norm_placement == "sandwich" else 0
+    norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * (2 + extra_norms)
     lse = 4 * b * a * s / t
     compiled = compiled_blocks(cfg, layout)
     if ac == "selective":  # outputs of the matmuls and attention, plus the block input
         mlp_out = (2 * F if cfg.gated_mlp else F) + (0 if compiled else 1)  # (+1: down / fc2's)
         return sbh * (res + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
-    resid = 2 * res                             # the inputs of the two norms (block in, mid)
+    resid = 2 * res + 2 * res * extra_norms     # the inputs of the two norms (block in, mid); sandwich's others
     normed = 2 * res if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its output for the weight grad
     if layout.precision in ("fp32", "bf16-pure"):  # each norm's output feeds its projections as it is: 2 tensors
         casts = 2 * res
