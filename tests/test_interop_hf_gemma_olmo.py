@@ -123,3 +123,28 @@ def test_what_cannot_map_is_refused_in_one_line(tmp_path):
     hf.config.save_pretrained(str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="final_logit_softcapping = 30.0 is not supported"):
         import_gemma_olmo(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("preset, family", [("gemma3-1b", "gemma3_text"), ("olmo2-7b", "olmo2")])
+def test_the_presets_export_the_published_configs_and_import_back(preset, family):
+    """The keys of the released config.json files (gemma-3-1b-pt, OLMo-2-1124-7B), and the import of the
+    exported config gives the preset's model back."""
+    from lmforge.config import load_config
+    from lmforge.interop.hf_gemma_olmo import gemma_olmo_hf_config, model_config_from_gemma_olmo
+
+    m = load_config(preset).model
+    hf = gemma_olmo_hf_config(m).to_dict()
+    assert hf["model_type"] == family
+    if family == "gemma3_text":
+        assert (hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["num_attention_heads"],
+                hf["num_key_value_heads"], hf["head_dim"], hf["query_pre_attn_scalar"], hf["sliding_window"],
+                hf["vocab_size"], hf["hidden_activation"]) == (1152, 6912, 26, 4, 1, 256, 256, 512, 262144,
+                                                               "gelu_pytorch_tanh")
+        assert hf["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2
+        assert (hf["rope_parameters"]["sliding_attention"]["rope_theta"],
+                hf["rope_parameters"]["full_attention"]["rope_theta"]) == (1e4, 1e6)
+    else:
+        assert (hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["num_attention_heads"],
+                hf["num_key_value_heads"], hf["vocab_size"], hf["rms_norm_eps"], hf["rope_parameters"]["rope_theta"]) \
+            == (4096, 11008, 32, 32, 32, 100352, 1e-6, 5e5)
+    assert model_config_from_gemma_olmo(hf) == replace(m, n_kv_heads=m.kv_heads)  # (the count written out)

@@ -21,6 +21,9 @@ Layouts (lmforge name -> transformers name):
 * Mixtral / Qwen3-MoE (lmforge.interop.hf_moe) and the hybrid linear-attention Qwen3-Next /
   Qwen3.5 / Qwen3.5-MoE (lmforge.interop.hf_qwen3next: Gated DeltaNet, gated attention, partial
   RoPE, a gated shared expert), converted whole through transformers' own model.
+* Gemma 3 (text) / OLMo 2 / OLMo 3 (lmforge.interop.hf_gemma_olmo: norm placement, scaled embeddings,
+  QK-norm per head or over the projection, interleaved sliding / full attention), converted whole
+  through transformers' own model.
 * GPT-2 (`GPT2LMHeadModel`): LayerNorm + GELU(tanh) + learned positions. GPT-2's `Conv1D`
   stores weights as (in, out), the transpose of `nn.Linear`, and fuses q/k/v into `c_attn`;
   an lmforge GPT-2 without biases exports zero biases (the same function).
@@ -534,8 +537,8 @@ def save_hf_tokenizer(tokenizer, out_dir: Path, max_len: int) -> None:
 
 
 def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
-    """A local transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2; Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5 read
-    whole through transformers) -> (ModelConfig, lmforge Transformer in eval mode),
+    """A local transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2; Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5,
+    Gemma 3, OLMo 2 / 3 read whole through transformers) -> (ModelConfig, lmforge Transformer in eval mode),
     built on the meta device and filled one weight at a time."""
     hf_dir = Path(hf_dir)
     whole = _whole_importer(hf_dir)
