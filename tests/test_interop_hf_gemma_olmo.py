@@ -116,6 +116,8 @@ def test_what_cannot_map_is_refused_in_one_line(tmp_path):
         check_gemma_olmo(replace(_cfg("gemma3"), embed_scale=False))
     with pytest.raises(ValueError, match=r"Olmo2ForCausalLM: model.qk_norm_scope = 'head' \(it needs 'projection'\)"):
         check_gemma_olmo(replace(_cfg("olmo2"), qk_norm_scope="head"))
+    with pytest.raises(ValueError, match="sliding_window on every block with model.rope_scaling = 'linear'"):
+        check_gemma_olmo(replace(_cfg("gemma3"), layer_types=[], rope_local_theta=0.0, rope_scaling="linear"))
     with pytest.raises(ValueError, match="model.norm_placement = 'post' cannot be represented by LlamaForCausalLM"):
         hf_config(replace(_cfg("olmo2"), qk_norm_scope="head", norm_placement="post"))
     hf = _hf(tmp_path, "gemma3")

@@ -80,6 +80,9 @@ def check_gemma_olmo(cfg: ModelConfig) -> None:
     have = {key: getattr(cfg, key) for key in want if "." not in key} | {
         "qkv_bias": cfg.attn_qkv_bias, "mla.kv_lora_rank": cfg.mla.kv_lora_rank, "moe.num_experts": cfg.moe.num_experts}
     problems += [f"model.{key} = {have[key]!r} (it needs {value!r})" for key, value in want.items() if have[key] != value]
+    if cfg.sliding_window and not cfg.has_local_layers and cfg.rope_scaling != "none":
+        problems.append(f"model.sliding_window on every block with model.rope_scaling = {cfg.rope_scaling!r} (its "
+                        f"sliding-window blocks take plain RoPE: list them in model.layer_types)")
     if "linear_attention" in cfg.layer_types:
         problems.append("model.layer_types' 'linear_attention' blocks (it has softmax attention only)")
     if not gemma:
