@@ -23,7 +23,7 @@ def test_every_preset_loads_and_validates():
 
 @pytest.mark.parametrize("preset, billions, tol", [
     ("gpt2-124m", 0.124, 0.01), ("llama-1b", 1.08, 0.05), ("gpt3-175b", 175.0, 1.0),
-    ("llama2-70b", 68.98, 0.2), ("mistral-7b", 7.24, 0.05)])
+    ("llama2-70b", 68.98, 0.2), ("mistral-7b", 7.24, 0.05), ("olmo2-7b", 7.30, 0.01)])
 def test_presets_have_published_parameter_counts(preset, billions, tol):
     total = count_params(load_config(preset).model)["total"] - (
         # GPT-2's published 124M counts the real 50257-row vocabulary, not the padded 50304
@@ -34,6 +34,7 @@ def test_presets_have_published_parameter_counts(preset, billions, tol):
 FAMILY_PRESETS = {  # published parameter counts (model cards / config.json of the released weights)
     "llama3.1-8b": 8_030_261_248, "llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768,
     "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360, "mistral-7b": 7_241_732_096,
+    "gemma3-1b": 999_885_952,
 }
 
 
@@ -61,6 +62,12 @@ def test_family_presets_carry_their_families_options():
     qwen3 = load_config("qwen3-8b").model
     assert qwen3.qk_norm and not qwen3.attn_qkv_bias and qwen3.head_dim == 128
     assert load_config("mistral-7b").model.sliding_window == 4096
+    gemma = load_config("gemma3-1b").model  # 5 local : 1 global, each with its RoPE base; four norms a block
+    assert [gemma.layer_window(i) for i in range(6)] == [512] * 5 + [0]
+    assert (gemma.local_rope_theta, gemma.rope_theta, gemma.norm_placement, gemma.embed_scale, gemma.activation) == \
+        (1e4, 1e6, "sandwich", True, "geglu")
+    olmo = load_config("olmo2-7b").model
+    assert (olmo.norm_placement, olmo.qk_norm_scope, olmo.qk_norm_widths) == ("post", "projection", (4096, 4096))
 
 
 def test_recipe_presets_carry_published_hyperparameters():

@@ -127,10 +127,21 @@ def test_qwen3_next_through_the_import_and_export_commands(tmp_path):
     """`lmforge import --hf` picks the family by model_type, `lmforge export` by the model's options: the
     run has the model's logits, and the export is a Qwen3NextForCausalLM with the same weights (the
     zero-centred norms to one rounding of 1 + w)."""
+    hf = _hf(tmp_path, "Qwen3NextForCausalLM", "Qwen3NextConfig", intermediate_size=40, **MOE)
+    theirs = through_the_commands(tmp_path, hf)
+    for name, t in hf.state_dict().items():
+        if name.endswith("norm.weight") and "linear_attn" not in name:
+            assert (t - theirs[name]).abs().max().item() <= 2 ** -24, name
+        else:
+            assert torch.equal(t, theirs[name]), name
+
+
+def through_the_commands(tmp_path, hf) -> dict[str, torch.Tensor]:
+    """`lmforge import --hf` of the folder tmp_path / "hf" (of the transformers model `hf`): a run with
+    hf's logits; then `lmforge export` of the run: a folder of hf's class; its state dict."""
     from lmforge.ckpt.export import load_run
     from lmforge.cli import main
 
-    hf = _hf(tmp_path, "Qwen3NextForCausalLM", "Qwen3NextConfig", intermediate_size=40, **MOE)
     assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
     _, model = load_run(tmp_path / "run")
     tokens = torch.randint(0, V, (2, 12))
@@ -139,12 +150,7 @@ def test_qwen3_next_through_the_import_and_export_commands(tmp_path):
     assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")]) == 0
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"))
     assert type(again) is type(hf)
-    theirs = again.state_dict()
-    for name, t in hf.state_dict().items():
-        if name.endswith("norm.weight") and "linear_attn" not in name:
-            assert (t - theirs[name]).abs().max().item() <= 2 ** -24, name
-        else:
-            assert torch.equal(t, theirs[name]), name
+    return again.state_dict()
 
 
 def _drop(tmp_path, keep, add=None):

@@ -21,6 +21,13 @@ SMALL = {"model.dim": 64, "model.n_heads": 4, "model.n_layers": 2, "model.vocab_
 GPT2ISH = {"model.activation": "gelu", "model.norm": "layernorm", "model.bias": True, "model.pos_emb": "learned",
            "model.tie_embeddings": False}
 
+# Gemma 3's and OLMo 2 / 3's blocks (model.norm_placement, qk_norm_scope, ...): windows of 8 of the 32 tokens
+GEMMA3ISH = {"model.norm_placement": "sandwich", "model.embed_scale": True, "model.activation": "geglu",
+             "model.qk_norm": True, "model.n_kv_heads": 2, "model.attn_scale_dim": 12, "model.sliding_window": 8,
+             "model.layer_types": ["sliding_attention", "full_attention"], "model.rope_local_theta": 100.0}
+OLMOISH = {"model.norm_placement": "post", "model.qk_norm": True, "model.qk_norm_scope": "projection",
+           "model.n_kv_heads": 2, "model.sliding_window": 8, "model.layer_types": ["sliding_attention", "full_attention"]}
+
 
 def trainable(model: torch.nn.Module) -> dict[str, int]:
     return {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
@@ -35,8 +42,10 @@ def trainable(model: torch.nn.Module) -> dict[str, int]:
     ({"model.fused_qkv": True, "model.n_kv_heads": 2, "model.qkv_bias": True}, ""),  # one wqkv matmul
     ({"model.fused_qkv": True, "model.n_kv_heads": 2}, "wq,wk,wv,wo"),               # an adapter per part
     ({"model.fused_qkv": True, "model.n_kv_heads": 2}, "wq,wv"),                     # on some of the parts
+    (GEMMA3ISH, ""),                                   # four norms a block, GeGLU, local / global windows
+    (OLMOISH, "gate,up,down"),                         # output norms only, QK-norm over the projections
 ], ids=["full", "lora-attn", "lora-gqa-kv", "lora-mlp", "lora-gelu-head", "fused-qkv", "lora-fused-qkv",
-        "lora-fused-q-v"])
+        "lora-fused-q-v", "gemma3", "lora-olmo"])
 def test_matmul_flops_equal_what_torch_counts(over, lora):
     """torch's FlopCounterMode counts every mm/addmm of one forward + backward; the accounting's
     matmul part must equal it exactly (attention runs in SDPA, which the counter does not see on

@@ -237,7 +237,7 @@ def test_layout_parse_and_errors():
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama-1b", "llama2-70b", "gpt3-175b", "mistral-7b",
-                                    "qwen2.5-0.5b", "qwen3-8b"])
+                                    "qwen2.5-0.5b", "qwen3-8b", "gemma3-1b", "olmo2-7b"])
 def test_param_specs_match_the_model(preset):
     from lmforge.model.transformer import Transformer, count_params
 
@@ -362,8 +362,12 @@ _SMALL_CASES = [("tiny", {**_SMALL, "model.n_layers": 4, "model.fused_qkv": Fals
                 ("gpt2-124m", {**_SMALL, "model.n_layers": 2, "model.ffn_hidden": None, "data.tokenizer": "bpe",
                                "model.fused_qkv": False}),
                 # one wqkv matmul (GQA): the norm output is cast to 16 bits once for it, not three times
-                ("tiny", {**_SMALL, "model.n_layers": 2, "model.n_kv_heads": 2, "model.fused_qkv": True})]
-_SMALL_IDS = ["tiny", "gpt2-124m", "tiny-fused-qkv"]
+                ("tiny", {**_SMALL, "model.n_layers": 2, "model.n_kv_heads": 2, "model.fused_qkv": True}),
+                # Gemma 3's four norms a block, GeGLU, scaled embeddings; OLMo's norms on the outputs only
+                ("tiny", {**_SMALL, "model.n_layers": 2, "model.norm_placement": "sandwich", "model.activation": "geglu",
+                          "model.embed_scale": True}),
+                ("tiny", {**_SMALL, "model.n_layers": 2, "model.norm_placement": "post"})]
+_SMALL_IDS = ["tiny", "gpt2-124m", "tiny-fused-qkv", "gemma3-blocks", "olmo-blocks"]
 
 
 def _small_model(preset: str, overrides: dict):

@@ -14,10 +14,10 @@ from lmforge.cli.options import OptionParser
 
 
 EXPORT = dict(prog="lmforge export", description="Write a run as a transformers folder (Llama, Qwen2, Qwen3, "
-              "Mistral, Mixtral, Qwen3-MoE, DeepSeek-V3, Qwen3-Next, Qwen3.5 (dense or MoE) or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.",
+              "Mistral, Mixtral, Qwen3-MoE, DeepSeek-V3, Qwen3-Next, Qwen3.5 (dense or MoE), Gemma 3 (text), OLMo 2, OLMo 3 or GPT-2) that AutoModelForCausalLM.from_pretrained loads offline.",
               source="run", source_help="lmforge run folder (config.toml + model.safetensors)", export=True)
 IMPORT = dict(prog="lmforge import", description="Turn a local transformers Llama, Qwen2, Qwen3, Mistral, Mixtral, "
-              "Qwen3-MoE, DeepSeek-V3, Qwen3-Next, Qwen3.5 (dense or MoE) or GPT-2 folder into an lmforge run folder (for generate, eval and "
+              "Qwen3-MoE, DeepSeek-V3, Qwen3-Next, Qwen3.5 (dense or MoE), Gemma 3 (text), OLMo 2, OLMo 3 or GPT-2 folder into an lmforge run folder (for generate, eval and "
               "fine-tuning); its weights must be exactly those config.json describes (a missing or extra tensor "
               "is refused, named).",
               source="hf", source_help="transformers folder (config.json + safetensors or pytorch_model.bin)")

@@ -261,6 +261,11 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        "under data parallelism (DDP, FSDP2) only for now: tensor, pipeline, context and expert parallelism do not "
        "split or pass on their state, convolutions and gates yet; set {k[tp]} = {k[pp]} = {k[cp]} = {k[ep]} = 1, or "
        "make every block full attention."),
+    # -- OLMo 2 / 3's QK-norm (model.qk_norm_scope = "projection") normalises over every head at once
+    _R("qk-norm-projection-tp", lambda c: c.parallel.tp > 1 and c.model.qk_norm and c.model.qk_norm_scope == "projection",
+       "{k[tp]} = {p.tp} with model.qk_norm_scope = 'projection': that QK-norm sums over every head of q and k, and "
+       "tensor parallelism splits the heads over ranks (the sum would need an all-reduce lmforge does not run yet); "
+       "set {k[tp]} = 1 (FSDP2, DDP, PP and CP run it), or model.qk_norm_scope = 'head'."),
     # -- the chunked loss runs without tensor and pipeline parallelism
     _R("loss-chunk-alone", lambda c: c.train.loss_chunk != "auto" and bool(c.train.loss_chunk)
        and (c.parallel.tp > 1 or c.parallel.pp > 1),

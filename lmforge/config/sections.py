@@ -165,7 +165,7 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5).")
     norm: Literal["rmsnorm", "layernorm"] = _f("rmsnorm", "Normalisation layer: RMSNorm (Llama) or LayerNorm (GPT-2).")
     norm_eps: float = _f(1e-5, "Epsilon of the normalisation layers.")
-    activation: Literal["swiglu", "gelu"] = _f("swiglu", "MLP: SwiGLU (Llama, three matrices) or GELU (GPT-2, two matrices).")
+    activation: Literal["swiglu", "geglu", "gelu"] = _f("swiglu", "MLP: SwiGLU (Llama, three matrices: down(silu(gate x) * up x)), GeGLU (Gemma: the same three matrices with the tanh-approximated GELU in place of SiLU) or GELU (GPT-2, two matrices).")
     bias: bool = _f(False, "Biases in the linear layers and LayerNorm (GPT-2: true).")
     tie_embeddings: bool = _f(True, "Share the token embedding with the output projection (GPT-2: true; Llama: false).")
     dropout: float = _f(0.0, "Dropout probability on attention and residual branches (0 for pre-training).")
@@ -173,6 +173,11 @@ class ModelConfig:
     qkv_bias: bool | None = _f(None, "Biases on the q, k and v projections only (Qwen2 / Qwen2.5: true with bias = false). None = model.bias. Under tensor parallelism they are split with their weights (column-parallel).")
     fused_qkv: bool = _f(True, "One matmul for q, k and v (`attn.wqkv`) instead of three (`attn.wq/wk/wv`; false): measured 4.4% more tokens/s for GPT-2 124M on an H100 (benchmarks/RESULTS.md). Rows grouped by kv head (Megatron's layout: for each kv head g, g's query heads, then k_g, then v_g), so tensor parallelism splits it with a plain row split and checkpoints reshard across TP degrees. Same initial values as the separate projections; HF import/export map q_proj/k_proj/v_proj; checkpoints saved with the other layout load (converted on load). LoRA: targets naming any of wq, wk, wv (all, or some, e.g. wq,wv) put on those parts of the fused layer the adapters the separate layers would get (the same function, gradients, trainable count and initial values; checkpoints resume across layouts); 'wqkv' puts one adapter over all of it. Muon orthogonalises q, k and v apart, as it does the separate matrices (lmforge.optim.muon); element-wise optimizers (AdamW) update identically.")
     qk_norm: bool = _f(False, "QK-norm (Qwen3): an RMSNorm over head_dim (one weight of head_dim values, eps = model.norm_eps) applied to every query and key head before RoPE. Needs model.norm = 'rmsnorm'. Under tensor parallelism the weights are replicated and the heads sharded.")
+    qk_norm_scope: Literal["head", "projection"] = _f("head", "What model.qk_norm normalises: 'head' = each query and key head over its head_dim, one weight of head_dim values shared by the heads (Qwen3, Gemma 3); 'projection' = the whole query projection over n_heads x head_dim values and the whole key projection over kv_heads x head_dim, each with its own weight of that width (OLMo 2 / OLMo 3's q_norm / k_norm). 'projection' sums over every head, so tensor parallelism (heads split over ranks) refuses it (config/layout_rules.py).")
+    norm_placement: Literal["pre", "post", "sandwich"] = _f("pre", "Where each block's norms sit: 'pre' = x + f(norm(x)) (GPT-2, Llama: `attn_norm` / `mlp_norm`); 'post' = x + norm(f(x)), the norm on each sublayer's output before the residual add and none on its input (OLMo 2 / OLMo 3: `attn_post_norm` / `mlp_post_norm`); 'sandwich' = x + norm(f(norm(x))), both (Gemma 2 / Gemma 3: four norms a block). The final norm before the output head is there in all three.")
+    embed_scale: bool = _f(False, "Multiply the token embeddings by sqrt(model.dim) before the first block (Gemma), the factor rounded to the model's dtype first, as transformers does; the tied output head uses the unscaled weight.")
+    attn_scale_dim: int | None = _f(None, "Attention scores are divided by sqrt(attn_scale_dim) instead of sqrt(head_dim) (Gemma 3's query_pre_attn_scalar, 168 for the 27B model with heads of 128); None = head_dim. Applied as a factor on the queries.")
+    rope_local_theta: float = _f(0.0, "RoPE base of the 'sliding_attention' blocks of model.layer_types (Gemma 3: 10000, its full-attention blocks model.rope_theta = 1e6); those blocks take plain RoPE (model.rope_scaling applies to the full-attention blocks only, as in Gemma 3 / OLMo 3). 0 = model.rope_theta.")
     rope_scaling: Literal["none", "llama3", "linear", "yarn"] = _f("none", "RoPE frequency scaling for long context: 'llama3' (Llama 3.1 / 3.2: wavelengths above original_max_seq_len / low_freq_factor divided by rope_factor, below original_max_seq_len / high_freq_factor kept, smooth in between), 'linear' (positions divided by rope_factor), 'yarn' (YaRN, DeepSeek-V3's context extension: the frequencies of dimensions that turn fewer than rope_beta_slow times over the original context divided by rope_factor, those that turn more than rope_beta_fast times kept, a linear ramp between; the cos / sin tables times the attention factor 0.1 ln(rope_factor) + 1 (or its ratio for rope_mscale / rope_mscale_all_dim), as transformers computes it), or 'none'.")
     rope_factor: float = _f(8.0, "rope_scaling 'llama3' / 'linear': the scaling factor (Llama 3.1: 8, Llama 3.2: 32). Must be >= 1.")
     rope_low_freq_factor: float = _f(1.0, "rope_scaling 'llama3' only: low-frequency factor (Llama 3.x: 1).")
@@ -191,7 +196,7 @@ class ModelConfig:
     mup_base_head_dim: int | None = _f(None, "model.parametrization = 'mup': the head dim of the base model; the attention scale is sqrt(mup_base_head_dim) / head_dim. None = mup_base_width / n_heads (the heads stay, their width grows with dim), or model.attn_head_dim when that is set (fixed-width heads: the scale stays 1 / sqrt(head_dim)). Set it when the number of heads grows with dim instead.")
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "Mixture-of-Experts feed-forward layers (off by default)."})
     mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "Multi-head latent attention (off by default)."})
-    layer_types: list[Literal["full_attention", "linear_attention"]] = field(default_factory=list, metadata={"doc": "Per block, its token mixer: 'full_attention' (softmax attention, with every model option above) or 'linear_attention' (Gated DeltaNet, shaped by model.deltanet; lmforge.model.gated_deltanet), one entry per block, e.g. Qwen3-Next's [\"linear_attention\", \"linear_attention\", \"linear_attention\", \"full_attention\", ...]. Empty = every block full attention (or model.full_attention_interval's pattern). Multi-token prediction's blocks are full attention. Linear-attention blocks run on one process or under FSDP2 / DDP; tensor, pipeline, context and expert parallelism refuse them for now (config/layout_rules.py)."})
+    layer_types: list[Literal["full_attention", "sliding_attention", "linear_attention"]] = field(default_factory=list, metadata={"doc": "Per block, its token mixer: 'full_attention' (softmax attention, with every model option above), 'sliding_attention' (the same attention within model.sliding_window, with RoPE base model.rope_local_theta: Gemma 3's 5 local : 1 global, OLMo 3's 3 : 1; once any block is 'sliding_attention', the 'full_attention' blocks have no window) or 'linear_attention' (Gated DeltaNet, shaped by model.deltanet; lmforge.model.gated_deltanet), one entry per block, e.g. Qwen3-Next's [\"linear_attention\", \"linear_attention\", \"linear_attention\", \"full_attention\", ...]. Empty = every block full attention (or model.full_attention_interval's pattern). Multi-token prediction's blocks are full attention. Linear-attention blocks run on one process or under FSDP2 / DDP; tensor, pipeline, context and expert parallelism refuse them for now (config/layout_rules.py)."})
     full_attention_interval: int = _f(0, "The layer_types pattern of Qwen3-Next (4: three linear-attention blocks, then one full-attention block, repeated; transformers' full_attention_interval): block i is full attention when (i + 1) is a multiple of it. 0 = off (model.layer_types, or all full attention). Not with model.layer_types.")
     deltanet: DeltaNetConfig = field(default_factory=DeltaNetConfig, metadata={"doc": "The shape of the Gated DeltaNet (linear attention) layers, where there are any."})
     mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1; lmforge.model.mtp): D sequential modules after the main model; module k takes the previous depth's hidden states (the main model's for k = 1) and the embedding of the token k ahead, [RMSNorm(embedding); RMSNorm(hidden)] projected to dim, through one transformer block (MoE where model.moe makes block n_layers + k - 1 one), its own final norm and the shared output head, and predicts the token k + 1 ahead. The embedding and head are the main model's. Trained only (evaluation and generation ignore it); its losses per depth are in the metrics (mtp_loss_1 .. mtp_loss_D). 0 = off.")
@@ -218,6 +223,37 @@ class ModelConfig:
         return self.full_attention_interval > 0 and (layer + 1) % self.full_attention_interval != 0
 
     @property
+    def has_local_layers(self) -> bool:
+        """Whether model.layer_types names 'sliding_attention' blocks (interleaved local / global attention)."""
+        return "sliding_attention" in self.layer_types
+
+    def is_local_layer(self, layer: int) -> bool:
+        """Whether block `layer` is a 'sliding_attention' block of model.layer_types (its own window and RoPE base)."""
+        return layer < len(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of block `layer`'s attention (0 = none): model.sliding_window on every block,
+        or, with 'sliding_attention' blocks in model.layer_types, on those only."""
+        return self.sliding_window if not self.has_local_layers or self.is_local_layer(layer) else 0
+
+    @property
+    def local_rope_theta(self) -> float:
+        """The RoPE base of the 'sliding_attention' blocks (model.rope_local_theta, or model.rope_theta)."""
+        return self.rope_local_theta or self.rope_theta
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP is gated (SwiGLU / GeGLU: three matrices) rather than GPT-2's two."""
+        return self.activation in ("swiglu", "geglu")
+
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """The widths of the query and key norm weights (model.qk_norm_scope)."""
+        if self.qk_norm_scope == "projection":
+            return self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.head_dim, self.head_dim
+
+    @property
     def has_linear_layers(self) -> bool:
         return any(self.is_linear_layer(i) for i in range(self.n_layers))
 
@@ -241,7 +277,7 @@ class ModelConfig:
     def ffn_dim(self) -> int:
         if self.ffn_hidden is not None:
             return self.ffn_hidden
-        if self.activation == "gelu":
+        if not self.gated_mlp:
             return 4 * self.dim
         hidden = int(8 * self.dim / 3)
         m = self.ffn_multiple_of
@@ -285,7 +321,8 @@ class ModelConfig:
         clash = {"pos_emb": (self.pos_emb, "rope"), "n_kv_heads": (self.n_kv_heads, None),
                  "qk_norm": (self.qk_norm, False), "sliding_window": (self.sliding_window, 0),
                  "bias": (self.bias, False), "qkv_bias": (self.attn_qkv_bias, False),
-                 "attn_gate": (self.attn_gate, False), "rope_fraction": (self.rope_fraction, 1.0)}
+                 "attn_gate": (self.attn_gate, False), "rope_fraction": (self.rope_fraction, 1.0),
+                 "attn_scale_dim": (self.attn_scale_dim, None), "qk_norm_scope": (self.qk_norm_scope, "head")}
         for key, (value, needed) in clash.items():
             if value != needed and not (key == "n_kv_heads" and value == self.n_heads):
                 raise ConfigError(f"model.{key} = {value!r} does not apply to multi-head latent attention "
@@ -346,12 +383,34 @@ class ModelConfig:
             raise ConfigError("model.qk_norm = true needs model.norm = 'rmsnorm' (QK-norm is an RMSNorm per head).")
         if self.sliding_window < 0:
             raise ConfigError(f"model.sliding_window = {self.sliding_window} must be >= 0 (0 = no window).")
+        self.check_block_options()
         self.check_rope_fraction()
+
+    def check_block_options(self) -> None:
+        """Rules of the Gemma / OLMo options: norm placement, QK-norm scope, embedding and attention scales,
+        the local RoPE base."""
+        if self.norm_placement not in ("pre", "post", "sandwich"):
+            raise ConfigError(f"model.norm_placement = {self.norm_placement!r} must be 'pre', 'post' or 'sandwich'.")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ConfigError(f"model.qk_norm_scope = {self.qk_norm_scope!r} must be 'head' or 'projection'.")
+        if self.qk_norm_scope == "projection" and not self.qk_norm:
+            raise ConfigError("model.qk_norm_scope = 'projection' says what QK-norm normalises, but model.qk_norm = "
+                              "false; set model.qk_norm = true or leave qk_norm_scope = 'head'.")
+        if self.attn_scale_dim is not None and self.attn_scale_dim < 1:
+            raise ConfigError(f"model.attn_scale_dim = {self.attn_scale_dim} must be >= 1 (or unset for head_dim).")
+        if self.rope_local_theta < 0:
+            raise ConfigError(f"model.rope_local_theta = {self.rope_local_theta} must be >= 0 (0 = model.rope_theta).")
+        if self.rope_local_theta and not self.has_local_layers:
+            raise ConfigError(f"model.rope_local_theta = {self.rope_local_theta:g} applies to 'sliding_attention' "
+                              f"blocks, but model.layer_types names none; list them or set rope_local_theta = 0.")
+        if self.has_local_layers and not self.sliding_window:
+            raise ConfigError("model.layer_types names 'sliding_attention' blocks but model.sliding_window = 0; "
+                              "set their window (Gemma 3: 512, OLMo 3: 4096).")
 
     def check_layer_types(self) -> None:
         """model.layer_types / full_attention_interval name a mixer per block; what linear attention does
         not combine with yet."""
-        kinds = ("full_attention", "linear_attention")
+        kinds = ("full_attention", "sliding_attention", "linear_attention")
         if self.layer_types and self.full_attention_interval:
             raise ConfigError(f"model.layer_types and model.full_attention_interval = {self.full_attention_interval} "
                               f"both set the blocks' mixers; set one (full_attention_interval = 0 with layer_types).")

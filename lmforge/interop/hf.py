@@ -21,6 +21,9 @@ Layouts (lmforge name -> transformers name):
 * Mixtral / Qwen3-MoE (lmforge.interop.hf_moe) and the hybrid linear-attention Qwen3-Next /
   Qwen3.5 / Qwen3.5-MoE (lmforge.interop.hf_qwen3next: Gated DeltaNet, gated attention, partial
   RoPE, a gated shared expert), converted whole through transformers' own model.
+* Gemma 3 (text) / OLMo 2 / OLMo 3 (lmforge.interop.hf_gemma_olmo: norm placement, scaled embeddings,
+  QK-norm per head or over the projection, interleaved sliding / full attention), converted whole
+  through transformers' own model.
 * GPT-2 (`GPT2LMHeadModel`): LayerNorm + GELU(tanh) + learned positions. GPT-2's `Conv1D`
   stores weights as (in, out), the transpose of `nn.Linear`, and fuses q/k/v into `c_attn`;
   an lmforge GPT-2 without biases exports zero biases (the same function).
@@ -55,6 +58,8 @@ from lmforge.interop.hf_common import (check_no_new_attention, check_tensor_name
 from lmforge.interop.mup_fold import folded_reader
 from lmforge.interop.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_hf_config, deepseek_refs, deepseek_tensors,
                                          model_config_from_deepseek, mtp_copies, mtp_layers_present)
+from lmforge.interop.hf_gemma_olmo import (GEMMA_OLMO_DECODERS, gemma_olmo_hf_config, import_gemma_olmo,
+                                           is_gemma_olmo, model_config_from_gemma_olmo, save_gemma_olmo)
 from lmforge.interop.hf_moe import MOE_DECODERS, import_moe, model_config_from_moe, moe_hf_config, save_moe
 from lmforge.interop.hf_qwen3next import (HYBRID_DECODERS, MULTIMODAL, import_qwen3next, is_hybrid,
                                           model_config_from_qwen3next, qwen3next_hf_config, save_qwen3next)
@@ -172,6 +177,8 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
         return model_config_from_moe(hf, source)
     if kind in HYBRID_DECODERS or kind in MULTIMODAL:  # (Qwen3-Next, Qwen3.5: lmforge.interop.hf_qwen3next)
         return model_config_from_qwen3next(hf, source)
+    if kind in GEMMA_OLMO_DECODERS:  # (Gemma 3, OLMo 2 / 3: lmforge.interop.hf_gemma_olmo)
+        return model_config_from_gemma_olmo(hf, source)
     if kind == DEEPSEEK:  # (lmforge.interop.hf_deepseek)
         return model_config_from_deepseek(hf, source)
     if kind in DECODERS:
@@ -191,7 +198,7 @@ def model_config_from_hf(hf: dict, source: str = HF_CONFIG) -> ModelConfig:
             norm="layernorm", norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), activation="gelu", bias=True,
             tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dropout=0.0)
     raise ValueError(f"{source}: model_type = {kind!r} is not supported; lmforge imports "
-                     f"{', '.join(repr(k) for k in [*DECODERS, *MOE_DECODERS, *HYBRID_DECODERS, DEEPSEEK, 'gpt2'])}.")
+                     f"{', '.join(repr(k) for k in [*DECODERS, *MOE_DECODERS, *HYBRID_DECODERS, *GEMMA_OLMO_DECODERS, DEEPSEEK, 'gpt2'])}.")
 
 
 def hf_model_config(hf_dir: str | Path) -> ModelConfig:
@@ -487,8 +494,12 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size = {cfg.vocab_size}.")
         ids = {"eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "pad_id": tokenizer.pad_id}
     hybrid = is_hybrid(cfg) and not cfg.mla.enabled  # (Qwen3-Next / Qwen3.5: lmforge.interop.hf_qwen3next)
+    # (Gemma 3, OLMo 2 / 3: lmforge.interop.hf_gemma_olmo)
+    gemma_olmo = is_gemma_olmo(cfg) and not hybrid and not cfg.mla.enabled and not cfg.moe.enabled
     if hybrid:
         hf_cfg = qwen3next_hf_config(cfg, **ids)
+    elif gemma_olmo:
+        hf_cfg = gemma_olmo_hf_config(cfg, **ids)
     elif cfg.mla.enabled:  # (DeepSeek-V3: streamed as the dense models are)
         hf_cfg = deepseek_hf_config(cfg, **ids)
     else:
@@ -496,8 +507,8 @@ def export_hf(run_or_model: str | Path | Transformer, out_dir: str | Path, token
     hf_cfg.dtype = str(next(d for d in weights.dtypes.values() if d.is_floating_point)).removeprefix("torch.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if hybrid or (cfg.moe.enabled and not cfg.mla.enabled):  # (the whole model in memory, through transformers)
-        save = save_qwen3next if hybrid else save_moe
+    if hybrid or gemma_olmo or (cfg.moe.enabled and not cfg.mla.enabled):  # (whole, through transformers)
+        save = save_qwen3next if hybrid else save_gemma_olmo if gemma_olmo else save_moe
         save(cfg, hf_cfg, {name: weights.read(name) for name in weights.shapes}, out)
     else:
         hf_cfg.save_pretrained(out)
@@ -526,8 +537,8 @@ def save_hf_tokenizer(tokenizer, out_dir: Path, max_len: int) -> None:
 
 
 def import_hf(hf_dir: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
-    """A local transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2; Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5 read
-    whole through transformers) -> (ModelConfig, lmforge Transformer in eval mode),
+    """A local transformers folder (Llama, Qwen2, Qwen3, Mistral, GPT-2; Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5,
+    Gemma 3, OLMo 2 / 3 read whole through transformers) -> (ModelConfig, lmforge Transformer in eval mode),
     built on the meta device and filled one weight at a time."""
     hf_dir = Path(hf_dir)
     whole = _whole_importer(hf_dir)
@@ -556,7 +567,9 @@ def _whole_importer(hf_dir: Path):
     """The import of a family read whole through transformers (lmforge.interop.hf_moe / hf_qwen3next) for
     the folder's model_type, or None for the streamed ones."""
     kind = read_hf_config(hf_dir).get("model_type")
-    return import_moe if kind in MOE_DECODERS else import_qwen3next if kind in HYBRID_DECODERS else None
+    whole = {**dict.fromkeys(MOE_DECODERS, import_moe), **dict.fromkeys(HYBRID_DECODERS, import_qwen3next),
+             **dict.fromkeys(GEMMA_OLMO_DECODERS, import_gemma_olmo)}
+    return whole.get(kind)
 
 
 def import_hf_tokenizer(hf_dir: Path):

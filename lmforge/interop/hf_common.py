@@ -47,6 +47,21 @@ def check_no_new_attention(cfg: ModelConfig, arch: str) -> None:
         if value != plain:
             raise ValueError(f"model.{key} = {value} cannot be represented by {arch}; set model.{key} = {plain}, or "
                              f"export as Qwen3-Next / Qwen3.5 (`lmforge export` does).")
+    check_plain_blocks(cfg, arch)
+
+
+def check_plain_blocks(cfg: ModelConfig, arch: str) -> None:
+    """ValueError when `cfg` has a block option of Gemma 3 / OLMo 2 / OLMo 3 that `arch` has no place for
+    (lmforge.interop.hf_gemma_olmo writes those: `lmforge export` goes there for them)."""
+    if cfg.has_local_layers:
+        raise ValueError(f"model.layer_types' 'sliding_attention' blocks (interleaved local / global attention) cannot "
+                         f"be represented by {arch}; export as Gemma 3 / OLMo 3 (`lmforge export` does).")
+    for key, value, plain in (("norm_placement", cfg.norm_placement, "pre"), ("embed_scale", cfg.embed_scale, False),
+                              ("qk_norm_scope", cfg.qk_norm_scope, "head"), ("attn_scale_dim", cfg.attn_scale_dim, None),
+                              ("activation", cfg.activation, "swiglu" if cfg.activation == "geglu" else cfg.activation)):
+        if value != plain:
+            raise ValueError(f"model.{key} = {value!r} cannot be represented by {arch}; set model.{key} = {plain!r}, "
+                             f"or export as Gemma 3 / OLMo 2 / OLMo 3 (`lmforge export` does).")
 
 
 def rope_from_hf(hf: dict, source: str) -> dict:
@@ -168,3 +183,19 @@ def model_from_state_dict(cfg, weights: dict, device):
 
     return materialise(model, device, source).eval()
 
+
+
+def save_through_transformers(cfg, hf_cfg, weights: dict, to_hf, out_dir: Path) -> None:
+    """Write lmforge `weights` as a transformers folder of `hf_cfg` through transformers' own model and
+    `save_pretrained` (the families converted whole): `to_hf` maps the fp32 lmforge weights to the
+    transformers model's state dict (its norms' weight - 1 taken in fp32), stored in the weights' dtype."""
+    import transformers
+
+    state = to_hf({name: t.float() for name, t in weights.items()})
+    dtype = next((t.dtype for t in weights.values() if t.dtype.is_floating_point), torch.float32)
+    with torch.device("meta"):
+        hf_model = getattr(transformers, hf_cfg.architectures[0])(hf_cfg)
+    hf_model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        hf_model.tie_weights()
+    hf_model.save_pretrained(str(out_dir))

@@ -56,7 +56,8 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.config.sections import DeltaNetConfig, MoEConfig
 from lmforge.folders import HF_CONFIG
-from lmforge.interop.hf_common import check_tensor_names, hf_weight_files, model_from_state_dict, read_hf_config, rope_from_hf
+from lmforge.interop.hf_common import (check_plain_blocks, check_tensor_names, hf_weight_files, model_from_state_dict, read_hf_config,
+                                       rope_from_hf, save_through_transformers)
 from lmforge.interop.hf_moe import _moe_layers
 from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer
@@ -83,6 +84,7 @@ def check_hybrid(cfg: ModelConfig) -> None:
     """ValueError unless the family of `hybrid_family(cfg)` represents `cfg` exactly; the message names
     every setting it cannot."""
     arch, m, problems = HYBRID_DECODERS[hybrid_family(cfg)], cfg.moe, []
+    check_plain_blocks(cfg, arch)
     if (cfg.norm, cfg.activation, cfg.pos_emb) != ("rmsnorm", "swiglu", "rope") or cfg.bias or cfg.attn_qkv_bias:
         problems.append(f"{arch} is RMSNorm + SwiGLU + RoPE without biases (model.bias = model.qkv_bias = false)")
     if not (cfg.qk_norm and cfg.attn_gate):
@@ -359,17 +361,7 @@ def save_qwen3next(cfg: ModelConfig, hf_cfg, weights: dict[str, torch.Tensor], o
     """Write lmforge `weights` as a transformers folder of `hf_cfg` (config.json + safetensors, through
     transformers' own `save_pretrained`). The norms' weight - 1 is taken in fp32, then stored in the
     weights' dtype."""
-    import transformers
-
-    dtypes = {name: t.dtype for name, t in weights.items()}
-    state = to_qwen3next_state_dict(cfg, {name: t.float() for name, t in weights.items()})
-    dtype = next((d for d in dtypes.values() if d.is_floating_point), torch.float32)
-    with torch.device("meta"):
-        hf_model = getattr(transformers, hf_cfg.architectures[0])(hf_cfg)
-    hf_model.load_state_dict({name: t.to(dtype) for name, t in state.items()}, strict=True, assign=True)
-    if cfg.tie_embeddings:
-        hf_model.tie_weights()
-    hf_model.save_pretrained(str(out_dir))
+    save_through_transformers(cfg, hf_cfg, weights, lambda w: to_qwen3next_state_dict(cfg, w), out_dir)
 
 
 def export_qwen3next(model: Transformer, out_dir: str | Path) -> Path:

@@ -63,7 +63,20 @@ def attention_params(cfg: ModelConfig) -> int:
     qkv_b = 1 if cfg.attn_qkv_bias else 0
     attn = d * h * (H + 2 * cfg.kv_heads) + qkv_b * h * (H + 2 * cfg.kv_heads)
     gate = (d * H * h + qkv_b * H * h) if cfg.attn_gate else 0  # (model.attn_gate: attn.wg, q's shape)
-    return attn + gate + H * h * d + (d if cfg.bias else 0) + (2 * h if cfg.qk_norm else 0)
+    return attn + gate + H * h * d + (d if cfg.bias else 0) + (sum(cfg.qk_norm_widths) if cfg.qk_norm else 0)
+
+
+def block_norms(cfg: ModelConfig) -> int:
+    """Norms over dim in one block (model.norm_placement): 2 pre or post, 4 sandwich (Gemma 3)."""
+    return 4 if cfg.norm_placement == "sandwich" else 2
+
+
+def attention_keys(cfg: ModelConfig, layer: int, seq_len: int) -> int:
+    """The keys each query of block `layer` is counted against in the attention term: seq_len (the PaLM
+    convention, causal masking not halved), or the block's sliding window where shorter (model.sliding_window,
+    on every block or on model.layer_types' 'sliding_attention' ones)."""
+    window = cfg.layer_window(layer)
+    return min(window, seq_len) if window else seq_len
 
 
 def deltanet_params(cfg: ModelConfig) -> int:
@@ -84,14 +97,14 @@ def deltanet_flops(cfg: ModelConfig) -> float:
 
 def block_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     """(total, active) parameters of block `layer` (n_layers + k - 1: MTP depth k's block): attention
-    (or Gated DeltaNet, model.layer_types), the dense MLP or the MoE feed-forward, two norms."""
+    (or Gated DeltaNet, model.layer_types), the dense MLP or the MoE feed-forward, its norms (`block_norms`)."""
     d, f, b = cfg.dim, cfg.ffn_dim, 1 if cfg.bias else 0
     mixer = deltanet_params(cfg) if cfg.is_linear_layer(layer) else attention_params(cfg)
-    common = mixer + 2 * norm_params(cfg)
+    common = mixer + block_norms(cfg) * norm_params(cfg)
     if cfg.moe.is_moe_layer(layer):
         moe = moe_params(cfg)
         return common + moe["total"], common + moe["active"]
-    mlp = (3 * d * f + b * (2 * f + d)) if cfg.activation == "swiglu" else (2 * d * f + b * (f + d))
+    mlp = (3 * d * f + b * (2 * f + d)) if cfg.gated_mlp else (2 * d * f + b * (f + d))
     return common + mlp, common + mlp
 
 
@@ -132,8 +145,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int]
         n_matmul = counts["active"] - counts["embedding"] - counts["position"] - counts["lm_head"] \
             - norm_params(cfg) + heads * cfg.vocab_size * cfg.dim
         linear = sum(cfg.is_linear_layer(i) for i in range(cfg.n_layers))  # (Gated DeltaNet: its recurrence, x 3)
-        return 6.0 * n_matmul + 12.0 * (cfg.n_layers - linear + cfg.mtp_depth) * attention_width(cfg) * seq_len \
-            + 3.0 * linear * deltanet_flops(cfg)
+        keys = sum(attention_keys(cfg, i, seq_len) for i in range(cfg.n_layers + cfg.mtp_depth)
+                   if not cfg.is_linear_layer(i))
+        return 6.0 * n_matmul + 12.0 * attention_width(cfg) * keys + 3.0 * linear * deltanet_flops(cfg)
     return training_flops(cfg, seq_len, trainable)["total"]
 
 
@@ -229,10 +243,10 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
                    linear(b + "attn.wv", d, kv_width, h, bias=qb)]
         if cfg.attn_gate:  # (the gate's projection, q's shape; its sigmoid and product: elementwise, not counted)
             qkv.append(linear(b + "attn.wg", d, q_width, h, bias=qb))
-        if cfg.qk_norm:  # (head_dim weights each, counted like the other norms)
+        if cfg.qk_norm:  # (head_dim weights each, or the projections' widths; counted like the other norms)
             qkv += [trains(b + "attn.q_norm.weight"), trains(b + "attn.k_norm.weight")]
-            total["elementwise"] += sum(cost(cfg.head_dim, any(qkv[:3]), trains(b + f"attn.{n}.weight"))
-                                        for n in ("q_norm", "k_norm"))
+            total["elementwise"] += sum(cost(width, any(qkv[:3]), trains(b + f"attn.{n}.weight"))
+                                        for n, width in zip(("q_norm", "k_norm"), cfg.qk_norm_widths))
         return any(qkv)
 
     def deltanet(b: str, h: bool) -> bool:
@@ -253,16 +267,25 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
 
     def block(b: str, i: int, grad: bool) -> bool:
         """Block `i` (prefix `b`) on a residual stream needing a gradient if `grad`: whether its output does."""
-        h = norm(b + "attn_norm", grad)
+        pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"  # (model.norm_placement)
+        h = norm(b + "attn_norm", grad) if pre else grad
         if cfg.is_linear_layer(i):
             _, hv, _, dv = cfg.deltanet_shape
-            grad = linear(b + "attn.wo", hv * dv, d, deltanet(b, h), bias=False) or grad
+            out = linear(b + "attn.wo", hv * dv, d, deltanet(b, h), bias=False)
         else:
             a_grad = attention(b, h)
-            total["attention"] += 4.0 * width * seq_len + (8.0 * width * seq_len if a_grad else 0.0)
+            keys = attention_keys(cfg, i, seq_len)
+            total["attention"] += 4.0 * width * keys + (8.0 * width * keys if a_grad else 0.0)
             o_width = cfg.n_heads * cfg.mla.v_head_dim if cfg.mla.enabled else q_width
-            grad = linear(b + "attn.wo", o_width, d, a_grad, bias=False if cfg.mla.enabled else None) or grad
-        h = norm(b + "mlp_norm", grad)
+            out = linear(b + "attn.wo", o_width, d, a_grad, bias=False if cfg.mla.enabled else None)
+        grad = (norm(b + "attn_post_norm", out) if post else out) or grad
+        h = norm(b + "mlp_norm", grad) if pre else grad
+        if post:  # (the MLP's output through mlp_post_norm)
+            return norm(b + "mlp_post_norm", mlp(b, i, h)) or grad
+        return mlp(b, i, h) or grad
+
+    def mlp(b: str, i: int, h: bool) -> bool:
+        """Block `i`'s feed-forward on an input needing a gradient if `h`: whether its output needs one."""
         if cfg.moe.is_moe_layer(i):  # MoE: the router, top_k routed experts per token, the shared experts
             m, he = cfg.moe, cfg.moe.expert_hidden or f
             r = linear(b + "mlp.router", d, m.num_experts, h)
@@ -275,11 +298,11 @@ def training_flops(cfg: ModelConfig, seq_len: int, trainable: Mapping[str, int])
                 out = linear(b + "mlp.shared.down", m.shared_experts * he, d, s_gate or s_up) or out
                 if m.shared_gate:  # (Qwen3-Next's per-token gate on them: dim -> 1)
                     out = linear(b + "mlp.shared_gate", d, 1, h, bias=False) or out
-            return out or grad
-        if cfg.activation == "swiglu":
+            return out
+        if cfg.gated_mlp:
             gate, up = linear(b + "mlp.gate", d, f, h), linear(b + "mlp.up", d, f, h)
-            return linear(b + "mlp.down", f, d, gate or up) or grad
-        return linear(b + "mlp.proj", f, d, linear(b + "mlp.fc", d, f, h)) or grad
+            return linear(b + "mlp.down", f, d, gate or up)
+        return linear(b + "mlp.proj", f, d, linear(b + "mlp.fc", d, f, h))
 
     head = "tok_emb.weight" if cfg.tie_embeddings else "lm_head.weight"
     emb = trains("tok_emb.weight") or trains("pos_emb.weight")  # does the residual stream need a gradient?

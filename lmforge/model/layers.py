@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Protocol
@@ -315,7 +316,7 @@ class Attention(nn.Module):
     (model.sliding_window), an output gate (model.attn_gate), partial RoPE (model.rope_fraction) and
     μP's 1/head_dim attention scale (model.parametrization)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         # Separate q/k/v projections, or one fused in qkv_layout's grouped rows (model.fused_qkv):
@@ -333,14 +334,19 @@ class Attention(nn.Module):
         # the block's normalised input; its rows are heads in q's order, so TP splits it as q
         self.wg = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=qkv_bias) if cfg.attn_gate else None
         # QK-norm (Qwen3): one RMSNorm over head_dim shared by every head, applied before RoPE on
-        # (batch, seq, heads, head_dim), so tensor parallelism can treat the heads as a sharded dim
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.window = cfg.sliding_window
+        # (batch, seq, heads, head_dim), so tensor parallelism can treat the heads as a sharded dim;
+        # OLMo 2's (model.qk_norm_scope = "projection"): one over the whole q (and k) projection
+        q_width, k_width = cfg.qk_norm_widths
+        self.q_norm = nn.RMSNorm(q_width, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(k_width, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.norm_projection = cfg.qk_norm_scope == "projection"
+        self.window = cfg.layer_window(layer)  # (model.layer_types: interleaved local / global blocks)
         self.dropout = cfg.dropout
         # μP (model.parametrization = "mup"): q x sqrt(base head_dim / head_dim), so that SDPA's
-        # 1/sqrt(head_dim) becomes sqrt(base head_dim) / head_dim (lmforge.model.mup); 1 under SP
-        self.q_scale = mup.attention_factor(cfg)
+        # 1/sqrt(head_dim) becomes sqrt(base head_dim) / head_dim (lmforge.model.mup); 1 under SP.
+        # model.attn_scale_dim (Gemma's query_pre_attn_scalar): 1/sqrt(head_dim) becomes 1/sqrt(that)
+        self.q_scale = mup.attention_factor(cfg) * (
+            1.0 if cfg.attn_scale_dim is None else math.sqrt(cfg.head_dim / cfg.attn_scale_dim))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of x (batch, seq, dim), each (batch, heads, seq, head_dim), QK-normed if configured."""
@@ -351,15 +357,18 @@ class Attention(nn.Module):
             # (split, not indexing: its backward is one concatenation, not a zero-filled tensor per part)
             q, k, v = self.wqkv(x).view(bsz, seq, -1, rep + 2, self.head_dim).split([rep, 1, 1], dim=3)
             k, v = k.squeeze(3), v.squeeze(3)
-            if self.q_norm is not None:  # (on q's view: the norm saves the view, not a reshaped copy of q)
+            if self.q_norm is not None and not self.norm_projection:  # (on q's view: the norm saves the view)
                 q, k = self.q_norm(q), self.k_norm(k)
             q = q.reshape(bsz, seq, -1, self.head_dim)
         else:
             q = self.wq(x).view(bsz, seq, -1, self.head_dim)
             k = self.wk(x).view(bsz, seq, -1, self.head_dim)
             v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-            if self.q_norm is not None:
+            if self.q_norm is not None and not self.norm_projection:
                 q, k = self.q_norm(q), self.k_norm(k)
+        if self.norm_projection:  # (the grouped q heads of the fused layout are in q's own head order)
+            q = self.q_norm(q.reshape(bsz, seq, -1)).view(bsz, seq, -1, self.head_dim)
+            k = self.k_norm(k.reshape(bsz, seq, -1)).view(bsz, seq, -1, self.head_dim)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -437,36 +446,68 @@ class GeluMLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Llama MLP: down(silu(gate(x)) * up(x))."""
+    """Llama MLP: down(silu(gate(x)) * up(x)); GeGLU (model.activation = "geglu", Gemma) with the
+    tanh-approximated GELU in place of SiLU."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.act = functools.partial(F.gelu, approximate="tanh") if cfg.activation == "geglu" else F.silu
         self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=cfg.bias)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down(F.silu(self.gate(x)) * self.up(x)))
+        return self.dropout(self.down(self.act(self.gate(x)) * self.up(x)))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). `attn` / `mlp`: other
-    modules in place of the default attention and MLP (lmforge.model.transformer.make_block: multi-head
-    latent attention, Mixture-of-Experts)."""
+    """Transformer block, pre-norm by default: x + attn(norm(x)), then x + mlp(norm(x)); model.norm_placement
+    "post" (OLMo 2 / 3): x + norm(attn(x)), "sandwich" (Gemma 3): x + norm(attn(norm(x))), the output
+    norms `attn_post_norm` / `mlp_post_norm`. `attn` / `mlp`: other modules in place of the default
+    attention and MLP (lmforge.model.transformer.make_block: multi-head latent attention,
+    Mixture-of-Experts). `layer`: the block's index (model.layer_types: its window and RoPE base)."""
 
-    def __init__(self, cfg: ModelConfig, attn: nn.Module | None = None, mlp: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, attn: nn.Module | None = None, mlp: nn.Module | None = None,
+                 layer: int = 0):
         super().__init__()
-        self.attn_norm = make_norm(cfg)
-        self.attn = attn if attn is not None else Attention(cfg)
-        self.mlp_norm = make_norm(cfg)
+        pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+        self.local = cfg.is_local_layer(layer)  # (which RoPE tables and document mask the model passes it)
+        self.attn_norm = make_norm(cfg) if pre else None
+        self.attn = attn if attn is not None else Attention(cfg, layer)
+        self.attn_post_norm = make_norm(cfg) if post else None
+        self.mlp_norm = make_norm(cfg) if pre else None
         if mlp is None:
-            mlp = SwiGLU(cfg) if cfg.activation == "swiglu" else GeluMLP(cfg)
+            mlp = SwiGLU(cfg) if cfg.gated_mlp else GeluMLP(cfg)
         self.mlp = mlp
+        self.mlp_post_norm = make_norm(cfg) if post else None
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 kv_cache: KVCache | None = None, mask=None) -> torch.Tensor:
         # (the mask as a keyword: tensor parallelism's PrepareModuleInput lays out the positional inputs)
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, kv_cache, mask=mask))
-        return x + self.mlp(self.mlp_norm(x))
+        h = self.attn(x if self.attn_norm is None else self.attn_norm(x), rope, kv_cache, mask=mask)
+        x = x + self.resid_dropout(h if self.attn_post_norm is None else self.attn_post_norm(h))
+        h = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
+        return x + (h if self.mlp_post_norm is None else self.mlp_post_norm(h))
+
+
+def scale_embedding(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
+    """The token embeddings x times sqrt(model.dim) under model.embed_scale (Gemma), the factor rounded
+    to x's dtype first as transformers rounds it (bf16: 33.94 -> 34.0 for dim 1152); x otherwise. (A
+    Python number, which autograd does not save, holding that rounded value: the product is the same.)"""
+    return x * float(torch.tensor(cfg.dim ** 0.5, dtype=x.dtype)) if cfg.embed_scale else x
+
+
+def block_inputs(model, positions: torch.Tensor | None, doc_ids: torch.Tensor | None,
+                 dropout_p: float) -> tuple[dict, dict]:
+    """The RoPE rows and document masks of one forward, by block kind (`Block.local`): the global ones
+    under False, those of model.layer_types' 'sliding_attention' blocks (model.rope_local_theta's
+    tables, model.sliding_window's mask) under True. `model`: the Transformer (its RoPE tables)."""
+    cfg = model.cfg
+    rope = rope_rows((model.rope_cos, model.rope_sin), positions) if cfg.pos_emb == "rope" else None
+    mask = attention_mask(doc_ids, cfg.layer_window(cfg.n_layers), dropout_p)  # (a full-attention block's window)
+    if not cfg.has_local_layers:
+        return {False: rope, True: rope}, {False: mask, True: mask}
+    local_rope = rope_rows((model.rope_local_cos, model.rope_local_sin), positions) if rope is not None else None
+    return {False: rope, True: local_rope}, {False: mask, True: attention_mask(doc_ids, cfg.sliding_window, dropout_p)}

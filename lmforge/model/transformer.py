@@ -21,8 +21,8 @@ from lmforge.model import mup
 from lmforge.model.init import init_source
 from lmforge.model.materialise import materialise
 from lmforge.model.accounting import count_params, flops_per_token  # noqa: F401  (re-exported)
-from lmforge.model.layers import (Block, KVCache, attention_mask, local_positions, make_norm, rope_rows, rope_tables,
-                                  token_positions)
+from lmforge.model.layers import (Block, KVCache, block_inputs, local_positions, make_norm, rope_tables,
+                                  scale_embedding, token_positions)
 from lmforge.model.loss import linear_cross_entropy_sum, token_nll_sum
 from lmforge.model.gated_deltanet import DeltaNetCache, GatedDeltaNet
 from lmforge.model.mla import MLAttention
@@ -35,7 +35,7 @@ def make_block(cfg: ModelConfig, layer: int) -> Block:
     where model.layer_types makes it linear attention, multi-head latent attention under model.mla,
     the Mixture-of-Experts feed-forward where model.moe puts one."""
     attn = GatedDeltaNet(cfg) if cfg.is_linear_layer(layer) else MLAttention(cfg) if cfg.mla.enabled else None
-    return Block(cfg, attn=attn, mlp=MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else None)
+    return Block(cfg, attn=attn, mlp=MoE(cfg, layer) if cfg.moe.is_moe_layer(layer) else None, layer=layer)
 
 
 def generation_caches(cfg: ModelConfig) -> list[KVCache | DeltaNetCache]:
@@ -60,9 +60,19 @@ class Transformer(nn.Module):
         self.mtp = MTP(cfg, make_block) if cfg.mtp_depth else None  # (multi-token prediction: trained only)
         self.tie_weights()
         if cfg.pos_emb == "rope":
-            cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg=cfg)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            for name, (cos, sin) in self.rope_buffers().items():
+                self.register_buffer(f"{name}_cos", cos, persistent=False)
+                self.register_buffer(f"{name}_sin", sin, persistent=False)
+
+    def rope_buffers(self, device: torch.device | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The RoPE cos / sin tables by buffer name: `rope` (every block, or the full-attention ones),
+        and `rope_local` for model.layer_types' 'sliding_attention' blocks (model.rope_local_theta, plain
+        RoPE: Gemma 3 and OLMo 3 scale only the global blocks' frequencies)."""
+        cfg = self.cfg
+        out = {"rope": rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device=device, cfg=cfg)}
+        if cfg.has_local_layers:
+            out["rope_local"] = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.local_rope_theta, device=device)
+        return out
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection (must be redone after `to_empty`,
@@ -73,10 +83,9 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         """(Re)compute the non-persistent buffers (RoPE tables) on their device, e.g. after `to_empty`."""
         if self.cfg.pos_emb == "rope":
-            cos, sin = rope_tables(self.cfg.rope_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                                   device=self.rope_cos.device, cfg=self.cfg)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+            for name, (cos, sin) in self.rope_buffers(self.rope_cos.device).items():
+                getattr(self, f"{name}_cos").copy_(cos)
+                getattr(self, f"{name}_sin").copy_(sin)
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -111,14 +120,14 @@ class Transformer(nn.Module):
         if kv_caches and doc_ids is not None:
             raise ValueError("generation with a KV cache takes one document per prompt: no doc_ids")
         positions = local_positions(positions)
-        x = self.tok_emb(tokens)
+        x = scale_embedding(self.cfg, self.tok_emb(tokens))
         if self.pos_emb is not None:
             x = x + self.pos_emb(token_positions(start, seq, tokens.device) if positions is None else positions)
         x = self.emb_dropout(x)
-        rope = rope_rows((self.rope_cos, self.rope_sin), positions) if self.cfg.pos_emb == "rope" else None
-        mask = attention_mask(doc_ids, self.cfg.sliding_window, self.cfg.dropout if self.training else 0.0)
+        ropes, masks = block_inputs(self, positions, doc_ids, self.cfg.dropout if self.training else 0.0)
+        rope = ropes[False]
         for i, block in enumerate(self.blocks.values()):
-            x = block(x, rope, kv_caches[i] if kv_caches else None, mask=mask)
+            x = block(x, ropes[block.local], kv_caches[i] if kv_caches else None, mask=masks[block.local])
         if targets is not None:
             nll = self.head_nll(self.norm(x), targets, loss_chunk)
             if self.mtp is not None and self.training and torch.is_grad_enabled():

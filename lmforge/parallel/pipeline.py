@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import Config
-from lmforge.model.layers import KVCache, attention_mask, local_positions, rope_rows, token_positions
+from lmforge.model.layers import KVCache, block_inputs, local_positions, scale_embedding, token_positions
 from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
 from lmforge.spec.parallel import PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_rank
@@ -134,15 +134,14 @@ class StageChunk(nn.Module):
         caches = [kv_caches[int(name)] for name in self.blocks] if kv_caches else [None] * len(self.blocks)
         positions = local_positions(positions)
         if self.first:
-            h = self.tok_emb(x)
+            h = scale_embedding(model.cfg, self.tok_emb(x))
             if self.pos_emb is not None:
                 start = caches[0].length if caches[0] is not None else 0
                 h = h + self.pos_emb(token_positions(start, x.shape[1], x.device) if positions is None else positions)
             x = self.emb_dropout(h)
-        rope = rope_rows((model.rope_cos, model.rope_sin), positions) if model.cfg.pos_emb == "rope" else None
-        mask = attention_mask(doc_ids, model.cfg.sliding_window, model.cfg.dropout if self.training else 0.0)
+        ropes, masks = block_inputs(model, positions, doc_ids, model.cfg.dropout if self.training else 0.0)
         for block, cache in zip(self.blocks.values(), caches):
-            x = block(x, rope, cache, mask=mask)
+            x = block(x, ropes[block.local], cache, mask=masks[block.local])
         if self.lm_head is not None:
             x = self.lm_head(model.scale_output(self.norm(x)))  # (μP's logits multiplier)
         return x

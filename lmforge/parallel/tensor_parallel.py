@@ -95,8 +95,12 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
                 plan[f"{pre}.mlp.{n}"] = ColwiseParallel()
             plan[f"{pre}.mlp.{down}"] = RowwiseParallel(**row_out)
         if sp:
-            plan[f"{pre}.attn_norm"] = SequenceParallel()
-            plan[f"{pre}.mlp_norm"] = SequenceParallel()
+            for n in ("attn_norm", "mlp_norm"):  # (model.norm_placement = "post": none)
+                if getattr(block, n, None) is not None:
+                    plan[f"{pre}.{n}"] = SequenceParallel()
+            for n in ("attn_post_norm", "mlp_post_norm"):  # (Gemma 3, OLMo: on the rank's sequence shard of
+                if getattr(block, n, None) is not None:     # the sublayer's output, before the residual add)
+                    plan[f"{pre}.{n}"] = SequenceParallel(use_local_output=True)
             plan[f"{pre}.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                                      desired_input_layouts=(Replicate(), None, None),
                                                      use_local_output=True)

@@ -31,7 +31,7 @@ def _literature_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: 
     if ac == "full":
         return 2 * sbh / sp_div
     r = cfg.kv_heads / cfg.n_heads
-    k_mlp = 6 if cfg.activation == "swiglu" else 4
+    k_mlp = 6 if cfg.gated_mlp else 4
     replicated = 10.0
     split = 4 + 4 * r + k_mlp * mlp_activation_width(cfg) / h
     core = 0.0 if (fused_attention or ac == "selective") else 5 * a * s / h
@@ -105,24 +105,27 @@ def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int,
     F = mlp_activation_width(cfg) / h  # (MoE: the routed and shared experts' width per token)
     if ac == "full":
         return res * sbh  # the residual-stream input of the block
-    norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * 2
+    # model.norm_placement = "sandwich" (Gemma 3): two more norms, on the sublayers' outputs; each keeps its
+    # input and normalised output at the residual's width and its per-token statistics (measured eager)
+    extra_norms = 2 if cfg.norm_placement == "sandwich" else 0
+    norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * (2 + extra_norms)
     lse = 4 * b * a * s / t
     compiled = compiled_blocks(cfg, layout)
     if ac == "selective":  # outputs of the matmuls and attention, plus the block input
-        mlp_out = (2 * F if cfg.activation == "swiglu" else F) + (0 if compiled else 1)  # (+1: down / fc2's)
+        mlp_out = (2 * F if cfg.gated_mlp else F) + (0 if compiled else 1)  # (+1: down / fc2's)
         return sbh * (res + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
-    resid = 2 * res                             # the inputs of the two norms (block in, mid)
+    resid = 2 * res + 2 * res * extra_norms     # the inputs of the two norms (block in, mid); sandwich's others
     normed = 2 * res if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its output for the weight grad
     if layout.precision in ("fp32", "bf16-pure"):  # each norm's output feeds its projections as it is: 2 tensors
         casts = 2 * res
     else:  # autocast casts the norm output once per projection: q, k, v (one fused wqkv: once) and fc1 (gate and up)
         qkv_casts = 2 if cfg.mla.enabled else (1 if cfg.fused_qkv else 3)  # (MLA: wq_a / wq and wkv_a)
-        casts = half * (qkv_casts + (2 if cfg.activation == "swiglu" else 1))
-    mlp = half * (4 * F if cfg.activation == "swiglu" else 2 * F) / t
+        casts = half * (qkv_casts + (2 if cfg.gated_mlp else 1))
+    mlp = half * (4 * F if cfg.gated_mlp else 2 * F) / t
     if compiled:  # (the docstring's list)
         resid, normed = res + half, 0
         casts = casts if layout.precision in ("fp32", "bf16-pure") else 2 * half
-        mlp = half * (3 * F if cfg.activation == "swiglu" else 2 * F) / t
+        mlp = half * (3 * F if cfg.gated_mlp else 2 * F) / t
     if cfg.mla.enabled:
         return sbh * (resid + normed + casts + mlp) + norm_stats + s * b * mla_attention_bytes(cfg, layout)
     attn = half * (1 + 2 * r + 1) / t           # q, k, v, attention output

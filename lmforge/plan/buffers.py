@@ -47,7 +47,8 @@ def lmforge_buffers(cfg: ModelConfig, layout: Layout, states: StageStates, seq_l
             # accumulated in fp32 (reduce_dtype), is held from the first micro-batch's backward on
             out["fsdp_accumulated_gradients"] = 4 * states.params
     if cfg.pos_emb == "rope":
-        out["rope_tables"] = 2 * cfg.max_seq_len * (cfg.rope_dim // 2) * 4  # (MLA: its RoPE part)
+        # (MLA: its RoPE part; model.layer_types' sliding blocks: their own pair of tables, model.rope_local_theta)
+        out["rope_tables"] = (2 if cfg.has_local_layers else 1) * 2 * cfg.max_seq_len * (cfg.rope_dim // 2) * 4
     return out
 
 

@@ -144,13 +144,13 @@ def _widths(cfg: ModelConfig, layout: Layout) -> _Widths:
 
 def _projections(cfg: ModelConfig) -> tuple[int, int]:
     """How many projections read norm 1's and norm 2's outputs."""
-    return (1 if cfg.fused_qkv else 3), (2 if cfg.activation == "swiglu" else 1)
+    return (1 if cfg.fused_qkv else 3), (2 if cfg.gated_mlp else 1)
 
 
 def compiled_block_kernels(cfg: ModelConfig, w: _Widths) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """(forward, backward) elementwise kernels of one compiled block: (name, bytes per token)."""
     h, q, kv, F, a, r = w.h, w.q, w.kv, w.F, w.a, w.r
-    swiglu, rope = cfg.activation == "swiglu", cfg.pos_emb == "rope"
+    swiglu, rope = cfg.gated_mlp, cfg.pos_emb == "rope"
     n1, n2 = _projections(cfg)
     fwd = [("norm1", r * h + a * h)]
     if rope or cfg.qk_norm:
@@ -172,7 +172,7 @@ def compiled_block_kernels(cfg: ModelConfig, w: _Widths) -> tuple[list[tuple[str
 def eager_block_kernels(cfg: ModelConfig, w: _Widths) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """(forward, backward) elementwise kernels of one eager block: (name, bytes per token)."""
     h, q, kv, F, a, r = w.h, w.q, w.kv, w.F, w.a, w.r
-    swiglu, rope, bias = cfg.activation == "swiglu", cfg.pos_emb == "rope", cfg.bias
+    swiglu, rope, bias = cfg.gated_mlp, cfg.pos_emb == "rope", cfg.bias
     n1, n2 = _projections(cfg)
     norm_out = 4 if w.autocast else a  # autocast runs the norms in fp32
     fwd: list[tuple[str, float]] = []

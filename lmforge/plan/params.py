@@ -114,12 +114,16 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         if cfg.attn_gate:  # (model.attn_gate: q's shape, column-split by heads like q)
             out += linear(f"{p}.attn.wg", d, cfg.n_heads * hd, 0, i, cfg.attn_qkv_bias, where)
         out += linear(f"{p}.attn.wo", cfg.n_heads * hd, d, 1, i, where=where)
-        if cfg.qk_norm:  # (head_dim each, replicated under TP)
-            out += [ParamSpec(f"{p}.attn.{n}.weight", (hd,), where, i) for n in ("q_norm", "k_norm")]
+        if cfg.qk_norm:  # (head_dim each, replicated under TP; model.qk_norm_scope = "projection": q's and k's widths)
+            out += [ParamSpec(f"{p}.attn.{n}.weight", (w,), where, i)
+                    for n, w in zip(("q_norm", "k_norm"), cfg.qk_norm_widths)]
         return out
 
     def block(p: str, i: int, where: str = "block") -> list[ParamSpec]:
-        out = norm(f"{p}.attn_norm", where, i) + attention(p, i, where) + norm(f"{p}.mlp_norm", where, i)
+        # (model.norm_placement: input norms unless "post", output norms unless "pre")
+        pre, post = cfg.norm_placement != "post", cfg.norm_placement != "pre"
+        out = [*(norm(f"{p}.attn_norm", where, i) if pre else []), *attention(p, i, where),
+               *(norm(f"{p}.attn_post_norm", where, i) if post else []), *(norm(f"{p}.mlp_norm", where, i) if pre else [])]
         if cfg.moe.is_moe_layer(i):  # lmforge.model.moe: router, stacked experts, shared experts; no TP split
             m, he = cfg.moe, cfg.moe.expert_hidden or f
             out.append(ParamSpec(f"{p}.mlp.router.weight", (m.num_experts, d), where, i, matmul=True))
@@ -132,14 +136,14 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
                         for n, sh in (("gate", (hs, d)), ("up", (hs, d)), ("down", (d, hs)))]
                 if m.shared_gate:  # (Qwen3-Next's per-token gate on the shared experts)
                     out.append(ParamSpec(f"{p}.mlp.shared_gate.weight", (1, d), where, i, matmul=True))
-        elif cfg.activation == "swiglu":
+        elif cfg.gated_mlp:
             out += linear(f"{p}.mlp.gate", d, f, 0, i, where=where)
             out += linear(f"{p}.mlp.up", d, f, 0, i, where=where)
             out += linear(f"{p}.mlp.down", f, d, 1, i, where=where)
         else:
             out += linear(f"{p}.mlp.fc", d, f, 0, i, where=where)
             out += linear(f"{p}.mlp.proj", f, d, 1, i, where=where)
-        return out
+        return out + (norm(f"{p}.mlp_post_norm", where, i) if post else [])
 
     for i in range(cfg.n_layers):
         out += block(f"blocks.{i}", i)
