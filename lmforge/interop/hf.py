@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from lmforge.config import Config, ModelConfig, to_toml
-from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, atomic_path,
+from lmforge.folders import (CONFIG, HF_CONFIG, RUN_FILES, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS,
                              atomic_write, check_target)
 from lmforge.ckpt.export import WEIGHT_DTYPES, WeightReader, model_state, run_weights, save_streaming
 from lmforge.ckpt.streaming import TensorRef, safetensors_writer
