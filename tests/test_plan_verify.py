@@ -43,15 +43,20 @@ def plan(args: str, env: dict | None = None, timeout: int = 900) -> subprocess.C
 
 
 @pytest.mark.slow
-def test_the_readme_layouts_pass():
-    """The 128k-context Mistral layout, the largest composition docs/planning.md shows (4 processes: FSDP x Ulysses CP).
+def test_the_readme_layouts_pass(monkeypatch, capsys):
+    """The 128k-context Mistral layout, the largest composition docs/planning.md shows (4 processes: FSDP x Ulysses CP),
+    planned in this process (the command line's own run is the refusal's test below).
     (The 70B line passes in tests/test_readme_commands.py, where docs/planning.md runs it with --verify as printed,
     and fails here when broken on purpose; a one-process layout's resume on two ranks is checked below, and
     all six README lines in benchmarks/RESULTS.md: CI time.)"""
-    proc = plan(README_LAYOUTS["mistral-7b-128k-search"])
-    out = proc.stdout[proc.stdout.index("verify:"):] if "verify:" in proc.stdout else proc.stdout
+    from lmforge.cli.plan import plan_main
+
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # (the toy's ranks)
+    code = plan_main(README_LAYOUTS["mistral-7b-128k-search"].split() + ["--verify"])
+    captured = capsys.readouterr()
+    out = captured.out[captured.out.index("verify:"):] if "verify:" in captured.out else captured.out
     print(out)
-    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert code == 0, out + captured.err[-3000:]
     assert out.count("  PASS  ") == 3 and "verify: PASS (3 checks)" in out, out
     assert "FAIL" not in out
 
