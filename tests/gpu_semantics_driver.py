@@ -4,6 +4,10 @@
         Sets up a real Trainer for the layout and counts, over one optimizer step's forward/backward,
         the distinct 16-bit tensors autograd saves that have the shape of one of this rank's matmul
         weights (the autocast copies of the weights). Writes OUT/copies_rank<r>.json.
+    gpu_semantics_driver.py copies-cases CORPUS OUT CASES_JSON
+        `copies` for each case of CASES_JSON ({name: [key=value, ...]}), one after another in one process
+        group (torch's import and the group's setup paid once for all layouts). Writes
+        OUT/<name>/copies_rank<r>.json.
     gpu_semantics_driver.py rules CORPUS OUT [key=value ...]
         Runs `trainer_for(cfg).fit()` with every torch.distributed send / recv / collective recorded
         (operation, whether it used the host gloo group, named source, tag, calling function).
@@ -171,10 +175,28 @@ def decide_precision(corpus: str, out: str, pairs: list[str]) -> dict:
     return result
 
 
+def copies_per_case(corpus: str, out: str, cases: dict[str, list[str]], rank: int) -> None:
+    """`count_weight_copies` for each case in one process group: the trainers keep the group the first
+    one forms (as tests/train_runs_driver.py does), which is torn down once, at the end."""
+    import lmforge.train.trainer as trainer_module
+    from lmforge.parallel.mesh import destroy_distributed
+
+    trainer_module.destroy_distributed = lambda: None
+    try:
+        for name, pairs in cases.items():
+            result = count_weight_copies(corpus, str(Path(out) / name), pairs)
+            (Path(out) / name / f"copies_rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        destroy_distributed()
+
+
 def main() -> None:
     mode, corpus, out, *pairs = sys.argv[1:]
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
+    if mode == "copies-cases":
+        copies_per_case(corpus, out, json.loads(pairs[0]), rank)
+        return
     run = {"copies": count_weight_copies, "rules": record_calls, "precision": decide_precision}[mode]
     result = run(corpus, out, pairs)
     Path(out).mkdir(parents=True, exist_ok=True)

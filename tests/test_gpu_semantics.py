@@ -31,12 +31,15 @@ DRIVER = Path(__file__).with_name("gpu_semantics_driver.py")
 
 def run_driver(mode: str, corpus: Path, out: Path, nproc: int, **extra) -> list:  # noqa: F811
     args = {**TINY, **extra}
+    launch_driver(nproc, [mode, str(corpus), str(out)] + [f"{k}={v}" for k, v in args.items()])
+    return [json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def launch_driver(nproc: int, args: list[str]) -> None:
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                   str(nproc), "--master-port", str(free_port())]
-    proc = subprocess.run(launch + [str(DRIVER), mode, str(corpus), str(out)] + [f"{k}={v}" for k, v in args.items()],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(launch + [str(DRIVER), *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def test_a_cuda_run_builds_nccl_with_gloo_beside_it():
@@ -126,11 +129,25 @@ def test_one_16_bit_cast_per_weight_per_step_with_backward_on_another_thread(cor
     assert got["micro_batches"] == 4 and got["casts"] and set(got["casts"].values()) == {1}, got
 
 
+PARALLEL_COPIES = {"ddp": {"parallel.dp_replicate": 2, "train.global_batch_size": 16},
+                   "tp2": {"parallel.tp": 2},
+                   "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}}
+LAYOUT_NAMES = {"ddp": "ddp", "tp2": "tp", "pp2-1f1b": "pp"}  # (lmforge.parallel's Layout.name)
+
+
+@pytest.fixture(scope="module")
+def parallel_copies(corpus, tmp_path_factory) -> dict[str, list]:  # noqa: F811
+    """Each layout of PARALLEL_COPIES counted in one 2-process launch (one process group for the three)."""
+    out = tmp_path_factory.mktemp("copies")
+    cases = {name: [f"{k}={v}" for k, v in {**TINY, **BF16, **extra}.items()] for name, extra in PARALLEL_COPIES.items()}
+    launch_driver(2, ["copies-cases", str(corpus), str(out), json.dumps(cases)])
+    return {name: [json.loads((out / name / f"copies_rank{r}.json").read_text()) for r in range(2)] for name in cases}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "tp2", "pp2-1f1b"])
-def test_one_bf16_weight_copy_per_step_in_parallel_layouts(corpus, tmp_path, layout):  # noqa: F811
-    extra = {"ddp": {"parallel.dp_replicate": 2, "train.global_batch_size": 16},
-             "tp2": {"parallel.tp": 2},
-             "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}}[layout]
-    for rank in run_driver("copies", corpus, tmp_path, 2, **{**BF16, **extra}):
+@pytest.mark.parametrize("layout", list(PARALLEL_COPIES))
+def test_one_bf16_weight_copy_per_step_in_parallel_layouts(parallel_copies, layout):
+    for rank in parallel_copies[layout]:
         assert rank["micro_batches"] == 4 and 0 < rank["copies"] <= rank["weights"], (layout, rank)
+    # (each case trained under its own layout, though the three share one launch)
+    assert {rank["layout"] for rank in parallel_copies[layout]} == {LAYOUT_NAMES[layout]}

@@ -27,12 +27,17 @@ def trainer_for(small_data, tmp_path, **overrides) -> Trainer:
     return t
 
 
-# the fast tier trains AdamW (the default); each other optimizer's 40 steps run in the full suite
+# the fast tier trains AdamW (the default); each other optimizer's steps run in the full suite. 20 steps:
+# each optimizer's validation loss fell by 1.3 (lamb) to 6.1 (muon) nats there, over twice the
+# 0.5 asked for (measured on the CPU, torch 2.13); at lr 0 the test fails
+OPTIMIZER_STEPS = 20
+
+
 @pytest.mark.parametrize("name", [n if n == "adamw" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(LRS)])
 def test_each_optimizer_lowers_validation_loss(small_data, tmp_path, name):
-    t = trainer_for(small_data, tmp_path, **{"optim.name": name, "optim.lr": LRS[name], "train.steps": 40})
+    t = trainer_for(small_data, tmp_path, **{"optim.name": name, "optim.lr": LRS[name], "train.steps": OPTIMIZER_STEPS})
     start = t.evaluate()["loss"]
-    for _ in range(40):
+    for _ in range(OPTIMIZER_STEPS):
         t.train_step(t.next_micro_batches())
     end = t.evaluate()["loss"]
     assert end < start - 0.5, (name, start, end)
