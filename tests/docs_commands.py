@@ -103,7 +103,10 @@ def fixtures(cwd: Path) -> None:
             ("The king", [" spoke to the people.", " zzz qqq."]), ("The queen", [" walked home.", " xq zz."])]))
     (cwd / "sft.jsonl").write_text("".join(json.dumps({"prompt": f"Q{i}: who speaks?", "response": " ROMEO."}) + "\n"
                                            for i in range(40)))
-    (cwd / "sweep.toml").write_text('[grid]\n"optim.lr" = [1e-3, 3e-3]\n')
+    # docs/operations.md's `lmforge sweep --spec sweep.toml` ("the same in a TOML file"): the page's --grid
+    # sweep, which that line then finds in runs/sweep-tiny, done, and resumes (no trial trains twice)
+    (cwd / "sweep.toml").write_text('parallel = 2\n[base]\n"train.steps" = 200\n[grid]\n'
+                                    '"optim.lr" = [1e-3, 3e-3]\n"schedule.warmup_steps" = [10, 20]\n')
     shutil.copytree(ROOT / "benchmarks" / "scaling", cwd / "benchmarks" / "scaling")  # the scaling-law section's runs
 
 
