@@ -179,3 +179,17 @@ def test_layouts_a_replica_group_cannot_be(setting, message):
     with pytest.raises(ConfigError, match=message) as e:
         check_fault_tolerance(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_launch_takes_its_lighthouse_option_and_leaves_torchrun_the_rest():
+    from lmforge.launch import LIGHTHOUSE_PORT, take_lighthouse_option
+
+    subs = {"train"}
+    argv = ["--nproc-per-node", "2", "train", "--lighthouse"]  # (after the sub-command: the worker's)
+    assert take_lighthouse_option(argv, subs) == (argv, None)
+    assert take_lighthouse_option(["--lighthouse", "--nproc-per-node", "2", "train", "--x", "1"], subs) == \
+        (["--nproc-per-node", "2", "train", "--x", "1"], LIGHTHOUSE_PORT)
+    assert take_lighthouse_option(["--nproc-per-node", "2", "--lighthouse=29600", "train"], subs) == \
+        (["--nproc-per-node", "2", "train"], 29600)
+    with pytest.raises(ValueError, match="--lighthouse=abc: give a port number"):
+        take_lighthouse_option(["--lighthouse=abc", "train"], subs)
