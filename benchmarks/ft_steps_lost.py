@@ -32,26 +32,15 @@ sys.path.insert(0, str(ROOT))
 
 from tests.conftest import make_corpus  # noqa: E402
 from tests.test_parallel_dp import free_port, overrides, prepare  # noqa: E402
-from tests.test_ft import lighthouse_binary  # noqa: E402
+from tests.test_ft import lighthouse_binary, records  # noqa: E402
 
 DRIVER = str(ROOT / "tests" / "ft_driver.py")
 
 
-def step_records(out: Path) -> list[tuple[float, int]]:
-    """(time written, step) of every step record, in file order (times: the file's order and the
-    records' own step timestamps are not kept, so each record's arrival is sampled by `watch`)."""
-    path = out / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "loss" in rec:
-            recs.append(rec["step"])
-    return recs
+def step_records(out: Path) -> list[int]:
+    """The step of every step record of a run folder's metrics.jsonl, in file order (a step trained
+    twice appears twice)."""
+    return [r["step"] for r in records(out) if "loss" in r]
 
 
 class Watch:
@@ -135,11 +124,7 @@ def torchft_job(corpus: Path, root: Path, args, run: dict) -> dict:
         for p in [*procs.values(), lighthouse]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    quorums = {}
-    for line in (root / "group0" / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("event") == "ft_quorum":
-            quorums[rec["step"]] = rec
+    quorums = {r["step"]: r for r in records(root / "group0") if r.get("event") == "ft_quorum"}
     steps = survivor.poll()
     alone = [s for s, r in quorums.items() if r["replica_groups"] == [0] and s >= killed_at]
     rejoin_log = (root / "group1-again.log").read_text()

@@ -43,7 +43,6 @@ import os
 import socket
 from datetime import timedelta
 
-import torch
 
 from lmforge.train.events import Handler
 
