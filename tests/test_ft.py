@@ -97,14 +97,19 @@ def kill(proc: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(corpus, tmp_path):  # noqa: F811
     port = free_port()
-    a_out, b_out, hold = tmp_path / "group0", tmp_path / "group1", tmp_path / "hold"
+    a_out, b_out, hold, no_hold = tmp_path / "group0", tmp_path / "group1", tmp_path / "hold", tmp_path / "no-hold"
     logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1-again.log"]
     lighthouse = start_lighthouse(port, tmp_path / "lighthouse.log")
     procs = [lighthouse]
     try:
+        # group 0 waits at its first step until group 1 is up (however slowly this machine starts it),
+        # so that the two train together for a while; then it is the survivor
+        hold.touch()
         a = start_group(corpus, a_out, 0, port, hold, logs[0])
-        b = start_group(corpus, b_out, 1, port, hold, logs[1])
+        b = start_group(corpus, b_out, 1, port, no_hold, logs[1])
         procs += [a, b]
+        wait_for(lambda: "Start quorum" in logs[1].read_text(), procs, "group 1's first quorum")
+        hold.unlink()
         # both train together for a few steps (a quorum of the two), then group 1 dies mid-run
         wait_for(lambda: sum(r["replica_groups"] == [0, 1] for r in quorums(b_out).values()) >= 3, procs,
                  "steps of both groups")
@@ -116,7 +121,7 @@ def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(
         assert b.poll() is not None and a.poll() is None
         hold.touch()  # (the survivor waits at its next step until group 1 is up again)
         # group 1 again, with the same command: it rejoins and takes the survivor's state
-        b = start_group(corpus, b_out, 1, port, hold, logs[2])
+        b = start_group(corpus, b_out, 1, port, no_hold, logs[2])
         procs.append(b)
         wait_for(lambda: "Start quorum" in logs[2].read_text(), [lighthouse, a, b], "the restarted group's quorum")
         hold.unlink()
