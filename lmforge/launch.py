@@ -4,7 +4,11 @@
     lmforge launch --nnodes 2 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST:PORT train ...
 
 Every option before the lmforge sub-command is torchrun's (`torchrun --help`); the sub-command and
-what follows it are the workers' `python -m lmforge ...`. The engine is torch's own launcher,
+what follows it are the workers' `python -m lmforge ...`. One is lmforge's own: `--lighthouse` (or
+`--lighthouse=PORT`, default 29510) also starts a torchft lighthouse on this host for a fault-tolerant
+job (fault_tolerance.*, lmforge.train.fault_tolerance), tells the workers its address
+($TORCHFT_LIGHTHOUSE) and stops it when they are done; the job's other replica groups take the address
+printed (fault_tolerance.lighthouse). The engine is torch's own launcher,
 `torch.distributed.run.run`, in this process: the same agent, rendezvous, restarts and worker
 environment as `torchrun`. What differs is only how its end is reported. torchrun's agent ends any
 failure of its workers by raising `ChildFailedError`, which Python prints as a ~30-line traceback
@@ -26,6 +30,7 @@ otherwise one line per failed rank names its host, local rank, pid and status.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -86,6 +91,7 @@ def launch_main(argv: list[str], subcommands: set[str]) -> int:
         print(__doc__)
         return 0
     try:
+        argv, lighthouse_port = take_lighthouse_option(argv, subcommands)
         options, command = split_argv(argv, subcommands)
     except ValueError as exc:  # a usage error, not a run: exit 2 like any other (a bare `lmforge launch` too)
         print(f"lmforge launch: error: {exc}", file=sys.stderr)
@@ -101,7 +107,12 @@ def launch_main(argv: list[str], subcommands: set[str]) -> int:
     args = get_args_parser().parse_args([*options, "--module", "lmforge", *command])
     # the agent logs each failure itself ("failed (exitcode: 2) local_rank: 0 ..."): reported here instead
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    with tempfile.TemporaryDirectory(prefix="lmforge-launch-") as statuses:
+    try:
+        lighthouse = lighthouse_running(lighthouse_binary(), lighthouse_port) if lighthouse_port else None
+    except RuntimeError as exc:
+        print(f"lmforge launch: error: {exc}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="lmforge-launch-") as statuses, lighthouse or contextlib.nullcontext():
         os.environ[STATUS_ENV] = statuses  # each worker writes its exit status there (lmforge/__main__.py)
         try:
             run(args)
@@ -113,6 +124,55 @@ def launch_main(argv: list[str], subcommands: set[str]) -> int:
         except SignalException as exc:  # a scheduler's signal to the launcher: the agent passed it on
             return signalled_status(exc.sigval, Path(statuses))
     return 0
+
+
+LIGHTHOUSE_PORT = 29510  # (torchft's default)
+
+
+def take_lighthouse_option(argv: list[str], subcommands: set[str]) -> tuple[list[str], int | None]:
+    """`--lighthouse` / `--lighthouse=PORT` among the launcher's options (before the sub-command),
+    removed: the argv left for torchrun, and the lighthouse's port (None: no lighthouse)."""
+    end = next((i for i, arg in enumerate(argv) if arg in subcommands), len(argv))
+    found = [arg for arg in argv[:end] if arg == "--lighthouse" or arg.startswith("--lighthouse=")]
+    if not found:
+        return argv, None
+    value = found[-1].partition("=")[2] or str(LIGHTHOUSE_PORT)
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"--lighthouse={value}: give a port number (default {LIGHTHOUSE_PORT})")
+    return [arg for arg in argv[:end] if arg not in found] + argv[end:], int(value)
+
+
+def lighthouse_binary() -> str:
+    """torchft's `torchft_lighthouse` (on PATH, or beside this interpreter)."""
+    import shutil
+
+    binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+    if not Path(binary).is_file():
+        raise RuntimeError("--lighthouse needs torchft's torchft_lighthouse: pip install \"lmforge[ft]\"")
+    return binary
+
+
+@contextlib.contextmanager
+def lighthouse_running(binary: str, port: int):
+    """A torchft lighthouse on `port` while the workers run. Its quorum needs one replica group
+    (fault_tolerance.min_replicas decides whether a step commits); it waits at most 5 s for a
+    group that heartbeats but has not asked yet, and counts a group silent for 5 s as dead."""
+    import subprocess
+
+    proc = subprocess.Popen([binary, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "5000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"http://{socket.gethostname()}:{port}"
+    os.environ["TORCHFT_LIGHTHOUSE"] = address
+    print(f"lmforge launch: torchft lighthouse at {address} (fault_tolerance.lighthouse of the other groups)",
+          file=sys.stderr, flush=True)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def signalled_status(sig: int, statuses: Path) -> int:

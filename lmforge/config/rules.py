@@ -395,10 +395,30 @@ def check_linear_attention(cfg: "Config") -> None:
                           "3-D; use optim.name = 'adamw'.")
 
 
+def check_fault_tolerance(cfg: "Config") -> None:
+    """fault_tolerance.enabled: what a replica group may be (lmforge.train.fault_tolerance averages
+    each rank's whole gradients with the same rank of the other groups: one process or DDP ranks)."""
+    f, p = cfg.fault_tolerance, cfg.parallel
+    if not f.enabled:
+        return
+    if p.async_sgd:
+        raise ConfigError("fault_tolerance.enabled with parallel.async_sgd = true: the parameter server has its own "
+                          "loop; use one of them.")
+    if p.fsdp or p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1:
+        raise ConfigError("fault_tolerance.enabled: a replica group is one process or DDP ranks (parallel.zero_stage "
+                          "= 0, tp = pp = cp = ep = 1); sharded layouts inside a group are not supported yet.")
+    if cfg.guard.enabled:
+        raise ConfigError("fault_tolerance.enabled needs guard.enabled = false: the guard judges each group's own "
+                          "loss, so one group could skip an update another makes and the replicas would diverge.")
+    if cfg.schedule.batch_rampup_start:
+        raise ConfigError("fault_tolerance.enabled with schedule.batch_rampup_start: not supported (a rejoining "
+                          "group takes its peer's position, not its ramp-up).")
+
+
 # The cross-section checks in the order `Config.validate` runs them (the layout's rules: `check_layout`).
 CROSS_SECTION_CHECKS: tuple[Callable[["Config"], None], ...] = (
     check_data_vs_model, check_batch, check_layout, check_features, check_parametrization, check_data_recipes,
-    check_multi_token_prediction, check_linear_attention)
+    check_multi_token_prediction, check_linear_attention, check_fault_tolerance)
 
 
 def check_resolved_precision(cfg: "Config", precision: str, why: str = "") -> None:

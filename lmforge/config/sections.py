@@ -805,6 +805,41 @@ class FinetuneConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Live fault tolerance across replica groups (`fault_tolerance.*`; lmforge.train.fault_tolerance,
+    on torchft: `pip install "lmforge[ft]"`). Each replica group is one `lmforge train` (one process,
+    or a torchrun of DDP ranks); the groups agree on a quorum with a torchft lighthouse every step and
+    average their gradients over it. A dead group costs no restart: the others go on at the smaller
+    quorum, and the group started again fetches the weights, optimizer and loop state from a live one."""
+
+    enabled: bool = _f(False, "Make this run one replica group of a fault-tolerant job (needs torchft and a lighthouse: `lmforge launch --lighthouse ...` starts one, or `torchft_lighthouse --min_replicas 1`).")
+    replica_id: int = _f(0, "This group's index, 0 .. replica_groups - 1: it picks the group's share of the data (data rank replica_id x dp + the rank's dp index, of replica_groups x dp) and names it to the lighthouse. A group started again keeps its index.")
+    replica_groups: int = _f(1, "How many replica groups the job has at full strength (what splits the data; a quorum may hold fewer). train.global_batch_size is each group's batch: the job's step trains replica_groups x global_batch_size sequences at full quorum.")
+    lighthouse: str = _f("", "The lighthouse's address, e.g. http://host:29510 ('' = $TORCHFT_LIGHTHOUSE, which `lmforge launch --lighthouse` sets).")
+    min_replicas: int = _f(1, "A step commits only with at least this many groups in its quorum (fewer: the step is retried until enough are back or fault_tolerance.timeout_s passes).")
+    batch_policy: Literal["shrink"] = _f("shrink", "What a step trains when its quorum is short of groups: 'shrink' = the batches of the groups in the quorum (the global batch shrinks with the quorum; the step log records which groups trained each step, so the missing share is known, not silent).")
+    timeout_s: float = _f(60.0, "Seconds a quorum, a cross-group all-reduce, a commit or a weight transfer may take before the step counts as failed and is retried with a new quorum.")
+    max_retries: int = _f(10, "Stop with an error after this many failed attempts at one step in a row (each attempt forms a new quorum).")
+
+    def check(self) -> None:
+        at_least(1, "fault_tolerance", replica_groups=self.replica_groups, min_replicas=self.min_replicas,
+                 max_retries=self.max_retries)
+        at_least(0, "fault_tolerance", replica_id=self.replica_id)
+        if self.replica_id >= self.replica_groups:
+            raise ConfigError(f"fault_tolerance.replica_id = {self.replica_id} must be < fault_tolerance.replica_groups "
+                              f"= {self.replica_groups} (the groups are numbered 0 .. replica_groups - 1).")
+        if self.min_replicas > self.replica_groups:
+            raise ConfigError(f"fault_tolerance.min_replicas = {self.min_replicas} must be <= fault_tolerance.replica_groups "
+                              f"= {self.replica_groups} (no quorum could ever commit).")
+        if self.batch_policy != "shrink":
+            raise ConfigError(f"fault_tolerance.batch_policy = {self.batch_policy!r}: only 'shrink' is supported.")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"fault_tolerance.timeout_s = {self.timeout_s} must be > 0.")
+        if self.lighthouse and not self.lighthouse.startswith(("http://", "https://")):
+            raise ConfigError(f"fault_tolerance.lighthouse = {self.lighthouse!r} must be a URL like http://host:29510.")
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -819,6 +854,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
     guard: GuardConfig = field(default_factory=GuardConfig, metadata={"doc": "Loss-spike / NaN guard."})
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig, metadata={"doc": "Fine-tuning."})
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig,
+                                                  metadata={"doc": "Live fault tolerance (torchft replica groups)."})
 
     # what load_config adapted to the layout (log lines; not a config key)
     adjustments: ClassVar[tuple[str, ...]] = ()

@@ -17,7 +17,8 @@ Everything that differs between parallel layouts is behind `self.layout` (lmforg
 the trainer never asks which one it has. Checkpoints hold `self.states`, a mapping of `Stateful`
 objects (lmforge.ckpt.checkpointer). The other concerns join the loop through the events of
 lmforge.train.events (their order and contract are written there) as handlers: the rank health
-report and hang watchdog (train.rank_health), the profiler (train.profiler.Profiling), and what a
+report and hang watchdog (train.rank_health), the profiler (train.profiler.Profiling), the replica
+groups of live fault tolerance (train.fault_tolerance, idle unless configured), and what a
 caller adds (`Trainer(cfg, handlers=[...])`, `add_handler`, `events.register_handler`). Elsewhere:
 the guard and its rollback (train.guard.StepGuard), checkpoints and preemption (train.checkpointing),
 step records and log lines (train.step_log), header, summary and plots (train.run_report), final
@@ -57,6 +58,7 @@ from lmforge.train.components import (build_loaders, build_training_model, docum
 from lmforge.train.ema import WeightEMA
 from lmforge.train.eval_tasks import TaskEvaluator
 from lmforge.train.events import Handler, Handlers, registered_handlers
+from lmforge.train.fault_tolerance import FaultTolerance, data_coordinate
 from lmforge.train.guard import StepGuard, can_skip_on_device
 from lmforge.train.metrics import format_duration
 from lmforge.train.precision import Resolved, make_precision
@@ -89,7 +91,7 @@ class Trainer:
     @staticmethod
     def builtin_handlers() -> list[Handler]:
         """The handlers every synchronous run has, first, in this order (lmforge.train.events)."""
-        return [RankHealth(), Profiling()]
+        return [RankHealth(), Profiling(), FaultTolerance()]
 
     def add_handler(self, handler: Handler) -> None:
         """Join `handler` to this trainer's events (after the others; before `fit`)."""
@@ -138,7 +140,7 @@ class Trainer:
             raise ValueError(
                 f"the tokenizer has {self.data.tokenizer.vocab_size} tokens but model.vocab_size = "
                 f"{cfg.model.vocab_size}; raise model.vocab_size to at least that (a multiple of 64 is fastest).")
-        self.loaders = loaders = build_loaders(cfg, self.data, self.dist.dp_rank, self.dist.dp_size)
+        self.loaders = loaders = build_loaders(cfg, self.data, *data_coordinate(cfg, self.dist))
         documents = document_attention(cfg, self.data.tokenizer.eos_id, loaders.train_shards)  # (data.attention)
         self.validation = Validation(cfg, loaders.val_shards, loaders.val_instruct, documents, loaders.train_shards)
         if cfg.data.prefetch:  # the next micro-batches are drawn (CUDA: pinned) while the step runs

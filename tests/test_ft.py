@@ -1,0 +1,203 @@
+"""Live fault tolerance on torchft (lmforge/train/fault_tolerance.py), with real processes on the CPU.
+
+A real torchft lighthouse, two replica groups of one process each (gloo), a tiny model: one group is
+SIGKILLed mid-run; the other keeps stepping without a restart (its step count rises while the first
+is dead); the killed group, started again with the same command, rejoins, receives the weights,
+optimizer and position from the survivor, and both finish with the same weights, bit for bit. Each
+group's step log records the quorum that trained each step. The config's checks run in process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import Config, ConfigError
+from tests.test_ckpt_fault import assert_bitwise, final_weights
+from tests.test_parallel_dp import corpus, free_port, overrides  # noqa: F401 - fixture reuse
+
+pytest.importorskip("torchft")
+
+DRIVER = str(Path(__file__).with_name("ft_driver.py"))  # (paced steps, and a hold: see there)
+STEP_S = 0.02
+STEPS = 40
+RUN = {"train.steps": STEPS, "train.log_every": 1, "checkpoint.every_minutes": 0, "train.sample_tokens": 0,
+       "train.eval_sequences": 2, "guard.enabled": "false", "fault_tolerance.enabled": "true",
+       "fault_tolerance.replica_groups": 2, "fault_tolerance.timeout_s": 20}
+
+
+def lighthouse_binary() -> str:
+    found = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+    assert Path(found).is_file(), "torchft_lighthouse not found next to the interpreter"
+    return found
+
+
+def start_lighthouse(port: int, log: Path) -> subprocess.Popen:
+    """A real torchft lighthouse: a quorum needs one group; a group silent for 1 s is dead; a quorum
+    waits at most 5 s for a live group that has not asked yet (the restarted group's first quorum
+    waits for the survivor, which the test holds until then: on a busy machine it may take a
+    second or more to ask)."""
+    return subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{port}",
+                             "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "20"],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_group(corpus: Path, out: Path, replica: int, port: int, hold: Path, log: Path) -> subprocess.Popen:  # noqa: F811
+    extra = {**RUN, "fault_tolerance.replica_id": replica, "fault_tolerance.lighthouse": f"http://localhost:{port}"}
+    return subprocess.Popen([sys.executable, DRIVER, str(STEP_S), str(hold)] + overrides(corpus, out, **extra),
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # (the last line of a writer killed mid-line, or being written)
+            continue
+    return out
+
+
+def steps_done(out: Path) -> int:
+    return max((r["step"] for r in records(out) if "loss" in r), default=0)
+
+
+def quorums(out: Path) -> dict[int, dict]:
+    """The last ft_quorum record of each step (a killed group's folder may hold a step twice)."""
+    return {r["step"]: r for r in records(out) if r.get("event") == "ft_quorum"}
+
+
+def wait_for(predicate, procs, what: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        for p in procs:
+            assert p.poll() is None, f"a process ended (rc {p.returncode}) before {what}"
+        assert time.time() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.02)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(corpus, tmp_path):  # noqa: F811
+    port = free_port()
+    a_out, b_out, hold, no_hold = tmp_path / "group0", tmp_path / "group1", tmp_path / "hold", tmp_path / "no-hold"
+    logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1-again.log"]
+    lighthouse = start_lighthouse(port, tmp_path / "lighthouse.log")
+    procs = [lighthouse]
+    try:
+        # group 0 waits at its first step until group 1 is up (however slowly this machine starts it),
+        # so that the two train together for a while; then it is the survivor
+        hold.touch()
+        a = start_group(corpus, a_out, 0, port, hold, logs[0])
+        b = start_group(corpus, b_out, 1, port, no_hold, logs[1])
+        procs += [a, b]
+        wait_for(lambda: "Start quorum" in logs[1].read_text(), procs, "group 1's first quorum")
+        hold.unlink()
+        # both train together for a few steps (a quorum of the two), then group 1 dies mid-run
+        wait_for(lambda: sum(r["replica_groups"] == [0, 1] for r in quorums(b_out).values()) >= 3, procs,
+                 "steps of both groups")
+        kill(b)
+        first_leg = len([r for r in records(b_out) if r.get("event") == "ft_quorum"])
+        alive_at = steps_done(a_out)
+        # the survivor keeps stepping, without a restart, while group 1 is dead
+        wait_for(lambda: steps_done(a_out) >= alive_at + 5, [lighthouse, a], "survivor steps after the kill")
+        assert b.poll() is not None and a.poll() is None
+        hold.touch()  # (the survivor waits at its next step until group 1 is up again)
+        # group 1 again, with the same command: it rejoins and takes the survivor's state
+        b = start_group(corpus, b_out, 1, port, no_hold, logs[2])
+        procs.append(b)
+        wait_for(lambda: "Start quorum" in logs[2].read_text(), [lighthouse, a, b], "the restarted group's quorum")
+        hold.unlink()
+        assert a.wait(timeout=120) == 0, logs[0].read_text()[-3000:]
+        assert b.wait(timeout=60) == 0, logs[2].read_text()[-3000:]
+    finally:
+        for p in procs:
+            kill(p)
+
+    qa, qb = quorums(a_out), quorums(b_out)
+    by_step = {s: tuple(qa[s]["replica_groups"]) for s in sorted(qa)}
+    # every step of the run was trained, once per group, each by a recorded quorum (the group that
+    # came up second at the start took the first one's state then, as a rejoining group does)
+    assert sorted(set(qa) | set(qb)) == list(range(1, STEPS + 1))
+    # the survivor: every step from its first to the last, in order: both groups, then group 0 alone
+    # from the kill on (at least the 5 steps waited for), then both again to the end
+    assert sorted(qa) == list(range(min(qa), STEPS + 1))
+    alone = [s for s, g in by_step.items() if g == (0,) and s > min(qb)]
+    killed, rejoined = min(alone), max(alone) + 1
+    assert alone == list(range(killed, rejoined)) and len(alone) >= 5, by_step
+    assert all(by_step[s] == (0, 1) for s in range(max(min(qa), min(qb)), killed)), by_step
+    assert all(by_step[s] == (0, 1) for s in range(rejoined, STEPS + 1)), by_step
+    # the restarted group began at the survivor's step, not at step 1: it received the loop's position
+    second_leg = [r["step"] for r in records(b_out) if r.get("event") == "ft_quorum"][first_leg:]
+    assert second_leg == list(range(rejoined, STEPS + 1)), second_leg
+    assert "received from a live group" in logs[2].read_text()
+    # ... and the weights and the optimizer state: from there on both apply the same averaged
+    # gradients to the same weights with the same Adam moments, so they end bit-identical
+    assert_bitwise(final_weights(a_out), final_weights(b_out))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("replica_id", 2, "fault_tolerance.replica_id = 2 must be < fault_tolerance.replica_groups"),
+    ("replica_groups", 0, "fault_tolerance.replica_groups = 0 must be >= 1"),
+    ("min_replicas", 3, "fault_tolerance.min_replicas = 3 must be <= fault_tolerance.replica_groups"),
+    ("timeout_s", 0, "fault_tolerance.timeout_s = 0 must be > 0"),
+    ("lighthouse", "host:29510", "fault_tolerance.lighthouse = 'host:29510' must be a URL"),
+])
+def test_bad_values_name_the_key(key, value, message):
+    cfg = Config()
+    cfg.fault_tolerance.replica_groups = 2
+    setattr(cfg.fault_tolerance, key, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as e:
+        cfg.fault_tolerance.check()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"guard.enabled": True}, "needs guard.enabled = false"),
+    ({"parallel.async_sgd": True}, "parallel.async_sgd"),
+    ({"parallel.zero_stage": 3}, "one process or DDP ranks"),
+])
+def test_layouts_a_replica_group_cannot_be(setting, message):
+    from lmforge.config.rules import check_fault_tolerance
+
+    cfg = Config()
+    cfg.guard.enabled = False
+    cfg.fault_tolerance.enabled = True
+    check_fault_tolerance(cfg)  # (one process, no guard: a replica group)
+    for dotted, value in setting.items():
+        section, key = dotted.split(".")
+        setattr(getattr(cfg, section), key, value)
+    with pytest.raises(ConfigError, match=message) as e:
+        check_fault_tolerance(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_launch_takes_its_lighthouse_option_and_leaves_torchrun_the_rest():
+    from lmforge.launch import LIGHTHOUSE_PORT, take_lighthouse_option
+
+    subs = {"train"}
+    argv = ["--nproc-per-node", "2", "train", "--lighthouse"]  # (after the sub-command: the worker's)
+    assert take_lighthouse_option(argv, subs) == (argv, None)
+    assert take_lighthouse_option(["--lighthouse", "--nproc-per-node", "2", "train", "--x", "1"], subs) == \
+        (["--nproc-per-node", "2", "train", "--x", "1"], LIGHTHOUSE_PORT)
+    assert take_lighthouse_option(["--nproc-per-node", "2", "--lighthouse=29600", "train"], subs) == \
+        (["--nproc-per-node", "2", "train"], 29600)
+    with pytest.raises(ValueError, match="--lighthouse=abc: give a port number"):
+        take_lighthouse_option(["--lighthouse=abc", "train"], subs)
