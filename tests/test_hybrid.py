@@ -18,7 +18,7 @@ from lmforge.model.gated_deltanet import GatedDeltaNet
 from lmforge.model.layers import Attention
 from lmforge.model.transformer import build_model
 from lmforge.plan.params import total_params
-from tests.test_parallel_dp import assert_runs_match, corpus, train, train_runs  # noqa: F401  (module-scoped corpus)
+from tests.test_parallel_dp import SGD, assert_runs_match, corpus, train, train_runs  # noqa: F401  (module-scoped corpus)
 
 HYBRID = dict(vocab_size=97, dim=32, n_layers=4, n_heads=4, max_seq_len=64, attn_gate=True,
               deltanet=DeltaNetConfig(key_heads=2, value_heads=4, chunk_size=8))
@@ -60,11 +60,15 @@ def test_impossible_layer_types_are_refused(edit, match):
         ModelConfig(**{**HYBRID, **edit}).check()
 
 
-@pytest.mark.parametrize("key", ["parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep"])
+@pytest.mark.parametrize("key", ["parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep"])
 def test_layouts_that_do_not_split_linear_attention_yet_are_refused_with_the_reason(key):
+    """TP and CP refuse Gated DeltaNet blocks with the reason; PP and EP run them."""
     cfg = load_config("tiny-hybrid")
     cfg.parallel = type(cfg.parallel)(**{**cfg.parallel.__dict__, key.split(".")[1]: 2})
     refused = {r.rule: r.message for r in layout_refusals(cfg)}
+    if key in ("parallel.pp", "parallel.ep"):
+        assert "linear-attention-layouts" not in refused
+        return
     assert "linear-attention-layouts" in refused
     assert "Gated DeltaNet" in refused["linear-attention-layouts"] and f"{key} = 2" in refused["linear-attention-layouts"]
     assert "linear-attention-layouts" not in {r.rule for r in layout_refusals(load_config("tiny-hybrid"))}
@@ -107,15 +111,25 @@ def test_tiny_hybrid_trains_through_lmforge_train(corpus, tmp_path):  # noqa: F8
     assert "full_attention_interval = 4" in (out / "config.toml").read_text()
 
 
+MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_hidden": 128}
+
+
 @pytest.mark.slow
-def test_tiny_hybrid_under_ddp_and_fsdp2_matches_one_process(corpus, tmp_path):  # noqa: F811
-    """The layouts a hybrid model runs under (data parallelism: DDP, FSDP2) give one process's
-    per-step losses and gradient norms."""
+def test_tiny_hybrid_under_ddp_fsdp2_pipeline_and_expert_parallelism_matches_one_process(corpus, tmp_path):  # noqa: F811
+    """The layouts a hybrid model runs under give one process's per-step losses and gradient norms:
+    DDP, FSDP2 and a 2-stage pipeline (1F1B: blocks 1-2 Gated DeltaNet, then one of each) with AdamW,
+    and with MoE blocks (4 experts, top-2) expert parallelism over 2 ranks with plain SGD
+    (tests/test_parallel_dp.py's `SGD`: a gradient of the wrong scale changes the curve)."""
     shared = {"config": "tiny-hybrid", "model.n_layers": 4, "train.steps": 6, "train.log_every": 1}
-    proc = train_runs(corpus, {tmp_path / "single": {}}, **shared)
+    # (EP: 2 micro-batches of 4 sequences over the ranks, as one process's: the balance loss is per micro-batch)
+    singles = {tmp_path / "single": {}, tmp_path / "single-moe-sgd": {**MOE, **SGD, "train.micro_batch_size": 4}}
+    proc = train_runs(corpus, singles, **shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    runs = {tmp_path / "ddp2": {"parallel.dp_replicate": 2}, tmp_path / "fsdp2": {"parallel.dp_shard": 2}}
-    proc = train_runs(corpus, runs, nproc=2, timeout=300, **shared)
+    runs = {tmp_path / "ddp2": {"parallel.dp_replicate": 2}, tmp_path / "fsdp2": {"parallel.dp_shard": 2},
+            tmp_path / "pp2": {"parallel.pp": 2},
+            tmp_path / "ep2-moe-sgd": {**MOE, **SGD, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 2}}
+    proc = train_runs(corpus, runs, nproc=2, timeout=400, **shared)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for out in runs:
-        assert_runs_match(out, tmp_path / "single", f"tiny-hybrid, {out.name} vs one process")
+        ref = tmp_path / ("single-moe-sgd" if "moe" in out.name else "single")
+        assert_runs_match(out, ref, f"tiny-hybrid, {out.name} vs one process")

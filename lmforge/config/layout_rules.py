@@ -255,11 +255,11 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        lambda c, k: {"ok": divisors(c.model.moe.num_experts)}, structural=True, needs=frozenset({"model"})),
     # -- Gated DeltaNet blocks (model.layer_types): one process or data parallelism (DDP / FSDP2) for now
     _R("linear-attention-layouts", lambda c: c.model.has_linear_layers
-       and max(c.parallel.tp, c.parallel.pp, c.parallel.cp, c.parallel.ep) > 1,
-       "{k[tp]} = {p.tp}, {k[pp]} = {p.pp}, {k[cp]} = {p.cp}, {k[ep]} = {p.ep}: model.layer_types / "
-       "full_attention_interval make Gated DeltaNet (linear-attention) blocks, which lmforge runs on one process or "
-       "under data parallelism (DDP, FSDP2) only for now: tensor, pipeline, context and expert parallelism do not "
-       "split or pass on their state, convolutions and gates yet; set {k[tp]} = {k[pp]} = {k[cp]} = {k[ep]} = 1, or "
+       and max(c.parallel.tp, c.parallel.cp) > 1,
+       "{k[tp]} = {p.tp}, {k[cp]} = {p.cp}: model.layer_types / full_attention_interval make Gated DeltaNet "
+       "(linear-attention) blocks, which lmforge runs on one process and under DDP, FSDP2, pipeline and expert "
+       "parallelism; tensor parallelism does not split their convolutions and gates yet, and context parallelism "
+       "would pass each block's recurrent state from rank to rank in sequence order; set {k[tp]} = {k[cp]} = 1, or "
        "make every block full attention."),
     # -- OLMo 2 / 3's QK-norm (model.qk_norm_scope = "projection") normalises over every head at once
     _R("qk-norm-projection-tp", lambda c: c.parallel.tp > 1 and c.model.qk_norm and c.model.qk_norm_scope == "projection",

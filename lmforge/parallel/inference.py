@@ -81,8 +81,8 @@ class ShardedInference:
         `Transformer.forward`, padded like the tokens (the padding joins the last document)."""
         n = tokens.shape[1]
         start = kv_caches[0].length if kv_caches else 0
-        if kv_caches and self.pp > 1:  # (the first layer may live on another rank)
-            start = next((c.length for c in kv_caches if c.k is not None), 0)
+        if kv_caches and self.pp > 1:  # (the first layer may live on another rank; a Gated DeltaNet cache counts too)
+            start = next((c.length for c in kv_caches if c.length), 0)
         pad = -n % self.pad_multiple
         if pad:
             tokens = _pad_right(tokens, pad)
@@ -100,8 +100,8 @@ class ShardedInference:
                     out = logits.float()
                 out = out.full_tensor() if isinstance(out, DTensor) else out
         if kv_caches and pad:
-            for cache in kv_caches:
-                if cache.k is not None:
+            for cache in kv_caches:  # (padding comes with TP + SP, which linear-attention blocks do not run under)
+                if isinstance(cache, KVCache) and cache.k is not None:
                     cache.k, cache.v = cache.k[:, :, :start + n], cache.v[:, :, :start + n]
         if self.pp > 1:
             out = self._from_last_stage(out, (tokens.shape[0], n, self.cfg.vocab_size) if targets is None else ())
