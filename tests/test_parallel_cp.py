@@ -4,7 +4,7 @@ Real torchrun jobs (tests/cp_driver.py runs several `Trainer(cfg).fit()` in one 
 import and the process group are paid once per world size) on a tiny prepared corpus, every run
 with the one-process run's seed, data and global batch (8 sequences of 32 tokens per step) and with
 `data.mask_doc_boundaries = true`, so the ranks' chunks hold unequal target counts and the global
-token normalisation over dp x cp is exercised. Per-step training loss AND gradient norm of 20 steps
+token normalisation over dp x cp is exercised. Per-step training loss AND gradient norm of 10 steps
 must agree to 1e-5 relative, the tolerance of the other layouts (observed <= 4e-7, fp32: only the
 reduction order differs):
 
@@ -19,8 +19,8 @@ embeddings, against an untied one-process run). On the CPU every run attends on 
 (lmforge.parallel.context_parallel: flash attention for CPU over each chunk's prefix and diagonal
 block, merged by log-sum-exp), with document-boundary masking on.
 
-The CP=2 run's step-10 checkpoint resumes in one process, the CP=2 x FSDP2 run's at CP=4 (DDP):
-steps 11-20 again equal to the one-process run. A 4-rank probe measures the hook itself at cp = 1,
+The CP=2 run's step-5 checkpoint resumes in one process, the CP=2 x FSDP2 run's at CP=4 (DDP):
+steps 6-10 again equal to the one-process run. A 4-rank probe measures the hook itself at cp = 1,
 2 and 4 on a GQA model with one KV head (fewer KV heads than cp): loss and gradients equal to one
 process, per-rank saved activations = (A - KV) / cp + KV (A: one process's, KV: the whole
 sequence's K/V; no mask), and bytes through the collectives = the closed form
@@ -47,17 +47,17 @@ import torch
 from lmforge.config import ConfigError, ModelConfig, load_config
 from lmforge.spec.parallel import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes
 from tests.conftest import make_corpus
-from tests.test_parallel_dp import SGD, TINY, docs_corpus, docs_run, free_port  # noqa: F401  (fixture)
+from tests.test_parallel_dp import SGD, STEPS, TINY, docs_corpus, docs_run, free_port  # noqa: F401  (fixture)
 
 DRIVER = str(Path(__file__).with_name("cp_driver.py"))
 TOL = 1e-5  # relative, per step, loss and grad norm; observed <= 4e-7
 BASE = {**TINY, "train.sample_tokens": 0, "train.eval_sequences": 8, "checkpoint.save_final": "false",
         "checkpoint.every_minutes": 0}
 LAYOUTS = {  # name: (processes, overrides); all of a world size run in one launch
-    "cp2": (2, {"parallel.cp": 2, "checkpoint.every_steps": 10}),  # micro-batches of 2: accumulation 4
+    "cp2": (2, {"parallel.cp": 2, "checkpoint.every_steps": 5}),  # micro-batches of 2: accumulation 4
     "cp4": (4, {"parallel.cp": 4, "train.micro_batch_size": 4}),
     "fsdp2xcp2": (4, {"parallel.dp_shard": 2, "parallel.cp": 2, "train.micro_batch_size": 4,
-                      "checkpoint.every_steps": 10}),
+                      "checkpoint.every_steps": 5}),
     "tp2spxcp2": (4, {"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.cp": 2,
                       "train.micro_batch_size": 8}),
 }
@@ -130,15 +130,15 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(corpus, docs_corpus, tmp_path_factory) -> Path:
     """Both launches at once (2 and 4 processes), the one-process reference meanwhile, then the CP=2
-    run's step-10 checkpoint in one process. The 4-process launch resumes its own CP=2 x FSDP2
-    step-10 checkpoint at CP=4 (DDP): another CP degree and another layout."""
+    run's step-5 checkpoint in one process. The 4-process launch resumes its own CP=2 x FSDP2
+    step-5 checkpoint at CP=4 (DDP): another CP degree and another layout."""
     from tests.cp_driver import run_trainings
 
     root = tmp_path_factory.mktemp("cp-runs")
-    base = {**BASE, "data.corpus": str(corpus)}
+    base = {**BASE, **STEPS, "data.corpus": str(corpus)}  # (BASE, tests/test_parallel_cp_ulysses.py's too: 20 steps)
 
     def resume(run: str) -> dict:
-        return {**base, "checkpoint.resume": str(root / run / "checkpoints" / "step_00000010")}
+        return {**base, "checkpoint.resume": str(root / run / "checkpoints" / "step_00000005")}
 
     layouts = {n: (procs, {**base, **o}) for n, (procs, o) in LAYOUTS.items()}
     layouts |= {n: (procs, {**base, **SGD, **o}) for n, (procs, o, _) in SGD_LAYOUTS.items()}
@@ -176,9 +176,9 @@ def runs(corpus, docs_corpus, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_layout_matches_one_process(runs, layout):
     ref, got = records(runs / "single"), records(runs / layout)
-    assert sorted(got) == list(range(1, 21)) and got.keys() == ref.keys()
+    assert sorted(got) == list(range(1, STEPS["train.steps"] + 1)) and got.keys() == ref.keys()
     loss, norm = worst(got, ref)
-    print(f"\n{layout}: max relative difference vs one process over 20 steps: loss {loss:.1e}, grad norm {norm:.1e}")
+    print(f"\n{layout}: max relative difference vs one process over {len(got)} steps: loss {loss:.1e}, grad norm {norm:.1e}")
     assert loss < TOL and norm < TOL, (layout, loss, norm, got, ref)
     summary = json.loads((runs / layout / "summary.json").read_text())
     assert summary["layout"].endswith("+cp"), summary["layout"]
@@ -216,9 +216,9 @@ def test_context_parallel_checkpoint_resumes_in_one_process_and_at_cp4(runs, res
     """A CP checkpoint holds the model's parameters (CP does not change them) and the loader's global
     position, so one process (from CP=2) and CP=4 (from CP=2 x FSDP2) continue the very same run."""
     ref, got = records(runs / "single"), records(runs / resumed)
-    assert sorted(got) == list(range(11, 21))  # it started from step 10, not from scratch
+    assert sorted(got) == list(range(6, STEPS["train.steps"] + 1))  # it started from step 5, not from scratch
     loss, norm = worst(got, ref)
-    print(f"\n{resumed} from a CP=2 step-10 checkpoint: loss {loss:.1e}, grad norm {norm:.1e} vs one process")
+    print(f"\n{resumed} from a CP=2 step-5 checkpoint: loss {loss:.1e}, grad norm {norm:.1e} vs one process")
     assert loss < TOL and norm < TOL, (loss, norm, got, ref)
 
 

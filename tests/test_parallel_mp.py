@@ -4,7 +4,7 @@ Real `torchrun` jobs of `lmforge train` on a tiny prepared corpus (4 layers so t
 1F1B has 2 ranks x 2 chunks; untied: tests/test_parallel_pp_tied.py pipelines tied ones). Every
 layout sees the same seed, data and global batch (8 sequences of 32
 tokens per step, micro-batches of 2) as the one-process reference, which runs once per module; the
-per-step training losses and gradient norms (before clipping) of 20 steps must agree to 1e-5
+per-step training losses and gradient norms (before clipping) of 10 steps (`STEPS`) must agree to 1e-5
 relative (fp32; only the reduction order differs), and so must the validation losses (computed on
 the sharded model itself, lmforge.parallel.inference), the EMA of the weights, its validation loss
 and the scores of an in-loop multiple-choice task (tests/test_parallel_dp.py's `assert_extras_match`). `data.mask_doc_boundaries = true` makes
@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from lmforge.config import ConfigError, load_config
-from tests.test_parallel_dp import (EMA, SGD, assert_extras_match, assert_runs_match,  # noqa: F401
-                                    corpus, docs_corpus, docs_run, losses, tasks, train,  # (corpus, docs_corpus:
-                                    train_runs)  # module-scoped fixtures)
+from tests.test_parallel_dp import (EMA, SGD, STEPS, assert_extras_match, assert_runs_match,  # noqa: F401
+                                    corpus, docs_corpus, docs_run, losses, run_logs, tasks, train,  # (corpus,
+                                    train_runs)  # docs_corpus: module-scoped fixtures)
 
 # The separate q/k/v projections (model.fused_qkv = false): at this seed the fused layout's one
 # larger matmul rounds differently in one process and in TP's halves, and step 7's gradient-norm
@@ -42,6 +41,8 @@ from tests.test_parallel_dp import (EMA, SGD, assert_extras_match, assert_runs_m
 # process in tests/test_fused_qkv.py.
 MP = {"model.n_layers": 4, "model.tie_embeddings": "false", "model.fused_qkv": "false"}
 TOL = 1e-5  # relative, per step
+# The AdamW runs' length, tests/test_parallel_dp.py's `STEPS` (10): they take in step 7's gradient-norm spike
+# (the step that amplifies reordered sums most). (Not in MP: other files' runs take MP and set their own steps.)
 
 
 def val_losses(run: Path) -> list[float]:
@@ -51,16 +52,16 @@ def val_losses(run: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def reference(corpus, docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
-    """One process: ROOT/adamw (the preset's optimizer, 20 steps), ROOT/sgd (`SGD`) and ROOT/docs (document
+    """One process: ROOT/adamw (the preset's optimizer, `STEPS`), ROOT/sgd (`SGD`) and ROOT/docs (document
     masking on best-fit rows: tests/test_parallel_dp.py's `DOCS`), and the one-process side of the other
     tests' comparisons (ROOT/pairs/<name> of `PAIRS`, ROOT/family/single: `FAMILY`), one launch."""
     root = tmp_path_factory.mktemp("mp-single")
-    proc = train_runs(corpus, {root / "adamw": {**MP, **EMA, **tasks(corpus)}, root / "sgd": {**MP, **SGD},
+    proc = train_runs(corpus, {root / "adamw": {**MP, **STEPS, **EMA, **tasks(corpus)}, root / "sgd": {**MP, **SGD},
                                root / "docs": {**MP, **docs_run(docs_corpus)},
                                **{root / "pairs" / name: own for name, own in PAIRS.items()},
                                root / "family" / "single": FAMILY}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert sorted(losses(root / "adamw")) == list(range(1, 21))
+    assert sorted(losses(root / "adamw")) == list(range(1, STEPS["train.steps"] + 1))
     return root
 
 
@@ -104,10 +105,10 @@ def layout_runs(root: Path, layout: str, corpus: Path, docs_corpus: Path) -> dic
     """The runs of `layout` under ROOT/<layout>: the AdamW run (EMA, tasks), `SGD` (the `WITH_SGD`
     layouts), `DOCS` and the `ALSO` runs, each with the layout's own overrides."""
     extra, folder = LAYOUTS[layout][1], root / layout
-    return {folder / layout: {**MP, **extra, **EMA, **tasks(corpus)},
+    return {folder / layout: {**MP, **STEPS, **extra, **EMA, **tasks(corpus)},
             **({folder / "sgd": {**MP, **extra, **SGD}} if layout in WITH_SGD else {}),
             folder / "docs": {**MP, **extra, **docs_run(docs_corpus)},
-            **{folder / name: {**MP, **own} for name, own in ALSO.get(layout, {}).items()}}
+            **{folder / name: {**MP, **STEPS, **own} for name, own in ALSO.get(layout, {}).items()}}
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +117,13 @@ def launches(corpus, docs_corpus, tmp_path_factory) -> tuple[Path, dict[Path, st
     (ROOT/pairs/<name>: `PAIRS` under TP=2 + SP; ROOT/family/<layout>: `FAMILY` under `FAMILY_LAYOUTS`),
     one launch per process count (2 and 4: each launch pays torch's import and the process-group setup
     once for all its runs); ROOT and each run's log."""
-    from tests.test_parallel_dp import run_logs
-
     root, logs = tmp_path_factory.mktemp("mp-layouts"), {}
     for nproc in sorted({n for n, _ in LAYOUTS.values()}):
         runs = {run: own for layout, (n, _) in LAYOUTS.items() if n == nproc
                 for run, own in layout_runs(root, layout, corpus, docs_corpus).items()}
         if nproc == 2:
             runs |= {root / "pairs" / name: {**own, **TP2_SP} for name, own in PAIRS.items()}
+            runs |= zero_bubble_checkpoint_runs(root / "zbv-checkpoint")
         runs |= {root / "family" / name: {**FAMILY, **own} for name, (n, own) in FAMILY_LAYOUTS.items() if n == nproc}
         proc = train_runs(corpus, runs, nproc=nproc, timeout=120 + 60 * len(runs))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -162,24 +162,38 @@ def test_model_parallel_layout_matches_one_process(corpus, docs_corpus, referenc
     assert len(model.blocks) == 4
 
 
-@pytest.mark.slow
-def test_zero_bubble_checkpoint_resumes_under_another_schedule_and_in_one_process(corpus, tmp_path):  # noqa: F811
-    """A checkpoint written under zbv (rank 0 holds blocks 0 and 3, rank 1 blocks 1 and 2) continues
-    under interleaved-zb's loop (rank 0: blocks 0 and 2) and in one process: the stages save their
-    parameters and optimizer state under the whole model's names, so DCP reshards them; steps 9-16
-    match the zbv run's."""
-    from tests.test_ckpt_fault import finish, launch
+# a zbv run that writes a checkpoint at step 4 of 8 (rank 0 holds blocks 0 and 3, rank 1 blocks 1 and 2), and
+# the same run resumed from it under interleaved-zb's loop (rank 0: blocks 0 and 2) and in one process
+ZBV_CHECKPOINT = {**MP, "train.steps": 8, "train.log_every": 1}
+ZBV_WRITER = {"parallel.pp": 2, "parallel.pp_schedule": "zbv", "checkpoint.every_steps": 4}
+ZBV_RESUMERS = {"resumed-2": {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-zb", "parallel.pp_virtual_stages": 2},
+                "resumed-1": {}}
 
-    zbv = {**MP, "parallel.pp": 2, "parallel.pp_schedule": "zbv", "train.micro_batch_size": 2}
-    ref = tmp_path / "zbv"
-    finish(launch(corpus, ref, nproc=2, **{**zbv, "checkpoint.keep_every": 8}), ref)
-    for nproc, layout in [(2, {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-zb",
-                               "parallel.pp_virtual_stages": 2, "train.micro_batch_size": 2}), (1, {})]:
-        out = tmp_path / f"resumed-{nproc}"
-        shutil.copytree(ref / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
-        finish(launch(corpus, out, nproc=nproc, **{**MP, **layout, "checkpoint.every_steps": 0}), out)
-        assert "resumed from" in (tmp_path / f"{out.name}.log").read_text()
-        assert_runs_match(out, ref, f"zbv checkpoint -> {layout or 'one process'}", steps=list(range(9, 17)), tol=TOL)
+
+def zero_bubble_checkpoint_runs(root: Path, nproc: int = 2) -> dict[Path, dict]:
+    """The runs of `ZBV_CHECKPOINT` in a launch of `nproc` processes: the writer and the resumer under another
+    schedule (2; after the writer, in the same launch), or the one-process resumer (1)."""
+    resume = {"checkpoint.resume": str(root / "zbv" / "checkpoints" / "step_00000004"), "checkpoint.every_steps": 0}
+    if nproc == 1:
+        return {root / "resumed-1": {**ZBV_CHECKPOINT, **resume}}
+    return {root / "zbv": {**ZBV_CHECKPOINT, **ZBV_WRITER},
+            root / "resumed-2": {**ZBV_CHECKPOINT, **ZBV_RESUMERS["resumed-2"], **resume}}
+
+
+@pytest.mark.slow
+def test_zero_bubble_checkpoint_resumes_under_another_schedule_and_in_one_process(corpus, launches):  # noqa: F811
+    """A checkpoint written under zbv continues under interleaved-zb's loop (in the module's 2-process
+    launch) and in one process: the stages save their parameters and optimizer state under the whole
+    model's names, so DCP reshards them; steps 5-8 match the zbv run's."""
+    root, logs = launches[0] / "zbv-checkpoint", dict(launches[1])
+    runs = zero_bubble_checkpoint_runs(root, nproc=1)
+    proc = train_runs(corpus, runs, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs.update(run_logs(proc, runs))
+    for name, layout in ZBV_RESUMERS.items():
+        out = root / name
+        assert "resumed from" in logs[out], logs[out][-3000:]
+        assert_runs_match(out, root / "zbv", f"zbv checkpoint -> {layout or 'one process'}", steps=[5, 6, 7, 8], tol=TOL)
 
 
 TP2_SP = {"parallel.tp": 2, "parallel.sequence_parallel": "true"}
@@ -225,20 +239,20 @@ def test_lora_under_tensor_and_sequence_parallel_matches_one_process(reference, 
 
 @pytest.mark.slow
 def test_async_sgd_parameter_server_learns_and_reports_staleness(corpus, tmp_path):  # noqa: F811
-    out = tmp_path / "async"
+    out, steps = tmp_path / "async", 12  # (loss ~5.8 -> ~4.2 by step 12; 20 steps: ~3.5)
     proc = train(corpus, out, nproc=3, timeout=300, **{
         **MP, "parallel.dp_replicate": 3, "parallel.async_sgd": "true", "parallel.max_staleness": 1,
-        "train.global_batch_size": 6})
+        "train.global_batch_size": 6, "train.steps": steps})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = losses(out)
-    assert sorted(got) == list(range(1, 21))
-    assert got[20] < got[1] - 1.0, got  # it learns
+    assert sorted(got) == list(range(1, steps + 1))
+    assert got[steps] < got[1] - 1.0, got  # it learns
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     updates = [r for r in recs if "loss" in r]
     assert all(0 <= r["staleness"] <= 1 for r in updates)  # applied gradients respect the bound
     summary = json.loads((out / "summary.json").read_text())
     stats = summary["async_sgd"]
-    assert stats["workers"] == 2 and stats["received"] == 20 + stats["dropped"]
+    assert stats["workers"] == 2 and stats["received"] == steps + stats["dropped"]
     # its own layout and MFU (were "single" and 0.0: the synchronous loop's windows): the workers'
     # model FLOPs over the 3 processes' peak and the run's time
     assert summary["layout"] == "async-sgd (parameter server + 2 workers)"
@@ -318,7 +332,7 @@ FAMILY_STEPS = {"train.steps": 10, "schedule.warmup_steps": 2}  # (each launch p
 
 # name: the overrides of a one-process run and of its TP=2 + SP twin (`one_process_vs_tp2_sp`): tied embeddings
 # (2 layers), LoRA, and each family attention option alone (2 layers, GQA with 2 kv heads: one per rank)
-PAIRS = {"tied": {"model.n_layers": 2, "model.tie_embeddings": "true"}, "lora": LORA,
+PAIRS = {"tied": {"model.n_layers": 2, "model.tie_embeddings": "true", **FAMILY_STEPS}, "lora": LORA,
          **{f"attention-{name}": {"model.n_layers": 2, "model.n_kv_heads": 2, **FAMILY_STEPS, **option}
             for name, option in ATTENTION_OPTIONS.items()}}
 # all the options at once on the MP model, under FSDP2 x TP (2 x 2, SP), PP=2 (1F1B) and CP=2

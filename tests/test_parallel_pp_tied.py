@@ -6,24 +6,30 @@ are summed over the 2-rank group of the first- and last-stage ranks before clipp
 stay bit-equal; in a V (zbv, dualpipev) rank 0 holds both stages and one parameter. Every schedule
 in one 2-rank launch (tests/pp_tied_driver.py, which also checks after each run that the copies
 and their AdamW moments are bit-equal) against one process: per-step losses and gradient norms of
-20 steps within tests/test_parallel_mp.py's TOL. A checkpoint (one tensor, tok_emb.weight) written
+10 steps within tests/test_parallel_mp.py's TOL. A checkpoint (one tensor, tok_emb.weight) written
 under pp = 2 continues in one process and one written in one process continues under pp = 2.
+Four launches in all (`single`, `launches`, and the one-process resume): the checkpoint runs ride along
+in the others.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from lmforge.config import load_config
-from tests.test_parallel_dp import assert_runs_match, corpus, launcher, losses, overrides, train_runs  # noqa: F401
+from tests.test_parallel_dp import STEPS, assert_runs_match, corpus, launcher, losses, overrides, train_runs  # noqa: F401
 from tests.test_parallel_mp import TOL
 
-TIED = {"model.n_layers": 4, "model.tie_embeddings": "true", "model.fused_qkv": "false"}
+# `STEPS` (10, not TINY's 20): a copy that drifts from its twin differs bit-wise from the first step that
+# updates one and not the other, and a wrong gradient scale shows in step 1's gradient norm
+TIED = {"model.n_layers": 4, "model.tie_embeddings": "true", "model.fused_qkv": "false", **STEPS}
+PP = {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}
+CHECKPOINTED = {"train.steps": 8, "train.log_every": 1}  # the checkpoint test's runs: written at step 4, resumed
+WRITES = {"checkpoint.every_steps": 4}
 SCHEDULES = {
     "gpipe": {"parallel.pp_schedule": "gpipe"},
     "1f1b": {"parallel.pp_schedule": "1f1b"},
@@ -46,60 +52,91 @@ def test_tied_pipelines_are_accepted():
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> Path:  # noqa: F811
-    ref = tmp_path_factory.mktemp("tied-single") / "single"
-    proc = train_runs(corpus, {ref: {}}, **TIED)
+def single(corpus, tmp_path_factory) -> Path:  # noqa: F811
+    """One launch of one process: ROOT/single (the reference) and ROOT/checkpoint/written-1 (the checkpoint
+    test's one-process writer)."""
+    root = tmp_path_factory.mktemp("tied-single")
+    proc = train_runs(corpus, {root / "single": {}, root / "checkpoint" / "written-1": {**CHECKPOINTED, **WRITES}},
+                      **TIED)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert sorted(losses(ref)) == list(range(1, 21))
-    return ref
+    assert sorted(losses(root / "single")) == list(range(1, STEPS["train.steps"] + 1))
+    return root
 
 
-def run_tied(corpus: Path, runs: dict[Path, dict], nproc: int, reference: Path) -> list[str]:  # noqa: F811
-    """`runs` in one launch of tests/pp_tied_driver.py, each matched against one process; returns the
-    driver's lines saying the copies were bit-equal after the 20 steps."""
+@pytest.fixture(scope="module")
+def reference(single) -> Path:
+    return single / "single"
+
+
+def resume_from(written: Path) -> dict:
+    return {**CHECKPOINTED, "checkpoint.resume": str(written / "checkpoints" / "step_00000004"),
+            "checkpoint.every_steps": 0}
+
+
+def tied_launch(corpus: Path, runs: dict[Path, dict], nproc: int) -> str:  # noqa: F811
+    """`runs` in one launch of tests/pp_tied_driver.py; its output."""
     args = [overrides(corpus, out, **{**TIED, **own}) for out, own in runs.items()]
     proc = subprocess.run(launcher(nproc) + [DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for out in runs:
-        assert_runs_match(out, reference, f"tied, {out.name} vs one process", tol=TOL)
-    return [line for line in proc.stdout.splitlines() if line.startswith("tied copies bit-equal after 20 steps")]
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def launches(corpus, single, tmp_path_factory) -> tuple[Path, dict[int, str]]:  # noqa: F811
+    """ROOT/pp2-<schedule> for every schedule, the checkpoint test's pipelined runs (ROOT/checkpoint/written-2,
+    and resumed-2 from `single`'s written-1) in one 2-process launch, ROOT/fsdp2xpp2-{1f1b,zbv} in one
+    4-process launch; ROOT and each launch's output."""
+    root = tmp_path_factory.mktemp("tied-layouts")
+    fsdp = {"parallel.dp_shard": 2, "parallel.pp": 2, "train.micro_batch_size": 1}
+    two = {**{root / f"pp2-{name}": {"parallel.pp": 2, **schedule} for name, schedule in SCHEDULES.items()},
+           root / "checkpoint" / "written-2": {**PP, **CHECKPOINTED, **WRITES},
+           root / "checkpoint" / "resumed-2": {**PP, **resume_from(single / "checkpoint" / "written-1")}}
+    four = {root / "fsdp2xpp2-1f1b": {**fsdp, **SCHEDULES["1f1b"]}, root / "fsdp2xpp2-zbv": {**fsdp, **SCHEDULES["zbv"]}}
+    return root, {2: tied_launch(corpus, two, 2), 4: tied_launch(corpus, four, 4)}
+
+
+def bit_equal(output: str) -> list[str]:
+    """The driver's lines saying a run's copies were bit-equal after `STEPS` steps (the checkpoint runs: 8)."""
+    steps = STEPS["train.steps"]
+    return [line for line in output.splitlines() if line.startswith(f"tied copies bit-equal after {steps} steps")]
 
 
 @pytest.mark.slow
-def test_every_schedule_with_tied_embeddings_matches_one_process(corpus, reference, tmp_path):  # noqa: F811
-    runs = {tmp_path / f"pp2-{name}": {"parallel.pp": 2, **schedule} for name, schedule in SCHEDULES.items()}
-    checked = run_tied(corpus, runs, 2, reference)
+def test_every_schedule_with_tied_embeddings_matches_one_process(reference, launches):
+    root, output = launches
+    for name in SCHEDULES:
+        assert_runs_match(root / f"pp2-{name}", reference, f"tied, pp2-{name} vs one process", tol=TOL)
+    checked = bit_equal(output[2])
     assert len(checked) == 4, checked  # (the V schedules hold one parameter)
     from safetensors.torch import load_file
 
-    saved = load_file(str(tmp_path / "pp2-1f1b" / "model.safetensors"))
+    saved = load_file(str(root / "pp2-1f1b" / "model.safetensors"))
     assert "tok_emb.weight" in saved and "lm_head.weight" not in saved  # (exported once)
 
 
 @pytest.mark.slow
-def test_tied_pipelines_under_fsdp2_match_one_process(corpus, reference, tmp_path):  # noqa: F811
+def test_tied_pipelines_under_fsdp2_match_one_process(reference, launches):
     """With FSDP2 (dp_shard = 2): 1F1B sums the two copies' local shards over the embedding group;
     zbv's rank 0 holds one parameter in two stage chunks, which FSDP2 leaves whole (its gradient
     averaged over dp by the pipeline)."""
-    fsdp = {"parallel.dp_shard": 2, "parallel.pp": 2, "train.micro_batch_size": 1}
-    runs = {tmp_path / "fsdp2xpp2-1f1b": {**fsdp, **SCHEDULES["1f1b"]},
-            tmp_path / "fsdp2xpp2-zbv": {**fsdp, **SCHEDULES["zbv"]}}
-    assert len(run_tied(corpus, runs, 4, reference)) == 1  # (1f1b; each embedding group checks its copies)
+    root, output = launches
+    for name in ("fsdp2xpp2-1f1b", "fsdp2xpp2-zbv"):
+        assert_runs_match(root / name, reference, f"tied, {name} vs one process", tol=TOL)
+    assert len(bit_equal(output[4])) == 1  # (1f1b; each embedding group checks its copies)
 
 
 @pytest.mark.slow
-def test_tied_checkpoint_moves_between_a_pipeline_and_one_process(corpus, tmp_path):  # noqa: F811
-    """Step 8's checkpoint of a pp = 2 (1f1b) run continues in one process, and one process's under
-    pp = 2: steps 9-16 match the run that wrote it."""
-    from tests.test_ckpt_fault import finish, launch
-
-    pp = {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}
-    for nproc, layout, other_nproc, other in [(2, pp, 1, {}), (1, {}, 2, pp)]:
-        ref = tmp_path / f"written-{nproc}"
-        finish(launch(corpus, ref, nproc=nproc, **{**TIED, **layout, "checkpoint.keep_every": 8}), ref)
-        out = tmp_path / f"resumed-{other_nproc}"
-        shutil.copytree(ref / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
-        finish(launch(corpus, out, nproc=other_nproc, **{**TIED, **other, "checkpoint.every_steps": 0}), out)
-        assert "resumed from" in (tmp_path / f"{out.name}.log").read_text()
-        assert_runs_match(out, ref, f"tied checkpoint, {nproc} -> {other_nproc} process(es)",
-                          steps=list(range(9, 17)), tol=TOL)
+def test_tied_checkpoint_moves_between_a_pipeline_and_one_process(corpus, single, launches):  # noqa: F811
+    """Step 4's checkpoint of a pp = 2 (1f1b) run continues in one process, and one process's under
+    pp = 2: steps 5-8 match the run that wrote it."""
+    root, output = launches
+    resumed = root / "checkpoint" / "resumed-1"
+    written = {1: single / "checkpoint" / "written-1", 2: root / "checkpoint" / "written-2"}
+    proc = train_runs(corpus, {resumed: resume_from(written[2])}, **TIED)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    logs = {1: proc.stdout + proc.stderr, 2: output[2]}
+    for nproc, other_nproc in [(2, 1), (1, 2)]:
+        assert f"resumed from {written[nproc] / 'checkpoints' / 'step_00000004'}" in logs[other_nproc], \
+            logs[other_nproc][-3000:]
+        assert_runs_match(root / "checkpoint" / f"resumed-{other_nproc}", written[nproc],
+                          f"tied checkpoint, {nproc} -> {other_nproc} process(es)", steps=[5, 6, 7, 8], tol=TOL)

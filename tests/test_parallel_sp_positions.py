@@ -5,18 +5,20 @@ Each TP rank adds the position rows of its own sequence shard to the scattered t
 gradient is the sum of the ranks' rows, reduced over the TP group. A GPT-2-shaped tiny model
 (learned positions, LayerNorm, GELU, biases, tied embeddings) under TP = 2 + SP, and under
 Megatron's GPT-3 layout in small, TP = 2 + SP x PP = 2 with the tied head on the last stage: per-step
-losses and gradient norms (before clipping) of 20 AdamW steps within tests/test_parallel_mp.py's TOL.
+losses and gradient norms (before clipping) of 10 AdamW steps (tests/test_parallel_dp.py's `STEPS`: a
+position gradient reduced twice or not at all shows in step 1's gradient norm) within
+tests/test_parallel_mp.py's TOL.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.test_parallel_dp import assert_runs_match, corpus, train_runs  # noqa: F401
+from tests.test_parallel_dp import STEPS, assert_runs_match, corpus, train_runs  # noqa: F401
 from tests.test_parallel_mp import TOL
 
 GPT2 = {"model.n_layers": 4, "model.pos_emb": "learned", "model.norm": "layernorm", "model.activation": "gelu",
-        "model.bias": "true", "model.tie_embeddings": "true", "model.fused_qkv": "false"}
+        "model.bias": "true", "model.tie_embeddings": "true", "model.fused_qkv": "false", **STEPS}
 SP = {"parallel.tp": 2, "parallel.sequence_parallel": "true"}
 
 
