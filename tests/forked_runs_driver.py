@@ -14,6 +14,8 @@ collective until its timeout.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -21,6 +23,8 @@ import socket
 import sys
 
 import train_runs_driver  # (this script's folder is on sys.path; it imports lmforge and torch)
+
+PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
 
 
 def main(nproc: int, runs: list[list[str]]) -> int:
@@ -34,6 +38,8 @@ def main(nproc: int, runs: list[list[str]]) -> int:
         if pid == 0:  # the rank: nothing of the parent's but its imports (no thread was started before the fork)
             code = 1
             try:
+                with contextlib.suppress(OSError):  # die with the parent (a test's timeout kills the parent alone)
+                    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 code = train_runs_driver.main(runs)
