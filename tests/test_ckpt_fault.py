@@ -81,6 +81,7 @@ MOE_EP2 = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_h
            "model.moe.bias_update_rate": 0.01, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 2}
 SIGKILL_LAYOUTS = {"1-process": (1, {}), "ep2-moe": (2, MOE_EP2)}
 
+
 @pytest.mark.parametrize("layout", list(SIGKILL_LAYOUTS))
 def test_sigkill_at_random_moments_then_resume_is_bit_exact(corpus, runs, tmp_path, layout):  # noqa: F811
     """Three SIGKILLs at random moments (mid-step, mid-save, whatever), a resume after each: the
@@ -123,7 +124,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(corpus, runs, tmp_pa
 
 
 UNTIED = {"model.tie_embeddings": "false"}  # (pipeline stages cannot share a weight)
-WRITERS = {  # name: the 2-rank run whose step-8 checkpoint the tests below resume elsewhere (16 steps, every 2)
+WRITERS = {  # name: the 2-rank run whose step-8 checkpoint the tests below resume elsewhere (16 steps, every 8)
     "fsdp2": {"parallel.dp_shard": 2},  # FSDP2: sharded parameters and optimizer state
     "zero1": {"parallel.dp_shard": 2, "parallel.zero_stage": 1},
     "tp-2": {**UNTIED, "parallel.tp": 2, "train.micro_batch_size": 2},
@@ -132,12 +133,8 @@ WRITERS = {  # name: the 2-rank run whose step-8 checkpoint the tests below resu
 WORLD_SIZES = {"1-process": (1, {}), "fsdp-4": (4, {"parallel.dp_shard": 4, "train.micro_batch_size": 2}),
                "ddp-4": (4, {"parallel.dp_replicate": 4, "train.micro_batch_size": 2}),
                "tp-2": (2, {"parallel.tp": 2, "train.micro_batch_size": 2})}
-
-
 UNTIED_3D = {**UNTIED, "parallel.dp_shard": 2, "parallel.tp": 2, "parallel.pp": 2, "train.micro_batch_size": 2}
 DDP2 = {"parallel.dp_replicate": 2, "train.micro_batch_size": 2}  # the elastic test's layout
-
-
 FORKED_DRIVER = str(Path(__file__).with_name("forked_runs_driver.py"))
 
 
