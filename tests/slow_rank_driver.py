@@ -1,19 +1,22 @@
-"""`lmforge train` with one rank slowed (for tests/test_rank_health.py's straggler test).
+"""`lmforge train` runs with one rank slowed (for tests/test_rank_health.py's straggler test).
 
-    torchrun --nproc-per-node N tests/slow_rank_driver.py RANK SECONDS [train overrides ...]
+    torchrun --nproc-per-node N tests/slow_rank_driver.py RUNS
 
-Runs the real `lmforge train` command line, except that rank RANK sleeps SECONDS at the start of
-every optimizer step (the `step_begin` event, lmforge.train.events: in the step's data phase, as a
-slow loader or a busy host would), RANK -1: no rank.
+RUNS is a JSON list of [RANK, SECONDS, [train overrides ...]]: the runs go one after another through
+the real `lmforge train` command line in one process group (tests/train_runs_driver.py), and in each
+rank RANK sleeps SECONDS at the start of every optimizer step (the `step_begin` event,
+lmforge.train.events: in the step's data phase, as a slow loader or a busy host would); RANK -1: no
+rank.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
-from lmforge.cli import main
 from lmforge.train.events import Handler, register_handler
+from train_runs_driver import main as train_runs  # (this script's folder is on sys.path)
 
 
 class Slow(Handler):
@@ -26,6 +29,7 @@ class Slow(Handler):
 
 
 if __name__ == "__main__":
-    rank, seconds, *overrides = sys.argv[1:]
-    register_handler(lambda: Slow(int(rank), float(seconds)))
-    sys.exit(main(["train", *overrides]))
+    runs = json.loads(sys.argv[1])
+    slowed = iter([(int(rank), float(seconds)) for rank, seconds, _ in runs])
+    register_handler(lambda: Slow(*next(slowed)))  # (one trainer per run, built in order)
+    sys.exit(train_runs([overrides for _, _, overrides in runs]))

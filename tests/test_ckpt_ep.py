@@ -7,33 +7,42 @@ state resharded too; only the reduction order differs). The resumed layouts keep
 
 from __future__ import annotations
 
-import shutil
+from pathlib import Path
 
 import pytest
 
-from tests.test_ckpt_fault import finish, launch
-from tests.test_parallel_dp import assert_runs_match, corpus  # noqa: F401  (module-scoped corpus fixture)
+from tests.test_ckpt_fault import FAULT, forked_runs
+from tests.test_parallel_dp import assert_runs_match, corpus, run_logs  # noqa: F401  (corpus: fixture)
 
 pytestmark = pytest.mark.slow
 
 MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_hidden": 64,
        "model.moe.shared_experts": 1, "model.moe.bias_update_rate": 0.01, "model.moe.z_loss_coef": 0.001}
+RESUMED = {"ep1-one-process": (1, {"train.micro_batch_size": 4}),
+           "fsdp2-no-ep": (2, {"parallel.dp_shard": 2, "train.micro_batch_size": 2})}
 
 
 @pytest.fixture(scope="module")
-def ep2(corpus, tmp_path_factory):  # noqa: F811
-    out = tmp_path_factory.mktemp("ep2") / "run"
-    finish(launch(corpus, out, nproc=2, **MOE, **{"parallel.dp_shard": 2, "parallel.ep": 2,
-                                                  "train.micro_batch_size": 2, "checkpoint.keep_every": 8}), out)
-    return out
+def runs(corpus, tmp_path_factory) -> tuple[Path, dict[Path, str]]:  # noqa: F811
+    """ROOT/ep2 (16 steps, its step-8 checkpoint kept) and each of `RESUMED` started from that checkpoint
+    (ROOT/<name>), in one launch per process count (tests/test_ckpt_fault.py's `forked_runs`: the 2-rank
+    continuation runs in the EP run's launch, after it); ROOT and each run's log."""
+    root, logs = tmp_path_factory.mktemp("ep"), {}
+    resume = {"checkpoint.resume": str(root / "ep2" / "checkpoints" / "step_00000008"), "checkpoint.every_steps": 0}
+    launches = {2: {root / "ep2": {"parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 2,
+                                   "checkpoint.every_steps": 8, "checkpoint.keep_every": 8}}, 1: {}}
+    for name, (nproc, layout) in RESUMED.items():
+        launches[nproc][root / name] = {**layout, **resume}
+    for nproc, runs in launches.items():
+        proc = forked_runs(corpus, runs, nproc, timeout=600, **FAULT, **MOE)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        logs |= run_logs(proc, runs)
+    return root, logs
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, {"train.micro_batch_size": 4}),
-                                           (2, {"parallel.dp_shard": 2, "train.micro_batch_size": 2})],
-                         ids=["ep1-one-process", "fsdp2-no-ep"])
-def test_expert_parallel_checkpoint_resumes_on_another_layout(corpus, ep2, tmp_path, nproc, layout):  # noqa: F811
-    out = tmp_path / "run"
-    shutil.copytree(ep2 / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
-    finish(launch(corpus, out, nproc=nproc, **MOE, **{"checkpoint.every_steps": 0, **layout}), out)
-    assert "resumed from" in (tmp_path / "run.log").read_text()
-    assert_runs_match(out, ep2, f"EP2 -> {layout}", steps=list(range(9, 17)))
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_expert_parallel_checkpoint_resumes_on_another_layout(runs, name):
+    root, logs = runs
+    out = root / name
+    assert f"resumed from {root / 'ep2' / 'checkpoints' / 'step_00000008'}" in logs[out]
+    assert_runs_match(out, root / "ep2", f"EP2 -> {RESUMED[name][1]}", steps=list(range(9, 17)))

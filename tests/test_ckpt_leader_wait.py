@@ -64,11 +64,27 @@ def _worker(rank: int, port: int, folder: str, out: str, validate_s: float, byte
     dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, validate_s: float, bytes_per_s: float) -> list[dict]:
+# name: (rank 0's validation seconds, LEADER_BYTES_PER_S)
+SCENARIOS = {"longer-than-training-timeout": (2 * TRAINING_TIMEOUT_S, 2 * NBYTES / 17),  # sized: ~20 s
+             "slower-than-sized-timeout": (8.0, 1e7)}  # sized: 2 MB / 10 MB/s + 3 s = ~3.2 s
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """Each of `SCENARIOS` on its own two ranks, both pairs at once (they spend their time waiting for
+    rank 0's sleep, not computing): {name: (its folder, each rank's record)}."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(free_port(), str(tmp_path / "ckpt"), str(tmp_path), validate_s, bytes_per_s), nprocs=2)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    started = {}
+    for name, (validate_s, bytes_per_s) in SCENARIOS.items():
+        folder = tmp_path_factory.mktemp(name)
+        started[name] = folder, mp.spawn(_worker, args=(free_port(), str(folder / "ckpt"), str(folder), validate_s,
+                                                        bytes_per_s), nprocs=2, join=False)
+    for _, context in started.values():
+        while not context.join():
+            pass
+    return {name: (folder, [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)])
+            for name, (folder, _) in started.items()}
 
 
 def test_the_wait_is_sized_to_the_checkpoint():
@@ -80,16 +96,16 @@ def test_the_wait_is_sized_to_the_checkpoint():
 
 
 @pytest.mark.slow
-def test_a_validation_longer_than_the_training_timeout_does_not_fail_the_checkpoint(tmp_path):
-    ranks = _run(tmp_path, validate_s=2 * TRAINING_TIMEOUT_S, bytes_per_s=2 * NBYTES / 17)  # sized: ~20 s
+def test_a_validation_longer_than_the_training_timeout_does_not_fail_the_checkpoint(scenarios):
+    folder, ranks = scenarios["longer-than-training-timeout"]
     assert [r["failures"] for r in ranks] == [0, 0], ranks
-    assert ranks[0]["saves"] == 1 and (tmp_path / "ckpt" / "step_00000001" / "meta.json").is_file()
+    assert ranks[0]["saves"] == 1 and (folder / "ckpt" / "step_00000001" / "meta.json").is_file()
     assert ranks[1]["seconds"] >= 2 * TRAINING_TIMEOUT_S - 0.5  # rank 1 did wait for the validation
 
 
 @pytest.mark.slow
-def test_a_leader_slower_than_the_sized_timeout_is_given_up_on(tmp_path):
-    ranks = _run(tmp_path, validate_s=8.0, bytes_per_s=1e7)  # sized: 2 MB / 10 MB/s + 3 s = ~3.2 s
+def test_a_leader_slower_than_the_sized_timeout_is_given_up_on(scenarios):
+    _, ranks = scenarios["slower-than-sized-timeout"]
     assert ranks[1]["failures"] == 1, ranks
     message = next(m for m in ranks[1]["events"] if "failed" in m)
     assert "waited 3 s for the checkpoint leader to publish and validate step_00000001" in message, message

@@ -129,27 +129,45 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_and_resumes_bit_identically(
     assert output(out).count("preempted (SIGTERM)") == 1  # rank 0's line alone
 
 
-@pytest.mark.parametrize("to", ["launcher", "process group"])
-def test_sigterm_to_lmforge_launch_exits_75_without_a_traceback_and_resumes_bit_identically(corpus, reference,  # noqa: F811
-                                                                                          tmp_path, to):
+LAUNCHED = ("launcher", "process group")  # where the scheduler's SIGTERM goes, in the order `launched` sends it
+
+
+@pytest.fixture(scope="module")
+def launched(corpus, reference, tmp_path_factory):  # noqa: F811
+    """One 2-rank job under `lmforge launch`, preempted once per entry of `LAUNCHED` (SIGTERM to the
+    launcher alone, then, rerun, to the whole process group), then rerun to its end: {to: (exit status,
+    that attempt's output, its preempted step, the checkpoints after it)}, and the run folder. One job
+    for both: the second attempt starts from the first one's checkpoint, and the last from the second's,
+    so the final weights prove both resumes (one launch fewer than a job per case)."""
+    out = tmp_path_factory.mktemp("launched") / "run"
+    ddp, attempts, stopped_at = {"parallel.dp_replicate": 2}, {}, 0
+    for to in LAUNCHED:
+        start = len(output(out)) if (out.parent / f"{out.name}.log").is_file() else 0
+        proc = launch(corpus, out, nproc=2, launcher="lmforge launch", **ddp)
+        wait_for(lambda: steps_logged(out) >= stopped_at + 3, proc, "3 logged steps")  # (this attempt's)
+        if to == "launcher":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+        rc = finish(proc, out, timeout=120)
+        stopped_at = events(out, "preempted")[-1]["step"]
+        attempts[to] = rc, output(out)[start:], stopped_at, [s for s, _ in list_checkpoints(out / "checkpoints")]
+    proc = launch(corpus, out, nproc=2, launcher="lmforge launch", **ddp)
+    assert finish(proc, out) == 0, output(out)[-3000:]
+    return attempts, out
+
+
+@pytest.mark.parametrize("to", LAUNCHED)
+def test_sigterm_to_lmforge_launch_exits_75_without_a_traceback_and_resumes_bit_identically(launched, reference, to):
     """Issue 49 item 3: `lmforge launch` (torch's torchrun in-process) ends a preempted job with 75,
     the code its workers exited with, and no traceback, whether the scheduler's SIGTERM reaches the
     launcher alone (it forwards it) or the whole process group (the workers get it twice)."""
-    out = tmp_path / "run"
-    proc = launch(corpus, out, nproc=2, launcher="lmforge launch", **{"parallel.dp_replicate": 2})
-    wait_for(lambda: steps_logged(out) >= 3, proc, "3 logged steps")
-    if to == "launcher":
-        proc.send_signal(signal.SIGTERM)
-    else:
-        os.killpg(proc.pid, signal.SIGTERM)
-    rc = finish(proc, out, timeout=120)
-    text = output(out)
+    attempts, out = launched
+    rc, text, step, checkpoints = attempts[to]
     assert rc == PREEMPTED_EXIT_CODE, text[-3000:]
     assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
-    step = events(out, "preempted")[0]["step"]
-    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [step], text[-3000:]
-    proc = launch(corpus, out, nproc=2, launcher="lmforge launch", **{"parallel.dp_replicate": 2})
-    assert finish(proc, out) == 0, output(out)[-3000:]
+    # its checkpoint is the preempted step's (after the earlier attempts' own)
+    assert checkpoints == [a[2] for a in reversed(attempts.values()) if a[2] <= step], text[-3000:]
     assert_bitwise(final_weights(out), final_weights(reference[2]))
     assert losses(out) == losses(reference[2])
 
