@@ -4,6 +4,7 @@ Korthikanti activations (fused attention, SwiGLU), and the exact bytes lmforge a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -547,14 +548,17 @@ def test_lmforge_ddp_gradients_are_views_into_the_buckets(tmp_path):
 def test_issue16_before_and_after_on_the_published_layouts():
     """The lmforge convention before the step-wide autocast counted a copy per micro-batch in flight
     (125 GB of the 204 GB of GPT-3's old top layout; 144 GB for Llama-2-70B ZeRO-3 on 8 GPUs); now
-    a non-FSDP stage holds one copy and FSDP none."""
+    a non-FSDP stage holds one copy and FSDP none. (That layout with plain data parallelism: its ZeRO-1
+    runs through FSDP2 since issue 59, which gathers 16-bit weights and keeps no autocast copy.)"""
     gpt3 = load_config("gpt3-175b").model
-    lay = Layout.parse("dp=16,zero=1,tp=4,pp=8,mb=1,ga=96,ac=selective,sp=1,sched=interleaved,v=2")
+    lay = Layout.parse("dp=16,zero=0,tp=4,pp=8,mb=1,ga=96,ac=selective,sp=1,sched=interleaved,v=2")
     mem = estimate_memory(gpt3, lay, "adamw", 2048, weights="lmforge")
     stage_matmul = sum(2 * math.prod(tp_shape(sp, 4)) for sp in stage_specs(gpt3, 8, mem.stage) if sp.matmul)
     assert mem.detail["micro_batches_in_flight"] > 11
     assert mem.detail["autocast_weight_copies"] == stage_matmul  # once, not x 11.5
     assert mem.detail["autocast_weight_copies"] / 1e9 == pytest.approx(10.9, rel=0.01)
+    zero1 = estimate_memory(gpt3, dataclasses.replace(lay, zero=1), "adamw", 2048, weights="lmforge")
+    assert "autocast_weight_copies" not in zero1.detail and zero1.detail["fsdp_gathered_weights"] > 0
     llama = load_config("llama2-70b").model
     z3 = estimate_memory(llama, Layout.parse("dp=8,zero=3,mb=1,ga=128,ac=selective"), "adamw", 4096)
     assert "autocast_weight_copies" not in z3.detail

@@ -3,9 +3,9 @@ has not finished within `train.hang_factor` x the recent median step time (at le
 `train.hang_min_s`; both well under the collective timeout `parallel.timeout_s`), and writes every
 thread's Python stack (faulthandler) to `<run>/hang/<rank>.txt`, on CUDA also torch's NCCL flight
 recorder where it is enabled (`TORCH_NCCL_TRACE_BUFFER_SIZE` > 0): `<run>/hang/<rank>.nccl.pkl`.
-Rank 0 logs a `hang` event. Then, per `train.hang_action`, the rank exits with `EXIT_HANG` (76;
-the launcher ends the others, and a scheduler restarts the job from its last checkpoint) or
-keeps waiting (the files are written once per stuck step).
+Rank 0 logs a `hang` event. Then, per `train.hang_action`, the rank exits with `EXIT_HANG` (76,
+`EXIT_GRACE_S` later, so that the other stuck ranks write theirs first; the launcher ends them,
+and a scheduler restarts the job from its last checkpoint) or keeps waiting (the files are written once per stuck step).
 
 Every rank stuck in the same step writes its own file: the rank that is stuck somewhere of its own
 (a dead loader, a deadlock) shows where; the others show the collective they wait in. The same
@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 EXIT_HANG = 76  # a rank's step stopped making progress (stacks in <run>/hang/); the job can be restarted
+# Before exiting, a rank whose watchdog fired waits this long: the other ranks stuck in the same step
+# fire within it (the same limit, from nearly the same start) and write their stacks before the
+# launcher, seeing this rank's exit, ends them. (Without it a busy machine lost the later rank's file.)
+EXIT_GRACE_S = 5.0
 WARMUP_STEPS = 3
 HANG_DIR = "hang"
 
@@ -122,8 +126,9 @@ class HangWatchdog:
                 except Exception:  # noqa: BLE001 - the dump is written; the event is best effort
                     pass
             if self.action == "exit":
-                print(f"lmforge: rank {self.rank}: {reason}; stacks in {path}; exiting with code {EXIT_HANG}",
-                      file=sys.stderr, flush=True)
+                print(f"lmforge: rank {self.rank}: {reason}; stacks in {path}; exiting with code {EXIT_HANG} "
+                      f"in {EXIT_GRACE_S:g} s", file=sys.stderr, flush=True)
+                time.sleep(EXIT_GRACE_S)
                 os._exit(EXIT_HANG)  # (the main thread is stuck: nothing else can end the process)
 
     def dump(self, reason: str) -> Path:
