@@ -50,18 +50,28 @@ def check_no_new_attention(cfg: ModelConfig, arch: str) -> None:
     check_plain_blocks(cfg, arch)
 
 
+def gemma_olmo_options(cfg: ModelConfig) -> list[tuple[str, object, object]]:
+    """(key, value, the plain block's value) of every block option of Gemma 3 / OLMo 2 / OLMo 3 that `cfg`
+    sets (besides model.layer_types' sliding blocks, `ModelConfig.has_local_layers`): what
+    `check_plain_blocks` refuses and what makes `lmforge export` write one of those families
+    (lmforge.interop.hf_gemma_olmo.is_gemma_olmo)."""
+    options = (("norm_placement", cfg.norm_placement, "pre"), ("embed_scale", cfg.embed_scale, False),
+               ("qk_norm_scope", cfg.qk_norm_scope, "head"), ("attn_scale_dim", cfg.attn_scale_dim, None),
+               ("activation", cfg.activation, "swiglu" if cfg.activation == "geglu" else cfg.activation))
+    return [(key, value, plain) for key, value, plain in options if value != plain]
+
+
 def check_plain_blocks(cfg: ModelConfig, arch: str) -> None:
     """ValueError when `cfg` has a block option of Gemma 3 / OLMo 2 / OLMo 3 that `arch` has no place for
     (lmforge.interop.hf_gemma_olmo writes those: `lmforge export` goes there for them)."""
     if cfg.has_local_layers:
         raise ValueError(f"model.layer_types' 'sliding_attention' blocks (interleaved local / global attention) cannot "
                          f"be represented by {arch}; export as Gemma 3 / OLMo 3 (`lmforge export` does).")
-    for key, value, plain in (("norm_placement", cfg.norm_placement, "pre"), ("embed_scale", cfg.embed_scale, False),
-                              ("qk_norm_scope", cfg.qk_norm_scope, "head"), ("attn_scale_dim", cfg.attn_scale_dim, None),
-                              ("activation", cfg.activation, "swiglu" if cfg.activation == "geglu" else cfg.activation)):
-        if value != plain:
-            raise ValueError(f"model.{key} = {value!r} cannot be represented by {arch}; set model.{key} = {plain!r}, "
-                             f"or export as Gemma 3 / OLMo 2 / OLMo 3 (`lmforge export` does).")
+    found = gemma_olmo_options(cfg)
+    if found:
+        key, value, plain = found[0]
+        raise ValueError(f"model.{key} = {value!r} cannot be represented by {arch}; set model.{key} = {plain!r}, "
+                         f"or export as Gemma 3 / OLMo 2 / OLMo 3 (`lmforge export` does).")
 
 
 def rope_from_hf(hf: dict, source: str) -> dict:

@@ -37,8 +37,8 @@ import torch
 
 from lmforge.config import ModelConfig
 from lmforge.folders import HF_CONFIG
-from lmforge.interop.hf_common import (check_tensor_names, hf_rope_keys, hf_weight_files, model_from_state_dict,
-                                       read_hf_config, rope_from_hf, save_through_transformers)
+from lmforge.interop.hf_common import (check_tensor_names, gemma_olmo_options, hf_rope_keys, hf_weight_files,
+                                       model_from_state_dict, read_hf_config, rope_from_hf, save_through_transformers)
 from lmforge.model.layers import qkv_state
 from lmforge.model.transformer import Transformer
 
@@ -56,8 +56,7 @@ _COPIED = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.w
 
 def is_gemma_olmo(cfg: ModelConfig) -> bool:
     """Whether `cfg` has an option only these families represent (then `lmforge export` writes one)."""
-    return (cfg.norm_placement != "pre" or cfg.embed_scale or cfg.activation == "geglu" or cfg.has_local_layers
-            or cfg.qk_norm_scope == "projection" or cfg.attn_scale_dim is not None)
+    return cfg.has_local_layers or bool(gemma_olmo_options(cfg))
 
 
 def gemma_olmo_family(cfg: ModelConfig) -> str:
