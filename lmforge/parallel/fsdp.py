@@ -59,9 +59,9 @@ def fsdp_description(cfg: Config) -> str:
     p = cfg.parallel
     shards = f"{p.dp_shard * p.cp} shards" + (f" (dp_shard {p.dp_shard} x cp {p.cp})" if p.cp > 1 else "")
     hsdp = f"HSDP ({p.dp_replicate} replicas x {shards})" if p.dp_replicate > 1 else shards
-    stage = "ZeRO-3" if reshard_after_forward(cfg) else "ZeRO-2"
-    if p.zero_stage == 1:  # (under tp / pp: lmforge.config.sections.zero1_through_fsdp)
-        stage = "ZeRO-1 (optimizer state and fp32 weights sharded, parameters gathered for the whole step)"
+    stage = ("ZeRO-1 (optimizer state and fp32 weights sharded, parameters gathered for the whole step)"
+             if p.zero_stage == 1  # (under tp / pp: lmforge.config.sections.zero1_through_fsdp)
+             else "ZeRO-3" if reshard_after_forward(cfg) else "ZeRO-2")
     sync = ("gradients reduced after every micro-batch" if p.fsdp_reduce_every_micro_batch
             else "gradients reduced once per step (unsharded fp32 gradients held between micro-batches)")
     if cfg.grad_accum_steps == 1 or p.pp > 1:

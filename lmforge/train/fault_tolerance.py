@@ -43,7 +43,6 @@ import os
 import socket
 from datetime import timedelta
 
-
 from lmforge.train.events import Handler
 
 log = logging.getLogger("lmforge.ft")
@@ -140,13 +139,10 @@ class FaultTolerance(Handler):
             max_retries=f.max_retries)
         # (the Manager counts committed steps; a group resumed from a checkpoint starts at its step)
         self.manager.load_state_dict({"step": trainer.state.step, "batches_committed": 0})
-        self.quorum(trainer)
-        self.held_quorum = True
-
-    def quorum(self, trainer) -> None:
-        """A quorum of the live groups for the coming step; a group behind the others is healed here
-        (torchft's checkpoint transport; `PeerState`)."""
+        # a quorum of the live groups; a group behind the others is healed here (torchft's checkpoint
+        # transport; `PeerState`)
         self.manager.start_quorum()
+        self.held_quorum = True
 
     # ---- per step ------------------------------------------------------------------------------
 
@@ -157,7 +153,7 @@ class FaultTolerance(Handler):
         if self.held_quorum:
             self.held_quorum = False
         else:
-            self.quorum(trainer)
+            self.manager.start_quorum()
 
     def backward_end(self, trainer, loss) -> None:
         if self.manager is None:
@@ -175,7 +171,7 @@ class FaultTolerance(Handler):
             self.attempts += 1
             log.warning("fault tolerance: step %d not committed by quorum %s; retrying with a new quorum",
                         trainer.state.step + 1, self.manager._quorum_id)
-            self.quorum(trainer)
+            self.manager.start_quorum()
         for g, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(averaged)
 
