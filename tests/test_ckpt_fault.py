@@ -6,6 +6,7 @@ prepared corpus; processes are killed with SIGKILL from outside, at whatever poi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -43,6 +44,34 @@ def launch(corpus: Path, out: Path, nproc: int = 1, extra_torchrun: tuple = (), 
 def finish(proc: subprocess.Popen, out: Path, timeout: int = 240) -> None:
     rc = proc.wait(timeout=timeout)
     assert rc == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and return once none of its processes holds anything: torchrun's workers first
+    (they have sessions of their own, so killing the agent's group leaves them running), then the
+    agent's group. A SIGKILLed worker is an orphan nobody here can reap, and it lets go of its files
+    (the run folder's lock among them) only once the kernel has torn it down, which on a loaded machine
+    is not yet done when the signal call returns: wait until each is gone or a zombie."""
+    workers = [int(pid) for pid in
+               subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 60
+    for pid in workers:
+        while time.time() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            if state in ("Z", "X"):
+                break
+            time.sleep(0.02)
+        else:
+            raise TimeoutError(f"worker {pid} of launch {proc.pid} still alive 60 s after SIGKILL")
 
 
 def newest_step(out: Path) -> int:
@@ -103,11 +132,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(corpus, runs, tmp_pa
         if not wait_for_checkpoint(proc, out, target):
             break
         time.sleep(rng.uniform(0.0, 0.15))  # somewhere inside the following steps or the save
-        for worker in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split() \
-                if nproc > 1 else ():
-            os.kill(int(worker), signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_launch(proc)
         kills += 1
     assert kills == 3
     killed_at = newest_step(out)

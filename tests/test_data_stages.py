@@ -16,8 +16,6 @@ one that has begun.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_corpus
-from tests.test_ckpt_fault import assert_bitwise, final_weights, finish, launch, newest_step, wait_for_checkpoint
+from tests.test_ckpt_fault import (assert_bitwise, final_weights, finish, kill_launch, launch, newest_step,
+                                   wait_for_checkpoint)
 from tests.test_parallel_dp import losses, metric, prepare
 
 pytestmark = pytest.mark.slow
@@ -53,26 +52,17 @@ def reference(mix, tmp_path_factory) -> Path:
     return out
 
 
-def kill(proc: subprocess.Popen, nproc: int) -> None:
-    """SIGKILL a launch: torchrun's workers first (killing the agent alone leaves them running)."""
-    for worker in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split() \
-            if nproc > 1 else ():
-        os.kill(int(worker), signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def test_two_stage_run_killed_in_each_stage_and_resumed_at_another_world_size_is_bit_identical(mix, reference,
                                                                                                   tmp_path):
     out = tmp_path / "run"
     first = launch(mix, out, **STAGED)
     assert wait_for_checkpoint(first, out, 4)
-    kill(first, 1)
+    kill_launch(first)
     assert 4 <= newest_step(out) < 8  # killed in the first stage
     pp = {**STAGED, "parallel.pp": 2}
     second = launch(mix, out, nproc=2, **pp)
     assert wait_for_checkpoint(second, out, 10)
-    kill(second, 2)
+    kill_launch(second)
     assert 10 <= newest_step(out) < 16  # killed in the anneal stage, at world size 2
     finish(launch(mix, out, **STAGED), out)
     log = (tmp_path / "run.log").read_text()

@@ -12,12 +12,10 @@ cache (LMFORGE_CACHE) and run folder (train.out_dir = $NODE_DIR/run), FSDP over 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_ckpt_fault import kill_launch
 from tests.test_ckpt_s3 import bucket, s3_server  # noqa: F401  (fixtures)
 from tests.test_parallel_dp import free_port
 
@@ -49,16 +48,6 @@ def launch(root: Path, node: int, port: int, extra: list[str]) -> subprocess.Pop
     return proc
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGKILL a launch: its workers (the agent's children) first, then the agent's process group."""
-    for worker in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(worker), signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def both(root: Path, extra: list[str], timeout: float = 400) -> list[tuple[str, int]]:
     """Both nodes' launches to the end; one that outlasts `timeout` stops both and fails the test with
     each node's log (its ranks' output), never a bare TimeoutExpired."""
@@ -70,7 +59,7 @@ def both(root: Path, extra: list[str], timeout: float = 400) -> list[tuple[str, 
             p.wait(timeout=max(1.0, start + timeout - time.time()))
     except subprocess.TimeoutExpired:
         for p in procs:
-            stop(p)
+            kill_launch(p)
         pytest.fail(f"the two-node launch ({' '.join(extra)}) outlasted {timeout:.0f} s; stopped. Node logs:\n"
                     + "\n".join(f"--- node {n} ({p.log}) ---\n{p.log.read_text()[-4000:]}" for n, p in enumerate(procs)))
     return [(p.log.read_text(), p.returncode) for p in procs]
@@ -100,11 +89,11 @@ def test_node_local_disks_checkpoint_through_s3_and_resume(tmp_path, s3_server, 
         time.sleep(0.2)
     else:
         for p in procs:
-            stop(p)
+            kill_launch(p)
         pytest.fail("no checkpoint reached S3 in 400 s. Node logs:\n"
                     + "\n".join(f"--- node {n} ---\n{p.log.read_text()[-3000:]}" for n, p in enumerate(procs)))
     for p in procs:  # the workers (the agent's children) first: killing the agent alone leaves them running
-        stop(p)
+        kill_launch(p)
     for n in (0, 1):  # each node kept only its own shards, and prepared its own data
         local = sorted((tmp_path / f"n{n}" / "run" / "checkpoints").glob("step_*[0-9]"))
         assert local and all((c / f"__{n}_0.distcp").is_file() and not (c / f"__{1 - n}_0.distcp").is_file()
