@@ -1,8 +1,6 @@
-import sys
-
-from lmforge.cli import main
+from lmforge.cli import exit_now, main
 from lmforge.launch import record_status
 
 code = main()
 record_status(code)  # (under `lmforge launch`: for the launcher, which a signal may end before its agent reports)
-sys.exit(code)
+exit_now(code)

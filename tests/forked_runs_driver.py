@@ -23,6 +23,7 @@ import socket
 import sys
 
 import train_runs_driver  # (this script's folder is on sys.path; it imports lmforge and torch)
+from lmforge.cli import exit_now
 
 PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
 
@@ -60,4 +61,4 @@ def main(nproc: int, runs: list[list[str]]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), json.loads(sys.argv[2])))
+    exit_now(main(int(sys.argv[1]), json.loads(sys.argv[2])))

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from lmforge.cli import main
+from lmforge.cli import exit_now, main
 from lmforge.train.events import Handler, register_handler
 
 
@@ -33,4 +33,4 @@ class Paced(Handler):
 if __name__ == "__main__":
     seconds, hold, *overrides = sys.argv[1:]
     register_handler(lambda: Paced(float(seconds), Path(hold)))
-    sys.exit(main(["train", *overrides]))
+    exit_now(main(["train", *overrides]))

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from lmforge.cli import exit_now
+
 _LIBC = ctypes.CDLL("libc.so.6")
 
 
@@ -98,4 +100,4 @@ def main(corpus: str, out: str, cases: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3])))
+    exit_now(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3])))

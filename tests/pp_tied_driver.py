@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import lmforge.parallel.pipeline as pipeline
 import lmforge.train.trainer as trainer_module
+from lmforge.cli import exit_now
 from lmforge.cli import main as lmforge_main
 from lmforge.parallel.mesh import destroy_distributed
 
@@ -71,4 +72,4 @@ def main(runs: list[list[str]]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    exit_now(main(json.loads(sys.argv[1])))

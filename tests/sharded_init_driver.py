@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+from lmforge.cli import exit_now
+
 
 def main(corpus: str, cases: dict) -> int:
     from lmforge.config import load_config
@@ -63,4 +65,4 @@ def main(corpus: str, cases: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], json.loads(sys.argv[2])))
+    exit_now(main(sys.argv[1], json.loads(sys.argv[2])))

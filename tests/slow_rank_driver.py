@@ -17,6 +17,7 @@ import time
 
 from lmforge.train.events import Handler, register_handler
 from train_runs_driver import main as train_runs  # (this script's folder is on sys.path)
+from lmforge.cli import exit_now
 
 
 class Slow(Handler):
@@ -32,4 +33,4 @@ if __name__ == "__main__":
     runs = json.loads(sys.argv[1])
     slowed = iter([(int(rank), float(seconds)) for rank, seconds, _ in runs])
     register_handler(lambda: Slow(*next(slowed)))  # (one trainer per run, built in order)
-    sys.exit(train_runs([overrides for _, _, overrides in runs]))
+    exit_now(train_runs([overrides for _, _, overrides in runs]))

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from lmforge.cli import main
+from lmforge.cli import exit_now, main
 from lmforge.train.events import Handler, register_handler
 
 
@@ -34,4 +34,4 @@ class Stall(Handler):
 if __name__ == "__main__":
     rank, step, seconds, marker, *overrides = sys.argv[1:]
     register_handler(lambda: Stall(int(rank), int(step), float(seconds), Path(marker)))
-    sys.exit(main(["train", *overrides]))
+    exit_now(main(["train", *overrides]))

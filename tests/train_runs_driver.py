@@ -16,6 +16,7 @@ import os
 import sys
 
 import lmforge.train.trainer as trainer_module
+from lmforge.cli import exit_now
 from lmforge.cli import main as lmforge_main
 from lmforge.parallel.mesh import destroy_distributed
 
@@ -38,4 +39,4 @@ def main(runs: list[list[str]]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(json.loads(sys.argv[1])))
+    exit_now(main(json.loads(sys.argv[1])))

@@ -373,5 +373,34 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def exit_now(code: int | None) -> None:
+    """End the process with `code` as the interpreter's own exit would (the non-daemon threads joined,
+    the atexit handlers run, the streams flushed), less its teardown of the loaded modules: with torch
+    and torch.distributed loaded that teardown deallocates tens of thousands of objects nobody uses
+    again, ~0.7 s of a 2-core machine at the end of every command and of every rank. Files are
+    closed by their owners before this (the trainer's, the checkpointer's), and the kernel closes
+    the descriptors. Python gives no public call for this order; where `threading._shutdown` is
+    missing (another interpreter), the plain `sys.exit`."""
+    import atexit
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is None or not hasattr(atexit, "_run_exitfuncs"):
+        sys.exit(code)
+    shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # (a closed or absent stream)
+            pass
+    os._exit(0 if code is None else code)
+
+
+def run() -> None:
+    """The `lmforge` console script: `main()`, then `exit_now`."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
