@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tests.docs_pages import ROOT, bash_blocks, pages, read
 from tests.qwen_standin import make_qwen_standin, write_my_text
+from tests.warm_start import WarmStart
 
 SKIP = "(not run by tests"
 # README.md's first blocks, the suite itself or its install: install + train, install + test, the fast tier
@@ -117,8 +118,15 @@ class Scratch:
         self.cwd = cwd
         fixtures(cwd)
         self.trained: dict[str, Path] = {}  # the argument string of each training line run so far -> its run folder
-        self.env = {**os.environ, "LMFORGE_TRAIN_ARGS": BRIEF, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        env = {**os.environ, "LMFORGE_TRAIN_ARGS": BRIEF, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        # `lmforge`, `torchrun` and torchrun's workers start as forks of one process that imported torch
+        # and lmforge once (tests/warm_start.py: about half of each brief command's CPU time otherwise)
+        self.warm = WarmStart(cwd.parent / f"{cwd.name}-warm", env)
+        self.env = self.warm.env(env)
+
+    def close(self) -> None:
+        self.warm.close()
 
     def run(self, heading: str, script: str) -> None:
         """Run one block as a `bash -e` script; it must pass, and each training line train (or continue) its run."""
@@ -228,9 +236,12 @@ def page_tests(file: str, seed=None):
     @pytest.fixture(scope="module")
     def scratch(tmp_path_factory):
         made = Scratch(tmp_path_factory.mktemp("docs"))
-        if seed is not None:
-            seed(made)
-        return made
+        try:
+            if seed is not None:
+                seed(made)
+            yield made
+        finally:
+            made.close()
 
     @pytest.mark.slow
     @pytest.mark.parametrize("page", FILES[name])
