@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tests.docs_pages import ROOT, bash_blocks, pages, read
 from tests.qwen_standin import make_qwen_standin, write_my_text
-from tests.warm_start import WarmStart
+from tests import warm_start
 
 SKIP = "(not run by tests"
 # README.md's first blocks, the suite itself or its install: install + train, install + test, the fast tier
@@ -122,11 +122,7 @@ class Scratch:
                "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
         # `lmforge`, `torchrun` and torchrun's workers start as forks of one process that imported torch
         # and lmforge once (tests/warm_start.py: about half of each brief command's CPU time otherwise)
-        self.warm = WarmStart(cwd.parent / f"{cwd.name}-warm", env)
-        self.env = self.warm.env(env)
-
-    def close(self) -> None:
-        self.warm.close()
+        self.env = warm_start.shared().env(env)
 
     def run(self, heading: str, script: str) -> None:
         """Run one block as a `bash -e` script; it must pass, and each training line train (or continue) its run."""
@@ -236,12 +232,9 @@ def page_tests(file: str, seed=None):
     @pytest.fixture(scope="module")
     def scratch(tmp_path_factory):
         made = Scratch(tmp_path_factory.mktemp("docs"))
-        try:
-            if seed is not None:
-                seed(made)
-            yield made
-        finally:
-            made.close()
+        if seed is not None:
+            seed(made)
+        return made
 
     @pytest.mark.slow
     @pytest.mark.parametrize("page", FILES[name])

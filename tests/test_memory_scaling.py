@@ -34,7 +34,9 @@ MB = 2**20
 def measure(corpus: Path, tmp: Path, nproc: int, cases: dict) -> dict:  # noqa: F811
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     cases = {name: {**MODEL, **c} for name, c in cases.items()}
-    proc = subprocess.run(launcher(nproc, torchrun=True) + [DRIVER, str(corpus), str(tmp), json.dumps(cases)],
+    # (plain interpreters: a warm start's fork would hold its server's pages, which count in resident memory)
+    proc = subprocess.run(launcher(nproc, torchrun=True, warm=False) + [DRIVER, str(corpus), str(tmp),
+                                                                        json.dumps(cases)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return {name: [json.loads((tmp / f"{name}.rank{r}.json").read_text()) for r in range(nproc)] for name in cases}

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.config import ConfigError, load_config
+from tests import warm_start
 from tests.conftest import make_tasks
 
 TINY = {
@@ -91,12 +92,13 @@ def overrides(corpus: Path, out: Path, **extra) -> list[str]:
     return [a for k, v in args.items() for a in (f"--{k}", str(v))]
 
 
-def launcher(nproc: int = 1, torchrun: bool = False) -> list[str]:
-    """The interpreter, or torchrun with `nproc` processes on a free port."""
+def launcher(nproc: int = 1, torchrun: bool = False, warm: bool = True) -> list[str]:
+    """The interpreter, or torchrun with `nproc` processes on a free port; `warm`: started as forks of a process
+    that imported torch and lmforge once (tests/warm_start.py), torchrun's workers too."""
+    python = warm_start.shared().interpreter() if warm else [sys.executable]
     if nproc == 1 and not torchrun:
-        return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master-port", str(free_port())]
+        return python
+    return python + ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(free_port())]
 
 
 def train(corpus: Path, out: Path, nproc: int = 1, timeout: int = 180, torchrun: bool = False,

@@ -2,31 +2,32 @@
 
 Of a brief `lmforge train` (10 tiny steps) on this 2-core machine, about half the CPU time is the
 interpreter importing torch, torch.distributed and lmforge (~2 s per process), and a torchrun job of N
-ranks pays it N + 1 times. The docs' commands are ~90 such jobs. Here one server process imports all
-of it once; each command then starts as a fork of it, so what runs is the real command (its own
-process, its own stdin/stdout/stderr, working folder, environment and exit status) without the
-imports. The same idea as multiprocessing's "forkserver" start method and Android's zygote; neither
-serves a command line from a shell script, hence this file.
+ranks pays it N + 1 times. The docs' commands are ~90 such jobs, the parity tests' launches ~60 more.
+Here one server process per pytest process imports all of it once; each command then starts as a fork
+of it, so what runs is the real command (its own process, its own stdin/stdout/stderr, working folder,
+environment and exit status) without the imports. The same idea as multiprocessing's "forkserver"
+start method and Android's zygote; neither serves a command line from a shell script, hence this file.
 
-    server = WarmStart(tmp_dir, env)     # starts `python tests/warm_start.py serve SOCKET`
-    env = server.env(env)                # PATH gets shims `lmforge`, `torchrun` and `python-warm`;
-                                         # PYTHON_EXEC = python-warm, which torchrun starts its workers with
+    warm = shared()                       # starts `python tests/warm_start.py serve SOCKET` once
+    env = warm.env(env)                   # PATH gets shims `lmforge`, `torchrun` and `python-warm`;
+                                          # PYTHON_EXEC = python-warm, which torchrun starts its workers with
     subprocess.run(["bash", "-c", "torchrun --nproc-per-node 2 -m lmforge train"], env=env)
-    server.close()
+    subprocess.run(warm.interpreter() + ["-m", "torch.distributed.run", ..., "tests/train_runs_driver.py", ...])
 
 A shim sends its command line, working folder, environment and its three standard file descriptors
 (SCM_RIGHTS) over a Unix socket; the server forks; the child takes the descriptors as 0, 1 and 2 and
-runs the command as `python -m` or the console script would, in a session of its own. The shim
-forwards the signals a launcher sends (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2) to the child, and
-ends with the child's exit status (or its signal). A child whose shim dies (SIGKILL) kills itself:
-it holds the socket and sees its end close. `python-warm` runs anything but `-m lmforge` and
-`-m torch.distributed.run` with the real interpreter.
+runs the command as `python -m`, `python SCRIPT` or the console script would, in a session of its
+own. The shim forwards the signals a launcher sends (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2) to
+the child, and ends with the child's exit status (or its signal). A child whose shim dies (SIGKILL:
+a test's timeout) kills itself: it holds the socket and sees its end close. `python-warm` starts warm
+`-m lmforge`, `-m torch.distributed.run` and the tests' `*_driver.py` scripts, and anything else with
+the real interpreter.
 
-What differs from a fresh interpreter, and why the docs' commands do not meet it: the child's parent
-is the server, not the shim, so code that walks its parent's children (lmforge.cli's wait for a failed
-launch's sibling ranks, lmforge.train.preempt's count of live siblings) sees none; those paths run on
-failures and signals, which tests/test_preempt.py, test_ckpt_fault.py and test_launch.py test with
-plain interpreters. Tests that kill a launch's process group (killpg) must not use this either.
+What differs from a fresh interpreter: the child's parent is the server, not the shim, so code that
+walks its parent's children (lmforge.cli's wait for a failed launch's sibling ranks,
+lmforge.train.preempt's count of live siblings) sees none, and a signal to the shim's process group
+does not reach the child. Those paths (failures, signals, SIGKILLed launches) are tested with plain
+interpreters: tests/test_preempt.py, test_ckpt_fault.py, test_launch.py, test_rank_health.py.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import threading
 import time
 from pathlib import Path
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 WARM_MODULES = ("lmforge", "torch.distributed.run")
 # What the server imports before it serves: what a training, planning, import/export or eval command
@@ -83,9 +85,12 @@ def shim(kind: str, socket_path: str, real_python: str, args: list[str]) -> None
         opts = list(args)
         while opts and opts[0] in ("-u", "-B"):
             opts.pop(0)
-        if len(opts) < 2 or opts[0] != "-m" or opts[1] not in WARM_MODULES:
+        if len(opts) >= 2 and opts[0] == "-m" and opts[1] in WARM_MODULES:
+            request = {"module": opts[1], "argv": [opts[1], *opts[2:]]}
+        elif opts and os.path.dirname(os.path.abspath(opts[0])) == HERE and opts[0].endswith("_driver.py"):
+            request = {"script": os.path.abspath(opts[0]), "argv": opts}  # the tests' drivers
+        else:
             os.execv(real_python, [real_python, *args])
-        request = {"module": opts[1], "argv": [opts[1], *opts[2:]]}
     else:
         request = {"entry": kind, "argv": [kind, *args]}
     request.update(cwd=os.getcwd(), env=dict(os.environ))
@@ -143,6 +148,11 @@ class _Job:
 
             sys.path[0] = request["cwd"]  # (as `python -m` puts the working folder first)
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        elif "script" in request:
+            import runpy
+
+            sys.path[0] = os.path.dirname(request["script"])  # (as `python SCRIPT` puts its folder first)
+            runpy.run_path(request["script"], run_name="__main__")
         elif request["entry"] == "lmforge":  # the console script
             from lmforge.cli import run
 
@@ -235,25 +245,24 @@ def serve(socket_path: str) -> _Job:
 class WarmStart:
     """A running fork server and the shims that use it (see the module's docstring)."""
 
-    def __init__(self, folder: Path, env: dict[str, str]):
-        folder.mkdir(parents=True, exist_ok=True)
-        # (a Unix socket's path is limited to ~100 bytes: a short folder of its own)
+    def __init__(self, env: dict[str, str]):
         import tempfile
 
-        self._sock_dir = tempfile.mkdtemp(prefix="lmf-warm-")
-        self.socket = os.path.join(self._sock_dir, "s")
-        self.bin = folder / "warm-bin"
-        self.bin.mkdir(exist_ok=True)
-        here = Path(__file__).resolve()
+        # (a Unix socket's path is limited to ~100 bytes: a short folder of its own, the shims beside it)
+        self.folder = Path(tempfile.mkdtemp(prefix="lmf-warm-"))
+        self.socket = str(self.folder / "s")
+        self.bin = self.folder / "bin"
+        self.bin.mkdir()
         for kind, name in (("lmforge", "lmforge"), ("torchrun", "torchrun"), ("python", "python-warm")):
             path = self.bin / name
             path.write_text(f"#!{sys.executable} -IS\n"
-                            f"import sys\nsys.path.insert(0, {str(here.parent)!r})\n"
+                            f"import sys\nsys.path.insert(0, {HERE!r})\n"
                             f"from warm_start import shim\n"
                             f"shim({kind!r}, {self.socket!r}, {sys.executable!r}, sys.argv[1:])\n")
             path.chmod(0o755)
-        self.proc = subprocess.Popen([sys.executable, str(here), "serve", self.socket], env=env,
-                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        self.python = str(self.bin / "python-warm")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "warm_start.py"), "serve", self.socket],
+                                     env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                                      start_new_session=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
@@ -262,7 +271,12 @@ class WarmStart:
 
     def env(self, env: dict[str, str]) -> dict[str, str]:
         """`env` with the shims first on PATH and torchrun's workers started through them."""
-        return {**env, "PATH": f"{self.bin}:{env.get('PATH', '')}", "PYTHON_EXEC": str(self.bin / "python-warm")}
+        return {**env, "PATH": f"{self.bin}:{env.get('PATH', '')}", "PYTHON_EXEC": self.python}
+
+    def interpreter(self) -> list[str]:
+        """A command prefix that stands for `sys.executable` (`-m torch.distributed.run`, `-m lmforge` and the
+        tests' drivers start warm, the rest with the real interpreter), torchrun's workers included."""
+        return ["env", f"PYTHON_EXEC={self.python}", self.python]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -275,13 +289,21 @@ class WarmStart:
         self.proc.stdout.close()
         import shutil
 
-        shutil.rmtree(self._sock_dir, ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
-    def __enter__(self) -> "WarmStart":
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+_SHARED: WarmStart | None = None
+
+
+def shared() -> WarmStart:
+    """This test process's server (started on first use, stopped when the process ends)."""
+    global _SHARED
+    if _SHARED is None or _SHARED.proc.poll() is not None:
+        import atexit
+
+        _SHARED = WarmStart({**os.environ, "OMP_NUM_THREADS": "1"})
+        atexit.register(_SHARED.close)
+    return _SHARED
 
 
 def _exit_status(code) -> int:
