@@ -27,6 +27,14 @@ from lmforge.plan.layout import Layout
 from lmforge.plan.memory import estimate_memory
 from lmforge.verify.certify import MEMORY_PARTS, PARITY_TOL, _ddp_config, compare, memory_check, resume_check
 from lmforge.verify.toy import STEPS, CannotEmulate, scale_layout, smallest_divisor, toy_run
+from tests import warm_start
+
+
+@pytest.fixture(autouse=True)
+def warm(monkeypatch):
+    """The certificate's runs start warm (tests/warm_start.py: PYTHON_EXEC, which lmforge.verify.certify honours)."""
+    return warm_start.warm_exec(monkeypatch)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

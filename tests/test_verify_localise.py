@@ -33,6 +33,13 @@ from lmforge.verify import faults
 from lmforge.verify.perturb import rounding_perturbed
 from lmforge.verify.probe import Probe, merge_ranks
 from lmforge.verify.toy import toy_run
+from tests import warm_start
+
+
+@pytest.fixture(autouse=True)
+def warm(monkeypatch):
+    """The certificate's runs start warm (tests/warm_start.py: PYTHON_EXEC, which lmforge.verify.certify honours)."""
+    return warm_start.warm_exec(monkeypatch)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-pure", "fp16", "fp32"])

@@ -20,8 +20,11 @@ runs the command as `python -m`, `python SCRIPT` or the console script would, in
 own. The shim forwards the signals a launcher sends (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2) to
 the child, and ends with the child's exit status (or its signal). A child whose shim dies (SIGKILL:
 a test's timeout) kills itself: it holds the socket and sees its end close. `python-warm` starts warm
-`-m lmforge`, `-m torch.distributed.run` and the tests' `*_driver.py` scripts, and anything else with
+`-m lmforge` (and its modules), `-m torch.distributed.run` and the tests' `*_driver.py` scripts, and anything else with
 the real interpreter.
+
+A `sitecustomize.py` on PYTHONPATH (a start-up hook: tests plant faults that way) sends the command to
+the real interpreter, which runs it; other PYTHONPATH folders are added to the child's sys.path.
 
 What differs from a fresh interpreter: the child's parent is the server, not the shim, so code that
 walks its parent's children (lmforge.cli's wait for a failed launch's sibling ranks,
@@ -81,11 +84,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def shim(kind: str, socket_path: str, real_python: str, args: list[str]) -> None:
     """Run `kind` (lmforge | torchrun | python) with `args` through the server at `socket_path`."""
+    hooks = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if d and os.path.isfile(os.path.join(d, "sitecustomize.py"))]
+    if hooks:  # a start-up hook (a test's planted fault): only a fresh interpreter runs it
+        real = {"python": [real_python], "lmforge": [real_python, "-m", "lmforge"],
+                "torchrun": [real_python, "-m", "torch.distributed.run"]}[kind]
+        os.execv(real_python, real + list(args))
     if kind == "python":
         opts = list(args)
         while opts and opts[0] in ("-u", "-B"):
             opts.pop(0)
-        if len(opts) >= 2 and opts[0] == "-m" and opts[1] in WARM_MODULES:
+        if len(opts) >= 2 and opts[0] == "-m" and (opts[1] in WARM_MODULES or opts[1].startswith("lmforge.")):
             request = {"module": opts[1], "argv": [opts[1], *opts[2:]]}
         elif opts and os.path.dirname(os.path.abspath(opts[0])) == HERE and opts[0].endswith("_driver.py"):
             request = {"script": os.path.abspath(opts[0]), "argv": opts}  # the tests' drivers
@@ -143,6 +152,9 @@ class _Job:
             setattr(sys, f"__{name}__", stream)
         threading.Thread(target=self._die_with_shim, daemon=True).start()
         sys.argv = list(request["argv"])
+        for folder in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):  # (set after the server started)
+            if folder and os.path.abspath(folder) not in sys.path:
+                sys.path.insert(1, os.path.abspath(folder))
         if "module" in request:
             import runpy
 
@@ -293,6 +305,14 @@ class WarmStart:
 
 
 _SHARED: WarmStart | None = None
+
+
+def warm_exec(monkeypatch) -> WarmStart:
+    """For a test: PYTHON_EXEC = the shared server's interpreter, which torchrun starts its workers with and
+    `lmforge plan --verify` its runs (lmforge.verify.certify)."""
+    warm = shared()
+    monkeypatch.setenv("PYTHON_EXEC", warm.python)
+    return warm
 
 
 def shared() -> WarmStart:

@@ -256,8 +256,9 @@ def _free_port() -> int:
 def _launch(world: int, runs: list[dict], job: Path) -> None:
     """Run lmforge.verify.rank on `world` processes (torchrun when > 1) over `runs`."""
     job.write_text(json.dumps({"runs": runs}))
-    head = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                                                str(world), "--master-port", str(_free_port())]
+    python = os.environ.get("PYTHON_EXEC") or sys.executable  # (the interpreter torchrun starts ranks with, too)
+    head = [python] if world == 1 else [python, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                                        "--master-port", str(_free_port())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(head + ["-m", "lmforge.verify.rank", str(job)], capture_output=True, text=True, env=env,
                           timeout=RUN_TIMEOUT_S)
