@@ -34,11 +34,25 @@ _SPEC_CACHE: dict[tuple, tuple[ParamSpec, ...]] = {}
 _TOTAL_CACHE: dict[tuple, int] = {}
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_PLAIN = (int, float, str, bool, type(None))
+
+
 def cfg_key(cfg) -> tuple:
     """A hashable key of a model config (for the planner's caches; nested sections such as model.moe
-    as tuples too)."""
-    return tuple(cfg_key(v) if dataclasses.is_dataclass(v) else tuple(v) if isinstance(v, list) else v
-                 for v in (getattr(cfg, f.name) for f in dataclasses.fields(cfg)))  # (lists: model.layer_types)
+    as tuples too). A search computes it ~90,000 times: the field names are looked up once per class,
+    and plain values are taken as they are (dataclasses.fields / is_dataclass per value took half of
+    a long-context search's time)."""
+    names = _FIELD_NAMES.get(type(cfg))
+    if names is None:
+        names = _FIELD_NAMES[type(cfg)] = tuple(f.name for f in dataclasses.fields(cfg))
+    key = []
+    for name in names:
+        v = getattr(cfg, name)
+        if not isinstance(v, _PLAIN):
+            v = tuple(v) if isinstance(v, list) else cfg_key(v) if dataclasses.is_dataclass(v) else v  # (lists:
+        key.append(v)                                                                                 # layer_types)
+    return tuple(key)
 
 
 def total_params(cfg: ModelConfig) -> int:
