@@ -142,13 +142,14 @@ def test_refusal_through_the_command_line_names_the_reason():
 
 
 def test_a_layout_lmforge_refuses_for_the_family_fails_as_a_finding(capsys):
-    """Tensor parallelism over a hybrid model's Gated DeltaNet blocks: lmforge's config refuses it, so the
-    certificate fails, naming why. (A pipeline over a tied embedding and ZeRO-1 under a pipeline, the
+    """Context parallelism over a hybrid model's Gated DeltaNet blocks: lmforge's config refuses it, so the
+    certificate fails, naming why (tensor parallelism that does not divide their heads is refused by the
+    planner itself, as a layout that splits attention heads). (A pipeline over a tied embedding and ZeRO-1 under a pipeline, the
     examples before issue 59, run now.) In this process: the command line's exit status and output
     are the refusal test's above, and no toy is launched."""
     from lmforge.cli.plan import plan_main
 
-    code = plan_main("--model tiny-hybrid --gpus 4xH100 --layout dp=2,zero=3,tp=2 --verify".split())
+    code = plan_main("--model tiny-hybrid --gpus 4xH100 --layout dp=2,zero=3,cp=2 --verify".split())
     out = capsys.readouterr().out
     assert code == 1, out
     assert "FAIL  config: lmforge refuses the layout" in out and "Gated DeltaNet" in out, out

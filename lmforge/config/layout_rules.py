@@ -92,7 +92,8 @@ def valid_tp_degrees(cfg: "Config") -> list[int]:
     """Every tensor-parallel degree that passes all of the TP rules for this model and data."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
     return [t for t in divisors(m.n_heads) if m.kv_heads % t == 0 and (t == 1 or (
-        m.vocab_size % t == 0 and m.ffn_dim % t == 0 and (not p.sequence_parallel or (d.seq_len // p.cp) % t == 0)))]
+        m.vocab_size % t == 0 and m.ffn_dim % t == 0 and (not p.sequence_parallel or (d.seq_len // p.cp) % t == 0)
+        and not (m.has_linear_layers and any(h % t for h in m.deltanet_shape[:2]))))]
 
 
 def pipeline_micro_batches_ok(count: int, pp: int, schedule: str) -> bool:
@@ -253,14 +254,19 @@ LAYOUT_RULES: tuple[LayoutRule, ...] = (
        "{k[ep]} = {p.ep} must divide model.moe.num_experts = {m.moe.num_experts} (each expert-parallel "
        "rank holds an equal share of the routed experts); choose {k[ep]} among {ok}.",
        lambda c, k: {"ok": divisors(c.model.moe.num_experts)}, structural=True, needs=frozenset({"model"})),
-    # -- Gated DeltaNet blocks (model.layer_types): one process or data parallelism (DDP / FSDP2) for now
-    _R("linear-attention-layouts", lambda c: c.model.has_linear_layers
-       and max(c.parallel.tp, c.parallel.cp) > 1,
-       "{k[tp]} = {p.tp}, {k[cp]} = {p.cp}: model.layer_types / full_attention_interval make Gated DeltaNet "
-       "(linear-attention) blocks, which lmforge runs on one process and under DDP, FSDP2, pipeline and expert "
-       "parallelism; tensor parallelism does not split their convolutions and gates yet, and context parallelism "
-       "would pass each block's recurrent state from rank to rank in sequence order; set {k[tp]} = {k[cp]} = 1, or "
-       "make every block full attention."),
+    # -- Gated DeltaNet blocks (model.layer_types): every layout but context parallelism
+    _R("linear-attention-layouts", lambda c: c.model.has_linear_layers and c.parallel.cp > 1,
+       "{k[cp]} = {p.cp}: model.layer_types / full_attention_interval make Gated DeltaNet (linear-attention) "
+       "blocks, which lmforge runs on one process and under DDP, FSDP2, tensor, pipeline and expert parallelism; "
+       "context parallelism would pass each block's recurrent state from rank to rank in sequence order, which "
+       "lmforge does not do yet; set {k[cp]} = 1, or make every block full attention."),
+    _R("tp-divides-deltanet-heads", lambda c: c.model.has_linear_layers and c.parallel.tp > 1
+       and any(h % c.parallel.tp for h in c.model.deltanet_shape[:2]),
+       "{k[tp]} = {p.tp} must divide the Gated DeltaNet key heads and value heads ({dn[0]} and {dn[1]}: each TP "
+       "rank holds whole key heads and the value heads they serve); the degrees this model allows are {ok}, or set "
+       "model.deltanet.key_heads / value_heads.",
+       lambda c, k: {"dn": c.model.deltanet_shape, "ok": valid_tp_degrees(c)}, structural=True,
+       needs=frozenset({"model"})),
     # -- OLMo 2 / 3's QK-norm (model.qk_norm_scope = "projection") normalises over every head at once
     _R("qk-norm-projection-tp", lambda c: c.parallel.tp > 1 and c.model.qk_norm and c.model.qk_norm_scope == "projection",
        "{k[tp]} = {p.tp} with model.qk_norm_scope = 'projection': that QK-norm sums over every head of q and k, and "

@@ -26,6 +26,11 @@ state passes from chunk to chunk. `recurrent_delta_rule` walks the tokens one at
 one new token per step). Both run in fp32 and in pure PyTorch (any device); they agree to
 rounding, whatever the chunk size. A `DeltaNetCache` carries a sequence on: the convolution's last
 conv_kernel - 1 inputs and the state.
+
+Under tensor parallelism (lmforge.parallel.tensor_parallel) each rank holds whole key heads and the
+value heads they serve: the input projections split by rows, the convolutions' channels, A_log and
+dt_bias with them (DTensors sharded on dim 0, used here as their local shards), the output
+projection by columns; so the forward counts heads from its tensors' shapes, never from the config.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ from torch import nn
 from lmforge.config import ModelConfig
 
 L2_EPS = 1e-6  # (as the flash-linear-attention kernels and transformers normalise q and k)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard where tensor parallelism made it a DTensor (its gradient flows back to
+    the shard), else the parameter."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def l2_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -170,29 +181,29 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, name: str, x: torch.Tensor, cache: DeltaNetCache | None) -> torch.Tensor:
         """Causal depthwise convolution + SiLU of x (batch, seq, channels): over the cache's last
         inputs, else zeros, before the first token; the cache keeps the new last inputs."""
-        conv = getattr(self, name)
+        weight = _local(getattr(self, name).weight)  # (channels here, 1, taps): this rank's channels under TP
         x = x.transpose(1, 2)
-        keep = conv.kernel_size[0] - 1
+        keep = weight.shape[-1] - 1
         before = cache.conv.get(name) if cache is not None else None
         if before is None:
             before = x.new_zeros(x.shape[0], x.shape[1], keep)
         full = torch.cat([before.to(x.dtype), x], dim=-1)
         if cache is not None:
             cache.conv[name] = full[..., full.shape[-1] - keep:].detach()
-        return F.silu(conv(full)).transpose(1, 2)
+        return F.silu(F.conv1d(full, weight, groups=weight.shape[0])).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, rope=None, cache: DeltaNetCache | None = None, mask=None) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-        q = self._conv("conv_q", self.in_q(x), cache).view(bsz, seq, self.key_heads, self.key_dim)
-        k = self._conv("conv_k", self.in_k(x), cache).view(bsz, seq, self.key_heads, self.key_dim)
-        v = self._conv("conv_v", self.in_v(x), cache).view(bsz, seq, self.value_heads, self.value_dim)
+        bsz, seq, _ = x.shape  # (the heads: this rank's under tensor parallelism, the same ratio)
+        q = self._conv("conv_q", self.in_q(x), cache).view(bsz, seq, -1, self.key_dim)
+        k = self._conv("conv_k", self.in_k(x), cache).view(bsz, seq, -1, self.key_dim)
+        v = self._conv("conv_v", self.in_v(x), cache).view(bsz, seq, -1, self.value_dim)
         q = l2_normalise(q.float()) / math.sqrt(self.key_dim)
         k = l2_normalise(k.float())
         rep = self.value_heads // self.key_heads
         if rep > 1:  # key head j serves value heads j rep .. (j + 1) rep - 1
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         beta = torch.sigmoid(self.in_b(x).float())
-        g = -self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias.float())
+        g = -_local(self.A_log).float().exp() * F.softplus(self.in_a(x).float() + _local(self.dt_bias).float())
         state = cache.state if cache is not None else None
         if seq == 1 and cache is not None:  # one new token: the recurrence itself
             o, state = recurrent_delta_rule(q, k, v, g, beta, state)
@@ -200,7 +211,7 @@ class GatedDeltaNet(nn.Module):
             o, state = chunked_delta_rule(q, k, v, g, beta, self.chunk, state)
         if cache is not None:
             cache.state, cache.length = state.detach(), cache.length + seq
-        z = self.in_z(x).view(bsz, seq, self.value_heads, self.value_dim)
+        z = self.in_z(x).view(bsz, seq, -1, self.value_dim)
         return self.wo(self.norm(o.to(x.dtype), z).reshape(bsz, seq, -1))
 
 

@@ -9,6 +9,12 @@ Per transformer block (on the "tp" sub-mesh of the DeviceMesh):
   attention (model.mla): the query and K/V up-projections (wq or wq_b, wkv_b) column-parallel, wo
   row-parallel, the latent down-projections and their norms replicated (why: lmforge.model.mla);
   multi-token prediction's blocks (model.mtp_depth) split as the others;
+* Gated DeltaNet (model.layer_types): its heads split as attention's (each rank whole key heads and
+  the value heads they serve): the q/k/v/z/beta/decay input projections column-parallel, the
+  depthwise convolutions' channels, A_log and dt_bias sharded on dim 0 with them (`_shard_heads`),
+  the gated output norm's weight (per head dim, shared by the heads) replicated and applied to the
+  rank's heads as a DTensor sharded along them (`heads_sharded_norm`: its gradient summed over the
+  ranks' heads), the output projection row-parallel; the recurrence is per head, so local;
 * MLP: gate/up (SwiGLU) or fc (GELU) column-parallel, down/proj row-parallel;
 * token embedding vocab-parallel (RowwiseParallel on the embedding: each rank holds vocab/tp rows);
 * output head column-parallel with DTensor logits sharded over the vocabulary, consumed by
@@ -46,6 +52,7 @@ import torch
 from torch import nn
 
 from lmforge.config import Config
+from lmforge.model.gated_deltanet import GatedDeltaNet
 from lmforge.model.mla import MLAttention
 from lmforge.model.moe import is_moe
 from lmforge.model.transformer import Transformer
@@ -86,6 +93,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
         plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
         if getattr(block.attn, "q_norm", None) is not None and not isinstance(block.attn, MLAttention):  # (QK-norm)
             plan.update(_qk_norm_plan(pre))
+        if isinstance(block.attn, GatedDeltaNet):
+            plan[f"{pre}.attn.norm"] = heads_sharded_norm()
         if is_moe(block.mlp):  # TP shards attention only: each TP rank runs the MoE feed-forward whole
             pass
         else:
@@ -114,9 +123,23 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
     return plan
 
 
+def _replicate_params(name: str, module: nn.Module, mesh) -> None:
+    """A ParallelStyle's partition: `module`'s own parameters replicated over the TP mesh (trainable as before)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    for key, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
+                                                    requires_grad=p.requires_grad))
+
+
+def _to_local(module: nn.Module, output, mesh) -> torch.Tensor:
+    """A ParallelStyle's output: the DTensor's local tensor."""
+    return output.to_local()
+
+
 def positions_of_sequence_shard():
     """The `PositionsOfSequenceShard` style for a learned position embedding (below)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_module
     from torch.distributed.tensor.parallel import ParallelStyle
 
     class PositionsOfSequenceShard(ParallelStyle):
@@ -127,13 +150,7 @@ def positions_of_sequence_shard():
         lmforge.parallel.clip reduces over the TP group (the true gradient: every position once)."""
 
         def _apply(self, module: nn.Module, mesh) -> nn.Module:
-            return distribute_module(module, mesh, self._replicate, self._shard_positions, self._local)
-
-        @staticmethod
-        def _replicate(name: str, module: nn.Module, mesh) -> None:
-            for key, p in list(module.named_parameters(recurse=False)):
-                module.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
-                                                            requires_grad=p.requires_grad))
+            return distribute_module(module, mesh, _replicate_params, self._shard_positions, _to_local)
 
         @staticmethod
         def _shard_positions(module: nn.Module, inputs: tuple, mesh) -> tuple:
@@ -141,15 +158,48 @@ def positions_of_sequence_shard():
             mine = positions.chunk(mesh.size(), dim=-1)[mesh.get_local_rank()]
             return (DTensor.from_local(mine, mesh, [Shard(positions.ndim - 1)], run_check=False), *inputs[1:])
 
-        @staticmethod
-        def _local(module: nn.Module, output, mesh) -> torch.Tensor:
-            return output.to_local()
-
     return PositionsOfSequenceShard()
+
+
+def heads_sharded_norm():
+    """The `HeadsShardedNorm` style for Gated DeltaNet's gated output norm (below)."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class HeadsShardedNorm(ParallelStyle):
+        """A norm over each head's last dim whose inputs (the heads' outputs and their gates, (batch,
+        seq, heads here, head dim)) are this rank's heads: its weight replicated over the TP ranks,
+        every input seen as a DTensor sharded along the heads, so the weight's gradient is a partial
+        sum over the ranks' heads, reduced by DTensor (torch's SequenceParallel does this for one input;
+        the gated norm takes two)."""
+
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            return distribute_module(module, mesh, _replicate_params, self._heads, _to_local)
+
+        @staticmethod
+        def _heads(module: nn.Module, inputs: tuple, mesh) -> tuple:
+            return tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in inputs)
+
+    return HeadsShardedNorm()
+
+
+def _shard_heads(deltanet: GatedDeltaNet, mesh) -> None:
+    """Gated DeltaNet's per-channel and per-head parameters (the depthwise convolutions' weights,
+    A_log, dt_bias) as DTensors sharded on dim 0 over `mesh`, the split of the column-parallel input
+    projections' rows: the forward uses their local shards (lmforge.model.gated_deltanet)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for owner, key in ((deltanet.conv_q, "weight"), (deltanet.conv_k, "weight"), (deltanet.conv_v, "weight"),
+                       (deltanet, "A_log"), (deltanet, "dt_bias")):
+        p = getattr(owner, key)
+        owner.register_parameter(key, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
+                                                   requires_grad=p.requires_grad))
 
 
 def _column_parallel_attention(attn: nn.Module) -> tuple[str, ...]:
     """The column-parallel projections of a block's attention (its heads split over the TP ranks)."""
+    if isinstance(attn, GatedDeltaNet):  # (rows grouped by head, key heads before the value heads they serve)
+        return ("in_q", "in_k", "in_v", "in_z", "in_b", "in_a")
     if isinstance(attn, MLAttention):
         return ("wq_b" if hasattr(attn, "wq_b") else "wq", "wkv_b")
     gate = ("wg",) if getattr(attn, "wg", None) is not None else ()  # (model.attn_gate: rows are heads, as q's)
@@ -219,9 +269,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool, lo
             and model.lm_head.weight is model.tok_emb.weight)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # (LoRA: the base weights)
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, local_logits))
-    for m in model.modules():  # multi-head latent attention: its shared RoPE key's gradient, summed over TP
-        if isinstance(m, MLAttention):
+    for m in model.modules():
+        if isinstance(m, MLAttention):  # multi-head latent attention: its shared RoPE key's gradient, summed over TP
             m.tp_group = tp_mesh.get_group()
+        if isinstance(m, GatedDeltaNet):
+            _shard_heads(m, tp_mesh)
     for name, p in model.named_parameters():  # torch's SequenceParallel re-creates norm weights trainable
         if name in frozen:
             p.requires_grad_(False)

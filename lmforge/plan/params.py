@@ -94,18 +94,18 @@ def _param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         return specs
 
     def attention(p: str, i: int, where: str) -> list[ParamSpec]:
-        if cfg.is_linear_layer(i):  # Gated DeltaNet (lmforge.model.gated_deltanet; not split: TP refuses it)
+        if cfg.is_linear_layer(i):  # Gated DeltaNet (lmforge.model.gated_deltanet): TP splits its heads
             hk, hv, dk, dv = cfg.deltanet_shape
             kernel = cfg.deltanet.conv_kernel
             out = []
             for name, width in (("in_q", hk * dk), ("in_k", hk * dk), ("in_v", hv * dv), ("in_z", hv * dv),
                                 ("in_b", hv), ("in_a", hv)):
-                out += linear(f"{p}.attn.{name}", d, width, None, i, False, where)
-            out += [ParamSpec(f"{p}.attn.conv_{n}.weight", (width, 1, kernel), where, i)
+                out += linear(f"{p}.attn.{name}", d, width, 0, i, False, where)
+            out += [ParamSpec(f"{p}.attn.conv_{n}.weight", (width, 1, kernel), where, i, 0)
                     for n, width in (("q", hk * dk), ("k", hk * dk), ("v", hv * dv))]
-            out += [ParamSpec(f"{p}.attn.{n}", (hv,), where, i) for n in ("A_log", "dt_bias")]
-            out.append(ParamSpec(f"{p}.attn.norm.weight", (dv,), where, i))
-            return out + linear(f"{p}.attn.wo", hv * dv, d, None, i, False, where)
+            out += [ParamSpec(f"{p}.attn.{n}", (hv,), where, i, 0) for n in ("A_log", "dt_bias")]
+            out.append(ParamSpec(f"{p}.attn.norm.weight", (dv,), where, i))  # (replicated: shared by the heads)
+            return out + linear(f"{p}.attn.wo", hv * dv, d, 1, i, False, where)
         if cfg.mla.enabled:  # lmforge.model.mla: up-projections split by heads, latent ones replicated
             m, heads, out = cfg.mla, cfg.n_heads, []
             if m.q_lora_rank:

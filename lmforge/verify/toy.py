@@ -107,9 +107,23 @@ def toy_model(model, layout: Layout):
     # μP kept at m = 2 (a toy-width base; the family's base width would give m << 1): its multipliers exercised
     base = dict(mup_base_width=HEAD_DIM * heads // 2, mup_base_head_dim=None) if model.parametrization == "mup" else {}
     return dataclasses.replace(
-        model, **base, mla=mla, mtp_depth=min(model.mtp_depth, 1), vocab_size=TOY_VOCAB, dim=HEAD_DIM * heads, n_layers=layers, n_heads=heads,
+        model, **base, **_toy_layer_types(model, layers), mla=mla, mtp_depth=min(model.mtp_depth, 1),
+        vocab_size=TOY_VOCAB, dim=HEAD_DIM * heads, n_layers=layers, n_heads=heads,
         n_kv_heads=None if kv == heads else kv, ffn_hidden=None, ffn_multiple_of=16, attn_head_dim=None,
         max_seq_len=_seq_len(layout), sliding_window=_seq_len(layout) // 2 if model.sliding_window else 0, moe=moe)
+
+
+def _toy_layer_types(model, layers: int) -> dict:
+    """model.layer_types for the toy's `layers` blocks: every kind of token mixer the family has
+    (Gated DeltaNet, sliding and full attention), in the order they first appear, the first kind
+    filling the front (Qwen3-Next at 2 blocks: one Gated DeltaNet block, then full attention)."""
+    kinds = ["linear_attention" if model.is_linear_layer(i) else "sliding_attention" if model.is_local_layer(i)
+             else "full_attention" for i in range(model.n_layers)]
+    present = list(dict.fromkeys(kinds))
+    if present == ["full_attention"]:
+        return {}
+    toy = [present[0]] * max(0, layers - len(present)) + present[:layers]
+    return {"layer_types": toy, "full_attention_interval": 0}
 
 
 def _seq_len(layout: Layout) -> int:
@@ -174,6 +188,8 @@ def describe(toy: Toy) -> str:
         family.append(f"MLA latent {m.mla.kv_lora_rank}")
     if m.mtp_depth:
         family.append(f"MTP depth {m.mtp_depth}")
+    if m.layer_types:
+        family.append("blocks " + " / ".join(m.layer_types))
     if m.moe.enabled:
         family.append(f"MoE {m.moe.num_experts} experts top-{m.moe.top_k}"
                       + (f" + {m.moe.shared_experts} shared" if m.moe.shared_experts else ""))
