@@ -335,7 +335,11 @@ FAMILY_STEPS = {"train.steps": 10, "schedule.warmup_steps": 2}  # (each launch p
 # (2 layers), LoRA, and each family attention option alone (2 layers, GQA with 2 kv heads: one per rank)
 PAIRS = {"tied": {"model.n_layers": 2, "model.tie_embeddings": "true", **FAMILY_STEPS}, "lora": LORA,
          **{f"attention-{name}": {"model.n_layers": 2, "model.n_kv_heads": 2, **FAMILY_STEPS, **option}
-            for name, option in ATTENTION_OPTIONS.items()}}
+            for name, option in ATTENTION_OPTIONS.items()},
+         # QK-norm with plain SGD (`SGD`): a QK-norm weight gradient twice its size under TP + SP (not summed
+         # right over the ranks' heads) moves the losses 6.6e-5 and the gradient norms 3.6e-4 here, where
+         # the AdamW pair above moves 2.4e-5 (measured with the gradient doubled on purpose)
+         "attention-qk_norm-sgd": {"model.n_layers": 2, "model.n_kv_heads": 2, **ATTENTION_OPTIONS["qk_norm"], **SGD}}
 # all the options at once on the MP model, under FSDP2 x TP (2 x 2, SP), PP=2 (1F1B) and CP=2
 FAMILY = {**MP, "model.n_kv_heads": 2, **{k: v for option in ATTENTION_OPTIONS.values() for k, v in option.items()},
           **FAMILY_STEPS}
@@ -346,8 +350,9 @@ FAMILY_LAYOUTS = {"fsdp2xtp2": LAYOUTS["fsdp2xtp2"], "pp2-1f1b": LAYOUTS["pp2-1f
 def test_attention_options_under_tensor_and_sequence_parallel_match_one_process(reference, launches):
     """Each family option alone under TP=2 + SP (GQA, 2 kv heads: one per rank) against one process:
     same per-step losses and gradient norms (the gradient of a replicated QK-norm weight is summed
-    over the ranks' heads; a bias is split like its weight; the attention gate by heads, like q)."""
-    for name in ATTENTION_OPTIONS:
+    over the ranks' heads, also with plain SGD, whose curve follows its scale; a bias is split like its
+    weight; the attention gate by heads, like q)."""
+    for name in [*ATTENTION_OPTIONS, "qk_norm-sgd"]:
         one_process_vs_tp2_sp(reference, launches, f"attention-{name}", name)
 
 
