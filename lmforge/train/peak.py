@@ -11,6 +11,10 @@ thread count and dtype; the higher of the two is the peak, and the run header sa
     mfu: ... against 127.3 GFLOP/s per device (CPU has no spec-sheet peak: fp32 matmul on 2 threads,
          best of 5+, cached 2026-11-29 in ~/.cache/lmforge/peak.json; measured now 48% of it, the machine is busy)
 
+The machine is measured once a day per key: a start-up on a day whose check is already recorded
+(`checked` in the file) takes the cached best as it is, without the ~0.3 s of matmuls per dtype
+(a day of short CPU runs, a sweep's trials or a test suite's hundreds, pays it once).
+
 The cache is a convenience, never a condition: a folder that cannot be read or written (read-only
 home, a full disk, a corrupt file) leaves the run with its own measurement. `LMFORGE_PEAK_CACHE=off`
 turns it off, and deleting the file forgets a figure (e.g. after a hardware change under the same
@@ -49,13 +53,13 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def _write(path: Path, key: str, flops: float, day: str) -> bool:
-    """Record `flops` for `key`; False (and the run goes on) where the file cannot be written."""
+def _write(path: Path, key: str, entry: dict) -> bool:
+    """Record `entry` for `key`; False (and the run goes on) where the file cannot be written."""
     from lmforge.folders import atomic_write_json  # (atomic: two runs starting at once do not mix files)
 
     try:
         data = _read(path)
-        data[key] = {"flops": flops, "date": day, "best_of": REPS}
+        data[key] = entry
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, data, indent=1, sort_keys=True)
         return True
@@ -67,16 +71,21 @@ def _write(path: Path, key: str, flops: float, day: str) -> bool:
 def machine_peak(key: str, measure: Callable[[], float], today: datetime.date | None = None) -> tuple[float, str]:
     """The peak FLOP/s for `key` (CPU model | threads | dtype) and how it was obtained: `measure()`
     now (the best of at least REPS matmuls), or the machine's best cached figure where that is higher."""
-    now = measure()
     day = (today or datetime.date.today()).isoformat()
     path = cache_path()
     if path is None:
-        return now, f"best of {REPS}+ now (peak cache off)"
+        return measure(), f"best of {REPS}+ now (peak cache off)"
     shown = str(path).replace(str(Path.home()), "~", 1) if str(path).startswith(str(Path.home())) else str(path)
     entry = _read(path).get(key)
     cached = entry.get("flops") if isinstance(entry, dict) else None
-    if isinstance(cached, (int, float)) and cached > now:
+    if not isinstance(cached, (int, float)):
+        cached = None
+    if cached is not None and entry.get("checked") == day:  # measured today already: the best as it is
+        return float(cached), f"best of {REPS}+, cached {entry.get('date', '?')} in {shown} (checked today)"
+    now = measure()
+    if cached is not None and cached > now:
         busy = f"; measured now {now / cached:.0%} of it, the machine is busy" if now < BUSY * cached else ""
+        _write(path, key, {**entry, "checked": day})
         return float(cached), f"best of {REPS}+, cached {entry.get('date', '?')} in {shown}{busy}"
-    written = _write(path, key, now, day)
+    written = _write(path, key, {"flops": now, "date": day, "best_of": REPS, "checked": day})
     return now, f"best of {REPS}+, measured now" + (f" (cached in {shown})" if written else "")
