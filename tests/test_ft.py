@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmforge.config import Config, ConfigError
 from tests.test_ckpt_fault import assert_bitwise, final_weights
@@ -159,6 +160,9 @@ def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(
     ("min_replicas", 3, "fault_tolerance.min_replicas = 3 must be <= fault_tolerance.replica_groups"),
     ("timeout_s", 0, "fault_tolerance.timeout_s = 0 must be > 0"),
     ("lighthouse", "host:29510", "fault_tolerance.lighthouse = 'host:29510' must be a URL"),
+    ("diloco_fragments", 0, "fault_tolerance.diloco_fragments = 0 must be >= 1"),
+    ("diloco_outer_lr", 0, "fault_tolerance.diloco_outer_lr = 0 must be > 0"),
+    ("diloco_outer_momentum", 1.0, "must be > 0 and diloco_outer_momentum = 1.0 in"),
 ])
 def test_bad_values_name_the_key(key, value, message):
     cfg = Config()
@@ -173,6 +177,11 @@ def test_bad_values_name_the_key(key, value, message):
     ({"guard.enabled": True}, "needs guard.enabled = false"),
     ({"parallel.async_sgd": True}, "parallel.async_sgd"),
     ({"parallel.zero_stage": 3}, "one process or DDP ranks"),
+    ({"fault_tolerance.diloco_sync_every": 4, "train.precision": "fp16"}, "a step the loss scale skips"),
+    ({"fault_tolerance.diloco_sync_every": 7, "train.steps": 100}, "must divide train.steps = 100, so that the run "
+                                                                    "ends on a sync.*train.steps = 105"),
+    ({"fault_tolerance.diloco_sync_every": 4, "fault_tolerance.diloco_fragments": 3},
+     "diloco_sync_every = 4 must be a multiple of fault_tolerance.diloco_fragments = 3"),
 ])
 def test_layouts_a_replica_group_cannot_be(setting, message):
     from lmforge.config.rules import check_fault_tolerance
@@ -185,6 +194,7 @@ def test_layouts_a_replica_group_cannot_be(setting, message):
         section, key = dotted.split(".")
         setattr(getattr(cfg, section), key, value)
     with pytest.raises(ConfigError, match=message) as e:
+        cfg.fault_tolerance.check()
         check_fault_tolerance(cfg)
     assert "\n" not in str(e.value)
 
@@ -201,3 +211,162 @@ def test_launch_takes_its_lighthouse_option_and_leaves_torchrun_the_rest():
         (["--nproc-per-node", "2", "train"], 29600)
     with pytest.raises(ValueError, match="--lighthouse=abc: give a port number"):
         take_lighthouse_option(["--lighthouse=abc", "train"], subs)
+
+
+
+# DiLoCo: H = 4 inner steps per sync over 8 steps (2 syncs); streaming DiLoCo: 2 fragments, one synced
+# every 2 steps in turn (4 syncs). min_replicas 2: every sync waits for both groups
+DILOCO = {"train.steps": 8, "train.log_every": 1, "checkpoint.every_minutes": 0, "train.sample_tokens": 0,
+          "train.eval_sequences": 2, "guard.enabled": "false", "fault_tolerance.enabled": "true",
+          "fault_tolerance.replica_groups": 2, "fault_tolerance.min_replicas": 2, "fault_tolerance.timeout_s": 30,
+          "fault_tolerance.diloco_sync_every": 4}
+
+
+def diloco_reference(corpus: Path, tmp: Path, fragments: int) -> list[tuple[dict[int, float], dict]]:  # noqa: F811
+    """Both groups in this process, without torchft: each Trainer steps on its own share of the data
+    (the same config; fault_tolerance.replica_id picks the share); after every 4 / `fragments` steps,
+    for the fragment whose turn it is, the two pseudo-gradients (the weights at its last sync minus the
+    group's) are averaged, and each group's weights are set to the last sync's and stepped by its own
+    copy of the outer Nesterov SGD with that average as the gradient: DiLoCo written out. Each group's
+    per-step losses and final weights."""
+    from lmforge.config import load_config, parse_cli_overrides
+    from lmforge.train.fault_tolerance import diloco_fragments
+    from lmforge.train.trainer import Trainer
+
+    trainers, frags, outer, last_sync = [], [], [], []
+    for g in range(2):
+        argv = overrides(corpus, tmp / f"reference{g}", **DILOCO, **{"fault_tolerance.replica_id": g,
+                                                                     "fault_tolerance.diloco_fragments": fragments})
+        t = Trainer(load_config("tiny", parse_cli_overrides(argv)))
+        t.setup()
+        trainers.append(t)
+        frags.append(diloco_fragments(t.model, fragments))
+        outer.append([torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True) for f in frags[g]])
+        last_sync.append([{n: p.detach().clone() for n, p in f.named_parameters()} for f in frags[g]])
+    losses = [{}, {}]
+    interval, syncs = 4 // fragments, 0
+    for step in range(1, DILOCO["train.steps"] + 1):
+        for g, t in enumerate(trainers):
+            losses[g][step] = float(t.train_step(t.next_micro_batches())[0])
+        if step % interval:
+            continue
+        k = syncs % fragments  # (torchft: the fragment of the number of syncs committed so far)
+        names = [n for n, _ in frags[0][k].named_parameters()]
+        average = {n: ((last_sync[0][k][n] - dict(frags[0][k].named_parameters())[n].detach())
+                       + (last_sync[1][k][n] - dict(frags[1][k].named_parameters())[n].detach())) / 2 for n in names}
+        for g in range(2):
+            with torch.no_grad():
+                for n, p in frags[g][k].named_parameters():
+                    p.copy_(last_sync[g][k][n])
+                    p.grad = average[n].clone()
+            outer[g][k].step()
+            outer[g][k].zero_grad()
+            last_sync[g][k] = {n: p.detach().clone() for n, p in frags[g][k].named_parameters()}
+        syncs += 1
+    weights = [{n: p.detach().clone() for n, p in t.model.state_dict().items()} for t in trainers]
+    for t in trainers:
+        t.close()
+    return list(zip(losses, weights))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_diloco_and_streaming_diloco_match_the_updates_written_out(corpus, tmp_path, fragments):  # noqa: F811
+    """Two groups with a real lighthouse, each 8 inner steps with a DiLoCo sync every 4 (or, streaming,
+    one of 2 fragments every 2): every step's loss and the final weights of each group are those of
+    `diloco_reference`, bit for bit (an average of two is exact in fp32); the syncs are recorded."""
+    port = free_port()
+    lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", "2", "--bind", f"[::]:{port}",
+                                   "--join_timeout_ms", "100", "--quorum_tick_ms", "20"],
+                                  stdout=open(tmp_path / "lighthouse.log", "ab"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    outs = [tmp_path / f"group{g}" for g in range(2)]
+    procs = [lighthouse]
+    try:
+        for g, out in enumerate(outs):
+            extra = {**DILOCO, "fault_tolerance.replica_id": g, "fault_tolerance.diloco_fragments": fragments,
+                     "fault_tolerance.lighthouse": f"http://localhost:{port}"}
+            procs.append(subprocess.Popen([sys.executable, "-m", "lmforge", "train"] + overrides(corpus, out, **extra),
+                                          stdout=open(tmp_path / f"group{g}.log", "ab"), stderr=subprocess.STDOUT,
+                                          start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        for g, proc in enumerate(procs[1:]):
+            assert proc.wait(timeout=240) == 0, (tmp_path / f"group{g}.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            kill(p)
+    reference = diloco_reference(corpus, tmp_path, fragments)
+    for out, (want_losses, want_weights) in zip(outs, reference):
+        got = {r["step"]: r["loss"] for r in records(out) if "loss" in r and "val_loss" not in r}
+        assert got == want_losses, (got, want_losses)
+        assert_bitwise(final_weights(out), {k: v for k, v in want_weights.items() if k in final_weights(out)})
+        syncs = [r for r in records(out) if r.get("event") == "ft_quorum"]
+        assert [r["step"] for r in syncs] == list(range(4 // fragments, 9, 4 // fragments)), syncs
+        assert all(r["committed"] and r["replica_groups"] == [0, 1] for r in syncs), syncs
+        assert [r["fragment"] for r in syncs] == [i % fragments for i in range(len(syncs))], syncs
+
+
+class _Manager:
+    """What torchft's DiLoCo asks of its Manager before any sync (no lighthouse, no process group)."""
+    _use_async_quorum = False
+
+    def __init__(self):
+        self.step, self.fns = 0, {}
+
+    def register_state_dict_fn(self, key, load, save):
+        self.fns[key] = (load, save)
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+    def current_step(self):
+        return self.step
+
+
+def test_diloco_fragments_hold_every_parameter_once_in_block_order():
+    from lmforge.config import load_config
+    from lmforge.model.transformer import build_model
+    from lmforge.train.fault_tolerance import diloco_fragments
+
+    model = build_model(load_config("tiny", {"model.n_layers": 4}).model, seed=0)  # (tied embeddings)
+    frags = diloco_fragments(model, 2)
+    names = [[n for n, _ in f.named_parameters()] for f in frags]
+    assert names[0][0] == "tok_emb_weight" and all(n.startswith(("tok_emb", "blocks_0_", "blocks_1_")) for n in names[0])
+    assert all(n.startswith(("blocks_2_", "blocks_3_", "norm", "lm_head")) for n in names[1]) and "norm_weight" in names[1]
+    ids = [id(p) for f in frags for p in f.parameters()]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))  # every parameter once, the tied head too
+
+
+def test_diloco_state_round_trips_through_a_checkpoint_and_resumes_the_schedule():
+    """DiLoCoState (the run's checkpoint part): the weights at each fragment's last sync, the outer
+    momentum and the schedule's position (syncs committed, inner steps since) come back exactly, into
+    torchft's DiLoCo built on a fresh model."""
+    from lmforge.config import load_config
+    from lmforge.model.transformer import build_model
+    from lmforge.train.fault_tolerance import DiLoCoState
+
+    cfg = load_config("tiny", {"model.n_layers": 2, "fault_tolerance.diloco_sync_every": 4,
+                               "fault_tolerance.diloco_fragments": 2})
+    model = build_model(cfg.model, seed=0)
+    state = DiLoCoState(model, cfg.fault_tolerance)
+    state.start(_Manager(), torch.optim.AdamW(model.parameters()), 4, step=0)
+    for i, frag in enumerate(state.diloco._fragments):
+        for n, t in frag.original_parameters.items():
+            t.add_(i + 1)
+    for opt in state.outer:
+        for p in opt.param_groups[0]["params"]:
+            opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
+    state.manager.step, state.diloco._local_step = 3, 1
+    saved = {k: (v.clone() if isinstance(v, torch.Tensor) else
+                 {n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v)
+             for k, v in state.state_dict().items()}
+    assert saved["has_momentum"] and saved["outer_steps"] == 3 and saved["inner_steps"] == 1
+
+    fresh = build_model(cfg.model, seed=1)
+    again = DiLoCoState(fresh, cfg.fault_tolerance)
+    again.load_state_dict(saved)
+    again.start(_Manager(), torch.optim.AdamW(fresh.parameters()), 4, step=0)
+    assert again.manager.current_step() == 3 and again.diloco._local_step == 1
+    got = again.state_dict()
+    for key in saved["original"]:
+        assert torch.equal(got["original"][key], saved["original"][key]), key
+        assert torch.equal(got["momentum"][key], saved["momentum"][key]), key

@@ -228,3 +228,28 @@ def test_mfu_belongs_to_the_back_of_envelope_estimate(capsys):
     out = capsys.readouterr().out
     for kind in ("matmuls", "attention (SDPA)", "elementwise", "loss", "casts", "optimizer", "host gaps"):
         assert kind in out, kind
+
+
+def test_cross_group_traffic_of_a_fault_tolerant_job(capsys):
+    """fault_tolerance with replica groups: each rank's cross-group bytes, a ring all-reduce's 2 (G - 1) / G of
+    its parameters every step, or DiLoCo's once per diloco_sync_every steps (streaming: 1/F of them every
+    H / F steps), printed under the step estimate and in --json."""
+    from lmforge.plan.cross_group import cross_group_traffic
+
+    every = cross_group_traffic(1_000_000, 4, 2)
+    assert (every.burst_bytes, every.per_step_bytes, every.sync_every) == (4e6, 4e6, 1)
+    diloco = cross_group_traffic(1_000_000, 4, 4, diloco_sync_every=100, fragments=4, gbps=1.0)
+    assert (diloco.burst_bytes, diloco.per_step_bytes, diloco.every_step_bytes, diloco.sync_every) == \
+        (1.5e6, 6e4, 6e6, 25)
+    assert diloco.seconds_per_sync == pytest.approx(1.5e-3)
+    argv = ["--model", "llama-1b", "--gpus", "8xH100", "--set", "fault_tolerance.enabled=true", "--set",
+            "fault_tolerance.replica_groups=2", "--set", "guard.enabled=false", "--set",
+            "fault_tolerance.diloco_sync_every=100", "--set", "fault_tolerance.diloco_fragments=4",
+            "--set", "train.steps=1000"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Cross-group traffic (2 replica groups; DiLoCo, a sync every 25 step(s), streaming: 1 of 4 fragments" in out
+    assert "per-step averaging would move 4.305 GB every step (100x)" in out, out[-600:]
+    assert plan_main(argv + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cross_group"]["sync_every"] == 25 and report["cross_group"]["groups"] == 2

@@ -10,6 +10,7 @@ import logging
 import tomllib
 
 import pytest
+import torch
 
 from lmforge.config import load_config
 from lmforge.config.freeze import FrozenConfigError, freeze, is_frozen
@@ -29,6 +30,10 @@ class Recorder(Handler):
 
     def __init__(self, calls: list):
         self.calls = calls
+
+    def states(self, trainer):
+        self.calls.append(("states", trainer.resumed_from is not None))
+        return {}
 
     def run_start(self, trainer):
         self.calls.append(("run_start", trainer.state.step))
@@ -70,7 +75,7 @@ def test_handlers_hear_the_events_in_order_and_add_log_fields(small_data, tmp_pa
     assert calls == later  # (the same events, the one added later after the one passed)
     names = [c[0] for c in calls]
     assert set(names) == set(EVENTS)
-    assert names[0] == "run_start" and names[-2:] == ["run_end", "close"] and calls[-1] == ("close", None)
+    assert names[:2] == ["states", "run_start"] and names[-2:] == ["run_end", "close"] and calls[-1] == ("close", None)
     for step in range(1, 7):
         begin = calls.index(("step_begin", step))
         end = calls.index(("step_end", step))
@@ -143,3 +148,42 @@ def test_a_frozen_config_still_copies_compares_and_pickles():
     editable = copy.deepcopy(cfg)
     editable.optim.lr = 1.0  # (a copy of the unfrozen config stays editable)
     assert editable.optim.lr == 1.0
+
+
+def test_a_handlers_states_are_checkpointed_and_restored_with_the_run(small_data, tmp_path):
+    """`states`: a handler's own part of the checkpoint (here a counter of its updates and a tensor)
+    is saved with the run's and restored, before run_start, on resume."""
+
+    class Counted(Handler):
+        def __init__(self):
+            self.count, self.seen_at_start = 0, None
+            self.vector = torch.zeros(3)
+
+        def states(self, trainer):
+            return {"counted": self}
+
+        def state_dict(self):
+            return {"count": self.count, "vector": self.vector}
+
+        def load_state_dict(self, sd):
+            self.count, self.vector = sd["count"], sd["vector"].clone()
+
+        def run_start(self, trainer):
+            self.seen_at_start = (self.count, self.vector.tolist())
+
+        def update_end(self, trainer, step):
+            self.count += 1
+            self.vector += step
+
+    cfg = load_config("tiny", {**RUN, "train.steps": 4, "checkpoint.every_steps": 2, "schedule.warmup_steps": 1})
+    first = Counted()
+    Trainer(cfg, out_dir=tmp_path / "run", data=small_data, handlers=[first]).fit()
+    assert first.count == 4 and first.vector.tolist() == [10.0] * 3
+    import shutil
+
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000004")  # resume from step 2
+    (tmp_path / "run" / "summary.json").unlink()
+    again = Counted()
+    Trainer(cfg, out_dir=tmp_path / "run", data=small_data, handlers=[again]).fit()
+    assert again.seen_at_start == (2, [3.0] * 3)  # restored before run_start
+    assert again.count == 4 and again.vector.tolist() == [10.0] * 3

@@ -282,6 +282,19 @@ def linear_attention_notes(model) -> list[str]:
             f"and activation memory below as rough."]
 
 
+def _cross_group(cfg, precision: str, cluster):
+    """The cross-group traffic of a fault-tolerant job's ranks (fault_tolerance.enabled with replica_groups
+    > 1: lmforge.plan.cross_group), at the cluster's inter-node bandwidth; else None."""
+    f = cfg.fault_tolerance
+    if not (f.enabled and f.replica_groups > 1):
+        return None
+    from lmforge.plan.cross_group import cross_group_traffic
+    from lmforge.plan.params import total_params
+
+    return cross_group_traffic(total_params(cfg.model), 2 if precision == "bf16-pure" else 4, f.replica_groups,
+                               f.diloco_sync_every, f.diloco_fragments, cluster.device.inter_node_gbps)
+
+
 def plan_main(argv: list[str]) -> int:
     """Entry point of `lmforge plan`. Returns a process exit code (2 on bad input)."""
     argv = list(argv)
@@ -318,6 +331,7 @@ def plan_main(argv: list[str]) -> int:
                              price_per_gpu_hour=args.price, flops_convention=args.flops, ideal=args.ideal,
                              convention=fit_convention, optimizer=optimizer)
         data_lines, data_warnings = data_plan(cfg)
+        cross = _cross_group(cfg, precision, cluster)
         loss = None if args.loss is None else predict_loss(args.loss, cfg, train_tokens)
         cands = None
         if args.search:
@@ -337,6 +351,8 @@ def plan_main(argv: list[str]) -> int:
                   "compute": step.as_dict(), "assumed_mfu": args.mfu, "ideal": args.ideal, "notes": notes,
                   "data": data_lines, "data_warnings": data_warnings,
                   "refused": [r._asdict() for r in refused]}
+        if cross is not None:
+            report["cross_group"] = cross.as_dict()
         if loss is not None:
             report["loss"] = loss
         if cands is not None:
@@ -370,6 +386,9 @@ def plan_main(argv: list[str]) -> int:
     print(memory_table(mems, cluster.device.memory_bytes, args.usable))
     print()
     print(step_table(step, cluster, args.mfu, precision))
+    if cross is not None:
+        print()
+        print("\n".join(cross.lines(cluster.device.inter_node_gbps)))
     if cands is not None and args.layout is not None:
         print()
         print(candidates_table(cands, cluster, args.usable))

@@ -413,6 +413,17 @@ def check_fault_tolerance(cfg: "Config") -> None:
     if cfg.schedule.batch_rampup_start:
         raise ConfigError("fault_tolerance.enabled with schedule.batch_rampup_start: not supported (a rejoining "
                           "group takes its peer's position, not its ramp-up).")
+    if f.diloco_sync_every and cfg.train.precision == "fp16":
+        raise ConfigError("fault_tolerance.diloco_sync_every with train.precision = 'fp16': a step the loss scale "
+                          "skips would put one group's count of inner steps behind the others'; use bf16 or fp32.")
+    if f.diloco_sync_every and cfg.train.steps % f.diloco_sync_every:
+        raise ConfigError(f"fault_tolerance.diloco_sync_every = {f.diloco_sync_every} must divide train.steps = "
+                          f"{cfg.train.steps}, so that the run ends on a sync (its last steps would otherwise stay "
+                          f"each group's own); e.g. train.steps = "
+                          f"{-(-cfg.train.steps // f.diloco_sync_every) * f.diloco_sync_every}.")
+    if f.diloco_fragments > cfg.model.n_layers:
+        raise ConfigError(f"fault_tolerance.diloco_fragments = {f.diloco_fragments} is more than model.n_layers = "
+                          f"{cfg.model.n_layers} (each fragment holds whole blocks).")
 
 
 # The cross-section checks in the order `Config.validate` runs them (the layout's rules: `check_layout`).

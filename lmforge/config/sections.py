@@ -820,6 +820,10 @@ class FaultToleranceConfig:
     batch_policy: Literal["shrink"] = _f("shrink", "What a step trains when its quorum is short of groups: 'shrink' = the batches of the groups in the quorum (the global batch shrinks with the quorum; the step log records which groups trained each step, so the missing share is known, not silent).")
     timeout_s: float = _f(60.0, "Seconds a quorum, a cross-group all-reduce, a commit or a weight transfer may take before the step counts as failed and is retried with a new quorum.")
     max_retries: int = _f(10, "Stop with an error after this many failed attempts at one step in a row (each attempt forms a new quorum).")
+    diloco_sync_every: int = _f(0, "DiLoCo (Douillard et al. 2023): each group takes this many optimizer steps on its own (no cross-group traffic), then the groups average their pseudo-gradients (the weights at the last sync minus their own) and take one outer step, Nesterov SGD (fault_tolerance.diloco_outer_lr / diloco_outer_momentum), on torchft's DiLoCo. 0 = off: every step's gradients are averaged across the groups.")
+    diloco_outer_lr: float = _f(0.7, "DiLoCo's outer learning rate (the paper's 0.7).")
+    diloco_outer_momentum: float = _f(0.9, "DiLoCo's outer Nesterov momentum (the paper's 0.9).")
+    diloco_fragments: int = _f(1, "Streaming DiLoCo (Douillard et al. 2025): the model cut into this many fragments of consecutive blocks (the first holds the embedding, the last the final norm and head), synced in turn, one every diloco_sync_every / diloco_fragments steps, so each sync moves 1/fragments of the weights. 1 = plain DiLoCo.")
 
     def check(self) -> None:
         at_least(1, "fault_tolerance", replica_groups=self.replica_groups, min_replicas=self.min_replicas,
@@ -837,6 +841,15 @@ class FaultToleranceConfig:
             raise ConfigError(f"fault_tolerance.timeout_s = {self.timeout_s} must be > 0.")
         if self.lighthouse and not self.lighthouse.startswith(("http://", "https://")):
             raise ConfigError(f"fault_tolerance.lighthouse = {self.lighthouse!r} must be a URL like http://host:29510.")
+        at_least(0, "fault_tolerance", diloco_sync_every=self.diloco_sync_every)
+        at_least(1, "fault_tolerance", diloco_fragments=self.diloco_fragments)
+        if self.diloco_sync_every and self.diloco_sync_every % self.diloco_fragments:
+            raise ConfigError(f"fault_tolerance.diloco_sync_every = {self.diloco_sync_every} must be a multiple of "
+                              f"fault_tolerance.diloco_fragments = {self.diloco_fragments} (one fragment syncs every "
+                              f"diloco_sync_every / diloco_fragments steps).")
+        if self.diloco_outer_lr <= 0 or not 0 <= self.diloco_outer_momentum < 1:
+            raise ConfigError(f"fault_tolerance.diloco_outer_lr = {self.diloco_outer_lr} must be > 0 and "
+                              f"diloco_outer_momentum = {self.diloco_outer_momentum} in [0, 1).")
 
 
 @dataclass

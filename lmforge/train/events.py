@@ -11,6 +11,8 @@ and the `Trainer` calls them. Nothing extends the trainer by replacing its metho
 
 The events, in the order the synchronous loop (lmforge.train.trainer.Trainer.train) calls them:
 
+    states(trainer) -> dict          in setup, before a checkpoint is restored: more parts of the
+                                     run's checkpoint (name: a Stateful), saved and restored with it
     run_start(trainer)               setup done, the run folder open; before the first validation
     per step:
       step_begin(trainer, step)      before the step's micro-batches are drawn (`step`: 1-based, the
@@ -42,13 +44,16 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-EVENTS = ("run_start", "step_begin", "backward_end", "update_end", "log_window", "paused", "step_end", "run_end",
+EVENTS = ("states", "run_start", "step_begin", "backward_end", "update_end", "log_window", "paused", "step_end", "run_end",
           "close")
 
 
 class Handler:
     """A participant in the loop's events (see the module's docstring for their order and contract).
     Every event does nothing here: override the ones you need."""
+
+    def states(self, trainer) -> dict[str, Any]:
+        return {}
 
     def run_start(self, trainer) -> None:
         pass

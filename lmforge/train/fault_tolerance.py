@@ -34,6 +34,21 @@ The steps, as the loop's events call them (lmforge.train.events; every rank of a
 
 Data: group g's rank with data-parallel index i reads as data rank g x dp + i of replica_groups x dp
 (`data_coordinate`), so the groups read disjoint shares of the one deterministic order.
+
+DiLoCo (fault_tolerance.diloco_sync_every = H > 0; Douillard et al. 2023) trades the per-step
+all-reduce for one every H steps, for groups that talk slowly to each other (across clusters): each
+group takes H optimizer steps on its own share of the data (the *inner* steps, the run's optimizer,
+no cross-group traffic), then the groups average their pseudo-gradients (the weights at the last
+sync minus their own now) and every group applies the same *outer* step to the weights at the last
+sync: SGD with Nesterov momentum (diloco_outer_lr 0.7, diloco_outer_momentum 0.9, the paper's). The
+weights after it are the groups' common ones. Streaming DiLoCo (diloco_fragments = F > 1; Douillard
+et al. 2025) cuts the model into F fragments of consecutive blocks and syncs one every H / F steps
+in turn, so each sync moves 1/F of the weights (`diloco_fragments`). Both are torchft's
+`torchft.local_sgd.DiLoCo` (its optimizer hooks drive the quorum and the sync): the quorum is formed
+at each sync instead of each step, a sync that fails (a group died) is dropped with the inner steps
+it would have merged, and a group started again is healed at the next sync. The weights at the last
+sync and the outer momentum are part of the run's checkpoint (`DiLoCoState`), so a whole-job restart
+resumes them exactly.
 """
 
 from __future__ import annotations
@@ -42,6 +57,9 @@ import logging
 import os
 import socket
 from datetime import timedelta
+
+import torch
+from torch import nn
 
 from lmforge.train.events import Handler
 
@@ -87,6 +105,85 @@ class PeerState:
                  self.trainer.state.step)
 
 
+def diloco_fragments(model: nn.Module, n: int) -> list[nn.Module]:
+    """The model's parameters in `n` fragments of consecutive blocks (streaming DiLoCo; 1 = the whole
+    model): the first fragment also holds the embeddings, the last every other parameter (the final
+    norm, the head, multi-token prediction's modules); each parameter in exactly one (a head tied to
+    the embedding is the embedding's). Each fragment is a module holding the model's own Parameter
+    objects (registered under their names with '.' as '_'), which torchft syncs one at a time."""
+    n_blocks = len(model.blocks)
+    cuts = [round(i * n_blocks / n) for i in range(n + 1)]
+    block_fragment = {str(key): next(f for f in range(n) if cuts[f] <= i < cuts[f + 1])
+                      for i, key in enumerate(model.blocks.keys())}
+    fragments = [nn.Module() for _ in range(n)]
+    for name, param in model.named_parameters():  # (tied parameters once, under their first name)
+        head, _, rest = name.partition(".")
+        if head == "blocks":
+            f = block_fragment[rest.split(".", 1)[0]]
+        else:
+            f = 0 if head in ("tok_emb", "pos_emb") else n - 1
+        fragments[f].register_parameter(name.replace(".", "_"), param)
+    return fragments
+
+
+class DiLoCoState:
+    """DiLoCo's state beyond the model's, a part of the run's checkpoint: per fragment the weights at
+    its last sync (what the next pseudo-gradient is measured from) and the outer optimizer's
+    momentum, and how many syncs committed and inner steps were taken since the last one (where the
+    groups are in torchft's schedule). Restored before the run starts; torchft's DiLoCo, built at
+    run_start, then takes them."""
+
+    def __init__(self, model: nn.Module, f):
+        self.fragments = diloco_fragments(model, f.diloco_fragments)
+        self.outer = [torch.optim.SGD(frag.parameters(), lr=f.diloco_outer_lr, momentum=f.diloco_outer_momentum,
+                                      nesterov=f.diloco_outer_momentum > 0) for frag in self.fragments]
+        self.diloco = None  # torchft's DiLoCo (run_start)
+        self.manager = None
+        self.restored: dict | None = None  # a checkpoint's part, until torchft's DiLoCo exists
+
+    def _originals(self) -> list[dict[str, torch.Tensor]]:
+        if self.diloco is not None:
+            return [frag.original_parameters for frag in self.diloco._fragments]
+        return [{n: p.detach().cpu().clone() for n, p in frag.named_parameters()} for frag in self.fragments]
+
+    def state_dict(self) -> dict:
+        sd: dict = {"original": {}, "momentum": {}, "has_momentum": False,
+                    "outer_steps": self.manager.current_step() if self.manager is not None else 0,
+                    "inner_steps": self.diloco._local_step if self.diloco is not None else 0}
+        for i, (orig, opt, frag) in enumerate(zip(self._originals(), self.outer, self.fragments)):
+            for n, p in frag.named_parameters():
+                sd["original"][f"{i}_{n}"] = orig[n]
+                buf = opt.state.get(p, {}).get("momentum_buffer")
+                sd["has_momentum"] |= buf is not None
+                sd["momentum"][f"{i}_{n}"] = buf if buf is not None else torch.zeros_like(p)
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for i, (opt, frag) in enumerate(zip(self.outer, self.fragments)):
+            for n, p in frag.named_parameters():
+                if sd["has_momentum"]:
+                    opt.state[p]["momentum_buffer"] = sd["momentum"][f"{i}_{n}"].to(p.device).clone()
+        self.restored = sd
+
+    def start(self, manager, optimizer: torch.optim.Optimizer, sync_every: int, step: int) -> None:
+        """torchft's DiLoCo over `optimizer` (its step hooks count the inner steps and sync), at the
+        schedule's position: the restored one, or a fresh run's (`step` inner steps, none synced)."""
+        from torchft.local_sgd import DiLoCo
+
+        interval = sync_every // len(self.fragments)
+        restored = self.restored
+        manager.load_state_dict({"step": restored["outer_steps"] if restored else step // interval,
+                                 "batches_committed": 0})
+        self.manager = manager
+        self.diloco = DiLoCo(manager, self.fragments, optimizer, self.outer, sync_every, pin_memory=False)
+        if restored is not None:
+            for i, frag in enumerate(self.diloco._fragments):
+                for n, t in frag.original_parameters.items():
+                    t.copy_(restored["original"][f"{i}_{n}"])
+        self.diloco._local_step = restored["inner_steps"] if restored else step % interval
+        self.diloco.__enter__()
+
+
 class FaultTolerance(Handler):
     """The replica group's side of the fault-tolerant job (the module's docstring). Idle unless
     fault_tolerance.enabled."""
@@ -97,6 +194,15 @@ class FaultTolerance(Handler):
         self.held_quorum = False  # run_start's quorum not yet used by a step
         self.attempts = 0
         self.last_quorum_id: int | None = None
+        self.diloco: DiLoCoState | None = None  # fault_tolerance.diloco_sync_every > 0
+        self.outer_steps = 0
+
+    def states(self, trainer) -> dict:
+        f = trainer.cfg.fault_tolerance
+        if not (f.enabled and f.diloco_sync_every):
+            return {}
+        self.diloco = DiLoCoState(trainer.model, f)
+        return {"diloco": self.diloco}
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -134,9 +240,15 @@ class FaultTolerance(Handler):
             lighthouse_addr=lighthouse or None, replica_id=f"lmforge_group_{f.replica_id}",
             hostname=socket.gethostname(),
             # the groups build their weights from one seed, but a group resumed from its own
-            # checkpoint may not hold what the others do: every group starts from the first's
-            init_sync=True,
+            # checkpoint may not hold what the others do: every group starts from the first's. Not
+            # under DiLoCo, whose first quorum comes at the first sync: there it would replace a group's
+            # first inner steps by another's (a group behind is healed by its step count all the same)
+            init_sync=not f.diloco_sync_every,
             max_retries=f.max_retries)
+        if self.diloco is not None:  # DiLoCo: torchft's hooks on the optimizer form the quorum at each sync
+            self.diloco.start(self.manager, trainer.optimizer, f.diloco_sync_every, trainer.state.step)
+            self.outer_steps = self.manager.current_step()
+            return
         # (the Manager counts committed steps; a group resumed from a checkpoint starts at its step)
         self.manager.load_state_dict({"step": trainer.state.step, "batches_committed": 0})
         # a quorum of the live groups; a group behind the others is healed here (torchft's checkpoint
@@ -147,7 +259,7 @@ class FaultTolerance(Handler):
     # ---- per step ------------------------------------------------------------------------------
 
     def step_begin(self, trainer, step: int) -> None:
-        if self.manager is None:
+        if self.manager is None or self.diloco is not None:
             return
         self.attempts = 1
         if self.held_quorum:
@@ -156,7 +268,7 @@ class FaultTolerance(Handler):
             self.manager.start_quorum()
 
     def backward_end(self, trainer, loss) -> None:
-        if self.manager is None:
+        if self.manager is None or self.diloco is not None:  # (DiLoCo: the inner steps are each group's own)
             return
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -177,6 +289,19 @@ class FaultTolerance(Handler):
 
     def update_end(self, trainer, step: int) -> None:
         if self.manager is None:
+            return
+        if self.diloco is not None:  # a record at each sync: committed (an outer step) or dropped
+            synced = self.diloco.diloco._local_step == 0
+            if synced:
+                committed = self.manager.current_step() > self.outer_steps
+                self.outer_steps = self.manager.current_step()
+                groups = self.replica_groups(trainer)
+                record = {"step": step, "event": QUORUM_EVENT, "quorum_id": self.manager._quorum_id,
+                          "replica_groups": groups, "quorum_size": len(groups), "diloco_sync": True,
+                          "committed": committed, "outer_steps": self.outer_steps,
+                          "fragment": (self.outer_steps - 1) % len(self.diloco.fragments) if committed else None}
+                if trainer.run.rank0 and trainer.metrics is not None:
+                    trainer.metrics.write(record)
             return
         groups = self.replica_groups(trainer)
         record = {"step": step, "event": QUORUM_EVENT, "quorum_id": self.manager._quorum_id,
@@ -202,6 +327,8 @@ class FaultTolerance(Handler):
         return {"ft_quorum_size": self.manager.num_participants()}
 
     def close(self, trainer, error) -> None:
+        if self.diloco is not None and self.diloco.diloco is not None:
+            self.diloco.diloco.__exit__(None, None, None)  # (its hooks off the optimizer)
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None

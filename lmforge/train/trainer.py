@@ -175,6 +175,7 @@ class Trainer:
         self.ema = WeightEMA.for_run(self.model, t, self.layout.forward_roots())  # (train.ema_decay: lmforge.train.ema)
         if self.ema is not None:
             self.states["ema"] = self.ema
+        self.states.update(self.handlers.emit("states", self))  # (the handlers' own parts: lmforge.train.events)
         self.tasks = TaskEvaluator.for_run(cfg, self.data.tokenizer, self.precision.autocast)  # (train.eval_tasks)
         if self.resumed_from is not None:
             self.load_checkpoint(self.resumed_from)
