@@ -108,7 +108,8 @@ def launch_main(argv: list[str], subcommands: set[str]) -> int:
     # the agent logs each failure itself ("failed (exitcode: 2) local_rank: 0 ..."): reported here instead
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
-        lighthouse = lighthouse_running(lighthouse_binary(), lighthouse_port) if lighthouse_port else None
+        lighthouse = (lighthouse_running(lighthouse_binary(), lighthouse_port, min_replicas_option(command))
+                      if lighthouse_port else None)
     except RuntimeError as exc:
         print(f"lmforge launch: error: {exc}", file=sys.stderr)
         return 2
@@ -152,14 +153,27 @@ def lighthouse_binary() -> str:
     return binary
 
 
+def min_replicas_option(command: list[str]) -> int:
+    """`--fault_tolerance.min_replicas N` of the workers' command line (1 where it is not given there)."""
+    for i, arg in enumerate(command):
+        value = arg.partition("=")[2] if arg.startswith("--fault_tolerance.min_replicas=") else (
+            command[i + 1] if arg == "--fault_tolerance.min_replicas" and i + 1 < len(command) else None)
+        if value is not None and value.isdigit() and int(value) >= 1:
+            return int(value)
+    return 1
+
+
 @contextlib.contextmanager
-def lighthouse_running(binary: str, port: int):
-    """A torchft lighthouse on `port` while the workers run. Its quorum needs one replica group
-    (fault_tolerance.min_replicas decides whether a step commits); it waits at most 5 s for a
-    group that heartbeats but has not asked yet, and counts a group silent for 5 s as dead."""
+def lighthouse_running(binary: str, port: int, min_replicas: int = 1):
+    """A torchft lighthouse on `port` while the workers run. A quorum needs `min_replicas` replica
+    groups asking (the job's fault_tolerance.min_replicas, from the workers' command line: with fewer,
+    a group that reached a sync a few seconds after the others would be left out of it, and
+    DiLoCo's groups would drift to syncing alone); it waits at most 5 s for a group that heartbeats
+    but has not asked yet, and counts a group silent for 5 s as dead."""
     import subprocess
 
-    proc = subprocess.Popen([binary, "--min_replicas", "1", "--bind", f"[::]:{port}", "--join_timeout_ms", "5000"],
+    proc = subprocess.Popen([binary, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
+                             "--join_timeout_ms", "5000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://{socket.gethostname()}:{port}"
     os.environ["TORCHFT_LIGHTHOUSE"] = address

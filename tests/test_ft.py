@@ -200,7 +200,12 @@ def test_layouts_a_replica_group_cannot_be(setting, message):
 
 
 def test_launch_takes_its_lighthouse_option_and_leaves_torchrun_the_rest():
-    from lmforge.launch import LIGHTHOUSE_PORT, take_lighthouse_option
+    from lmforge.launch import LIGHTHOUSE_PORT, min_replicas_option, take_lighthouse_option
+
+    # the lighthouse's quorum needs the job's fault_tolerance.min_replicas groups (the workers' option)
+    assert min_replicas_option(["train", "--fault_tolerance.min_replicas", "2"]) == 2
+    assert min_replicas_option(["train", "--fault_tolerance.min_replicas=3", "--x", "1"]) == 3
+    assert min_replicas_option(["train", "--fault_tolerance.replica_groups", "2"]) == 1
 
     subs = {"train"}
     argv = ["--nproc-per-node", "2", "train", "--lighthouse"]  # (after the sub-command: the worker's)
