@@ -20,7 +20,7 @@ from lmforge.model.transformer import build_model
 from lmforge.plan.params import total_params
 from tests.test_parallel_dp import SGD, assert_runs_match, corpus, train, train_runs  # noqa: F401  (module-scoped corpus)
 
-DN2 = {"model.deltanet.key_heads": 2, "model.deltanet.value_heads": 4}  # (whole heads on 2 TP ranks)
+DN3 = {"model.deltanet.key_heads": 3, "model.deltanet.value_heads": 6}  # (3 key heads: not on 2 TP ranks)
 HYBRID = dict(vocab_size=97, dim=32, n_layers=4, n_heads=4, max_seq_len=64, attn_gate=True,
               deltanet=DeltaNetConfig(key_heads=2, value_heads=4, chunk_size=8))
 
@@ -64,7 +64,8 @@ def test_impossible_layer_types_are_refused(edit, match):
 @pytest.mark.parametrize("key", ["parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep"])
 def test_layouts_that_do_not_split_linear_attention_are_refused_with_the_reason(key):
     """CP refuses Gated DeltaNet blocks with the reason; TP runs them where it divides both head counts
-    (tiny-hybrid's 3 key heads: not at tp = 2, which names the degrees that work); PP and EP run them."""
+    (tiny-hybrid's 2 and 4 at tp = 2; 3 key heads are refused, naming the degrees that work); PP and EP
+    run them."""
     cfg = load_config("tiny-hybrid")
     cfg.parallel = type(cfg.parallel)(**{**cfg.parallel.__dict__, key.split(".")[1]: 2})
     refused = {r.rule: r.message for r in layout_refusals(cfg)}
@@ -72,13 +73,14 @@ def test_layouts_that_do_not_split_linear_attention_are_refused_with_the_reason(
         assert "linear-attention-layouts" not in refused and "tp-divides-deltanet-heads" not in refused
         return
     if key == "parallel.tp":
-        assert "linear-attention-layouts" not in refused
-        assert refused["tp-divides-deltanet-heads"] == (
+        assert not refused  # (2 key heads, 4 value heads: one key head and its two value heads per rank)
+        three = load_config("tiny-hybrid", DN3)
+        three.parallel = cfg.parallel
+        three = {r.rule: r.message for r in layout_refusals(three)}
+        assert three == {"tp-divides-deltanet-heads": (
             "parallel.tp = 2 must divide the Gated DeltaNet key heads and value heads (3 and 6: each TP rank holds "
             "whole key heads and the value heads they serve); the degrees this model allows are [1], or set "
-            "model.deltanet.key_heads / value_heads.")
-        two = load_config("tiny-hybrid", {**DN2, "parallel.tp": 2})  # (2 key heads, 4 value heads: whole heads)
-        assert not layout_refusals(two)
+            "model.deltanet.key_heads / value_heads.")}
         return
     assert "linear-attention-layouts" in refused
     assert "Gated DeltaNet" in refused["linear-attention-layouts"] and f"{key} = 2" in refused["linear-attention-layouts"]
@@ -104,8 +106,8 @@ def test_export_refuses_a_hybrid_model():
 def test_the_tiny_hybrid_preset_is_the_3_to_1_pattern():
     m = load_config("tiny-hybrid").model
     assert [m.is_linear_layer(i) for i in range(m.n_layers)] == [True, True, True, False]
-    assert (m.attn_gate, m.qk_norm, m.rope_dim, m.deltanet_shape) == (True, True, 8, (3, 6, 32, 32))
-    assert count_params(m)["total"] == 2_606_212
+    assert (m.attn_gate, m.qk_norm, m.rope_dim, m.deltanet_shape) == (True, True, 8, (2, 4, 48, 48))
+    assert count_params(m)["total"] == 2_603_944
 
 
 @pytest.mark.slow
@@ -129,8 +131,8 @@ MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_hidde
 def test_tiny_hybrid_under_ddp_fsdp2_tensor_pipeline_and_expert_parallelism_matches_one_process(corpus, tmp_path):  # noqa: F811
     """The layouts a hybrid model runs under give one process's per-step losses and gradient norms:
     DDP, FSDP2 and a 2-stage pipeline (1F1B: blocks 1-2 Gated DeltaNet, then one of each) with AdamW;
-    TP over 2 ranks (2 key heads and 4 value heads, `DN2`: one key head and its two value heads per
-    rank) with AdamW and its sample drawn on the sharded model, and TP + sequence parallelism with
+    TP over 2 ranks (tiny-hybrid's 2 key heads and 4 value heads: one key head and its two value heads
+    per rank) with AdamW and its sample drawn on the sharded model, and TP + sequence parallelism with
     plain SGD (tests/test_parallel_dp.py's `SGD`: a gradient of the wrong scale changes the curve;
     the gated norm's weight gradient, summed over the ranks' heads, and the sharded convolutions' and
     gates' gradients all count in it); and with MoE blocks (4 experts, top-2) expert parallelism over
@@ -138,21 +140,21 @@ def test_tiny_hybrid_under_ddp_fsdp2_tensor_pipeline_and_expert_parallelism_matc
     shared = {"config": "tiny-hybrid", "model.n_layers": 4, "train.steps": 6, "train.log_every": 1}
     # (EP: 2 micro-batches of 4 sequences over the ranks, as one process's: the balance loss is per micro-batch)
     singles = {tmp_path / "single": {}, tmp_path / "single-moe-sgd": {**MOE, **SGD, "train.micro_batch_size": 4},
-               tmp_path / "single-dn2": DN2, tmp_path / "single-dn2-sgd": {**DN2, **SGD}}
+               tmp_path / "single-sgd": SGD}
     proc = train_runs(corpus, singles, **shared)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     runs = {tmp_path / "ddp2": {"parallel.dp_replicate": 2}, tmp_path / "fsdp2": {"parallel.dp_shard": 2},
             tmp_path / "pp2": {"parallel.pp": 2},
             tmp_path / "ep2-moe-sgd": {**MOE, **SGD, "parallel.dp_shard": 2, "parallel.ep": 2, "train.micro_batch_size": 2},
-            tmp_path / "tp2-dn2": {**DN2, "parallel.tp": 2},
-            tmp_path / "tp2-sp-dn2-sgd": {**DN2, **SGD, "parallel.tp": 2, "parallel.sequence_parallel": "true"}}
+            tmp_path / "tp2": {"parallel.tp": 2},
+            tmp_path / "tp2-sp-sgd": {**SGD, "parallel.tp": 2, "parallel.sequence_parallel": "true"}}
     proc = train_runs(corpus, runs, nproc=2, timeout=400, **shared)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for out in runs:
-        ref = "single" + "".join(part for part in ("-moe", "-dn2") if part in out.name) + ("-sgd" if "sgd" in out.name else "")
+        ref = "single" + ("-moe" if "moe" in out.name else "") + ("-sgd" if "sgd" in out.name else "")
         assert_runs_match(out, tmp_path / ref, f"tiny-hybrid, {out.name} vs one process")
     # the TP run's sample, drawn on the sharded model with each rank's DeltaNet state, is one process's
-    assert sample(tmp_path / "tp2-dn2") == sample(tmp_path / "single-dn2") != ""
+    assert sample(tmp_path / "tp2") == sample(tmp_path / "single") != ""
 
 
 def sample(run) -> str:
@@ -162,15 +164,14 @@ def sample(run) -> str:
 
 @pytest.mark.slow
 def test_the_plan_of_a_hybrid_under_tensor_parallelism_is_certified(monkeypatch, capsys):
-    """`lmforge plan --verify` of tiny-hybrid (2 key heads) at tp = 2: the toy keeps a Gated DeltaNet block and a
+    """`lmforge plan --verify` of tiny-hybrid at tp = 2: the toy keeps a Gated DeltaNet block and a
     full-attention one, trains like one process, resumes in one, and each rank holds the bytes the planner
     counts for it (the DeltaNet projections, convolutions and gates split, the gated norm whole)."""
     from lmforge.cli.plan import plan_main
     from tests import warm_start
 
     warm_start.warm_exec(monkeypatch)
-    code = plan_main("--model tiny-hybrid --set model.deltanet.key_heads=2 --set model.deltanet.value_heads=4 "
-                     "--gpus 2xH100 --layout dp=1,tp=2 --precision fp32 --verify".split())
+    code = plan_main("--model tiny-hybrid --gpus 2xH100 --layout dp=1,tp=2 --precision fp32 --verify".split())
     out = capsys.readouterr().out
     out = out[out.index("verify:"):]
     assert code == 0 and "verify: PASS (3 checks)" in out, out
