@@ -256,9 +256,9 @@ def diloco_reference(corpus: Path, tmp: Path, fragments: int) -> list[tuple[dict
         if step % interval:
             continue
         k = syncs % fragments  # (torchft: the fragment of the number of syncs committed so far)
-        names = [n for n, _ in frags[0][k].named_parameters()]
-        average = {n: ((last_sync[0][k][n] - dict(frags[0][k].named_parameters())[n].detach())
-                       + (last_sync[1][k][n] - dict(frags[1][k].named_parameters())[n].detach())) / 2 for n in names}
+        local = [dict(frags[g][k].named_parameters()) for g in range(2)]
+        average = {n: ((last_sync[0][k][n] - local[0][n].detach()) + (last_sync[1][k][n] - local[1][n].detach())) / 2
+                   for n in local[0]}
         for g in range(2):
             with torch.no_grad():
                 for n, p in frags[g][k].named_parameters():

@@ -349,15 +349,7 @@ if __name__ == "__main__":
 
             traceback.print_exc()
             status = 1
-        # The interpreter's own exit, but the teardown of torch's modules (~1 s, and nothing a command
-        # sees): non-daemon threads joined, atexit handlers run, the streams flushed.
-        threading._shutdown()
-        import atexit
+        # the interpreter's own exit less the teardown of torch's modules, as every lmforge process ends
+        from lmforge.cli import exit_now
 
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(status)
+        exit_now(status)

@@ -388,7 +388,7 @@ def plan_main(argv: list[str]) -> int:
     print(step_table(step, cluster, args.mfu, precision))
     if cross is not None:
         print()
-        print("\n".join(cross.lines(cluster.device.inter_node_gbps)))
+        print("\n".join(cross.lines()))
     if cands is not None and args.layout is not None:
         print()
         print(candidates_table(cands, cluster, args.usable))

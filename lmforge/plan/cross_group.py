@@ -23,18 +23,22 @@ class CrossGroupTraffic:
     burst_bytes: float     # each rank's bytes sent (and received) at one sync
     per_step_bytes: float  # the same, averaged over the steps
     every_step_bytes: float  # what per-step averaging would move every step (the comparison)
-    seconds_per_sync: float  # one sync at `gbps`
+    gbps: float            # the cross-group link per rank (GB/s)
+
+    @property
+    def seconds_per_sync(self) -> float:
+        return self.burst_bytes / (self.gbps * 1e9)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "seconds_per_sync": self.seconds_per_sync}
 
-    def lines(self, gbps: float) -> list[str]:
+    def lines(self) -> list[str]:
         gb = 1e9
         mode = "gradients averaged every step" if not self.diloco else (
             f"DiLoCo, a sync every {self.sync_every} step(s)"
             + (f", streaming: 1 of {self.fragments} fragments each" if self.fragments > 1 else ""))
         out = [f"Cross-group traffic ({self.groups} replica groups; {mode}), per rank:",
-               f"  {self.burst_bytes / gb:,.3f} GB per sync, {self.seconds_per_sync:,.2f} s at {gbps:g} GB/s; "
+               f"  {self.burst_bytes / gb:,.3f} GB per sync, {self.seconds_per_sync:,.2f} s at {self.gbps:g} GB/s; "
                f"{self.per_step_bytes / gb:,.4f} GB per step on average"]
         if self.per_step_bytes < self.every_step_bytes:
             out.append(f"  per-step averaging would move {self.every_step_bytes / gb:,.3f} GB every step "
@@ -49,7 +53,7 @@ def cross_group_traffic(params: int, bytes_per_param: int, groups: int, diloco_s
     ring = 2 * (groups - 1) / groups
     whole = ring * params * bytes_per_param
     if not diloco_sync_every:
-        return CrossGroupTraffic(groups, False, 1, 1, whole, whole, whole, whole / (gbps * 1e9))
+        return CrossGroupTraffic(groups, False, 1, 1, whole, whole, whole, gbps)
     burst = whole / fragments
     return CrossGroupTraffic(groups, True, diloco_sync_every // fragments, fragments, burst, whole / diloco_sync_every,
-                             whole, burst / (gbps * 1e9))
+                             whole, gbps)

@@ -49,9 +49,11 @@ def cfg_key(cfg) -> tuple:
     key = []
     for name in names:
         v = getattr(cfg, name)
-        if not isinstance(v, _PLAIN):
-            v = tuple(v) if isinstance(v, list) else cfg_key(v) if dataclasses.is_dataclass(v) else v  # (lists:
-        key.append(v)                                                                                 # layer_types)
+        if isinstance(v, list):  # (model.layer_types)
+            v = tuple(v)
+        elif not isinstance(v, _PLAIN) and dataclasses.is_dataclass(v):
+            v = cfg_key(v)
+        key.append(v)
     return tuple(key)
 
 

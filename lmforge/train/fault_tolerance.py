@@ -159,9 +159,9 @@ class DiLoCoState:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        for i, (opt, frag) in enumerate(zip(self.outer, self.fragments)):
-            for n, p in frag.named_parameters():
-                if sd["has_momentum"]:
+        if sd["has_momentum"]:
+            for i, (opt, frag) in enumerate(zip(self.outer, self.fragments)):
+                for n, p in frag.named_parameters():
                     opt.state[p]["momentum_buffer"] = sd["momentum"][f"{i}_{n}"].to(p.device).clone()
         self.restored = sd
 
