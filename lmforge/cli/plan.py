@@ -271,15 +271,16 @@ def _resolve_precision(precision: str, device) -> str:
 
 
 def linear_attention_notes(model) -> list[str]:
-    """One line where the model has Gated DeltaNet blocks (model.layer_types), whose costs the planner
+    """One line where the model has Gated DeltaNet blocks (model.layer_types), whose time the planner
     does not count in full yet: the numbers below would otherwise look exact."""
     blocks = sum(model.is_linear_layer(i) for i in range(model.n_layers))
     if not blocks:
         return []
     return [f"{blocks} of the {model.n_layers} blocks are Gated DeltaNet (linear attention): their weights are "
-            f"counted exactly, but their FLOPs only by the recurrent form's 6 x value heads x key dim x value dim per "
-            f"token, and their activations and recurrent state as if they were attention blocks; treat the time "
-            f"and activation memory below as rough."]
+            f"counted exactly and their activations (lmforge convention) from what the chunked form saves, but "
+            f"their FLOPs only by the recurrent form's 6 x value heads x key dim x value dim per token (the "
+            f"megatron and zero-paper conventions count their activations as attention blocks'); treat the time "
+            f"below as rough."]
 
 
 def _cross_group(cfg, precision: str, cluster):

@@ -9,7 +9,7 @@ import dataclasses
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import mlp_activation_width
 from lmforge.spec.parallel import (cp_activation_bytes, cp_kv_bytes, cp_latent_bytes, cp_score_elements,
-                                   pipeline_in_flight, recomputed_layers, ulysses_activation_bytes,
+                                   pipeline_in_flight, rank_stages, recomputed_layers, ulysses_activation_bytes,
                                    ulysses_kv_heads)
 from lmforge.plan.conventions import LITERATURE, check_convention
 from lmforge.plan.layout import Layout
@@ -77,8 +77,12 @@ def compiled_blocks(cfg: ModelConfig, layout: Layout) -> bool:
     return layout.compile and not (cfg.mla.enabled or cfg.moe.enabled or cfg.qk_norm)
 
 
-def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str) -> float:
-    """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring). bf16-pure
+def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, ac: str,
+                                 linear: bool = False) -> float:
+    """Bytes autograd saves per layer under 16-bit autocast with SDPA (module docstring). `linear`: a
+    Gated DeltaNet block (model.layer_types' 'linear_attention'): the same norms and MLP, its token
+    mixer's bytes (`deltanet_mixer_bytes`) in place of attention's, its input cast once per projection
+    (q, k, v, z, beta, decay) under autocast; counted eager whatever layout.compile. bf16-pure
     (an estimate, not yet measured: the mode is built apart): the residual stream, the norms' inputs and
     outputs are bf16, and each norm's output feeds its projections as it is (no casts).
 
@@ -110,22 +114,26 @@ def lmforge_activation_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int,
     extra_norms = 2 if cfg.norm_placement == "sandwich" else 0
     norm_stats = (4 if cfg.norm == "rmsnorm" else 8) * s * b * (2 + extra_norms)
     lse = 4 * b * a * s / t
-    compiled = compiled_blocks(cfg, layout)
+    compiled = compiled_blocks(cfg, layout) and not linear  # (DeltaNet blocks: not measured compiled)
     if ac == "selective":  # outputs of the matmuls and attention, plus the block input
         mlp_out = (2 * F if cfg.gated_mlp else F) + (0 if compiled else 1)  # (+1: down / fc2's)
+        if linear:
+            return sbh * (res + half * mlp_out / t) + deltanet_mixer_bytes(cfg, layout, seq_len, selective=True)
         return sbh * (res + half * ((1 + 2 * r + 1 + 1) / t + mlp_out / t)) + lse
     resid = 2 * res + 2 * res * extra_norms     # the inputs of the two norms (block in, mid); sandwich's others
     normed = 2 * res if cfg.norm == "rmsnorm" else 0  # RMSNorm saves its output for the weight grad
     if layout.precision in ("fp32", "bf16-pure"):  # each norm's output feeds its projections as it is: 2 tensors
         casts = 2 * res
     else:  # autocast casts the norm output once per projection: q, k, v (one fused wqkv: once) and fc1 (gate and up)
-        qkv_casts = 2 if cfg.mla.enabled else (1 if cfg.fused_qkv else 3)  # (MLA: wq_a / wq and wkv_a)
+        qkv_casts = 6 if linear else 2 if cfg.mla.enabled else (1 if cfg.fused_qkv else 3)  # (MLA: wq_a / wq, wkv_a)
         casts = half * (qkv_casts + (2 if cfg.gated_mlp else 1))
     mlp = half * (4 * F if cfg.gated_mlp else 2 * F) / t
     if compiled:  # (the docstring's list)
         resid, normed = res + half, 0
         casts = casts if layout.precision in ("fp32", "bf16-pure") else 2 * half
         mlp = half * (3 * F if cfg.gated_mlp else 2 * F) / t
+    if linear:
+        return sbh * (resid + normed + casts + mlp) + norm_stats + deltanet_mixer_bytes(cfg, layout, seq_len)
     if cfg.mla.enabled:
         return sbh * (resid + normed + casts + mlp) + norm_stats + s * b * mla_attention_bytes(cfg, layout)
     attn = half * (1 + 2 * r + 1) / t           # q, k, v, attention output
@@ -153,6 +161,99 @@ def mla_attention_bytes(cfg: ModelConfig, layout: Layout) -> float:
     return norms + heads * (half * (3 * width + v) + 4 + half * m.v_head_dim)
 
 
+def deltanet_mixer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, selective: bool = False) -> float:
+    """Bytes that a Gated DeltaNet token mixer (lmforge.model.gated_deltanet: model.layer_types'
+    'linear_attention' blocks) keeps for backward for one micro-batch, besides the casts of its input
+    (`lmforge_activation_per_layer` counts those, and the block's norms and MLP, as for attention):
+    what its forward saves, tensor by tensor, that is still referenced when the forward returns (the
+    last chunk's state update goes with the final state, which training drops). Byte-exact on the CPU
+    in fp32, bf16 autocast and bf16-pure (tests/test_plan_compiled_block.py). TP divides the heads
+    (each rank runs its own). b micro-batch, s tokens, hk / hv key / value heads of dk / dv, K taps,
+    chunks of C tokens; the rule runs over P = n C tokens (n = ceil(s / C) chunks, the tail padded),
+    per value head (q and k repeated to them), in fp32:
+
+    - each short convolution (q, k: hk dk channels; v: hv dv) its input with K - 1 zeros before it and
+      its output (SiLU's input), in the projections' dtype; the L2 norms of q and k their fp32 inputs
+      and per-head rstd; the gates beta (sigmoid's output) and the decay's softplus input and output
+      (fp32, per value head), exp(A_log) and its negation (per layer);
+    - the chunked rule: the padded q, k, v and beta (beta is sigmoid's output itself when nothing is
+      padded); per chunk the C x C decays e^(G_i - G_j), beta k_i.k_j and the triangular system; the
+      solves' outputs u and w; exp(G), beta exp(G), a second exp(G) (for q), exp(G_last - G) (only
+      where a state passes on: n > 1); q.k^T and k.k^T in the matmuls' dtype; the causal mask twice
+      (C x C bools);
+    - the chunk loop: per chunk the state S (dk x dv), the correction d (C x dv) and the chunk's decay;
+    - under autocast each matmul of the rule casts both operands to 16 bits (a cast per operand per
+      matmul, none cached): q and k over P tokens (x 2 each), the scores; per chunk S twice, d twice,
+      w, q exp(G) and (k exp(G_last - G))^T (S_0 = 0 needs no gradient: chunk 0's w and q exp(G) are not
+      kept; the last chunk's update is dropped). Without autocast the matmuls save their operands:
+      the scores, q exp(G) and k exp(G_last - G) whole, and the copies matmul makes where it cannot
+      fold the operands' (batch, heads, chunks) dims into one (`_deltanet_fold_copies`);
+    - the gated output norm: its fp32 input (a copy of the rule's output: 16-bit under autocast;
+      fp32 runs keep the padded output itself), rstd, normalised output, the gate's fp32 copy (SiLU's
+      input), the normalised output times the weight, SiLU's output; the output projection's input.
+
+    `selective` (train.activation_checkpoint = selective: lmforge.parallel.activation_ckpt keeps the
+    outputs of the matmuls, everything else is recomputed): the six input projections' and the output
+    projection's outputs (the latter full width on every TP rank: a row-parallel matmul's partial
+    sums), and the rule's matmul outputs: q.k^T and k.k^T, per chunk w S, q exp(G) S, scores d (C x dv
+    each) and the state update (dk x dv), the last chunk's too (the policy's cache keeps them)."""
+    if layout.cp > 1:
+        raise ValueError("context parallelism does not run Gated DeltaNet blocks (rule linear-attention-layouts)")
+    t, b, s, h = layout.tp, layout.micro_batch, seq_len, cfg.dim
+    hk, hv, dk, dv = cfg.deltanet_shape
+    hk, hv = hk // t, hv // t
+    K, C = cfg.deltanet.conv_kernel, cfg.deltanet.chunk_size
+    n = -(-s // C)
+    P = n * C
+    qk, vz = hk * dk, hv * dv
+    autocast = layout.precision not in ("fp32", "bf16-pure")
+    half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)
+    inner = 2 if autocast else 4  # the dtype of the rule's matmul outputs
+    X = b * hv  # the rule runs per (sequence, value head)
+    if selective:
+        projections = half * b * s * (2 * qk + 2 * vz + 2 * hv + h)
+        return projections + inner * X * (2 * P * C + n * (3 * C * dv + dk * dv))
+    conv = half * b * (2 * s + K - 1) * (2 * qk + vz)
+    l2 = 2 * 4 * b * s * (qk + hk)
+    gates = 3 * 4 * b * s * hv + 2 * 4 * hv
+    rule = 4 * X * P * (2 * dk + dv) + (4 * X * P if P > s else 0)  # q, k, v; beta where padded
+    rule += 3 * 4 * X * P * C + 2 * C * C  # decays, beta k.k^T, the system; the masks
+    rule += 4 * X * P * (dv + dk)  # u, w
+    rule += 4 * X * P * (3 + (n > 1))  # exp(G), beta exp(G), exp(G) for q; exp(G_last - G)
+    rule += inner * X * P * C * 2  # k.k^T, q.k^T
+    rule += 4 * X * (n - 1)  # the decays of the chunks a state leaves
+    if autocast:  # fp32 S (read by the decay), 16-bit casts of S (x 2), d (x 2 but the last), w, q exp(G), k exp(..)
+        rule += 4 * 2 * X * P * dk + 2 * X * P * C  # the casts of q, k (x 2 each) and of the scores
+        rule += X * (4 * (n - 1) * dk * dv + 2 * (2 * n * dk * dv + (2 * n - 1) * C * dv + 3 * (n - 1) * C * dk))
+    else:  # S and d per chunk, the scores; the (C x dk) blocks of q, k and their decayed forms
+        rule += 4 * X * (n * (dk * dv + C * dv) + P * C)
+        rule += _deltanet_fold_copies(b, hv, dk, n, P == s, hv > hk) * 4 * X * C * dk
+    out_in = 4 * X * P * dv if layout.precision == "fp32" else 4 * b * s * vz
+    gated = out_in + 4 * b * s * hv + 2 * res * b * s * vz + 2 * 4 * b * s * vz
+    return conv + l2 + gates + rule + gated + half * b * s * vz
+
+
+def _deltanet_fold_copies(b: int, heads: int, dk: int, n: int, unpadded: bool, repeated: bool) -> int:
+    """Without autocast, the chunked rule's (C x dk) blocks of q, k, q exp(G) and k exp(G_last - G)
+    that it keeps (whole tensors or matmul's copies of them), in units of b x heads x C x dk fp32 values.
+    The four operands of k.k^T and q.k^T (P / C blocks each) are kept as matmul's copies where it cannot
+    view (batch, heads, chunks) as one dim, else they are q and k themselves (counted apart); q exp(G)
+    and k exp(G_last - G) are whole tensors (n - 1 ... n blocks kept whole: n each where n > 1), or per
+    chunk copies (n - 1 each) where the chunk loop's matmuls cannot fold (batch, heads). Padded inputs
+    (`unpadded` False) are contiguous: no copies. Unpadded, q and k are views of per-token tensors:
+    (b, s, heads, dk) ones where the key heads were `repeated` to the value heads, else (b, heads, dk,
+    s) ones (the convolution's channels-first output, transposed)."""
+    many = lambda *sizes: sum(size > 1 for size in sizes) > 1  # noqa: E731
+    if not unpadded:
+        operands = 0
+    elif repeated:  # (batch, heads) never fold; (batch, chunks) do where heads = 1
+        operands = 4 * n if heads > 1 and many(b, heads, n) else 0
+    else:  # (batch, heads) fold; chunks never (dk > 1)
+        operands = 4 * n if n > 1 and many(b * heads, n) else 0
+    per_chunk = unpadded and repeated and b > 1 and heads > 1
+    return operands + (2 * (n - 1) if per_chunk else 2 * n if n > 1 else 0)
+
+
 def attention_dtype_bytes(layout: Layout) -> int:
     """Bytes of an element of q, k, v in lmforge's attention: 16-bit under autocast (fp8 runs keep
     attention in bf16), 4 in fp32 runs."""
@@ -178,10 +279,13 @@ def cp_kv_layer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, gathered: 
 
 
 def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str,
-                               checkpointed: bool | None = None, fused_attention: bool = True) -> float:
+                               checkpointed: bool | None = None, fused_attention: bool = True,
+                               linear: bool = False) -> float:
     """Activation bytes of one transformer layer for one micro-batch on one GPU. `checkpointed`
     overrides the layout's mode (True = full recompute, False = none); `fused_attention=False`
-    gives the literature's unfused formula (with the 5as/h score term).
+    gives the literature's unfused formula (with the 5as/h score term). `linear`: a Gated DeltaNet
+    block (`lmforge_activation_per_layer`); the literature conventions, which publish no formula for
+    linear attention, count it as an attention block.
 
     Context parallelism (cp > 1): the rank holds 1/cp of every sequence's tokens but the K and V of
     the whole sequence (all-gathered, saved for backward): (A - KV) / cp + KV with A the layer's
@@ -195,7 +299,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
     (`lmforge.spec.parallel.ulysses_activation_bytes`), and 1/cp of the score term."""
     ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
     if check_convention(convention) == "lmforge":
-        whole = lmforge_activation_per_layer(cfg, layout, seq_len, ac)
+        whole = lmforge_activation_per_layer(cfg, layout, seq_len, ac, linear)
         kv = cp_kv_layer_bytes(cfg, layout, seq_len)
         scores = 0.0
     else:
@@ -288,6 +392,30 @@ def mtp_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, convention: str, h
     half, res = (4 if layout.precision == "fp32" else 2), residual_bytes(layout)
     inputs = s * b * (8 + h * (3 * res + 2 * half) + 2 * 4)
     return cfg.mtp_depth * (block + head + inputs)
+
+
+def rank_layers(cfg: ModelConfig, layout: Layout, stage: int) -> list[int]:
+    """The blocks pipeline rank `stage` holds, ascending (lmforge.parallel.pipeline.split_model: each of
+    its stages' n_layers / (pp x stages per rank) consecutive blocks; the order in which every_k
+    activation checkpointing wraps the rank's blocks 0, k, 2k, ...)."""
+    if layout.pp == 1:
+        return list(range(cfg.n_layers))
+    per = cfg.n_layers // (layout.pp * layout.stages_per_rank)
+    stages = rank_stages(layout.pp_schedule, layout.pp, stage, layout.virtual_stages)
+    return sorted(i for s in stages for i in range(s * per, (s + 1) * per))
+
+
+def layer_kinds(cfg: ModelConfig, layout: Layout, stage: int) -> dict[tuple[bool, bool], int]:
+    """How many of pipeline rank `stage`'s blocks are of each kind: (checkpointed, linear), checkpointed
+    = wrapped by full / every_k activation checkpointing (keeps only its input; selective recompute is
+    the per-layer formula's own mode), linear = Gated DeltaNet (model.layer_types)."""
+    layers = rank_layers(cfg, layout, stage)
+    wrapped = set(layers[::layout.ac_every] if layout.ac == "every_k" else layers if layout.ac == "full" else [])
+    kinds: dict[tuple[bool, bool], int] = {}
+    for i in layers:
+        kind = (i in wrapped, cfg.is_linear_layer(i))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
 
 
 def checkpointed_layers(layout: Layout, layers: int) -> int:

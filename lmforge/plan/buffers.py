@@ -84,8 +84,11 @@ def phase_peaks(cfg: ModelConfig, layout: Layout, seq_len: int, stage: int, comp
     rows = min(layout.loss_chunk, n) if layout.loss_chunk else n
     cast = rows * half * cfg.dim if layout.loss_chunk and half == 2 else 0
     logits = per_logit * rows * cfg.vocab_size / layout.tp + cast if layout.holds_last(stage) else 0.0
-    # (the eager count, an upper bound for a compiled block's forward without autograd too)
-    layer = lmforge_activation_per_layer(cfg, dataclasses.replace(layout, compile=False), seq_len // layout.cp, "none")
+    # (the eager count, an upper bound for a compiled block's forward without autograd too; a hybrid's
+    # larger kind of block: attention or Gated DeltaNet)
+    eager = dataclasses.replace(layout, compile=False)
+    layer = max(lmforge_activation_per_layer(cfg, eager, seq_len // layout.cp, "none", linear)
+                for linear in {False, cfg.has_linear_layers})
     working = buffers.get("fsdp_gathered_weights", 0.0) + layer + logits
     return {"startup": comp["weights"] + (comp["gradients"] if keeps_grads else 0.0), "startup_host": 2 * largest,
             "validation": persistent + working, "validation_working_set": working,

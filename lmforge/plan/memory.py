@@ -182,7 +182,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.config import ModelConfig
-from lmforge.plan.activations import (activation_bytes_per_layer, checkpointed_layers, megatron_sp_formula,
+from lmforge.plan.activations import (activation_bytes_per_layer, layer_kinds, megatron_sp_formula,
                                       micro_batches_in_flight, outside_blocks)
 from lmforge.plan.buffers import literature_buffers, lmforge_buffers, phase_peaks
 from lmforge.plan.conventions import COMPONENTS, CONVENTIONS, MEGATRON_ALLOWANCE, MODEL_STATES, check_convention
@@ -284,22 +284,18 @@ def _stage_breakdown(cfg: ModelConfig, layout: Layout, opt: str, seq_len: int, c
         for c in moved:
             cpu += comp[c]
             comp[c] = 0.0
-    # Activations.
-    layers = cfg.n_layers // layout.pp
-    n_ckpt = checkpointed_layers(layout, layers)
-
-    def per_layer(checkpointed: bool | None) -> float:
-        return activation_bytes_per_layer(cfg, layout, seq_len, convention, checkpointed, fused_attention)
-
-    if layout.ac in ("full", "every_k"):
-        blocks = n_ckpt * per_layer(True) + (layers - n_ckpt) * per_layer(False)
-    else:
-        blocks = layers * per_layer(None)
+    # Activations: the stage's blocks by kind (recomputed or not; attention or Gated DeltaNet), each kind's
+    # per-layer bytes times its count
+    kinds = layer_kinds(cfg, layout, stage)
+    fixed = layout.ac in ("full", "every_k")  # (else the layout's own mode for every block: none or selective)
+    blocks = sum(count * activation_bytes_per_layer(cfg, layout, seq_len, convention, checkpointed if fixed else None,
+                                                    fused_attention, linear)
+                 for (checkpointed, linear), count in kinds.items())
     extras = outside_blocks(cfg, layout, seq_len, convention, stage)
     in_flight = micro_batches_in_flight(layout, stage)
     if convention == "lmforge" and layout.documents != "none":  # data.attention = "document" (plan/documents.py)
-        # SDPA's additive copy of the mask, saved by each block whose attention is not recomputed
-        saving = layers - n_ckpt if layout.ac in ("full", "every_k") else layers
+        # SDPA's additive copy of the mask, saved by each attention block that is not recomputed
+        saving = sum(count for (checkpointed, linear), count in kinds.items() if not (checkpointed or linear))
         detail["document_mask_bias"] = in_flight * saving * document_bias_bytes_per_layer(layout, seq_len)
         detail["document_mask"] = in_flight * document_mask_bytes(layout, seq_len)
         blocks += saving * document_bias_bytes_per_layer(layout, seq_len)
