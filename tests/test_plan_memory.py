@@ -568,3 +568,30 @@ def test_issue16_before_and_after_on_the_published_layouts():
 def test_every_convention_reports_itself(conv):
     mem = estimate_memory(load_config("tiny").model, Layout(dp=2, zero=3), "adamw", 64, weights=conv)
     assert mem.convention == conv and mem.as_dict()["convention"] == conv and mem.total > 0
+
+
+def test_hybrid_model_counts_each_blocks_kind():
+    """tiny-hybrid (blocks 0-2 Gated DeltaNet, block 3 full attention): the plan sums each block's own
+    per-layer bytes (tests/test_plan_compiled_block.py checks the DeltaNet count byte for byte), not four
+    attention blocks' as before; a pipeline rank sums its own blocks' kinds (interleaved: rank 0 holds
+    blocks 0 and 2, both DeltaNet; rank 1 blocks 1 and 3), and every_k recompute wraps the rank's blocks
+    0, k, 2k, ... whatever their kind."""
+    from lmforge.plan.activations import layer_kinds
+
+    cfg = load_config("tiny-hybrid").model
+    s, lay = 128, Layout(micro_batch=2)
+    per = {linear: activation_bytes_per_layer(cfg, lay, s, "lmforge", linear=linear) for linear in (False, True)}
+    mem = estimate_memory(cfg, lay, "adamw", s, weights="lmforge")
+    assert mem.detail["activations_blocks"] == 3 * per[True] + per[False]
+    assert per[True] > 1.5 * per[False]  # (the old count, 4 attention blocks, was 2.3x too small here)
+    assert mem.detail["activations_blocks"] != 4 * per[False]
+    assert layer_kinds(cfg, Layout(pp=2, grad_accum=4), 0) == {(False, True): 2}
+    assert layer_kinds(cfg, Layout(pp=2, grad_accum=4), 1) == {(False, True): 1, (False, False): 1}
+    looped = Layout(pp=2, grad_accum=4, pp_schedule="interleaved", virtual_stages=2)
+    assert layer_kinds(cfg, looped, 0) == {(False, True): 2}
+    assert layer_kinds(cfg, looped, 1) == {(False, True): 1, (False, False): 1}
+    assert layer_kinds(cfg, Layout(ac="every_k", ac_every=2), 0) == {(True, True): 2, (False, True): 1,
+                                                                       (False, False): 1}
+    # the literature conventions publish no count for linear attention: every block as an attention block
+    paper = estimate_memory(cfg, lay, "adamw", s, weights="zero-paper")
+    assert paper.detail["activations_blocks"] == 4 * activation_bytes_per_layer(cfg, lay, s, "zero-paper")

@@ -167,7 +167,8 @@ def deltanet_mixer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, selecti
     (`lmforge_activation_per_layer` counts those, and the block's norms and MLP, as for attention):
     what its forward saves, tensor by tensor, that is still referenced when the forward returns (the
     last chunk's state update goes with the final state, which training drops). Byte-exact on the CPU
-    in fp32, bf16 autocast and bf16-pure (tests/test_plan_compiled_block.py). TP divides the heads
+    in fp32 and bf16 autocast (tests/test_plan_compiled_block.py; bf16-pure's mixer matched too when
+    measured once, where the block's norms and MLP stay the attention rule's estimate). TP divides the heads
     (each rank runs its own). b micro-batch, s tokens, hk / hv key / value heads of dk / dv, K taps,
     chunks of C tokens; the rule runs over P = n C tokens (n = ceil(s / C) chunks, the tail padded),
     per value head (q and k repeated to them), in fp32:

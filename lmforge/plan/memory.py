@@ -109,6 +109,12 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
     h bytes fewer per token for a Llama block under autocast, 2h for GPT-2's
     (`lmforge.plan.activations.lmforge_activation_per_layer` states the rule; byte-exact on the CPU:
     tests/test_plan_compiled_block.py).
+    Gated DeltaNet blocks (model.layer_types' 'linear_attention', hybrid models) keep the same norms and
+    MLP, their input cast once per projection (q, k, v, z, beta, decay) and, in place of attention's, what
+    the chunked delta rule keeps (`lmforge.plan.activations.deltanet_mixer_bytes`: the padded q, k, v,
+    per chunk C x C decays, products and the triangular system, each chunk's state, the 16-bit casts of
+    its matmuls' operands; byte-exact on the CPU in fp32 and bf16, eager, without and with selective
+    recompute); a stage sums its blocks of each kind (`layer_kinds`).
 
     The output head and the loss (`lmforge_loss_bytes`; n = sb tokens of the micro-batch, V the
     vocabulary, d the width, c = min(train.loss_chunk, n), `half` = 2, 4 in fp32 runs; what is
