@@ -198,8 +198,6 @@ def deltanet_mixer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, selecti
     projection's outputs (the latter full width on every TP rank: a row-parallel matmul's partial
     sums), and the rule's matmul outputs: q.k^T and k.k^T, per chunk w S, q exp(G) S, scores d (C x dv
     each) and the state update (dk x dv), the last chunk's too (the policy's cache keeps them)."""
-    if layout.cp > 1:
-        raise ValueError("context parallelism does not run Gated DeltaNet blocks (rule linear-attention-layouts)")
     t, b, s, h = layout.tp, layout.micro_batch, seq_len, cfg.dim
     hk, hv, dk, dv = cfg.deltanet_shape
     hk, hv = hk // t, hv // t
@@ -299,6 +297,12 @@ def activation_bytes_per_layer(cfg: ModelConfig, layout: Layout, seq_len: int, c
     the K/V counted once per replica where KV heads are replicated up to cp
     (`lmforge.spec.parallel.ulysses_activation_bytes`), and 1/cp of the score term."""
     ac = layout.ac if checkpointed is None else ("full" if checkpointed else "none")
+    if linear and layout.cp > 1 and check_convention(convention) == "lmforge":
+        # lmforge refuses context parallelism over Gated DeltaNet blocks (rule linear-attention-layouts, which
+        # the plan reports); a plan of such a layout still counts them, as the rank's 1/cp of the tokens with
+        # nothing gathered (what a CP that passes the state between ranks would keep)
+        return lmforge_activation_per_layer(cfg, dataclasses.replace(layout, cp=1), seq_len, ac,
+                                            linear) / layout.cp
     if check_convention(convention) == "lmforge":
         whole = lmforge_activation_per_layer(cfg, layout, seq_len, ac, linear)
         kv = cp_kv_layer_bytes(cfg, layout, seq_len)
