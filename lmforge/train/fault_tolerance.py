@@ -77,6 +77,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
+from lmforge.ckpt.state import _local_optimizer
 from lmforge.train.events import Handler
 
 log = logging.getLogger("lmforge.ft")
@@ -218,11 +219,21 @@ class PeerState:
         self.trainer = trainer
 
     def state_dict(self) -> dict:
-        return {name: self.trainer.states[name].state_dict() for name in self.PARTS}
+        optimizer = _local_optimizer(self.trainer.optimizer)
+        fresh = not optimizer.state  # (no step taken yet: a group asked for its state at the job's start)
+        sd = {name: self.trainer.states[name].state_dict() for name in self.PARTS}
+        if fresh:
+            # torch's get_optimizer_state_dict gives a fresh optimizer its state by stepping it once at lr 0,
+            # which Adam counts as its first step (its bias correction): undone here, and the receiver
+            # starts fresh too, so that both take their first step as a run without fault tolerance does
+            optimizer.state.clear()
+        return {**sd, "fresh_optimizer": fresh}
 
     def load_state_dict(self, sd: dict) -> None:
         for name in self.PARTS:
             self.trainer.states[name].load_state_dict(sd[name])
+        if sd.get("fresh_optimizer"):
+            _local_optimizer(self.trainer.optimizer).state.clear()
         log.info("fault tolerance: weights, optimizer and position received from a live group (step %d)",
                  self.trainer.state.step)
 
