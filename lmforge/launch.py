@@ -154,21 +154,27 @@ def lighthouse_binary() -> str:
 
 
 def min_replicas_option(command: list[str]) -> int:
-    """fault_tolerance.min_replicas of the workers' command, as the workers will read it (the config
-    loader, on `lmforge train`'s own arguments): its --config file or preset (or --run RUN_DIR's
-    config.toml) with its overrides, `--fault_tolerance.min_replicas N` or `--fault-tolerance.min-replicas
-    N` among them. 1 for another sub-command or a command whose config does not load (its workers then
-    say why, once)."""
-    from lmforge.cli import build_parser, train_source
-    from lmforge.config import load_config
+    """fault_tolerance.min_replicas of the workers' `train` command, as the config loader reads it:
+    its --config file or preset (or --run RUN_DIR's config.toml) with its overrides,
+    `--fault_tolerance.min_replicas N` or `--fault-tolerance.min-replicas N` among them. 1 for another
+    sub-command or a command whose config does not load (its workers then say why, once). (The
+    command is split here, not by lmforge.cli's parser: lmforge.cli imports this module.)"""
+    from lmforge.config import load_config, parse_cli_overrides
+    from lmforge.folders import CONFIG
 
     if not command or command[0] != "train":
         return 1
+    source, rest, args = "tiny", [], iter(command[1:])
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "--run"):
+            value = value if eq else next(args, "")
+            source = value if name == "--config" else str(Path(value) / CONFIG)
+        else:
+            rest.append(arg)
     try:
-        args, rest = build_parser().parse_known_args(command)
-        source, typed = train_source(args.config, args.run, rest)
-        return max(1, load_config(source, typed, validate=False).fault_tolerance.min_replicas)
-    except (ValueError, SystemExit):  # (ConfigError included; SystemExit: argparse's usage error)
+        return max(1, load_config(source, parse_cli_overrides(rest), validate=False).fault_tolerance.min_replicas)
+    except (ValueError, OSError):  # (ConfigError included)
         return 1
 
 

@@ -116,7 +116,10 @@ def _wait_for_sibling_workers(timeout_s: float = 5.0) -> None:
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     extra = shlex.split(os.environ.get(TRAIN_ARGS_ENV, ""))  # (the README test runs examples briefly)
     try:  # validate before the heavy imports; under torchrun every rank reads the same config
-        source, typed = train_source(args.config, args.run, rest)
+        typed = parse_cli_overrides(rest)
+        source = train_config_source(args.config, typed)
+        if args.run is not None:  # that run's own config, in that folder
+            source, typed = continued_run(args.run, args.config, typed)
         cfg = load_config(source, {**typed, **parse_cli_overrides(extra)}, launch=current_launch())
         check_writable(cfg.train.out_dir.format(preset=cfg.preset), "train.out_dir")
     except ValueError as exc:  # (ConfigError included)
@@ -163,15 +166,6 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"\n--- sample ---\n{cfg.train.sample_prompt}{result.sample}\n--------------")
     print(f"run folder: {result.out_dir}")
     return 0
-
-
-def train_source(config: str | None, run: str | None, rest: list[str]) -> tuple[str, dict]:
-    """What `lmforge train [--config C] [--run RUN_DIR] REST` loads: the config source (a preset, a TOML
-    file, RUN_DIR's config.toml) and the overrides of REST (--section.key value; dashes or underscores)."""
-    typed = parse_cli_overrides(rest)
-    if run is not None:  # that run's own config, in that folder
-        return continued_run(run, config, typed)
-    return train_config_source(config, typed), typed
 
 
 def train_config_source(config: str | None, overrides: dict) -> str:
