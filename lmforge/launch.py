@@ -154,19 +154,34 @@ def lighthouse_binary() -> str:
 
 
 def min_replicas_option(command: list[str]) -> int:
-    """`--fault_tolerance.min_replicas N` of the workers' command line (1 where it is not given there)."""
-    for i, arg in enumerate(command):
-        value = arg.partition("=")[2] if arg.startswith("--fault_tolerance.min_replicas=") else (
-            command[i + 1] if arg == "--fault_tolerance.min_replicas" and i + 1 < len(command) else None)
-        if value is not None and value.isdigit() and int(value) >= 1:
-            return int(value)
-    return 1
+    """fault_tolerance.min_replicas of the workers' `train` command, as the config loader reads it:
+    its --config file or preset (or --run RUN_DIR's config.toml) with its overrides,
+    `--fault_tolerance.min_replicas N` or `--fault-tolerance.min-replicas N` among them. 1 for another
+    sub-command or a command whose config does not load (its workers then say why, once). (The
+    command is split here, not by lmforge.cli's parser: lmforge.cli imports this module.)"""
+    from lmforge.config import load_config, parse_cli_overrides
+    from lmforge.folders import CONFIG
+
+    if not command or command[0] != "train":
+        return 1
+    source, rest, args = "tiny", [], iter(command[1:])
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "--run"):
+            value = value if eq else next(args, "")
+            source = value if name == "--config" else str(Path(value) / CONFIG)
+        else:
+            rest.append(arg)
+    try:
+        return max(1, load_config(source, parse_cli_overrides(rest), validate=False).fault_tolerance.min_replicas)
+    except (ValueError, OSError):  # (ConfigError included)
+        return 1
 
 
 @contextlib.contextmanager
 def lighthouse_running(binary: str, port: int, min_replicas: int = 1):
     """A torchft lighthouse on `port` while the workers run. A quorum needs `min_replicas` replica
-    groups asking (the job's fault_tolerance.min_replicas, from the workers' command line: with fewer,
+    groups asking (the job's fault_tolerance.min_replicas, from the workers' config: with fewer,
     a group that reached a sync a few seconds after the others would be left out of it, and
     DiLoCo's groups would drift to syncing alone); it waits at most 5 s for a group that heartbeats
     but has not asked yet, and counts a group silent for 5 s as dead."""

@@ -23,7 +23,7 @@ import torch
 
 from lmforge.config import Config, ConfigError
 from tests.test_ckpt_fault import assert_bitwise, final_weights
-from tests.test_parallel_dp import corpus, free_port, overrides  # noqa: F401 - fixture reuse
+from tests.test_parallel_dp import DOCS, corpus, docs_corpus, free_port, grad_norms, losses, overrides  # noqa: F401 - fixture reuse
 
 pytest.importorskip("torchft")
 
@@ -51,8 +51,10 @@ def start_lighthouse(port: int, log: Path) -> subprocess.Popen:
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start_group(corpus: Path, out: Path, replica: int, port: int, hold: Path, log: Path) -> subprocess.Popen:  # noqa: F811
-    extra = {**RUN, "fault_tolerance.replica_id": replica, "fault_tolerance.lighthouse": f"http://localhost:{port}"}
+def start_group(corpus: Path, out: Path, replica: int, port: int, hold: Path, log: Path,  # noqa: F811
+                **more) -> subprocess.Popen:
+    extra = {**RUN, "fault_tolerance.replica_id": replica, "fault_tolerance.lighthouse": f"http://localhost:{port}",
+             **more}
     return subprocess.Popen([sys.executable, DRIVER, str(STEP_S), str(hold)] + overrides(corpus, out, **extra),
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -95,6 +97,27 @@ def kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def two_groups_then_kill_one(corpus: Path, tmp: Path, port: int, procs: list, hold_both: bool = False,  # noqa: F811
+                             **more) -> tuple:
+    """Groups 0 and 1 in TMP/group0 and TMP/group1 (logs TMP/group0.log, group1.log; added to `procs`),
+    group 0 held at its first step until group 1 is up (however slowly this machine starts it), so
+    that the two train together for a while (`hold_both`: group 1 too until group 0 is up, so that
+    neither trains much of the run alone before the other comes); then group 1 SIGKILLed after 3
+    steps of both, mid-run. The two processes: group 0 running on, the survivor, and group 1 dead."""
+    hold, log0, log1 = tmp / "hold", tmp / "group0.log", tmp / "group1.log"
+    hold.touch()
+    a = start_group(corpus, tmp / "group0", 0, port, hold, log0, **more)
+    b = start_group(corpus, tmp / "group1", 1, port, hold if hold_both else tmp / "no-hold", log1, **more)
+    procs += [a, b]
+    for log in [log1] + ([log0] if hold_both else []):
+        wait_for(lambda: log.is_file() and "Start quorum" in log.read_text(), procs, f"{log.stem}'s first quorum")
+    hold.unlink()
+    wait_for(lambda: sum(r["replica_groups"] == [0, 1] for r in quorums(tmp / "group1").values()) >= 3, procs,
+             "steps of both groups")
+    kill(b)
+    return a, b
+
+
 @pytest.mark.slow
 def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(corpus, tmp_path):  # noqa: F811
     port = free_port()
@@ -103,18 +126,7 @@ def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(
     lighthouse = start_lighthouse(port, tmp_path / "lighthouse.log")
     procs = [lighthouse]
     try:
-        # group 0 waits at its first step until group 1 is up (however slowly this machine starts it),
-        # so that the two train together for a while; then it is the survivor
-        hold.touch()
-        a = start_group(corpus, a_out, 0, port, hold, logs[0])
-        b = start_group(corpus, b_out, 1, port, no_hold, logs[1])
-        procs += [a, b]
-        wait_for(lambda: "Start quorum" in logs[1].read_text(), procs, "group 1's first quorum")
-        hold.unlink()
-        # both train together for a few steps (a quorum of the two), then group 1 dies mid-run
-        wait_for(lambda: sum(r["replica_groups"] == [0, 1] for r in quorums(b_out).values()) >= 3, procs,
-                 "steps of both groups")
-        kill(b)
+        a, b = two_groups_then_kill_one(corpus, tmp_path, port, procs)
         first_leg = len([r for r in records(b_out) if r.get("event") == "ft_quorum"])
         alive_at = steps_done(a_out)
         # the survivor keeps stepping, without a restart, while group 1 is dead
@@ -154,6 +166,61 @@ def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(
     assert_bitwise(final_weights(a_out), final_weights(b_out))
 
 
+# batch_policy "keep" on best-fit packed rows of short documents (`docs_corpus`, padded rows: every
+# micro-batch holds another number of targets, so a gradient weighed by anything but tokens shows)
+KEEP = {"train.steps": 14, "fault_tolerance.batch_policy": "keep", "data.packing": DOCS["data.packing"],
+        "data.packing_buffer": DOCS["data.packing_buffer"], "checkpoint.save_final": "false"}
+
+
+@pytest.mark.slow
+def test_keep_trains_the_whole_global_batch_with_a_group_dead(docs_corpus, tmp_path):  # noqa: F811
+    """batch_policy "keep": group 1 of 2 is SIGKILLed mid-run and the survivor trains on alone to the
+    end. Every step, whatever its quorum, trains 2 x 8 sequences; the survivor's steps alone record
+    both shares as its own; and every step's loss and gradient norm (the quorum's) are those of one
+    process training the 16-sequence global batch itself (the same sequences: data rank g of 2 is
+    every other sample of the one order), to fp32 rounding: a share skipped, read from the wrong
+    place or trained twice, or the two weighed by anything but their target tokens, would differ."""
+    port = free_port()
+    a_out, b_out, log0 = tmp_path / "group0", tmp_path / "group1", tmp_path / "group0.log"
+    lighthouse = start_lighthouse(port, tmp_path / "lighthouse.log")
+    procs = [lighthouse]
+    try:
+        a, b = two_groups_then_kill_one(docs_corpus, tmp_path, port, procs, hold_both=True, **KEEP)
+        assert a.wait(timeout=180) == 0, log0.read_text()[-3000:]
+    finally:
+        for p in procs:
+            kill(p)
+    reference = tmp_path / "one-group"
+    one = {**RUN, **KEEP, "fault_tolerance.enabled": "false", "fault_tolerance.replica_groups": 1,
+           "fault_tolerance.batch_policy": "shrink", "train.global_batch_size": 16}
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "train"] + overrides(docs_corpus, reference, **one),
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    qa, qb = quorums(a_out), quorums(b_out)
+    # (whichever group asked first trained the first step alone, the other taking its state then)
+    assert sorted(set(qa) | set(qb)) == list(range(1, KEEP["train.steps"] + 1))
+    together = [s for s, r in qa.items() if r["replica_groups"] == [0, 1]]
+    after = list(range(max(together) + 1, KEEP["train.steps"] + 1))  # from the kill to the end: group 0 alone
+    assert len(together) >= 3 and len(after) >= 3 and all(qa[s]["replica_groups"] == [0] for s in after), qa
+    # every step of either group trained the job's 16 sequences: both shares, whoever trained them
+    for r in [*qa.values(), *qb.values()]:
+        assert r["sequences"] == 16, r
+        alone = r["replica_groups"][0]
+        want = {str(alone): {"0": [0, 4], "1": [0, 4]}} if len(r["replica_groups"]) == 1 else \
+            {"0": {"0": [0, 4]}, "1": {"1": [0, 4]}}
+        assert r["shares"] == want, r
+    # ... the same sequences as one process's 16, weighed alike: the same loss and gradient norm at
+    # every step (the quorum's: the survivor's, or group 1's before group 0 joined), those of group 0
+    # alone after the kill included (fp32: the sums add in another order)
+    steps = {r["step"]: r for out in (b_out, a_out) for r in records(out) if "loss" in r and "val_loss" not in r}
+    want_loss, want_norm = losses(reference), grad_norms(reference)
+    assert sorted(steps) == sorted(want_loss) == list(range(1, KEEP["train.steps"] + 1))
+    for s, r in sorted(steps.items()):
+        assert r["loss"] == pytest.approx(want_loss[s], rel=2e-6, abs=0), (s, r, want_loss)
+        assert r["grad_norm"] == pytest.approx(want_norm[s], rel=5e-6, abs=0), (s, r, want_norm)
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("replica_id", 2, "fault_tolerance.replica_id = 2 must be < fault_tolerance.replica_groups"),
     ("replica_groups", 0, "fault_tolerance.replica_groups = 0 must be >= 1"),
@@ -163,6 +230,7 @@ def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(
     ("diloco_fragments", 0, "fault_tolerance.diloco_fragments = 0 must be >= 1"),
     ("diloco_outer_lr", 0, "fault_tolerance.diloco_outer_lr = 0 must be > 0"),
     ("diloco_outer_momentum", 1.0, "must be > 0 and diloco_outer_momentum = 1.0 in"),
+    ("batch_policy", "grow", "fault_tolerance.batch_policy = 'grow' must be 'shrink' or 'keep'"),
 ])
 def test_bad_values_name_the_key(key, value, message):
     cfg = Config()
@@ -182,6 +250,8 @@ def test_bad_values_name_the_key(key, value, message):
                                                                     "ends on a sync.*train.steps = 105"),
     ({"fault_tolerance.diloco_sync_every": 4, "fault_tolerance.diloco_fragments": 3},
      "diloco_sync_every = 4 must be a multiple of fault_tolerance.diloco_fragments = 3"),
+    ({"fault_tolerance.diloco_sync_every": 4, "fault_tolerance.batch_policy": "keep"},
+     "batch_policy = 'keep' with fault_tolerance.diloco_sync_every: DiLoCo's inner steps are each group's own"),
 ])
 def test_layouts_a_replica_group_cannot_be(setting, message):
     from lmforge.config.rules import check_fault_tolerance
@@ -199,13 +269,44 @@ def test_layouts_a_replica_group_cannot_be(setting, message):
     assert "\n" not in str(e.value)
 
 
-def test_launch_takes_its_lighthouse_option_and_leaves_torchrun_the_rest():
+def test_share_plan_gives_each_micro_batch_of_the_step_to_one_live_group():
+    """`share_plan`: each group its own share; under "keep" the missing groups' micro-batches in
+    consecutive runs, as even as can be, over the live groups in order; under "shrink" nothing more."""
+    from itertools import combinations
+
+    from lmforge.train.fault_tolerance import share_plan
+
+    assert share_plan([0, 1, 2], 3, 4, keep=True) == {0: {0: [0, 4]}, 1: {1: [0, 4]}, 2: {2: [0, 4]}}
+    assert share_plan([0, 2], 3, 4, keep=True) == {0: {0: [0, 4], 1: [0, 2]}, 2: {2: [0, 4], 1: [2, 4]}}
+    assert share_plan([1], 3, 4, keep=True) == {1: {1: [0, 4], 0: [0, 4], 2: [0, 4]}}
+    assert share_plan([0, 1, 3], 4, 4, keep=True) == {0: {0: [0, 4], 2: [0, 1]}, 1: {1: [0, 4], 2: [1, 2]},
+                                                     3: {3: [0, 4], 2: [2, 4]}}
+    assert share_plan([0, 1], 4, 3, keep=True) == {0: {0: [0, 3], 2: [0, 3]}, 1: {1: [0, 3], 3: [0, 3]}}
+    assert share_plan([0], 2, 4, keep=False) == {0: {0: [0, 4]}}
+    for n in range(1, 5):  # every quorum of 4 groups, 3 micro-batches each: each (share, micro-batch) once
+        for quorum in combinations(range(4), n):
+            plan = share_plan(list(quorum), 4, 3, keep=True)
+            units = [(m, j) for shares in plan.values() for m, (first, stop) in shares.items() for j in range(first, stop)]
+            assert sorted(units) == [(m, j) for m in range(4) for j in range(3)], (quorum, plan)
+            loads = [sum(stop - first for first, stop in shares.values()) for shares in plan.values()]
+            assert max(loads) - min(loads) <= 1, (quorum, plan)
+
+
+def test_launch_takes_its_lighthouse_option_and_leaves_torchrun_the_rest(tmp_path):
     from lmforge.launch import LIGHTHOUSE_PORT, min_replicas_option, take_lighthouse_option
 
-    # the lighthouse's quorum needs the job's fault_tolerance.min_replicas groups (the workers' option)
+    # the lighthouse's quorum needs the job's fault_tolerance.min_replicas groups, read from the workers'
+    # config as they read it: an override (either spelling), else their --config file, else 1
     assert min_replicas_option(["train", "--fault_tolerance.min_replicas", "2"]) == 2
-    assert min_replicas_option(["train", "--fault_tolerance.min_replicas=3", "--x", "1"]) == 3
+    assert min_replicas_option(["train", "--fault_tolerance.min_replicas=3", "--optim.lr", "1e-3"]) == 3
+    assert min_replicas_option(["train", "--fault-tolerance.min-replicas", "2"]) == 2
     assert min_replicas_option(["train", "--fault_tolerance.replica_groups", "2"]) == 1
+    config = tmp_path / "job.toml"
+    config.write_text("[fault_tolerance]\nenabled = true\nreplica_groups = 3\nmin_replicas = 3\n")
+    assert min_replicas_option(["train", "--config", str(config), "--train.steps", "5"]) == 3
+    assert min_replicas_option(["train", "--config", str(config), "--fault_tolerance.min_replicas", "2"]) == 2
+    assert min_replicas_option(["train", "--config", str(tmp_path / "missing.toml")]) == 1  # (the workers say why)
+    assert min_replicas_option(["eval", "--fault_tolerance.min_replicas", "2"]) == 1
 
     subs = {"train"}
     argv = ["--nproc-per-node", "2", "train", "--lighthouse"]  # (after the sub-command: the worker's)
@@ -325,6 +426,33 @@ class _Manager:
 
     def current_step(self):
         return self.step
+
+
+def test_a_state_sent_before_the_first_step_leaves_both_optimizers_fresh(corpus, tmp_path):  # noqa: F811
+    """A group asked for its state at the job's start (torchft's init sync) sends the optimizer as it
+    is, unstepped: torch's get_optimizer_state_dict would otherwise leave the sender's AdamW (and
+    hand the receiver) a state of one step at lr 0, which AdamW's bias correction counts, so the
+    whole job would train off a run without fault tolerance from its second step on."""
+    from lmforge.config import load_config, parse_cli_overrides
+    from lmforge.train.fault_tolerance import PeerState
+    from lmforge.train.trainer import Trainer
+
+    trainers = []
+    for g in range(2):
+        argv = overrides(corpus, tmp_path / f"group{g}", **{**RUN, "fault_tolerance.replica_id": g})
+        trainers.append(Trainer(load_config("tiny", parse_cli_overrides(argv))))
+        trainers[-1].setup()
+    try:
+        sent = PeerState(trainers[0]).state_dict()
+        assert sent["fresh_optimizer"] and not trainers[0].optimizer.state
+        PeerState(trainers[1]).load_state_dict(sent)
+        assert not trainers[1].optimizer.state
+        trainers[1].train_step(trainers[1].next_micro_batches())  # (a stepped optimizer's state is sent as it is)
+        again = PeerState(trainers[1]).state_dict()
+        assert not again["fresh_optimizer"] and all(int(s["step"]) == 1 for s in trainers[1].optimizer.state.values())
+    finally:
+        for t in trainers:
+            t.close()
 
 
 def test_diloco_fragments_hold_every_parameter_once_in_block_order():

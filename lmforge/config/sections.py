@@ -817,7 +817,7 @@ class FaultToleranceConfig:
     replica_groups: int = _f(1, "How many replica groups the job has at full strength (what splits the data; a quorum may hold fewer). train.global_batch_size is each group's batch: the job's step trains replica_groups x global_batch_size sequences at full quorum.")
     lighthouse: str = _f("", "The lighthouse's address, e.g. http://host:29510 ('' = $TORCHFT_LIGHTHOUSE, which `lmforge launch --lighthouse` sets).")
     min_replicas: int = _f(1, "A step commits only with at least this many groups in its quorum (fewer: the step is retried until enough are back or fault_tolerance.timeout_s passes).")
-    batch_policy: Literal["shrink"] = _f("shrink", "What a step trains when its quorum is short of groups: 'shrink' = the batches of the groups in the quorum (the global batch shrinks with the quorum; the step log records which groups trained each step, so the missing share is known, not silent).")
+    batch_policy: Literal["shrink", "keep"] = _f("shrink", "What a step trains when its quorum is short of groups (every group of a job sets the same). 'shrink' (default) = the batches of the groups in the quorum: the global batch shrinks with the quorum and a dead group's share of the steps it missed is never trained (the cheapest: a step costs the survivors no more time). 'keep' = the job's whole global batch every step (replica_groups x train.global_batch_size sequences, the same ones in the same order as at full strength): the live groups split the missing groups' micro-batches among them and accumulate them too (a step costs them up to replica_groups / quorum times as long), and the gradient stays the mean over the whole batch's target tokens. Either way nothing is trained twice, and the step log's ft_quorum record says which data shares each group trained (`shares`) and how many sequences the step trained (`sequences`).")
     timeout_s: float = _f(60.0, "Seconds a quorum, a cross-group all-reduce, a commit or a weight transfer may take before the step counts as failed and is retried with a new quorum.")
     max_retries: int = _f(10, "Stop with an error after this many failed attempts at one step in a row (each attempt forms a new quorum).")
     diloco_sync_every: int = _f(0, "DiLoCo (Douillard et al. 2023): each group takes this many optimizer steps on its own (no cross-group traffic), then the groups average their pseudo-gradients (the weights at the last sync minus their own) and take one outer step, Nesterov SGD (fault_tolerance.diloco_outer_lr / diloco_outer_momentum), on torchft's DiLoCo. 0 = off: every step's gradients are averaged across the groups.")
@@ -835,8 +835,11 @@ class FaultToleranceConfig:
         if self.min_replicas > self.replica_groups:
             raise ConfigError(f"fault_tolerance.min_replicas = {self.min_replicas} must be <= fault_tolerance.replica_groups "
                               f"= {self.replica_groups} (no quorum could ever commit).")
-        if self.batch_policy != "shrink":
-            raise ConfigError(f"fault_tolerance.batch_policy = {self.batch_policy!r}: only 'shrink' is supported.")
+        if self.batch_policy not in ("shrink", "keep"):
+            raise ConfigError(f"fault_tolerance.batch_policy = {self.batch_policy!r} must be 'shrink' or 'keep'.")
+        if self.batch_policy == "keep" and self.diloco_sync_every:
+            raise ConfigError("fault_tolerance.batch_policy = 'keep' with fault_tolerance.diloco_sync_every: DiLoCo's "
+                              "inner steps are each group's own; use batch_policy = 'shrink' with DiLoCo.")
         if self.timeout_s <= 0:
             raise ConfigError(f"fault_tolerance.timeout_s = {self.timeout_s} must be > 0.")
         if self.lighthouse and not self.lighthouse.startswith(("http://", "https://")):

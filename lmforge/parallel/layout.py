@@ -67,6 +67,9 @@ class Layout:
         # data.attention = "document": how a batch's documents are found (set by the trainer, which knows
         # the corpus' end-of-document id); None = causal attention over the whole sequence
         self.documents: DocumentAttention | None = None
+        # the target tokens of the last `forward_backward`'s micro-batches over the dp x cp ranks: what
+        # its loss and gradients were normalised by (fault tolerance weighs replica groups by it)
+        self.last_targets: torch.Tensor | None = None
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -76,7 +79,7 @@ class Layout:
         weights are cast to 16 bits once per step, not once per micro-batch (lmforge.train.precision)."""
         docs = [self.document_inputs(x) for x, _ in micro_batches]  # (of the whole sequences, before CP cuts them)
         micro_batches, sharded = self.local_sequences(micro_batches)
-        n_targets = self.global_targets(micro_batches)
+        n_targets = self.last_targets = self.global_targets(micro_batches)
         loss_sum = torch.zeros((), device=self.dist.device)
         last = len(micro_batches) - 1
         with precision.step(self.module), sharded, self.moe_step(len(micro_batches)):

@@ -195,7 +195,7 @@ class Pipelined(ShardedLayout):
         assert len(micro_batches) == self.microbatches, (len(micro_batches), self.microbatches)
         docs = self.document_inputs(torch.cat([mb[0] for mb in micro_batches]))  # (whole sequences: before CP cuts)
         micro_batches, sharded = self.local_sequences(micro_batches)  # (context parallel: this rank's chunks)
-        self._n_targets = self.global_targets(micro_batches)
+        self._n_targets = self.last_targets = self.global_targets(micro_batches)
         losses: list[torch.Tensor] = []  # the schedule's per-micro-batch loss_fn outputs (last stage)
         x = torch.cat([mb[0] for mb in micro_batches])
         y = torch.cat([mb[1] for mb in micro_batches])

@@ -11,29 +11,44 @@ whenever the quorum changes (torchft's managed ProcessGroupGloo / ProcessGroupNC
 * a group that dies costs the others one failed attempt at the step they are in: the all-reduce
   fails, the step is retried at once with a new quorum of the live groups and the same local
   gradients (nothing is drawn twice: each group's batch of the step is kept), and they go on at
-  the smaller quorum (fault_tolerance.batch_policy = "shrink": the step trains the live groups'
-  batches);
+  the smaller quorum. What such a step trains is fault_tolerance.batch_policy's: "shrink" (the
+  default), the batches of the groups in the quorum; "keep", the whole global batch, the live
+  groups also training the missing groups' micro-batches (`share_plan`, `MissingShares`);
 * a group started again (same fault_tolerance.replica_id, same command) joins the next quorum and,
   being behind, receives the weights, the optimizer state and the loop's position (step, tokens,
   data position, LR schedule, loss scale) from a live group through torchft's checkpoint transport
   (HTTP), then steps with the others from that step on;
-* every step's quorum (which groups trained it, and how many attempts it took) is a record of the
-  group's step log (metrics.jsonl: `{"event": "ft_quorum", "step", "replica_groups", ...}`).
+* every step's quorum (which groups trained it, which data shares each trained, how many sequences
+  that was, and how many attempts it took) is a record of the group's step log (metrics.jsonl:
+  `{"event": "ft_quorum", "step", "replica_groups", "shares", "sequences", ...}`).
 
 The steps, as the loop's events call them (lmforge.train.events; every rank of a group alike):
 
     run_start     the torchft Manager (its server on the group's rank 0, talking to the lighthouse);
                   the first quorum, which heals this group from a peer if it is behind
     step_begin    a quorum for the step (the one run_start formed serves the first step)
-    backward_end  the group's gradients, flattened into one buffer, averaged over the quorum; then
-                  the commit vote: on a failure (a peer died, a transfer timed out) the buffer is
-                  restored and the step retried with a new quorum, so the optimizer only ever
-                  steps on gradients every live group agreed on
+    backward_end  the group's gradients, flattened into one buffer (under "keep", with those of the
+                  missing groups' micro-batches this group trains besides), averaged over the
+                  quorum weighed by each group's target tokens; then the commit vote: on a failure
+                  (a peer died, a transfer timed out) the buffer is restored and the step retried
+                  with a new quorum, so the optimizer only ever steps on gradients every live group
+                  agreed on
     update_end    the step's quorum recorded
     close         the Manager shut down
 
 Data: group g's rank with data-parallel index i reads as data rank g x dp + i of replica_groups x dp
-(`data_coordinate`), so the groups read disjoint shares of the one deterministic order.
+(`data_coordinate`), so the groups read disjoint shares of the one deterministic order: group g's
+*share* of a step is its ranks' micro-batches. The loaders are pure functions of their state (the
+global position, the same on every rank), so under "keep" a live group reads a missing group's
+micro-batches of the step exactly: a loader of that group's data rank, set to the state this
+group's own loader had at the step's start (`MissingShares`).
+
+Normalisation: as inside a group (lmforge.parallel.layout: the summed NLL over the global target
+count), the step's gradient is the mean over every target token the quorum trained: each group's
+gradients (normalised by its own tokens) are weighed by its share of the tokens, which one small
+all-reduce of (tokens, summed NLL) gives before the gradients' (torchft's plain average would weigh a
+group that trained more micro-batches, or more unmasked targets, like the others). The loss a group
+logs is the quorum's: the mean NLL of everything the step trained, equal in every group.
 
 DiLoCo (fault_tolerance.diloco_sync_every = H > 0; Douillard et al. 2023) trades the per-step
 all-reduce for one every H steps, for groups that talk slowly to each other (across clusters): each
@@ -53,6 +68,7 @@ resumes them exactly.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
@@ -61,6 +77,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
+from lmforge.ckpt.state import _local_optimizer
 from lmforge.train.events import Handler
 
 log = logging.getLogger("lmforge.ft")
@@ -75,6 +92,112 @@ def data_coordinate(cfg, dist_info) -> tuple[int, int]:
     if not f.enabled:
         return dist_info.dp_rank, dist_info.dp_size
     return f.replica_id * dist_info.dp_size + dist_info.dp_rank, f.replica_groups * dist_info.dp_size
+
+
+def share_plan(quorum: list[int], groups: int, micro_batches: int, keep: bool) -> dict[int, dict[int, list[int]]]:
+    """Which micro-batches of which data shares each group of `quorum` trains at a step:
+    {group: {share: [first, stop)}}, share m being replica group m's part of the step's global batch
+    (its ranks' data ranks, `data_coordinate`; `micro_batches` per rank, the same range on each of a
+    group's ranks). Each group trains its own share; with `keep` (batch_policy "keep") also the
+    missing groups' micro-batches, taken in the order (share, micro-batch) and cut into one run of
+    consecutive ones per live group, in ascending order, as equal as can be. A function of the
+    quorum alone: every group computes the same plan, so between them they train each micro-batch
+    of the step once."""
+    live = sorted(quorum)
+    plan = {g: {g: [0, micro_batches]} for g in live}
+    missing = [m for m in range(groups) if m not in plan]
+    if not keep or not missing:
+        return plan
+    units = len(missing) * micro_batches  # unit u: micro-batch u % micro_batches of share missing[u // micro_batches]
+    for q, g in enumerate(live):
+        lo, hi = q * units // len(live), (q + 1) * units // len(live)
+        for k, m in enumerate(missing):
+            first, stop = max(lo, k * micro_batches), min(hi, (k + 1) * micro_batches)
+            if first < stop:
+                plan[g][m] = [first - k * micro_batches, stop - k * micro_batches]
+    return plan
+
+
+class GradientPart:
+    """The flattened gradients of some of a step's micro-batches, normalised by their target tokens
+    (as the layout leaves them), with those tokens and their summed NLL (float64 tensors), and which
+    (share, micro-batch) units they are: parts of a step add up weighed by their tokens."""
+
+    def __init__(self, grad: torch.Tensor, targets: torch.Tensor, nll: torch.Tensor, units: frozenset = frozenset()):
+        self.grad, self.targets, self.nll, self.units = grad, targets, nll, units
+
+    @classmethod
+    def of_last_pass(cls, trainer, loss: torch.Tensor, units: frozenset = frozenset()) -> "GradientPart":
+        """The gradients the layout's last forward_backward left (its loss: the mean NLL of its tokens)."""
+        from torch._utils import _flatten_dense_tensors
+
+        targets = trainer.layout.last_targets.to(torch.float64)
+        return cls(_flatten_dense_tensors(step_grads(trainer)), targets, loss.detach().to(torch.float64) * targets, units)
+
+    def merged(self, other: "GradientPart") -> "GradientPart":
+        targets = self.targets + other.targets
+        total = targets.clamp(min=1)
+        grad = self.grad * (self.targets / total).to(self.grad.dtype) + other.grad * (other.targets / total).to(self.grad.dtype)
+        return GradientPart(grad, targets, self.nll + other.nll, self.units | other.units)
+
+
+def step_grads(trainer) -> list[torch.Tensor]:
+    """The gradients the step accumulated (re-read after each pass: a backward may replace them)."""
+    return [p.grad for p in trainer.layout.params() if p.grad is not None]
+
+
+class MissingShares:
+    """batch_policy "keep": the micro-batches of the groups missing from a step's quorum that this
+    group trains (`share_plan`), read and trained as the missing group would have (the same
+    sequences, in the same order). Each rank reads through a loader of its own for the missing
+    group's data rank (built once, by `build_loaders`), set to the state this rank's own loader had
+    at the step's start: the loaders are pure functions of their global state, so it draws exactly
+    the batches the missing rank would have."""
+
+    def __init__(self):
+        self.readers: dict[int, object] = {}  # data rank -> its loader (set to the step's start each time)
+        self.start_state: dict | None = None  # this rank's loader state at the step's start
+
+    def begin_step(self, trainer) -> None:
+        self.start_state = copy.deepcopy(trainer.loader.state_dict())  # (a prefetcher's: the consumed one)
+
+    def batches(self, trainer, units: list[tuple[int, int]]) -> list:
+        """The micro-batches (share, index) `units`, in that order, on this rank's device."""
+        from lmforge.train.components import build_loaders
+
+        f, info = trainer.cfg.fault_tolerance, trainer.dist
+        out = []
+        for share in sorted({m for m, _ in units}):
+            wanted = sorted(j for m, j in units if m == share)
+            rank = share * info.dp_size + info.dp_rank  # (the missing group's rank with this rank's dp index)
+            if rank not in self.readers:
+                self.readers[rank] = build_loaders(trainer.cfg, trainer.data, rank, f.replica_groups * info.dp_size).train
+            reader = self.readers[rank]
+            reader.load_state_dict(copy.deepcopy(self.start_state))
+            drawn = [reader.next_batch() for _ in range(wanted[-1] + 1)]  # (in order: a reader draws only forward)
+            out += [(drawn[j][0].to(trainer.device), drawn[j][1].to(trainer.device)) for j in wanted]
+        return out
+
+    def train(self, trainer, assigned: dict[int, list[int]], own: int, extra: GradientPart | None) -> GradientPart | None:
+        """The gradients of the missing groups' micro-batches `assigned` to this group ({share: [first,
+        stop)}, its own share `own` left out): those of `extra` (what an earlier attempt at the step
+        trained) plus the units it lacks. An attempt whose smaller quorum gives this group more units
+        trains only the new ones; one that took a unit away (a group came back mid-step) starts over,
+        so that no micro-batch is counted twice."""
+        units = frozenset((m, j) for m, (first, stop) in assigned.items() if m != own for j in range(first, stop))
+        if extra is not None and not extra.units <= units:
+            extra = None
+        todo = sorted(units - (extra.units if extra is not None else frozenset()))
+        if not todo:
+            return extra
+        batches = self.batches(trainer, todo)
+        for g in step_grads(trainer):  # (the group's own gradients are kept, flattened, by the caller)
+            g.zero_()
+        loss = trainer.forward_backward(batches)
+        part = GradientPart.of_last_pass(trainer, loss, frozenset(todo))
+        log.info("fault tolerance: step %d: trained %d micro-batches of the missing groups' shares %s",
+                 trainer.state.step + 1, len(todo), sorted({m for m, _ in todo}))
+        return part if extra is None else extra.merged(part)
 
 
 def load_torchft():
@@ -96,11 +219,21 @@ class PeerState:
         self.trainer = trainer
 
     def state_dict(self) -> dict:
-        return {name: self.trainer.states[name].state_dict() for name in self.PARTS}
+        optimizer = _local_optimizer(self.trainer.optimizer)
+        fresh = not optimizer.state  # (no step taken yet: a group asked for its state at the job's start)
+        sd = {name: self.trainer.states[name].state_dict() for name in self.PARTS}
+        if fresh:
+            # torch's get_optimizer_state_dict gives a fresh optimizer its state by stepping it once at lr 0,
+            # which Adam counts as its first step (its bias correction): undone here, and the receiver
+            # starts fresh too, so that both take their first step as a run without fault tolerance does
+            optimizer.state.clear()
+        return {**sd, "fresh_optimizer": fresh}
 
     def load_state_dict(self, sd: dict) -> None:
         for name in self.PARTS:
             self.trainer.states[name].load_state_dict(sd[name])
+        if sd.get("fresh_optimizer"):
+            _local_optimizer(self.trainer.optimizer).state.clear()
         log.info("fault tolerance: weights, optimizer and position received from a live group (step %d)",
                  self.trainer.state.step)
 
@@ -196,6 +329,8 @@ class FaultTolerance(Handler):
         self.last_quorum_id: int | None = None
         self.diloco: DiLoCoState | None = None  # fault_tolerance.diloco_sync_every > 0
         self.outer_steps = 0
+        self.missing = MissingShares()  # (batch_policy "keep")
+        self.plan: dict[int, dict[int, list[int]]] = {}  # the committed step's `share_plan`
 
     def states(self, trainer) -> dict:
         f = trainer.cfg.fault_tolerance
@@ -266,17 +401,31 @@ class FaultTolerance(Handler):
             self.held_quorum = False
         else:
             self.manager.start_quorum()
+        if trainer.cfg.fault_tolerance.batch_policy == "keep":  # (after the quorum: it may have healed the loader)
+            self.missing.begin_step(trainer)
 
     def backward_end(self, trainer, loss) -> None:
+        """The step's gradients averaged over the quorum, weighed by target tokens (the module's
+        docstring), until a quorum commits; `loss` becomes the quorum's mean loss (in place: the
+        loop logs this tensor)."""
         if self.manager is None or self.diloco is not None:  # (DiLoCo: the inner steps are each group's own)
             return
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        from torch._utils import _unflatten_dense_tensors
+        from torch.distributed import ReduceOp
 
-        grads = [p.grad for p in trainer.layout.params() if p.grad is not None]
-        local = _flatten_dense_tensors(grads)  # this group's gradients, kept for a retry
+        f, me = trainer.cfg.fault_tolerance, trainer.cfg.fault_tolerance.replica_id
+        own = GradientPart.of_last_pass(trainer, loss)  # this group's own share, kept for a retry
+        extra = None  # (keep) the missing groups' micro-batches this group trained
         while True:
-            flat = local.clone()
-            self.manager.allreduce(flat).wait()  # (an error is recorded, not raised: the vote sees it)
+            plan = share_plan(self.replica_groups(trainer), f.replica_groups, trainer.micro_batches_per_step(),
+                              f.batch_policy == "keep")
+            if f.batch_policy == "keep":
+                extra = self.missing.train(trainer, plan.get(me, {}), me, extra)
+            mine = own if extra is None else own.merged(extra)
+            totals = torch.stack([mine.targets, mine.nll])  # the quorum's tokens and summed NLL, first
+            self.manager.allreduce(totals, reduce_op=ReduceOp.SUM).wait()
+            flat = mine.grad * (mine.targets / totals[0].clamp(min=1)).to(mine.grad.dtype)
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()  # (an error is recorded, not raised: the vote sees it)
             if self.manager.should_commit():
                 break
             # a peer died or timed out mid-step: the same step again, with the live groups
@@ -284,6 +433,9 @@ class FaultTolerance(Handler):
             log.warning("fault tolerance: step %d not committed by quorum %s; retrying with a new quorum",
                         trainer.state.step + 1, self.manager._quorum_id)
             self.manager.start_quorum()
+        self.plan = plan
+        loss.copy_(totals[1] / totals[0].clamp(min=1))
+        grads = step_grads(trainer)
         for g, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(averaged)
 
@@ -304,8 +456,13 @@ class FaultTolerance(Handler):
                     trainer.metrics.write(record)
             return
         groups = self.replica_groups(trainer)
+        per_micro_batch = trainer.cfg.train.micro_batch_size * trainer.dist.dp_size  # (sequences, over the group's ranks)
         record = {"step": step, "event": QUORUM_EVENT, "quorum_id": self.manager._quorum_id,
-                  "replica_groups": groups, "quorum_size": len(groups), "attempts": self.attempts}
+                  "replica_groups": groups, "quorum_size": len(groups), "attempts": self.attempts,
+                  # {group: {share: [first, stop) micro-batches}} (`share_plan`) and the sequences they hold
+                  "shares": {str(g): {str(m): r for m, r in shares.items()} for g, shares in self.plan.items()},
+                  "sequences": per_micro_batch * sum(stop - first for shares in self.plan.values()
+                                                     for first, stop in shares.values())}
         if self.manager._quorum_id != self.last_quorum_id:
             self.last_quorum_id = self.manager._quorum_id
             trainer.log_event({**record, "event": "ft_quorum_change",

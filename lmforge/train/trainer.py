@@ -397,11 +397,14 @@ class Trainer:
                             "message": f"batch {self.state.batches_drawn - 1} skipped (it caused a rollback)"})
         return self._draw_micro_batches()
 
+    def micro_batches_per_step(self) -> int:
+        """How many micro-batches each rank draws for the next step (its share of `global_batch_now`)."""
+        return self.global_batch_now() // (self.cfg.train.micro_batch_size * self.cfg.parallel.dp)
+
     def _draw_micro_batches(self) -> list[Batch]:
-        t = self.cfg.train
         self.state.batches_drawn += 1
         out = []
-        for _ in range(self.global_batch_now() // (t.micro_batch_size * self.cfg.parallel.dp)):
+        for _ in range(self.micro_batches_per_step()):
             x, y = self.loader.next_batch()
             out.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
         return out
