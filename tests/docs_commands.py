@@ -13,7 +13,7 @@ and the fast tier: the suite itself; `.ci/run` and tests/test_e2e.py run those),
 docs/data.md and the README's "Your own data" lines (tests/test_data_prepare_readme.py runs them, on a
 generated corpus), and lines marked `(not run by tests: ...)` with their continuation lines. Training
 runs briefly: `LMFORGE_TRAIN_ARGS` (appended to every `lmforge train`, sweep trials included) makes each
-ten tiny steps on the default corpus.
+five tiny steps (`BRIEF_STEPS`) on the default corpus.
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ NEWCOMER = 3
 RUN_ELSEWHERE = {("README.md", "Your own data"), ("docs/data.md", None)}  # tests/test_data_prepare_readme.py
 # No micro-batch size: each layout adapts the preset's to the brief global batch, as a user's run does
 # (one micro-batch per rank, so few gloo collectives per step).
-BRIEF = ("--train.steps 10 --train.global_batch_size 12 --data.seq_len 32 "
+# Five steps: a line's layout, loop, logging (one progress line), checkpoint, export and sample all run
+# by then (ten took twice the training for no path more: about a quarter of the docs tests' time).
+BRIEF_STEPS = 5
+MERGE_EVERY = 2  # the merge section's runs checkpoint every 2 steps: 2, 4 and the final 5
+BRIEF = (f"--train.steps {BRIEF_STEPS} --train.global_batch_size 12 --data.seq_len 32 "
          "--train.eval_sequences 4 --train.eval_every 0 --train.sample_tokens 4 --train.log_every 5 "
          "--train.plot false --train.tensorboard false --train.progress lines --train.threads 1 "
          "--checkpoint.every_minutes 0 --schedule.warmup_steps 2")
@@ -136,13 +140,17 @@ class Scratch:
             make_qwen_standin(cwd / "path/to/qwen2.5")
             write_my_text(cwd)
         t0 = time.time()
-        if "lmforge merge" in script:  # (the brief run's 10 steps: checkpoints at 3, 6, 9, 10 and an EMA from step 2)
-            env = {**env, "LMFORGE_TRAIN_ARGS": BRIEF + " --checkpoint.every_steps 3 --train.ema_start_step 2"}
+        if "lmforge merge" in script:  # (the brief run's 5 steps: checkpoints at 2, 4, 5 and an EMA from step 2)
+            env = {**env, "LMFORGE_TRAIN_ARGS": BRIEF + f" --checkpoint.every_steps {MERGE_EVERY} --train.ema_start_step 2"}
+        steps = BRIEF_STEPS
+        if "diloco_sync_every 10" in script:  # (DiLoCo's runs end on a sync: 10 steps, the example's one sync)
+            steps = 10
+            env = {**env, "LMFORGE_TRAIN_ARGS": BRIEF + f" --train.steps {steps}"}
         proc = subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=900)
         print(f"{time.time() - t0:6.1f} s  {heading}")
         assert proc.returncode == 0, f"docs section {heading!r}:\n{script}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        check_training_lines(cwd, script, proc.stdout, self.trained)
+        check_training_lines(cwd, script, proc.stdout, self.trained, steps)
 
     def run_page(self, page: str) -> None:
         """Every block of `page`, in order; each of its training lines trained a run of its own (or, the
@@ -166,7 +174,8 @@ def seed_tiny(scratch: Scratch) -> None:
     assert (scratch.cwd / "runs" / "tiny" / "model.safetensors").is_file()
 
 
-def check_training_lines(cwd: Path, script: str, stdout: str, trained: dict[str, Path]) -> None:
+def check_training_lines(cwd: Path, script: str, stdout: str, trained: dict[str, Path],
+                         steps: int = BRIEF_STEPS) -> None:
     """Each `lmforge train` line of a block trained a run of its own: the N-th `run folder:` line of the
     block's output is the N-th training line's; that folder is new (no earlier line's), its config
     has the layout the line asks for, and its summary the steps taken. A line identical to an
@@ -196,7 +205,7 @@ def check_training_lines(cwd: Path, script: str, stdout: str, trained: dict[str,
         for key, value in parse_cli_overrides(argv).items():
             if key.startswith("parallel."):
                 assert saved["parallel"][key.split(".", 1)[1]] == value, (args, key, saved["parallel"])
-        assert json.loads((cwd / folder / "summary.json").read_text())["steps"] == 10, (args, folder)
+        assert json.loads((cwd / folder / "summary.json").read_text())["steps"] == steps, (args, folder)
 
 
 def check_made(page: str, cwd: Path) -> None:
@@ -204,14 +213,14 @@ def check_made(page: str, cwd: Path) -> None:
     if page == "README.md":
         assert (cwd / "runs" / "tiny" / "model.safetensors").is_file()
         assert (cwd / "hf" / "tiny" / "config.json").is_file()
-        assert json.loads((cwd / "runs" / "tiny" / "summary.json").read_text())["steps"] == 10
+        assert json.loads((cwd / "runs" / "tiny" / "summary.json").read_text())["steps"] == BRIEF_STEPS
     elif page == "docs/training.md":
         assert json.loads((cwd / "hf" / "tiny-bf16" / "config.json").read_text())["dtype"] == "bfloat16"  # --dtype
     elif page == "docs/evaluation.md":
         assert (cwd / "hf" / "tiny" / "config.json").is_file()
         assert (cwd / "runs" / "imported" / "config.toml").is_file()
         assert (cwd / "hf" / "qwen-cpt" / "model.safetensors").is_file()  # the walk-through's export
-        assert json.loads((cwd / "runs" / "wsd-merged" / "merge.json").read_text())["merged"][0]["step"] == 6
+        assert json.loads((cwd / "runs" / "wsd-merged" / "merge.json").read_text())["merged"][0]["step"] == MERGE_EVERY  # (--last 3 of 2, 4, 5)
         assert (cwd / "hf" / "wsd-ema" / "config.json").is_file()  # the EMA, exported
         assert "Downstream tasks" in (cwd / "runs" / "wsd" / "report" / "index.html").read_text()
     elif page == "docs/operations.md":
