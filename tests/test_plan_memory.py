@@ -501,22 +501,52 @@ def test_lmforge_ddp_gradients_are_views_into_the_buckets(tmp_path):
     grad_accum > 1 counts no second copy either. (Before, zero_grad(set_to_none=True) let those
     micro-batches build fresh gradients beside the buckets, and the planner counted that copy as
     ddp_gradient_buckets.)"""
+    import multiprocessing
+
+    # In a process of its own that ends with os._exit: ProcessGroupGloo's destructor joins its worker
+    # threads holding the GIL, and a worker whose thread-local state holds a Python object takes the GIL
+    # to let go of it, so destroying the group in the pytest worker could hang it (it did once, in the
+    # Reducer's dealloc at the end of this test; pytorch/pytorch#154976)
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_ddp_bucket_probe, args=(str(tmp_path / "store"), send))
+    child.start()
+    send.close()
+    assert receive.poll(300), "the DDP probe sent nothing in 300 s"
+    got = receive.recv()
+    child.join(60)
+    assert got[0] != "failed", got[1]
+    cfg_model, buckets, in_buckets, accumulating, after, grad_bytes = got
+    # the gradients' storages are the buckets, through the no_sync micro-batch too
+    assert sum(in_buckets.values()) == buckets
+    assert accumulating == after == in_buckets
+    assert buckets == grad_bytes
+    for zero in (0, 1):
+        for ga in (1, 2):
+            mem = estimate_memory(cfg_model, Layout(dp=2, zero=zero, grad_accum=ga), "adamw", 32, weights="lmforge")
+            assert mem.gradients == buckets and "ddp_gradient_buckets" not in mem.detail
+
+
+def _ddp_bucket_probe(store: str, send) -> None:
+    """test_lmforge_ddp_gradients_are_views_into_the_buckets' measurement, in a spawned process: one
+    process of gloo, two synchronising steps, then an accumulating one; it sends (the model config, DDP's
+    bucket bytes, the gradients' storages after each phase, the gradient bytes) and ends with os._exit."""
+    import os
+
     import torch.distributed as dist
 
     from lmforge.parallel.data_parallel import DataParallel
     from lmforge.parallel.mesh import DistInfo
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    cfg, model = _small_model(*_SMALL_CASES[1])
-    params = list({id(p): p for p in model.parameters()}.values())
-    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
-
-    def grad_storages() -> dict[int, int]:
-        return {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in params}
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
+        cfg, model = _small_model(*_SMALL_CASES[1])
+        params = list({id(p): p for p in model.parameters()}.values())
+        x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+
+        def grad_storages() -> dict[int, int]:
+            return {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes() for p in params}
+
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
         layout = DataParallel(model, cfg, DistInfo(backend="gloo"), "fp32")
         ddp = layout.module
         assert ddp.gradient_as_bucket_view
@@ -532,17 +562,14 @@ def test_lmforge_ddp_gradients_are_views_into_the_buckets(tmp_path):
         with layout.micro_batch_context(last=True):  # the last micro-batch: all-reduced in the buckets
             ddp(x).float().sum().backward()
         after = grad_storages()
+        send.send((cfg.model, buckets, in_buckets, accumulating, after, sum(4 * p.numel() for p in params)))
+    except BaseException as exc:  # noqa: BLE001 - the test shows it
+        import traceback
+
+        send.send(("failed", "".join(traceback.format_exception(exc))))
     finally:
-        dist.destroy_process_group()
-    # the gradients' storages are the buckets, through the no_sync micro-batch too
-    assert sum(in_buckets.values()) == buckets
-    assert accumulating == after == in_buckets
-    grad_bytes = sum(4 * p.numel() for p in params)
-    assert buckets == grad_bytes
-    for zero in (0, 1):
-        for ga in (1, 2):
-            mem = estimate_memory(cfg.model, Layout(dp=2, zero=zero, grad_accum=ga), "adamw", 32, weights="lmforge")
-            assert mem.gradients == buckets and "ddp_gradient_buckets" not in mem.detail
+        send.close()
+        os._exit(0)  # (no teardown of the process group: see the test)
 
 
 def test_issue16_before_and_after_on_the_published_layouts():
