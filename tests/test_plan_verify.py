@@ -71,7 +71,8 @@ def test_the_readme_layouts_pass(monkeypatch, capsys):
 
 SUM_INSTEAD_OF_AVERAGE = textwrap.dedent('''
     """Planted by tests/test_plan_verify.py: every rank of a multi-process run sums its gradients over the
-    data-parallel ranks instead of averaging them (one process is left alone: the reference)."""
+    data-parallel ranks instead of averaging them (one process is left alone: the reference). AFTER_IMPORTS:
+    it only registers a handler, so the tests' warm starts run it too (tests/warm_start.py)."""
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -24,7 +24,9 @@ a test's timeout) kills itself: it holds the socket and sees its end close. `pyt
 the real interpreter.
 
 A `sitecustomize.py` on PYTHONPATH (a start-up hook: tests plant faults that way) sends the command to
-the real interpreter, which runs it; other PYTHONPATH folders are added to the child's sys.path.
+the real interpreter, which runs it, unless the hook says `AFTER_IMPORTS` in its text: it only patches
+what is already imported (registers a handler, replaces a function), so the child imports it before it
+runs the command, after the server's imports. Other PYTHONPATH folders are added to the child's sys.path.
 
 What differs from a fresh interpreter: the child's parent is the server, not the shim, so code that
 walks its parent's children (lmforge.cli's wait for a failed launch's sibling ranks,
@@ -51,6 +53,7 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 WARM_MODULES = ("lmforge", "torch.distributed.run")
+AFTER_IMPORTS = "AFTER_IMPORTS"  # a sitecustomize.py that says so runs in a warm child (the module docstring)
 # What the server imports before it serves: what a training, planning, import/export or eval command
 # would import itself (each line's failure only means a colder start).
 PRELOAD = ("torch", "torch.distributed.run", "torch.distributed.checkpoint", "torch.distributed.optim",
@@ -86,7 +89,8 @@ def shim(kind: str, socket_path: str, real_python: str, args: list[str]) -> None
     """Run `kind` (lmforge | torchrun | python) with `args` through the server at `socket_path`."""
     hooks = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep)
              if d and os.path.isfile(os.path.join(d, "sitecustomize.py"))]
-    if hooks:  # a start-up hook (a test's planted fault): only a fresh interpreter runs it
+    if hooks and not all(AFTER_IMPORTS in Path(d, "sitecustomize.py").read_text() for d in hooks):
+        # a start-up hook (a test's planted fault) that may act on imports: only a fresh interpreter runs it
         real = {"python": [real_python], "lmforge": [real_python, "-m", "lmforge"],
                 "torchrun": [real_python, "-m", "torch.distributed.run"]}[kind]
         os.execv(real_python, real + list(args))
@@ -155,6 +159,12 @@ class _Job:
         for folder in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):  # (set after the server started)
             if folder and os.path.abspath(folder) not in sys.path:
                 sys.path.insert(1, os.path.abspath(folder))
+        path = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d]
+        if any(os.path.isfile(os.path.join(d, "sitecustomize.py")) for d in path):
+            sys.modules.pop("sitecustomize", None)  # (an AFTER_IMPORTS hook, the shim checked: run it as start-up would)
+            import importlib
+
+            importlib.import_module("sitecustomize")
         if "module" in request:
             import runpy
 
