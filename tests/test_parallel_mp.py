@@ -3,7 +3,7 @@
 Real `torchrun` jobs of `lmforge train` on a tiny prepared corpus (4 layers so that interleaved
 1F1B has 2 ranks x 2 chunks; untied: tests/test_parallel_pp_tied.py pipelines tied ones). Every
 layout sees the same seed, data and global batch (8 sequences of 32
-tokens per step, micro-batches of 2) as the one-process reference, which runs once per module; the
+tokens per step, micro-batches of 2; 4 in the 2-process TP runs: `TP_MICRO`) as the one-process reference, which runs once per module; the
 per-step training losses and gradient norms (before clipping) of 10 steps (`STEPS`) must agree to 1e-5
 relative (fp32; only the reduction order differs), and so must the validation losses (computed on
 the sharded model itself, lmforge.parallel.inference), the EMA of the weights, its validation loss
@@ -87,6 +87,12 @@ LAYOUTS = {  # name: (processes, overrides)
 }
 
 WITH_SGD = ("tp2-sp", "pp2-1f1b", "fsdp2xtp2", "tp2xpp2", "dp2xpp2")  # also train `SGD` in their launch
+# Tensor parallelism on the CPU costs per micro-batch (DTensor's dispatch and ~20 gloo collectives each:
+# a TP=2 step ~12x one process's CPU time), so its 2-process runs (the TP layouts' and `PAIRS`) take the
+# global batch in 2 micro-batches of 4 instead of 4 of 2: the step still accumulates micro-batches of
+# unequal token counts, against the one-process reference's 4 (only the accumulation's grouping differs).
+TP_MICRO = {"train.micro_batch_size": 4}
+TP_ONLY = ("tp2", "tp2-sp")
 # more runs in the same launch, each against the one-process reference (run name: its overrides):
 # activation checkpointing under each zero-bubble schedule (recomputed once for the input-gradient
 # pass, the graph kept for the weight pass), and the zero-bubble schedules' other compositions
@@ -104,7 +110,7 @@ ALSO["fsdp2xpp2-zbv"] = {
 def layout_runs(root: Path, layout: str, corpus: Path, docs_corpus: Path) -> dict[Path, dict]:  # noqa: F811
     """The runs of `layout` under ROOT/<layout>: the AdamW run (EMA, tasks), `SGD` (the `WITH_SGD`
     layouts), `DOCS` and the `ALSO` runs, each with the layout's own overrides."""
-    extra, folder = LAYOUTS[layout][1], root / layout
+    extra, folder = {**LAYOUTS[layout][1], **(TP_MICRO if layout in TP_ONLY else {})}, root / layout
     return {folder / layout: {**MP, **STEPS, **extra, **EMA, **tasks(corpus)},
             **({folder / "sgd": {**MP, **extra, **SGD}} if layout in WITH_SGD else {}),
             folder / "docs": {**MP, **extra, **docs_run(docs_corpus)},
@@ -122,7 +128,7 @@ def launches(corpus, docs_corpus, tmp_path_factory) -> tuple[Path, dict[Path, st
         runs = {run: own for layout, (n, _) in LAYOUTS.items() if n == nproc
                 for run, own in layout_runs(root, layout, corpus, docs_corpus).items()}
         if nproc == 2:
-            runs |= {root / "pairs" / name: {**own, **TP2_SP} for name, own in PAIRS.items()}
+            runs |= {root / "pairs" / name: {**own, **TP2_SP, **TP_MICRO} for name, own in PAIRS.items()}
             runs |= zero_bubble_checkpoint_runs(root / "zbv-checkpoint")
         runs |= {root / "family" / name: {**FAMILY, **own} for name, (n, own) in FAMILY_LAYOUTS.items() if n == nproc}
         proc = train_runs(corpus, runs, nproc=nproc, timeout=120 + 60 * len(runs))
