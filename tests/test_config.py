@@ -23,7 +23,8 @@ def test_every_preset_loads_and_validates():
 
 @pytest.mark.parametrize("preset, billions, tol", [
     ("gpt2-124m", 0.124, 0.01), ("llama-1b", 1.08, 0.05), ("gpt3-175b", 175.0, 1.0),
-    ("llama2-70b", 68.98, 0.2), ("mistral-7b", 7.24, 0.05), ("olmo2-7b", 7.30, 0.01)])
+    ("llama2-70b", 68.98, 0.2), ("mistral-7b", 7.24, 0.05), ("olmo2-7b", 7.30, 0.01),
+    ("olmo3-7b", 7.30, 0.01)])
 def test_presets_have_published_parameter_counts(preset, billions, tol):
     total = count_params(load_config(preset).model)["total"] - (
         # GPT-2's published 124M counts the real 50257-row vocabulary, not the padded 50304
@@ -68,6 +69,10 @@ def test_family_presets_carry_their_families_options():
         (1e4, 1e6, "sandwich", True, "geglu")
     olmo = load_config("olmo2-7b").model
     assert (olmo.norm_placement, olmo.qk_norm_scope, olmo.qk_norm_widths) == ("post", "projection", (4096, 4096))
+    olmo3 = load_config("olmo3-7b").model  # OLMo 2's block, 3 sliding (4,096 tokens) : 1 full, the last full
+    assert [olmo3.layer_window(i) for i in range(32)] == ([4096] * 3 + [0]) * 8
+    assert (olmo3.norm_placement, olmo3.qk_norm_scope, olmo3.vocab_size, olmo3.local_rope_theta) == \
+        ("post", "projection", 100278, olmo3.rope_theta)
 
 
 def test_recipe_presets_carry_published_hyperparameters():

@@ -127,10 +127,10 @@ def test_what_cannot_map_is_refused_in_one_line(tmp_path):
         import_gemma_olmo(tmp_path / "hf")
 
 
-@pytest.mark.parametrize("preset, family", [("gemma3-1b", "gemma3_text"), ("olmo2-7b", "olmo2")])
+@pytest.mark.parametrize("preset, family", [("gemma3-1b", "gemma3_text"), ("olmo2-7b", "olmo2"), ("olmo3-7b", "olmo3")])
 def test_the_presets_export_the_published_configs_and_import_back(preset, family):
-    """The keys of the released config.json files (gemma-3-1b-pt, OLMo-2-1124-7B), and the import of the
-    exported config gives the preset's model back."""
+    """The keys of the released config.json files (gemma-3-1b-pt, OLMo-2-1124-7B, Olmo-3-1025-7B at its
+    8,192-token pretraining context), and the import of the exported config gives the preset's model back."""
     from lmforge.config import load_config
     from lmforge.interop.hf_gemma_olmo import gemma_olmo_hf_config, model_config_from_gemma_olmo
 
@@ -147,6 +147,13 @@ def test_the_presets_export_the_published_configs_and_import_back(preset, family
                 hf["rope_parameters"]["full_attention"]["rope_theta"]) == (1e4, 1e6)
     else:
         assert (hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"], hf["num_attention_heads"],
-                hf["num_key_value_heads"], hf["vocab_size"], hf["rms_norm_eps"], hf["rope_parameters"]["rope_theta"]) \
-            == (4096, 11008, 32, 32, 32, 100352, 1e-6, 5e5)
+                hf["num_key_value_heads"], hf["vocab_size"], hf["rms_norm_eps"]) \
+            == (4096, 11008, 32, 32, 32, 100352 if family == "olmo2" else 100278, 1e-6)
+        rope = hf["rope_parameters"]
+        if family == "olmo2":
+            assert rope["rope_theta"] == 5e5
+        else:  # (one RoPE base, written per layer type) 3 sliding : 1 full
+            assert rope["sliding_attention"]["rope_theta"] == rope["full_attention"]["rope_theta"] == 5e5
+            assert hf["sliding_window"] == 4096
+            assert hf["layer_types"] == (["sliding_attention"] * 3 + ["full_attention"]) * 8
     assert model_config_from_gemma_olmo(hf) == replace(m, n_kv_heads=m.kv_heads)  # (the count written out)

@@ -238,7 +238,7 @@ def test_layout_parse_and_errors():
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama-1b", "llama2-70b", "gpt3-175b", "mistral-7b",
-                                    "qwen2.5-0.5b", "qwen3-8b", "gemma3-1b", "olmo2-7b"])
+                                    "qwen2.5-0.5b", "qwen3-8b", "gemma3-1b", "olmo2-7b", "olmo3-7b"])
 def test_param_specs_match_the_model(preset):
     from lmforge.model.transformer import Transformer, count_params
 
