@@ -306,7 +306,7 @@ def test_model_parallel_config_validation(bad, message):
 def test_valid_model_parallel_configs_and_degenerate_cases(monkeypatch):
     from lmforge.parallel.mesh import check_layout
     from lmforge.spec.parallel import pipeline_bubble as bubble_fraction
-    from lmforge.parallel.pipeline import stage_layers
+    from lmforge.spec.parallel import stage_layers
 
     for ok in ({"parallel.tp": 2, "parallel.sequence_parallel": True},
                {"parallel.tp": 1, "parallel.pp": 1},  # degenerate: one process

@@ -131,7 +131,7 @@ class ModelOptimizerState:
         opts = StateDictOptions(full_state_dict=False, cpu_offload=False)
         out: dict[str, Any] = {"weights": get_model_state_dict(self.model, options=opts)}
         if self.optimizer is not None:
-            osd = get_optimizer_state_dict(self.model, _local_optimizer(self.optimizer), options=opts)
+            osd = get_optimizer_state_dict(self.model, local_optimizer(self.optimizer), options=opts)
             out["optim"] = {fqn: {k: _number_tensor(v) for k, v in st.items()} for fqn, st in osd["state"].items()}
             out["optim_groups"] = [{k: v for k, v in g.items() if k not in ("params", "param_names")}
                                    for g in osd["param_groups"]]
@@ -149,7 +149,7 @@ class ModelOptimizerState:
         set_model_state_dict(self.model, state_dict["weights"], options=opts)
         if self.optimizer is None:
             return
-        inner = _local_optimizer(self.optimizer)
+        inner = local_optimizer(self.optimizer)
         template = get_optimizer_state_dict(self.model, inner, options=StateDictOptions())
         state = {fqn: {k: _from_number_tensor(v, template["state"].get(fqn, {}).get(k)) for k, v in st.items()}
                  for fqn, st in state_dict["optim"].items() if fqn in current["optim"]}
@@ -196,7 +196,8 @@ def _from_number_tensor(value: Any, like: Any) -> Any:
     return value
 
 
-def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that holds this rank's state: ZeroRedundancyOptimizer's inner one, else `optimizer`."""
     zero = sys.modules.get("torch.distributed.optim")  # (not imported: no ZeroRedundancyOptimizer can exist;
     if zero is None:                                    # importing it scripts torch's functional optimizers, 0.2 s)
         return optimizer

@@ -60,18 +60,14 @@ from lmforge.config import Config
 from lmforge.model.layers import KVCache, block_inputs, local_positions, scale_embedding, token_positions
 from lmforge.model.loss import normalise, token_nll_sum
 from lmforge.model.transformer import Transformer
-from lmforge.spec.parallel import PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_rank
+from lmforge.spec.parallel import (PP_SCHEDULE_CLASSES, V_SHAPED, pipeline_bubble, rank_stages, stage_layers,
+                                   stage_rank)
 from lmforge.parallel.clip import clip_grad_norm_sharded_
 from lmforge.parallel.fsdp import apply_fsdp, fsdp_description
 from lmforge.parallel.inference import ShardedInference
 from lmforge.parallel.layout import Batch, ShardedLayout
 from lmforge.parallel.mesh import DistInfo
 from lmforge.parallel.tensor_parallel import loss_parallel_context, to_local_value
-
-
-def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
-    per = n_layers // n_stages
-    return list(range(stage * per, (stage + 1) * per))
 
 
 def split_model(model: nn.Module, cfg: Config, pp_rank: int) -> list[int]:

@@ -9,8 +9,8 @@ import dataclasses
 from lmforge.config import ModelConfig
 from lmforge.model.accounting import mlp_activation_width
 from lmforge.spec.parallel import (cp_activation_bytes, cp_kv_bytes, cp_latent_bytes, cp_score_elements,
-                                   pipeline_in_flight, rank_stages, recomputed_layers, ulysses_activation_bytes,
-                                   ulysses_kv_heads)
+                                   pipeline_in_flight, rank_stages, recomputed_layers, stage_layers,
+                                   ulysses_activation_bytes, ulysses_kv_heads)
 from lmforge.plan.conventions import LITERATURE, check_convention
 from lmforge.plan.layout import Layout
 from lmforge.plan.loss_memory import lmforge_loss_bytes
@@ -405,9 +405,8 @@ def rank_layers(cfg: ModelConfig, layout: Layout, stage: int) -> list[int]:
     activation checkpointing wraps the rank's blocks 0, k, 2k, ...)."""
     if layout.pp == 1:
         return list(range(cfg.n_layers))
-    per = cfg.n_layers // (layout.pp * layout.stages_per_rank)
     stages = rank_stages(layout.pp_schedule, layout.pp, stage, layout.virtual_stages)
-    return sorted(i for s in stages for i in range(s * per, (s + 1) * per))
+    return sorted(i for s in stages for i in stage_layers(cfg.n_layers, layout.pp * layout.stages_per_rank, s))
 
 
 def layer_kinds(cfg: ModelConfig, layout: Layout, stage: int) -> dict[tuple[bool, bool], int]:

@@ -35,6 +35,13 @@ def rank_stages(schedule: str, pp: int, rank: int, virtual_stages: int = 1) -> l
     return [rank + i * pp for i in range(stages_per_rank(schedule, virtual_stages))]
 
 
+def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
+    """The blocks pipeline stage `stage` of `n_stages` holds: n_layers / n_stages consecutive ones
+    (lmforge.parallel.pipeline builds the stages by it; the planner counts each rank's blocks by it)."""
+    per = n_layers // n_stages
+    return list(range(stage * per, (stage + 1) * per))
+
+
 def stage_rank(schedule: str, pp: int, stage: int) -> int:
     """The pipeline rank that holds `stage` (the inverse of `rank_stages`)."""
     if schedule in V_SHAPED and stage >= pp:

@@ -77,7 +77,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from lmforge.ckpt.state import _local_optimizer
+from lmforge.ckpt.state import local_optimizer
 from lmforge.train.events import Handler
 
 log = logging.getLogger("lmforge.ft")
@@ -219,7 +219,7 @@ class PeerState:
         self.trainer = trainer
 
     def state_dict(self) -> dict:
-        optimizer = _local_optimizer(self.trainer.optimizer)
+        optimizer = local_optimizer(self.trainer.optimizer)
         fresh = not optimizer.state  # (no step taken yet: a group asked for its state at the job's start)
         sd = {name: self.trainer.states[name].state_dict() for name in self.PARTS}
         if fresh:
@@ -233,7 +233,7 @@ class PeerState:
         for name in self.PARTS:
             self.trainer.states[name].load_state_dict(sd[name])
         if sd.get("fresh_optimizer"):
-            _local_optimizer(self.trainer.optimizer).state.clear()
+            local_optimizer(self.trainer.optimizer).state.clear()
         log.info("fault tolerance: weights, optimizer and position received from a live group (step %d)",
                  self.trainer.state.step)
 
