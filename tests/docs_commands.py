@@ -143,8 +143,8 @@ class Scratch:
         if "lmforge merge" in script:  # (the brief run's 5 steps: checkpoints at 2, 4, 5 and an EMA from step 2)
             env = {**env, "LMFORGE_TRAIN_ARGS": BRIEF + f" --checkpoint.every_steps {MERGE_EVERY} --train.ema_start_step 2"}
         steps = BRIEF_STEPS
-        if "diloco_sync_every 10" in script:  # (DiLoCo's runs end on a sync: 10 steps, the example's one sync)
-            steps = 10
+        if sync := re.search(r"--fault_tolerance\.diloco_sync_every (\d+)", script):
+            steps = int(sync.group(1))  # (a DiLoCo run ends on a sync: one sync's steps)
             env = {**env, "LMFORGE_TRAIN_ARGS": BRIEF + f" --train.steps {steps}"}
         proc = subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=900)
