@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_start
 from tests.test_ckpt_fault import kill_launch
 from tests.test_ckpt_s3 import bucket, s3_server  # noqa: F401  (fixtures)
 from tests.test_parallel_dp import free_port
@@ -35,10 +36,14 @@ ARGS = ["--parallel.dp_shard", "2", "--model.n_layers", "2", "--model.dim", "64"
         "--train.out_dir", "$NODE_DIR/run"]
 
 
-def launch(root: Path, node: int, port: int, extra: list[str]) -> subprocess.Popen:
+def launch(root: Path, node: int, port: int, extra: list[str], warm: bool = True) -> subprocess.Popen:
+    """One node's torchrun; `warm`: its agent and worker start as forks of the test process's warm server
+    (tests/warm_start.py), which the launches that end on their own use; the one this test SIGKILLs runs
+    on plain interpreters (a signal to a warm shim's group would not reach the fork)."""
     env = {**os.environ, "NODE_DIR": str(root / f"n{node}"), "LMFORGE_CACHE": str(root / f"n{node}" / "cache"),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+    python = warm_start.shared().interpreter() if warm else [sys.executable]
+    cmd = [*python, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
            "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodelocal",
            "-m", "lmforge", "train", *ARGS, *extra]
     log = root / f"n{node}-{time.time_ns()}.log"
@@ -65,6 +70,20 @@ def both(root: Path, extra: list[str], timeout: float = 400) -> list[tuple[str, 
     return [(p.log.read_text(), p.returncode) for p in procs]
 
 
+def rank_of(log: str) -> int:
+    """The global rank a node's one worker had: the c10d rendezvous numbers the nodes in the order they
+    arrive, not by --node-rank, so node 1 is rank 0 when it comes first. Rank 0 alone prints the
+    job's `distributed:` line."""
+    return 0 if "distributed: 2 ranks" in log else 1
+
+
+def own_shards_only(root: Path, node: int, rank: int, steps: str = "step_*[0-9]") -> bool:
+    """Node `node`'s checkpoints hold its own rank's shard file and not the other rank's."""
+    local = sorted((root / f"n{node}" / "run" / "checkpoints").glob(steps))
+    return bool(local) and all((c / f"__{rank}_0.distcp").is_file() and not (c / f"__{1 - rank}_0.distcp").is_file()
+                               for c in local)
+
+
 @pytest.mark.slow
 def test_node_local_disks_checkpoint_through_s3_and_resume(tmp_path, s3_server, bucket):  # noqa: F811
     from lmforge.data.corpus import fetch_default_corpus
@@ -74,13 +93,15 @@ def test_node_local_disks_checkpoint_through_s3_and_resume(tmp_path, s3_server, 
     shutil.copytree(tmp_path / "n0" / "cache", tmp_path / "n1" / "cache")  # prepares its own data from it
 
     # 1. node-local folders and no backup: refused at start-up, nothing trained
-    (log0, rc0), (log1, rc1) = both(tmp_path, ["--train.steps", "4"], timeout=300)
-    assert rc0 != 0 and "checkpoint.dir" in log0 and "checkpoint.s3_bucket" in log0 and "not the same folder" in log0
+    logs = both(tmp_path, ["--train.steps", "4"], timeout=300)
+    assert all(rc != 0 for _, rc in logs)
+    log = next(log for log, _ in logs if rank_of(log) == 0)  # (rank 0 prints the error)
+    assert "checkpoint.dir" in log and "checkpoint.s3_bucket" in log and "not the same folder" in log
 
     s3 = ["--checkpoint.s3_bucket", name, "--checkpoint.s3_endpoint", s3_server]
     # 2. a job killed after its step-4 checkpoint reached S3
     port = free_port()
-    procs = [launch(tmp_path, n, port, s3 + ["--train.steps", "40"]) for n in (0, 1)]
+    procs = [launch(tmp_path, n, port, s3 + ["--train.steps", "40"], warm=False) for n in (0, 1)]
     deadline = time.time() + 400
     while time.time() < deadline:  # a complete remote checkpoint (meta.json is uploaded last)
         listed = client.list_objects_v2(Bucket=name, Prefix="lmforge/run/").get("Contents", [])
@@ -94,26 +115,31 @@ def test_node_local_disks_checkpoint_through_s3_and_resume(tmp_path, s3_server, 
                     + "\n".join(f"--- node {n} ---\n{p.log.read_text()[-3000:]}" for n, p in enumerate(procs)))
     for p in procs:  # the workers (the agent's children) first: killing the agent alone leaves them running
         kill_launch(p)
+    ranks = [rank_of(p.log.read_text()) for p in procs]
+    assert sorted(ranks) == [0, 1], ranks
     for n in (0, 1):  # each node kept only its own shards, and prepared its own data
-        local = sorted((tmp_path / f"n{n}" / "run" / "checkpoints").glob("step_*[0-9]"))
-        assert local and all((c / f"__{n}_0.distcp").is_file() and not (c / f"__{1 - n}_0.distcp").is_file()
-                             for c in local)
+        assert own_shards_only(tmp_path, n, ranks[n]), (n, ranks)
         assert (tmp_path / f"n{n}" / "cache" / "datasets").is_dir()
 
     # 3. a new job resumes on both nodes from the backup (each fetches the other's shard) and finishes
-    (log0, rc0), (log1, rc1) = both(tmp_path, s3 + ["--train.steps", "40"])
-    assert rc0 == 0 and rc1 == 0, log0[-3000:] + log1[-3000:]
-    resumed = re.search(r"resumed from \S+step_(\d{8}): step (\d+)", log0)  # (rank 0 alone prints it)
-    assert resumed and 4 <= int(resumed.group(2)) < 40, log0[-3000:]
-    assert json.loads((tmp_path / "n0" / "run" / "summary.json").read_text())["steps"] == 40
-    step_40 = tmp_path / "n1" / "run" / "checkpoints" / "step_00000040"  # written after the resume: node 1's own
-    assert (step_40 / "__1_0.distcp").is_file() and not (step_40 / "__0_0.distcp").is_file()
+    # (the nodes may swap ranks: each then restores the other rank's shard, as on a new allocation)
+    logs = both(tmp_path, s3 + ["--train.steps", "40"])
+    assert all(rc == 0 for _, rc in logs), "".join(log[-3000:] for log, _ in logs)
+    ranks = [rank_of(log) for log, _ in logs]
+    assert sorted(ranks) == [0, 1], ranks
+    lead = ranks.index(0)  # the node of rank 0, which prints the resume and writes the summary
+    resumed = re.search(r"resumed from \S+step_(\d{8}): step (\d+)", logs[lead][0])
+    assert resumed and 4 <= int(resumed.group(2)) < 40, logs[lead][0][-3000:]
+    assert json.loads((tmp_path / f"n{lead}" / "run" / "summary.json").read_text())["steps"] == 40
+    for n in (0, 1):  # step 40, written after the resume: each node's own rank's shard
+        assert own_shards_only(tmp_path, n, ranks[n], "step_00000040"), (n, ranks)
 
     # 4. both run folders gone (and with them the run id that keys the backup): the backup is adopted on
     # purpose (checkpoint.s3_adopt), restored from S3 alone, and the run trains on to 44
     for n in (0, 1):
         shutil.rmtree(tmp_path / f"n{n}" / "run")
-    (log0, rc0), (log1, rc1) = both(tmp_path, s3 + ["--train.steps", "44", "--checkpoint.s3_adopt", "true"])
-    assert rc0 == 0 and rc1 == 0, log0[-3000:] + log1[-3000:]
-    assert "resumed from" in log0 and "step_00000040: step 40" in log0
-    assert json.loads((tmp_path / "n0" / "run" / "summary.json").read_text())["steps"] == 44
+    logs = both(tmp_path, s3 + ["--train.steps", "44", "--checkpoint.s3_adopt", "true"])
+    assert all(rc == 0 for _, rc in logs), "".join(log[-3000:] for log, _ in logs)
+    lead = [rank_of(log) for log, _ in logs].index(0)
+    assert "resumed from" in logs[lead][0] and "step_00000040: step 40" in logs[lead][0], logs[lead][0][-3000:]
+    assert json.loads((tmp_path / f"n{lead}" / "run" / "summary.json").read_text())["steps"] == 44
