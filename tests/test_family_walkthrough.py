@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests import warm_start
 from tests.qwen_standin import BOS, EOS, MODEL_VOCAB, MY_TEXT_TOML, TOKENIZER_VOCAB, make_qwen_standin, write_my_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ TRAIN = ["--train.steps", "20", "--train.global_batch_size", "8", "--train.micro
 
 def lmforge(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lmforge", *args], cwd=cwd, env=env, capture_output=True, text=True,
+    proc = subprocess.run([*warm_start.shared().interpreter(), "-m", "lmforge", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, f"lmforge {' '.join(args)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

@@ -17,13 +17,12 @@ from __future__ import annotations
 import ast
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_parallel_dp import TINY, corpus, free_port  # noqa: F401  (module-scoped corpus fixture)
+from tests.test_parallel_dp import TINY, corpus, launcher  # noqa: F401  (module-scoped corpus fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("gpu_semantics_driver.py")
@@ -36,9 +35,7 @@ def run_driver(mode: str, corpus: Path, out: Path, nproc: int, **extra) -> list:
 
 
 def launch_driver(nproc: int, args: list[str]) -> None:
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                  str(nproc), "--master-port", str(free_port())]
-    proc = subprocess.run(launch + [str(DRIVER), *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(launcher(nproc) + [str(DRIVER), *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

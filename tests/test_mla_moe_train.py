@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests import warm_start
 from tests.test_parallel_dp import corpus, overrides  # noqa: F401  (module-scoped corpus fixture)
 
 SMALL = {"model.n_layers": 2, "model.mla.kv_lora_rank": 16, "model.mla.q_lora_rank": 24,
@@ -24,7 +24,7 @@ SMALL = {"model.n_layers": 2, "model.mla.kv_lora_rank": 16, "model.mla.q_lora_ra
 
 def train(data, out) -> subprocess.CompletedProcess:
     args = overrides(data, out, **SMALL)
-    return subprocess.run([sys.executable, "-m", "lmforge", "train", "--config", "tiny-mla-moe", *args],
+    return subprocess.run([*warm_start.shared().interpreter(), "-m", "lmforge", "train", "--config", "tiny-mla-moe", *args],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -37,7 +37,6 @@ import contextlib
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -47,7 +46,7 @@ import torch
 from lmforge.config import ConfigError, ModelConfig, load_config
 from lmforge.spec.parallel import cp_activation_bytes, cp_comm_bytes, cp_kv_bytes
 from tests.conftest import make_corpus
-from tests.test_parallel_dp import SGD, STEPS, TINY, docs_corpus, docs_run, free_port  # noqa: F401  (fixture)
+from tests.test_parallel_dp import SGD, STEPS, TINY, docs_corpus, docs_run, launcher  # noqa: F401  (fixture)
 
 DRIVER = str(Path(__file__).with_name("cp_driver.py"))
 TOL = 1e-5  # relative, per step, loss and grad norm; observed <= 4e-7
@@ -99,8 +98,7 @@ def launch(out: Path, nproc: int, runs: dict[str, dict], probe: dict | None = No
     spec, log = out / f"spec{nproc}.json", out / f"launch{nproc}.log"
     spec.write_text(json.dumps({"out": str(out), "probe": probe,
                                 "runs": [{"name": n, "overrides": o} for n, o in runs.items()]}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port",
-           str(free_port()), DRIVER, str(spec)]
+    cmd = launcher(nproc, torchrun=True) + [DRIVER, str(spec)]  # (warm: tests/warm_start.py)
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1]), log
 

@@ -16,7 +16,6 @@ import dataclasses
 import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -46,7 +45,9 @@ README_LAYOUTS = {  # the docs' `lmforge plan` lines (docs/planning.md), as type
 
 
 def plan(args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmforge", "plan", *args.split(), "--verify"], capture_output=True,
+    # warm (tests/warm_start.py): the certificate's ranks start through PYTHON_EXEC, forks of the server
+    return subprocess.run([*warm_start.shared().interpreter(), "-m", "lmforge", "plan", *args.split(), "--verify"],
+                          capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout)
 
 

@@ -12,14 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm_start
 from tests.test_parallel_dp import TINY, corpus, free_port  # noqa: F401 - fixture reuse
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_LINES = ("distributed:", "config:", "run folder:", "data:", "final:", "model:", "batch:", "precision:")
 
 
-def torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+def torchrun(args: list[str], cwd: Path, warm: bool = False) -> subprocess.CompletedProcess:
+    """A 2-rank `lmforge train`; `warm` (tests/warm_start.py) where the run ends on its own: a failed launch
+    runs on plain interpreters (lmforge.cli's wait for the sibling ranks walks the launcher's children)."""
+    python = warm_start.shared().interpreter() if warm else [sys.executable]
+    return subprocess.run([*python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(free_port()), "-m", "lmforge", "train", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
@@ -30,7 +34,7 @@ def test_a_two_rank_run_prints_each_run_line_once(corpus, tmp_path):  # noqa: F8
     # (no micro-batch size: the tiny preset's is fitted to the global batch over dp 2, in a `config:` line)
     args = {**{k: v for k, v in TINY.items() if k != "train.micro_batch_size"}, "data.corpus": corpus,
             "train.out_dir": out, "parallel.dp_replicate": 2, "train.steps": 4, "train.sample_tokens": 0}
-    proc = torchrun([a for k, v in args.items() for a in (f"--{k}", str(v))], tmp_path)
+    proc = torchrun([a for k, v in args.items() for a in (f"--{k}", str(v))], tmp_path, warm=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RUN_LINES)]
     for prefix in ("distributed:", "config:", "run folder:", "data:", "final:"):

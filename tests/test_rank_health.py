@@ -17,7 +17,7 @@ import pytest
 
 from lmforge.train.stragglers import PHASES, StragglerMonitor, own_seconds, slowest_phase
 from lmforge.train.watchdog import EXIT_HANG, HangWatchdog
-from tests.test_parallel_dp import corpus, free_port, overrides, run_logs  # noqa: F401 - fixture reuse
+from tests.test_parallel_dp import corpus, free_port, launcher, overrides, run_logs  # noqa: F401 - fixture reuse
 
 HERE = Path(__file__).parent
 
@@ -113,9 +113,9 @@ def test_a_slowed_rank_is_named_and_an_even_run_names_none(corpus, tmp_path):  #
     args = [[rank, seconds, overrides(corpus, tmp_path / name, **{
         "parallel.dp_replicate": 4, "train.steps": 24, "train.log_every": 4, "train.straggler_windows": 2,
         "train.sample_tokens": 0, "train.global_batch_size": 8})] for name, (rank, seconds) in runs.items()]
-    # both runs in one launch (one process group): torch's import and the group's set-up paid once
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-           driver, json.dumps(args)]
+    # both runs in one launch (one process group): torch's import and the group's set-up paid once, and
+    # warm (tests/warm_start.py: nothing here is killed or signalled)
+    cmd = launcher(4, torchrun=True) + [driver, json.dumps(args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     logs = run_logs(proc, {tmp_path / name: None for name in runs})

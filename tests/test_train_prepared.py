@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+from tests import warm_start
 from tests.conftest import make_corpus
 
 
@@ -17,13 +18,13 @@ def test_train_on_a_prepared_mixture_through_the_cli(tmp_path):
         f'[prepare]\noutput_dir = "{out}"\nvocab_size = 300\nval_fraction = 0.1\n'
         f'[[prepare.sources]]\npath = "raw/web/*.txt"\nweight = 0.7\n'
         f'[[prepare.sources]]\npath = "raw/books.jsonl"\ntext_field = "body"\nweight = 0.3\n')
-    prep = subprocess.run([sys.executable, "-m", "lmforge", "prepare", "--config", str(tmp_path / "prep.toml")],
+    prep = subprocess.run([*warm_start.shared().interpreter(), "-m", "lmforge", "prepare", "--config", str(tmp_path / "prep.toml")],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert prep.returncode == 0, prep.stdout + prep.stderr
 
     run = tmp_path / "run"
     train = subprocess.run(
-        [sys.executable, "-m", "lmforge", "train", "--data.corpus", str(out), "--model.vocab_size", "320",
+        [*warm_start.shared().interpreter(), "-m", "lmforge", "train", "--data.corpus", str(out), "--model.vocab_size", "320",
          "--model.dim", "64", "--model.n_heads", "4", "--data.seq_len", "32", "--data.tokenizer_vocab_size", "300",
          "--train.steps", "30", "--train.eval_every", "0", "--train.global_batch_size", "8",
          "--train.micro_batch_size", "8", "--schedule.warmup_steps", "3", "--data.mask_doc_boundaries", "true",

@@ -32,7 +32,8 @@ What differs from a fresh interpreter: the child's parent is the server, not the
 walks its parent's children (lmforge.cli's wait for a failed launch's sibling ranks,
 lmforge.train.preempt's count of live siblings) sees none, and a signal to the shim's process group
 does not reach the child. Those paths (failures, signals, SIGKILLed launches) are tested with plain
-interpreters: tests/test_preempt.py, test_ckpt_fault.py, test_launch.py, test_rank_health.py.
+interpreters: tests/test_preempt.py, test_ckpt_fault.py, test_launch.py, test_rank_health.py's stuck rank,
+the launch test_node_local.py kills and test_rank0_output.py's failed launch.
 """
 
 from __future__ import annotations
