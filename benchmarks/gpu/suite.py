@@ -418,7 +418,7 @@ class Suite:
         sets = (("train.precision=bf16", "train.compile=false", "model.moe.grouped_mm=auto", "model.dim=512",
                  "model.n_heads=8", "model.moe.expert_hidden=1024", "model.max_seq_len=512", "data.seq_len=512",
                  "train.micro_batch_size=16", "train.global_batch_size=16") if self.cuda else
-                ("train.compile=false", "model.moe.grouped_mm=auto"))
+                ("train.compile=false", "model.moe.grouped_mm=auto", *rowdefs.CPU_SMOKE_BATCH))
         res = self.throughput_json(row, "tiny-moe", sets, reference=False, profile=False, name="moe-bf16-train")
         path = res.get("moe_path", {})
         arm = res["arms"]["lmforge"]
