@@ -30,6 +30,7 @@ import pytest
 from lmforge.data.pipeline import run_prepare
 from lmforge.data.prepare_config import load_prepare_config
 from lmforge.data.stages import STAGES, SINGLE, assignment
+from tests import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(3000)] + ["the", "of", "and", "ünï", "日本"]
@@ -280,7 +281,7 @@ def test_two_torchrun_nodes_with_s3_input_and_output_give_the_same_bytes(referen
         scratch = tmp_path / f"scratch{node}"
         scratch.mkdir()
         nodes.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+            [*warm_start.shared().interpreter(), "-m", "torch.distributed.run", "--nnodes", "2",  # (warm)
              "--nproc-per-node", "1", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "prep", "-m", "lmforge",
              "prepare", "--config", str(cfg), "--scratch", str(scratch)],
