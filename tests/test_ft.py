@@ -4,15 +4,17 @@ A real torchft lighthouse, two replica groups of one process each (gloo), a tiny
 SIGKILLed mid-run; the other keeps stepping without a restart (its step count rises while the first
 is dead); the killed group, started again with the same command, rejoins, receives the weights,
 optimizer and position from the survivor, and both finish with the same weights, bit for bit. Each
-group's step log records the quorum that trained each step. The config's checks run in process.
+group's step log records the quorum that trained each step. Groups of 2 FSDP2, TP or PP ranks train
+as one process does (FSDP2 through a kill and a rejoin too); groups of another layout or batch policy
+are refused. The config's checks run in process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from lmforge.config import Config, ConfigError
-from tests.test_ckpt_fault import assert_bitwise, final_weights
+from tests.test_ckpt_fault import assert_bitwise, final_weights, kill_launch
 from tests.test_parallel_dp import DOCS, corpus, docs_corpus, free_port, grad_norms, losses, overrides  # noqa: F401 - fixture reuse
 
 pytest.importorskip("torchft")
@@ -41,23 +43,27 @@ def lighthouse_binary() -> str:
     return found
 
 
-def start_lighthouse(port: int, log: Path) -> subprocess.Popen:
-    """A real torchft lighthouse: a quorum needs one group; a group silent for 1 s is dead; a quorum
-    waits at most 5 s for a live group that has not asked yet (the restarted group's first quorum
-    waits for the survivor, which the test holds until then: on a busy machine it may take a
-    second or more to ask)."""
-    return subprocess.Popen([lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{port}",
-                             "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1000", "--quorum_tick_ms", "20"],
+def start_lighthouse(port: int, log: Path, **options) -> subprocess.Popen:
+    """A real torchft lighthouse: a quorum needs one group (`min_replicas`); a group silent for 1 s is
+    dead; a quorum waits at most 5 s for a live group that has not asked yet (the restarted group's
+    first quorum waits for the survivor, which the test holds until then: on a busy machine it may take
+    a second or more to ask). `options`: other values of its options (None: its default)."""
+    options = {"min_replicas": 1, "join_timeout_ms": 5000, "heartbeat_timeout_ms": 1000, "quorum_tick_ms": 20,
+               **options}
+    return subprocess.Popen([lighthouse_binary(), "--bind", f"[::]:{port}"]
+                            + [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def start_group(corpus: Path, out: Path, replica: int, port: int, hold: Path, log: Path,  # noqa: F811
-                **more) -> subprocess.Popen:
+                nproc: int = 1, **more) -> subprocess.Popen:
+    """Replica group `replica`: one process, or with `nproc` a torchrun of that many ranks."""
     extra = {**RUN, "fault_tolerance.replica_id": replica, "fault_tolerance.lighthouse": f"http://localhost:{port}",
              **more}
-    return subprocess.Popen([sys.executable, DRIVER, str(STEP_S), str(hold)] + overrides(corpus, out, **extra),
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(free_port())]
+    return subprocess.Popen([sys.executable, *(torchrun if nproc > 1 else []), DRIVER, str(STEP_S), str(hold)]
+                            + overrides(corpus, out, **extra), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def records(out: Path) -> list[dict]:
@@ -92,9 +98,9 @@ def wait_for(predicate, procs, what: str, timeout: float = 120) -> None:
 
 
 def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL a group (a torchrun's workers too: `kill_launch`) or the lighthouse, if still running."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_launch(proc)
 
 
 def two_groups_then_kill_one(corpus: Path, tmp: Path, port: int, procs: list, hold_both: bool = False,  # noqa: F811
@@ -118,28 +124,36 @@ def two_groups_then_kill_one(corpus: Path, tmp: Path, port: int, procs: list, ho
     return a, b
 
 
+def kill_one_and_start_it_again(corpus: Path, tmp: Path, port: int, procs: list, alone: int,  # noqa: F811
+                                **more) -> int:
+    """`two_groups_then_kill_one`; the survivor, group 0, stepping on alone (no restart) for at least
+    `alone` steps, then held while group 1 is started again with the same command (log
+    TMP/group1-again.log; it rejoins and takes the survivor's state); then both run to the end, each
+    exiting 0. How many ft_quorum records group 1 wrote before its restart."""
+    a, b = two_groups_then_kill_one(corpus, tmp, port, procs, **more)
+    more.pop("hold_both", None)
+    a_out, b_out, hold, log = tmp / "group0", tmp / "group1", tmp / "hold", tmp / "group1-again.log"
+    first_leg = len([r for r in records(b_out) if r.get("event") == "ft_quorum"])
+    alive_at = steps_done(a_out)
+    wait_for(lambda: steps_done(a_out) >= alive_at + alone, [procs[0], a], "survivor steps after the kill")
+    assert b.poll() is not None and a.poll() is None
+    hold.touch()  # (the survivor waits at its next step until group 1 is up again)
+    b = start_group(corpus, b_out, 1, port, tmp / "no-hold", log, **more)
+    procs.append(b)
+    wait_for(lambda: "Start quorum" in log.read_text(), [procs[0], a, b], "the restarted group's quorum")
+    hold.unlink()
+    assert a.wait(timeout=120) == 0, (tmp / "group0.log").read_text()[-3000:]
+    assert b.wait(timeout=60) == 0, log.read_text()[-3000:]
+    return first_leg
+
+
 @pytest.mark.slow
 def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(corpus, tmp_path):  # noqa: F811
     port = free_port()
-    a_out, b_out, hold, no_hold = tmp_path / "group0", tmp_path / "group1", tmp_path / "hold", tmp_path / "no-hold"
-    logs = [tmp_path / "group0.log", tmp_path / "group1.log", tmp_path / "group1-again.log"]
-    lighthouse = start_lighthouse(port, tmp_path / "lighthouse.log")
-    procs = [lighthouse]
-    try:
-        a, b = two_groups_then_kill_one(corpus, tmp_path, port, procs)
-        first_leg = len([r for r in records(b_out) if r.get("event") == "ft_quorum"])
-        alive_at = steps_done(a_out)
-        # the survivor keeps stepping, without a restart, while group 1 is dead
-        wait_for(lambda: steps_done(a_out) >= alive_at + 5, [lighthouse, a], "survivor steps after the kill")
-        assert b.poll() is not None and a.poll() is None
-        hold.touch()  # (the survivor waits at its next step until group 1 is up again)
-        # group 1 again, with the same command: it rejoins and takes the survivor's state
-        b = start_group(corpus, b_out, 1, port, no_hold, logs[2])
-        procs.append(b)
-        wait_for(lambda: "Start quorum" in logs[2].read_text(), [lighthouse, a, b], "the restarted group's quorum")
-        hold.unlink()
-        assert a.wait(timeout=120) == 0, logs[0].read_text()[-3000:]
-        assert b.wait(timeout=60) == 0, logs[2].read_text()[-3000:]
+    a_out, b_out, again = tmp_path / "group0", tmp_path / "group1", tmp_path / "group1-again.log"
+    procs = [start_lighthouse(port, tmp_path / "lighthouse.log")]
+    try:  # (the survivor keeps stepping, without a restart, while group 1 is dead)
+        first_leg = kill_one_and_start_it_again(corpus, tmp_path, port, procs, alone=5)
     finally:
         for p in procs:
             kill(p)
@@ -160,7 +174,7 @@ def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(
     # the restarted group began at the survivor's step, not at step 1: it received the loop's position
     second_leg = [r["step"] for r in records(b_out) if r.get("event") == "ft_quorum"][first_leg:]
     assert second_leg == list(range(rejoined, STEPS + 1)), second_leg
-    assert "received from a live group" in logs[2].read_text()
+    assert "received from a live group" in again.read_text()
     # ... and the weights and the optimizer state: from there on both apply the same averaged
     # gradients to the same weights with the same Adam moments, so they end bit-identical
     assert_bitwise(final_weights(a_out), final_weights(b_out))
@@ -168,18 +182,44 @@ def test_a_killed_group_costs_no_restart_and_rejoins_with_the_survivors_weights(
 
 # batch_policy "keep" on best-fit packed rows of short documents (`docs_corpus`, padded rows: every
 # micro-batch holds another number of targets, so a gradient weighed by anything but tokens shows)
-KEEP = {"train.steps": 14, "fault_tolerance.batch_policy": "keep", "data.packing": DOCS["data.packing"],
+KEEP = {"train.steps": 16, "fault_tolerance.batch_policy": "keep", "data.packing": DOCS["data.packing"],
         "data.packing_buffer": DOCS["data.packing_buffer"], "checkpoint.save_final": "false"}
 
 
+@pytest.fixture(scope="module")
+def one_process(docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
+    """The run KEEP's groups are measured against: one process (no fault tolerance) training the 2 x 8
+    sequences of each step itself (the same sequences: data rank g of 2 is every other sample of the
+    one order, and under a layout of 2 data-parallel ranks data rank 2g + i every fourth)."""
+    out = tmp_path_factory.mktemp("one-process")
+    one = {**RUN, **KEEP, "fault_tolerance.enabled": "false", "fault_tolerance.replica_groups": 1,
+           "fault_tolerance.batch_policy": "shrink", "train.global_batch_size": 16}
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "train"] + overrides(docs_corpus, out, **one),
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out
+
+
+def assert_steps_match(outs: list[Path], reference: Path) -> None:
+    """The groups' runs `outs` logged, between them, every step of `reference`, each with its loss and
+    gradient norm (the quorum's; a step twice: the later folder's) within fp32 rounding (the sums add
+    in another order; measured <= 5e-7 relative, FSDP2 and TP groups included)."""
+    steps = {r["step"]: r for out in outs for r in records(out) if "loss" in r and "val_loss" not in r}
+    want_loss, want_norm = losses(reference), grad_norms(reference)
+    assert sorted(steps) == sorted(want_loss) == list(range(1, KEEP["train.steps"] + 1))
+    for s, r in sorted(steps.items()):
+        assert r["loss"] == pytest.approx(want_loss[s], rel=2e-6, abs=0), (s, r, want_loss)
+        assert r["grad_norm"] == pytest.approx(want_norm[s], rel=5e-6, abs=0), (s, r, want_norm)
+
+
 @pytest.mark.slow
-def test_keep_trains_the_whole_global_batch_with_a_group_dead(docs_corpus, tmp_path):  # noqa: F811
+def test_keep_trains_the_whole_global_batch_with_a_group_dead(docs_corpus, one_process, tmp_path):  # noqa: F811
     """batch_policy "keep": group 1 of 2 is SIGKILLed mid-run and the survivor trains on alone to the
     end. Every step, whatever its quorum, trains 2 x 8 sequences; the survivor's steps alone record
     both shares as its own; and every step's loss and gradient norm (the quorum's) are those of one
-    process training the 16-sequence global batch itself (the same sequences: data rank g of 2 is
-    every other sample of the one order), to fp32 rounding: a share skipped, read from the wrong
-    place or trained twice, or the two weighed by anything but their target tokens, would differ."""
+    process training the 16-sequence global batch itself (`one_process`), to fp32 rounding: a share
+    skipped, read from the wrong place or trained twice, or the two weighed by anything but their
+    target tokens, would differ."""
     port = free_port()
     a_out, b_out, log0 = tmp_path / "group0", tmp_path / "group1", tmp_path / "group0.log"
     lighthouse = start_lighthouse(port, tmp_path / "lighthouse.log")
@@ -190,12 +230,6 @@ def test_keep_trains_the_whole_global_batch_with_a_group_dead(docs_corpus, tmp_p
     finally:
         for p in procs:
             kill(p)
-    reference = tmp_path / "one-group"
-    one = {**RUN, **KEEP, "fault_tolerance.enabled": "false", "fault_tolerance.replica_groups": 1,
-           "fault_tolerance.batch_policy": "shrink", "train.global_batch_size": 16}
-    proc = subprocess.run([sys.executable, "-m", "lmforge", "train"] + overrides(docs_corpus, reference, **one),
-                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
     qa, qb = quorums(a_out), quorums(b_out)
     # (whichever group asked first trained the first step alone, the other taking its state then)
@@ -212,13 +246,65 @@ def test_keep_trains_the_whole_global_batch_with_a_group_dead(docs_corpus, tmp_p
         assert r["shares"] == want, r
     # ... the same sequences as one process's 16, weighed alike: the same loss and gradient norm at
     # every step (the quorum's: the survivor's, or group 1's before group 0 joined), those of group 0
-    # alone after the kill included (fp32: the sums add in another order)
-    steps = {r["step"]: r for out in (b_out, a_out) for r in records(out) if "loss" in r and "val_loss" not in r}
-    want_loss, want_norm = losses(reference), grad_norms(reference)
-    assert sorted(steps) == sorted(want_loss) == list(range(1, KEEP["train.steps"] + 1))
-    for s, r in sorted(steps.items()):
-        assert r["loss"] == pytest.approx(want_loss[s], rel=2e-6, abs=0), (s, r, want_loss)
-        assert r["grad_norm"] == pytest.approx(want_norm[s], rel=5e-6, abs=0), (s, r, want_norm)
+    # alone after the kill included
+    assert_steps_match([b_out, a_out], one_process)
+
+
+# sharded layouts inside the groups: 2 ranks each, KEEP's run with its final weights
+FSDP = {**KEEP, "checkpoint.save_final": "true", "parallel.dp_shard": 2, "parallel.zero_stage": 3}
+
+
+@pytest.mark.slow
+def test_fsdp_groups_match_one_process_through_a_kill_and_a_rejoin(docs_corpus, one_process, tmp_path):  # noqa: F811
+    """Two replica groups of 2 FSDP2 ranks each (ZeRO-3: each rank holds half of every parameter, and
+    averages its shards of the gradients with the same rank of the other group). Group 1 is SIGKILLed
+    mid-run; group 0 steps on alone, training both shares ("keep"); group 1 started again heals (each
+    rank its own shards of the weights and Adam moments, from the same rank of group 0) and both
+    finish. Every step's loss and gradient norm, whichever groups trained it, are those of
+    `one_process` (scale-sensitive: padded rows, groups weighed by target tokens), and both groups end
+    with the same weights, bit for bit."""
+    port = free_port()
+    a_out, b_out = tmp_path / "group0", tmp_path / "group1"
+    procs = [start_lighthouse(port, tmp_path / "lighthouse.log")]
+    try:
+        kill_one_and_start_it_again(docs_corpus, tmp_path, port, procs, alone=3, hold_both=True, nproc=2, **FSDP)
+    finally:
+        for p in procs:
+            kill(p)
+    qa = quorums(a_out)
+    alone = [s for s, r in qa.items() if r["replica_groups"] == [0]]
+    assert len(alone) >= 3 and qa[max(qa)]["replica_groups"] == [0, 1], qa  # (group 0 alone, then both again)
+    assert "received from a live group" in (tmp_path / "group1-again.log").read_text()
+    assert_steps_match([b_out, a_out], one_process)
+    assert_bitwise(final_weights(a_out), final_weights(b_out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"parallel.tp": 2, "parallel.sequence_parallel": "true"}, {"parallel.pp": 2}],
+                         ids=["tp-sp", "pp"])
+def test_tp_and_pp_groups_match_one_process(docs_corpus, one_process, tmp_path, layout):  # noqa: F811
+    """Two replica groups of 2 tensor-parallel ranks with sequence parallelism (each rank half of every
+    matrix; the norm weights' gradients partial sums until the clip adds them) or 2 pipeline stages
+    (each rank one block), both groups in every step (min_replicas 2; the
+    one that asked second took the other's state at the first quorum, each rank its own part): every
+    step's loss and gradient norm are those of `one_process`, and both groups end bit-identical."""
+    port = free_port()
+    procs = [start_lighthouse(port, tmp_path / "lighthouse.log", min_replicas=2, join_timeout_ms=100)]
+    run = {**FSDP, "parallel.dp_shard": 1, "parallel.zero_stage": 0, **layout, "fault_tolerance.min_replicas": 2,
+           "fault_tolerance.batch_policy": "shrink"}  # (every step has both groups: no policy applies)
+    outs = [tmp_path / f"group{g}" for g in range(2)]
+    try:
+        for g, out in enumerate(outs):
+            procs.append(start_group(docs_corpus, out, g, port, tmp_path / "no-hold", tmp_path / f"group{g}.log",
+                                     nproc=2, **run))
+        for g, proc in enumerate(procs[1:]):
+            assert proc.wait(timeout=180) == 0, (tmp_path / f"group{g}.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            kill(p)
+    assert all(r["replica_groups"] == [0, 1] for out in outs for r in quorums(out).values())
+    assert_steps_match(outs, one_process)
+    assert_bitwise(final_weights(outs[0]), final_weights(outs[1]))
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -244,7 +330,10 @@ def test_bad_values_name_the_key(key, value, message):
 @pytest.mark.parametrize("setting, message", [
     ({"guard.enabled": True}, "needs guard.enabled = false"),
     ({"parallel.async_sgd": True}, "parallel.async_sgd"),
-    ({"parallel.zero_stage": 3}, "one process or DDP ranks"),
+    ({"parallel.cp": 2}, "parallel.cp > 1: context and expert parallelism inside a replica group are not tested"),
+    ({"parallel.dp_shard": 2, "fault_tolerance.diloco_sync_every": 4},
+     "diloco_sync_every with a sharded layout in the group .* checkpointed as whole parameters"),
+    ({"parallel.pp": 2, "fault_tolerance.batch_policy": "keep"}, "'keep' with parallel.pp > 1: a pipeline schedule"),
     ({"fault_tolerance.diloco_sync_every": 4, "train.precision": "fp16"}, "a step the loss scale skips"),
     ({"fault_tolerance.diloco_sync_every": 7, "train.steps": 100}, "must divide train.steps = 100, so that the run "
                                                                     "ends on a sync.*train.steps = 105"),
@@ -260,6 +349,8 @@ def test_layouts_a_replica_group_cannot_be(setting, message):
     cfg.guard.enabled = False
     cfg.fault_tolerance.enabled = True
     check_fault_tolerance(cfg)  # (one process, no guard: a replica group)
+    for layout in ({"dp_shard": 2, "zero_stage": 3}, {"dp_shard": 2, "zero_stage": 1}, {"tp": 2}, {"pp": 2}):  # (so are)
+        check_fault_tolerance(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **layout)))
     for dotted, value in setting.items():
         section, key = dotted.split(".")
         setattr(getattr(cfg, section), key, value)
@@ -382,10 +473,8 @@ def test_diloco_and_streaming_diloco_match_the_updates_written_out(corpus, tmp_p
     one of 2 fragments every 2): every step's loss and the final weights of each group are those of
     `diloco_reference`, bit for bit (an average of two is exact in fp32); the syncs are recorded."""
     port = free_port()
-    lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", "2", "--bind", f"[::]:{port}",
-                                   "--join_timeout_ms", "100", "--quorum_tick_ms", "20"],
-                                  stdout=open(tmp_path / "lighthouse.log", "ab"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+    lighthouse = start_lighthouse(port, tmp_path / "lighthouse.log", min_replicas=2, join_timeout_ms=100,
+                                  heartbeat_timeout_ms=None)
     outs = [tmp_path / f"group{g}" for g in range(2)]
     procs = [lighthouse]
     try:
@@ -426,6 +515,94 @@ class _Manager:
 
     def current_step(self):
         return self.step
+
+
+@pytest.mark.slow
+def test_a_group_of_another_batch_policy_fails_with_one_line(corpus, tmp_path):  # noqa: F811
+    """Group 1 started with fault_tolerance.batch_policy = "keep" into a job whose group 0 runs "shrink": at
+    the quorum where they meet, the group that takes the other's state (or, meeting at one step, both)
+    stops with a one-line config error naming the key, exit status 2, instead of training along; a group
+    that did not fail finishes alone."""
+    port = free_port()
+    hold, logs = tmp_path / "hold", [tmp_path / "group0.log", tmp_path / "group1.log"]
+    lighthouse = start_lighthouse(port, tmp_path / "lighthouse.log")
+    procs = [lighthouse]
+    short = {"train.steps": 10, "checkpoint.save_final": "false"}
+    try:
+        hold.touch()  # (group 0 waits at its first step until group 1 asks for a quorum)
+        procs.append(start_group(corpus, tmp_path / "group0", 0, port, hold, logs[0], **short))
+        procs.append(start_group(corpus, tmp_path / "group1", 1, port, tmp_path / "no-hold", logs[1],
+                                 **short, **{"fault_tolerance.batch_policy": "keep"}))
+        wait_for(lambda: logs[1].is_file() and "Start quorum" in logs[1].read_text(), procs, "group 1's quorum")
+        hold.unlink()
+        codes = [p.wait(timeout=120) for p in procs[1:]]
+    finally:
+        for p in procs:
+            kill(p)
+    assert 2 in codes and set(codes) <= {0, 2}, codes
+    for code, log in zip(codes, logs):
+        if code == 2:
+            errors = [line for line in log.read_text().splitlines() if "error" in line.lower()]
+            assert len(errors) == 1 and errors[0].startswith("config error: fault tolerance: this replica group has "
+                                                              "fault_tolerance.batch_policy = "), errors
+
+
+def test_groups_of_other_layouts_are_refused_naming_the_key(corpus, tmp_path):  # noqa: F811
+    """The layout check's two paths in process: a healing group compares the sender's `group_layout`
+    with its own before loading anything (`PeerState`), and the groups of a new quorum compare theirs
+    in one MAX all-reduce (`FaultTolerance.check_layout`, here against a stand-in Manager): another
+    fault_tolerance.batch_policy, or another parallel.dp_shard (a sender's layout as a 2-rank FSDP2
+    group would send it), is a one-line error naming the key; the same layout passes."""
+    from lmforge.config import load_config, parse_cli_overrides
+    from lmforge.train.fault_tolerance import FaultTolerance, PeerState, group_layout, layout_vector
+    from lmforge.train.trainer import Trainer
+
+    trainers = []
+    for g, policy in enumerate(["shrink", "keep"]):
+        argv = overrides(corpus, tmp_path / f"group{g}", **{**RUN, "fault_tolerance.replica_id": g,
+                                                            "fault_tolerance.batch_policy": policy})
+        trainers.append(Trainer(load_config("tiny", parse_cli_overrides(argv))))
+        trainers[-1].setup()
+    shrink, keep = trainers
+
+    class Quorum:  # what check_layout asks of torchft's Manager: the other group's numbers, all-reduced MAX
+        _quorum_id, _pg = 7, type("PG", (), {"_global_ranks": [0, 1]})
+
+        def __init__(self, other: torch.Tensor):
+            self.other = other
+
+        def num_participants(self):
+            return 2
+
+        def allreduce(self, t, reduce_op):
+            torch.maximum(t, self.other, out=t)
+            return type("Done", (), {"wait": lambda self: None})()
+
+        def errored(self):
+            return None
+
+    try:
+        sent = PeerState(shrink).state_dict()
+        with pytest.raises(ConfigError) as e:
+            PeerState(keep).load_state_dict(sent)
+        assert str(e.value).startswith("fault tolerance: this replica group has fault_tolerance.batch_policy = "
+                                       "'keep', but the live group it receives its state from has 'shrink'")
+        assert str(e.value).endswith("start this group with fault_tolerance.batch_policy = 'shrink'.")
+        sent["layout"] = {**sent["layout"], "parallel.dp_shard": 2}
+        with pytest.raises(ConfigError, match=r"has parallel.dp_shard = 1, but the live group .* has 2.*start this "
+                                              r"group with parallel.dp_shard = 2\.$") as e2:
+            PeerState(shrink).load_state_dict(sent)
+        ft = FaultTolerance()
+        ft.manager = Quorum(layout_vector(group_layout(shrink)))
+        ft.check_layout(shrink)  # (the same layout: nothing to say)
+        ft.checked_quorum = None
+        with pytest.raises(ConfigError, match=r"has fault_tolerance.batch_policy = 'keep', but the groups of its "
+                                              r"quorum \[0, 1\] have another value") as e3:
+            ft.check_layout(keep)
+        assert all("\n" not in str(x.value) for x in (e, e2, e3))
+    finally:
+        for t in trainers:
+            t.close()
 
 
 def test_a_state_sent_before_the_first_step_leaves_both_optimizers_fresh(corpus, tmp_path):  # noqa: F811

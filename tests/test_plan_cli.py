@@ -253,3 +253,7 @@ def test_cross_group_traffic_of_a_fault_tolerant_job(capsys):
     assert plan_main(argv + ["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["cross_group"]["sync_every"] == 25 and report["cross_group"]["groups"] == 2
+    # FSDP2 over 8 ranks inside each group: a rank averages its shards, 1/8 of the parameters, every step
+    sharded = argv[:10] + ["--set", "parallel.dp_shard=8", "--json"]
+    assert plan_main(sharded) == 0
+    assert json.loads(capsys.readouterr().out)["cross_group"]["per_step_bytes"] == pytest.approx(4.305e9 / 8, rel=1e-3)

@@ -285,15 +285,17 @@ def linear_attention_notes(model) -> list[str]:
 
 def _cross_group(cfg, precision: str, cluster):
     """The cross-group traffic of a fault-tolerant job's ranks (fault_tolerance.enabled with replica_groups
-    > 1: lmforge.plan.cross_group), at the cluster's inter-node bandwidth; else None."""
-    f = cfg.fault_tolerance
+    > 1: lmforge.plan.cross_group), at the cluster's inter-node bandwidth; else None. Each rank averages
+    its own part of the parameters: 1 / (dp_shard under FSDP2 x tp x pp) of them."""
+    f, p = cfg.fault_tolerance, cfg.parallel
     if not (f.enabled and f.replica_groups > 1):
         return None
     from lmforge.plan.cross_group import cross_group_traffic
     from lmforge.plan.params import total_params
 
-    return cross_group_traffic(total_params(cfg.model), 2 if precision == "bf16-pure" else 4, f.replica_groups,
-                               f.diloco_sync_every, f.diloco_fragments, cluster.device.inter_node_gbps)
+    parts = (p.dp_shard if p.fsdp else 1) * p.tp * p.pp
+    return cross_group_traffic(total_params(cfg.model) // parts, 2 if precision == "bf16-pure" else 4,
+                               f.replica_groups, f.diloco_sync_every, f.diloco_fragments, cluster.device.inter_node_gbps)
 
 
 def plan_main(argv: list[str]) -> int:

@@ -397,16 +397,28 @@ def check_linear_attention(cfg: "Config") -> None:
 
 def check_fault_tolerance(cfg: "Config") -> None:
     """fault_tolerance.enabled: what a replica group may be (lmforge.train.fault_tolerance averages
-    each rank's whole gradients with the same rank of the other groups: one process or DDP ranks)."""
+    each rank's part of the gradients, its local shards, with the same rank of the other groups: one
+    process, DDP, FSDP2, TP or PP ranks, every group alike)."""
     f, p = cfg.fault_tolerance, cfg.parallel
     if not f.enabled:
         return
     if p.async_sgd:
         raise ConfigError("fault_tolerance.enabled with parallel.async_sgd = true: the parameter server has its own "
                           "loop; use one of them.")
-    if p.fsdp or p.tp > 1 or p.pp > 1 or p.cp > 1 or p.ep > 1:
-        raise ConfigError("fault_tolerance.enabled: a replica group is one process or DDP ranks (parallel.zero_stage "
-                          "= 0, tp = pp = cp = ep = 1); sharded layouts inside a group are not supported yet.")
+    if p.cp > 1 or p.ep > 1:
+        key = "parallel.cp" if p.cp > 1 else "parallel.ep"
+        raise ConfigError(f"fault_tolerance.enabled with {key} > 1: context and expert parallelism inside a replica "
+                          f"group are not tested with fault tolerance yet; set {key} = 1 (DDP, FSDP2, TP and PP are).")
+    sharded = p.fsdp or p.tp > 1 or p.pp > 1
+    if f.diloco_sync_every and sharded:
+        raise ConfigError("fault_tolerance.diloco_sync_every with a sharded layout in the group (FSDP2: dp_shard > 1 "
+                          "or zero_stage 2/3, tp or pp > 1): DiLoCo's state (the weights at the last sync, the outer "
+                          "momentum) is checkpointed as whole parameters, not as this rank's shards; use DDP ranks "
+                          "in each group, or diloco_sync_every = 0.")
+    if f.batch_policy == "keep" and p.pp > 1:
+        raise ConfigError("fault_tolerance.batch_policy = 'keep' with parallel.pp > 1: a pipeline schedule runs a "
+                          "fixed number of micro-batches per step, and 'keep' trains a missing group's micro-batches "
+                          "as a pass of another count; use batch_policy = 'shrink'.")
     if cfg.guard.enabled:
         raise ConfigError("fault_tolerance.enabled needs guard.enabled = false: the guard judges each group's own "
                           "loss, so one group could skip an update another makes and the replicas would diverge.")

@@ -6,7 +6,8 @@ Per-step averaging all-reduces each rank's whole gradient over the G groups ever
 elements, once per H steps; streaming DiLoCo (`diloco_fragments` = F) 1/F of them every H / F steps.
 A ring all-reduce sends and receives 2 (G - 1) / G of the buffer per rank. The elements are the
 parameter's dtype: fp32 master weights (and gradients) under autocast and fp32, bf16 in bf16-pure
-runs. A replica group is one process or DDP ranks, so each rank holds the whole model.
+runs. The parameters are each rank's own: the whole model in one process or DDP ranks, its shards
+under FSDP2, TP or PP inside the group (the same rank of each group holds the same part).
 """
 
 from __future__ import annotations

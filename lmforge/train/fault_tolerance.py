@@ -1,12 +1,15 @@
 """Live fault tolerance across replica groups, on torchft (`fault_tolerance.*`; `pip install "lmforge[ft]"`).
 
 A fault-tolerant job is several *replica groups*: each one an ordinary `lmforge train` (one process,
-or a torchrun of DDP ranks: the group's own layout averages its ranks' gradients as usual), the
-groups being the job's outer data-parallel dimension (HSDP's dp_replicate). Instead of one process
-group over the whole job, the groups meet through torchft: a lighthouse (`torchft_lighthouse`, or
-`lmforge launch --lighthouse`) forms a *quorum* of the live groups every step, and each rank averages
-its gradients with the same rank of the other groups over a process group that torchft rebuilds
-whenever the quorum changes (torchft's managed ProcessGroupGloo / ProcessGroupNCCL). So:
+or a torchrun of any of the layouts: DDP, FSDP2, TP, PP, the group's own layout averaging its ranks'
+gradients as usual), the groups being the job's outer data-parallel dimension (HSDP's dp_replicate).
+Instead of one process group over the whole job, the groups meet through torchft: a lighthouse
+(`torchft_lighthouse`, or `lmforge launch --lighthouse`) forms a *quorum* of the live groups every
+step, and each rank averages its gradients with the same rank of the other groups over a process
+group that torchft rebuilds whenever the quorum changes (torchft's managed ProcessGroupGloo /
+ProcessGroupNCCL). Every group has the same layout, so rank i of each holds the same part of the
+model (its FSDP2 shards, TP shards, pipeline stages): what a rank averages and what it sends a
+healing group are its local parts (a DTensor's local shard), never a whole parameter. So:
 
 * a group that dies costs the others one failed attempt at the step they are in: the all-reduce
   fails, the step is retried at once with a new quorum of the live groups and the same local
@@ -17,7 +20,13 @@ whenever the quorum changes (torchft's managed ProcessGroupGloo / ProcessGroupNC
 * a group started again (same fault_tolerance.replica_id, same command) joins the next quorum and,
   being behind, receives the weights, the optimizer state and the loop's position (step, tokens,
   data position, LR schedule, loss scale) from a live group through torchft's checkpoint transport
-  (HTTP), then steps with the others from that step on;
+  (HTTP; each rank its own shards, from the same rank of the live group: `PeerState`), then steps
+  with the others from that step on;
+* the groups must agree on their layout and on what a step trains (`group_layout`: the parallel.*
+  keys that decide a rank's part, the process count, the model, fault_tolerance.batch_policy ...):
+  a group healing from another compares the sender's with its own before loading anything, and the
+  groups of every new quorum compare theirs in one small all-reduce before their first gradients
+  (`FaultTolerance.check_layout`); a difference stops the run with a one-line error naming the key;
 * every step's quorum (which groups trained it, which data shares each trained, how many sequences
   that was, and how many attempts it took) is a record of the group's step log (metrics.jsonl:
   `{"event": "ft_quorum", "step", "replica_groups", "shares", "sequences", ...}`).
@@ -69,6 +78,9 @@ resumes them exactly.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -78,6 +90,7 @@ import torch
 from torch import nn
 
 from lmforge.ckpt.state import local_optimizer
+from lmforge.config import ConfigError
 from lmforge.train.events import Handler
 
 log = logging.getLogger("lmforge.ft")
@@ -142,8 +155,60 @@ class GradientPart:
 
 
 def step_grads(trainer) -> list[torch.Tensor]:
-    """The gradients the step accumulated (re-read after each pass: a backward may replace them)."""
-    return [p.grad for p in trainer.layout.params() if p.grad is not None]
+    """This rank's part of the gradients the step accumulated (re-read after each pass: a backward may
+    replace them): a sharded layout's DTensor gradient as its local shard (a view: writing it writes the
+    gradient), which rank i of every group holds alike."""
+    return [local_shard(p.grad) for p in trainer.layout.params() if p.grad is not None]
+
+
+def local_shard(t):
+    """A DTensor's local shard (a view of it); anything else as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# what decides the part of the model a rank holds (with the process count and the model): the same in every group
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "zero_stage", "sequence_parallel", "pp_schedule",
+               "pp_virtual_stages")
+PROCESSES = "processes per group"
+PARAMETERS = "trainable parameter elements on this rank"
+
+
+def group_layout(trainer) -> dict[str, int | str]:
+    """What every replica group of a job must share, by the key that sets it: the layout (so that rank i
+    of each group holds the same part of the same model, and the gradients it averages and the state it
+    sends line up), and how the groups split and train a step. Values are ints or strings (the model
+    section: a digest of it); the last entry, this rank's trainable elements, catches what the keys
+    miss (LoRA, frozen parameters)."""
+    cfg, f = trainer.cfg, trainer.cfg.fault_tolerance
+    model = json.dumps(dataclasses.asdict(cfg.model), sort_keys=True, default=str)
+    out: dict[str, int | str] = {PROCESSES: trainer.dist.world_size}
+    out.update({f"parallel.{k}": getattr(cfg.parallel, k) for k in LAYOUT_KEYS})
+    out.update({"fault_tolerance.batch_policy": f.batch_policy, "fault_tolerance.replica_groups": f.replica_groups,
+                "train.global_batch_size": cfg.train.global_batch_size,
+                "model.*": hashlib.sha256(model.encode()).hexdigest()[:12]})
+    out[PARAMETERS] = sum(local_shard(p).numel() for p in trainer.layout.params() if p.requires_grad)
+    return {k: int(v) if isinstance(v, bool) else v for k, v in out.items()}
+
+
+def layout_error(key: str, mine, theirs: str, want=None) -> ConfigError:
+    """The one-line error of groups that differ in `key` (`group_layout`): `theirs` says who differs,
+    `want` (if known) is the value this group should have had."""
+    fix = {PROCESSES: "launch every group with the same torchrun --nnodes x --nproc-per-node",
+           "model.*": "give every group the same model.* settings",
+           PARAMETERS: "give every group the same model.*, finetune.* and parallel.* settings"}.get(
+        key, f"start every group with the same {key}" if want is None else f"start this group with {key} = {want!r}")
+    shown = "" if key == "model.*" else f" = {mine!r}"
+    return ConfigError(f"fault tolerance: this replica group has {key}{shown}, but {theirs}: every group of a job "
+                       f"needs the same layout and batch policy; {fix}.")
+
+
+def layout_vector(layout: dict[str, int | str]) -> torch.Tensor:
+    """`group_layout` as float64 numbers, exact (strings as 48-bit digests), then negated: one MAX
+    all-reduce of it gives every entry's largest and smallest value over the groups."""
+    values = [v if isinstance(v, int) else int(hashlib.sha256(v.encode()).hexdigest()[:12], 16)
+              for v in layout.values()]
+    t = torch.tensor(values, dtype=torch.float64)
+    return torch.cat([t, -t])
 
 
 class MissingShares:
@@ -211,7 +276,10 @@ def load_torchft():
 
 class PeerState:
     """What a rejoining group receives from a live one: the same parts a checkpoint holds
-    (lmforge.train.trainer `states`) but the per-process RNG, which stays each process's own."""
+    (lmforge.train.trainer `states`) but the per-process RNG, which stays each process's own. Each
+    rank sends and receives its own part: sharded tensors (FSDP2, TP: DTensors) travel as their local
+    shards, and the receiver puts each back on its own mesh as its own state places it (the same
+    shard, both groups having the same layout, which the sender's `group_layout` shows first)."""
 
     PARTS = ("train", "model", "loader", "scheduler", "scaler")
 
@@ -221,21 +289,50 @@ class PeerState:
     def state_dict(self) -> dict:
         optimizer = local_optimizer(self.trainer.optimizer)
         fresh = not optimizer.state  # (no step taken yet: a group asked for its state at the job's start)
-        sd = {name: self.trainer.states[name].state_dict() for name in self.PARTS}
+        sd = {name: local_shards(self.trainer.states[name].state_dict()) for name in self.PARTS}
         if fresh:
             # torch's get_optimizer_state_dict gives a fresh optimizer its state by stepping it once at lr 0,
             # which Adam counts as its first step (its bias correction): undone here, and the receiver
             # starts fresh too, so that both take their first step as a run without fault tolerance does
             optimizer.state.clear()
-        return {**sd, "fresh_optimizer": fresh}
+        return {**sd, "fresh_optimizer": fresh, "layout": group_layout(self.trainer)}
 
     def load_state_dict(self, sd: dict) -> None:
+        mine, theirs = group_layout(self.trainer), sd["layout"]
+        for key, value in mine.items():
+            if theirs.get(key) != value:
+                other = "another model" if key == "model.*" else f"{theirs.get(key)!r}"
+                raise layout_error(key, value, f"the live group it receives its state from has {other}", theirs.get(key))
         for name in self.PARTS:
-            self.trainer.states[name].load_state_dict(sd[name])
+            state = self.trainer.states[name]
+            state.load_state_dict(as_placed(sd[name], state.state_dict()))
         if sd.get("fresh_optimizer"):
             local_optimizer(self.trainer.optimizer).state.clear()
         log.info("fault tolerance: weights, optimizer and position received from a live group (step %d)",
                  self.trainer.state.step)
+
+
+def local_shards(tree):
+    """A state dict with each DTensor replaced by this rank's shard of it (a plain tensor: what travels)."""
+    if isinstance(tree, dict):
+        return {k: local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [local_shards(v) for v in tree]
+    return local_shard(tree)
+
+
+def as_placed(received, template):
+    """`received` (`local_shards` of a peer's state) with each tensor that `template` (this rank's own
+    state of the same part) holds as a DTensor made one again, on this rank's mesh, placements and
+    global shape: what the part's load_state_dict takes."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(template, DTensor) and isinstance(received, torch.Tensor):
+        return DTensor.from_local(received.to(template.device), template.device_mesh, template.placements,
+                                  run_check=False, shape=template.shape, stride=template.stride())
+    if isinstance(template, dict) and isinstance(received, dict):
+        return {k: as_placed(v, template[k]) if k in template else v for k, v in received.items()}
+    return received
 
 
 def diloco_fragments(model: nn.Module, n: int) -> list[nn.Module]:
@@ -331,6 +428,7 @@ class FaultTolerance(Handler):
         self.outer_steps = 0
         self.missing = MissingShares()  # (batch_policy "keep")
         self.plan: dict[int, dict[int, list[int]]] = {}  # the committed step's `share_plan`
+        self.checked_quorum: int | None = None  # the last quorum whose groups compared their layouts
 
     def states(self, trainer) -> dict:
         f = trainer.cfg.fault_tolerance
@@ -388,8 +486,40 @@ class FaultTolerance(Handler):
         self.manager.load_state_dict({"step": trainer.state.step, "batches_committed": 0})
         # a quorum of the live groups; a group behind the others is healed here (torchft's checkpoint
         # transport; `PeerState`)
-        self.manager.start_quorum()
+        self.start_quorum(trainer)
         self.held_quorum = True
+
+    def start_quorum(self, trainer) -> None:
+        """A quorum for the step (a new one after a failed attempt), its groups' layouts compared if new."""
+        self.manager.start_quorum()
+        self.check_layout(trainer)
+
+    def check_layout(self, trainer) -> None:
+        """The groups of a quorum not seen before compare their `group_layout`s (one MAX all-reduce of
+        a few numbers, before any gradient: groups of another layout would average gradients that do
+        not line up, or hang on buffers of other sizes); a difference is a one-line error in every
+        group of the quorum. A group that heals compared the sender's already (`PeerState`). Every group
+        of a quorum sees it for the first time at the same attempt, so all of them all-reduce, or none;
+        an all-reduce that fails (a peer died) leaves the verdict to the next quorum's check."""
+        quorum = self.manager._quorum_id
+        if quorum == self.checked_quorum:
+            return
+        self.checked_quorum = quorum
+        if self.manager.num_participants() < 2:
+            return
+        from torch.distributed import ReduceOp
+
+        mine = group_layout(trainer)
+        seen = layout_vector(mine).to(trainer.device)
+        self.manager.allreduce(seen, reduce_op=ReduceOp.MAX).wait()
+        if self.manager.errored():
+            return
+        n = len(mine)
+        for (key, value), high, low in zip(mine.items(), seen[:n].tolist(), (-seen[n:]).tolist()):
+            if high != low:
+                others = "another model" if key == "model.*" else \
+                    f"values from {low:.0f} to {high:.0f}" if isinstance(value, int) else "another value"
+                raise layout_error(key, value, f"the groups of its quorum {self.replica_groups(trainer)} have {others}")
 
     # ---- per step ------------------------------------------------------------------------------
 
@@ -400,7 +530,7 @@ class FaultTolerance(Handler):
         if self.held_quorum:
             self.held_quorum = False
         else:
-            self.manager.start_quorum()
+            self.start_quorum(trainer)
         if trainer.cfg.fault_tolerance.batch_policy == "keep":  # (after the quorum: it may have healed the loader)
             self.missing.begin_step(trainer)
 
@@ -432,7 +562,7 @@ class FaultTolerance(Handler):
             self.attempts += 1
             log.warning("fault tolerance: step %d not committed by quorum %s; retrying with a new quorum",
                         trainer.state.step + 1, self.manager._quorum_id)
-            self.manager.start_quorum()
+            self.start_quorum(trainer)
         self.plan = plan
         loss.copy_(totals[1] / totals[0].clamp(min=1))
         grads = step_grads(trainer)
