@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from lmforge.config import Config, ConfigError
+from tests import warm_start
 from tests.test_ckpt_fault import assert_bitwise, final_weights, kill_launch
 from tests.test_parallel_dp import DOCS, corpus, docs_corpus, free_port, grad_norms, losses, overrides  # noqa: F401 - fixture reuse
 
@@ -56,12 +57,14 @@ def start_lighthouse(port: int, log: Path, **options) -> subprocess.Popen:
 
 
 def start_group(corpus: Path, out: Path, replica: int, port: int, hold: Path, log: Path,  # noqa: F811
-                nproc: int = 1, **more) -> subprocess.Popen:
-    """Replica group `replica`: one process, or with `nproc` a torchrun of that many ranks."""
+                nproc: int = 1, warm: bool = False, **more) -> subprocess.Popen:
+    """Replica group `replica`: one process, or with `nproc` a torchrun of that many ranks; `warm`: started
+    as forks of the test process's warm server (tests/warm_start.py), for the groups no test kills."""
     extra = {**RUN, "fault_tolerance.replica_id": replica, "fault_tolerance.lighthouse": f"http://localhost:{port}",
              **more}
     torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(free_port())]
-    return subprocess.Popen([sys.executable, *(torchrun if nproc > 1 else []), DRIVER, str(STEP_S), str(hold)]
+    python = warm_start.shared().interpreter() if warm else [sys.executable]
+    return subprocess.Popen([*python, *(torchrun if nproc > 1 else []), DRIVER, str(STEP_S), str(hold)]
                             + overrides(corpus, out, **extra), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -194,7 +197,7 @@ def one_process(docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("one-process")
     one = {**RUN, **KEEP, "fault_tolerance.enabled": "false", "fault_tolerance.replica_groups": 1,
            "fault_tolerance.batch_policy": "shrink", "train.global_batch_size": 16}
-    proc = subprocess.run([sys.executable, "-m", "lmforge", "train"] + overrides(docs_corpus, out, **one),
+    proc = subprocess.run([*warm_start.shared().interpreter(), "-m", "lmforge", "train"] + overrides(docs_corpus, out, **one),
                           capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
@@ -296,7 +299,7 @@ def test_tp_and_pp_groups_match_one_process(docs_corpus, one_process, tmp_path, 
     try:
         for g, out in enumerate(outs):
             procs.append(start_group(docs_corpus, out, g, port, tmp_path / "no-hold", tmp_path / f"group{g}.log",
-                                     nproc=2, **run))
+                                     nproc=2, warm=True, **run))
         for g, proc in enumerate(procs[1:]):
             assert proc.wait(timeout=180) == 0, (tmp_path / f"group{g}.log").read_text()[-3000:]
     finally:
@@ -481,7 +484,8 @@ def test_diloco_and_streaming_diloco_match_the_updates_written_out(corpus, tmp_p
         for g, out in enumerate(outs):
             extra = {**DILOCO, "fault_tolerance.replica_id": g, "fault_tolerance.diloco_fragments": fragments,
                      "fault_tolerance.lighthouse": f"http://localhost:{port}"}
-            procs.append(subprocess.Popen([sys.executable, "-m", "lmforge", "train"] + overrides(corpus, out, **extra),
+            procs.append(subprocess.Popen([*warm_start.shared().interpreter(), "-m", "lmforge", "train"]
+                                          + overrides(corpus, out, **extra),
                                           stdout=open(tmp_path / f"group{g}.log", "ab"), stderr=subprocess.STDOUT,
                                           start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
         for g, proc in enumerate(procs[1:]):
@@ -530,8 +534,8 @@ def test_a_group_of_another_batch_policy_fails_with_one_line(corpus, tmp_path): 
     short = {"train.steps": 10, "checkpoint.save_final": "false"}
     try:
         hold.touch()  # (group 0 waits at its first step until group 1 asks for a quorum)
-        procs.append(start_group(corpus, tmp_path / "group0", 0, port, hold, logs[0], **short))
-        procs.append(start_group(corpus, tmp_path / "group1", 1, port, tmp_path / "no-hold", logs[1],
+        procs.append(start_group(corpus, tmp_path / "group0", 0, port, hold, logs[0], warm=True, **short))
+        procs.append(start_group(corpus, tmp_path / "group1", 1, port, tmp_path / "no-hold", logs[1], warm=True,
                                  **short, **{"fault_tolerance.batch_policy": "keep"}))
         wait_for(lambda: logs[1].is_file() and "Start quorum" in logs[1].read_text(), procs, "group 1's quorum")
         hold.unlink()
