@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import fake_slurm
+from tests import fake_slurm, warm_start
 from tests.test_parallel_dp import TINY, corpus, free_port  # noqa: F401  (module-scoped corpus fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +26,7 @@ def test_slurm_train_script_trains_the_layout_on_its_command_line(corpus, tmp_pa
     env = {**fake_slurm.install(tmp_path / "bin"), "CONFIG": "tiny", "GPUS_PER_NODE": "2", "OMP_NUM_THREADS": "1",
            "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
     env["PATH"] = f"{env['PATH']}:{Path(sys.executable).parent}"  # python (torchrun) of this environment
+    env = warm_start.shared().env(env)  # `torchrun` and its workers warm (tests/warm_start.py: nothing signalled here)
     proc = subprocess.run(["sbatch", str(ROOT / "examples" / "slurm_train.sh"),
                            *[a for k, v in args.items() for a in (f"--{k}", str(v))]],
                           cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True,
