@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lmforge.scale.fit import fit_law, fit_record, objective
+from lmforge.scale.fit import _bfgs, _law, best_grid_points, fit_law, fit_record, objective
 from lmforge.spec.scaling_law import Fit, Law
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +79,44 @@ def test_the_objective_gradient_is_the_derivative_of_the_objective():
         step[0, i] = 1e-7
         numeric = (objective(theta + step, *data)[0] - objective(theta - step, *data)[0]) / 2e-7
         assert math.isclose(grad[0, i], numeric[0], rel_tol=1e-4, abs_tol=1e-6), (i, grad, numeric)
+
+
+def _resamples(data: tuple[np.ndarray, ...], count: int) -> list[tuple[np.ndarray, ...]]:
+    rng = np.random.default_rng(1)
+    return [tuple(x[idx] for x in data) for idx in (rng.integers(0, data[0].size, data[0].size) for _ in range(count))]
+
+
+def test_each_row_of_a_batch_is_its_own_problem():
+    """fit_law minimises all starts of all bootstrap resamples as one batch: each row ends where it ends
+    when minimised alone."""
+    n, d, loss = isoflop_points(PUBLISHED["hoffmann2022"])
+    data = (np.log(n), np.log(d), np.log(loss))
+    starts = best_grid_points(data, 3)
+    samples = _resamples(data, 4)
+    batch_f, batch_x = _bfgs(np.tile(starts, (len(samples), 1)),
+                             tuple(np.repeat(np.stack(col), len(starts), axis=0) for col in zip(*samples)))
+    for i, sample in enumerate(samples):
+        alone_f, alone_x = _bfgs(starts, tuple(x[None] for x in sample))
+        np.testing.assert_allclose(batch_f[3 * i:3 * i + 3], alone_f, rtol=1e-12)
+        np.testing.assert_allclose(batch_x[3 * i:3 * i + 3], alone_x, rtol=1e-12, atol=1e-12)
+
+
+def test_the_batched_bfgs_finds_the_minimum_scipys_lbfgsb_finds():
+    """The fit ran scipy's L-BFGS-B from each start until the batched BFGS replaced it: on the published
+    law's points and on resamples of them, the best minimum of the same starts predicts the same losses."""
+    minimize = pytest.importorskip("scipy.optimize").minimize
+    n, d, loss = isoflop_points(PUBLISHED["epoch2024"])
+    data = (np.log(n), np.log(d), np.log(loss))
+    starts = best_grid_points(data, 8)
+    for sample in [data, *_resamples(data, 3)]:
+        values, thetas = _bfgs(starts, tuple(x[None] for x in sample))
+        ours = thetas[np.argmin(values)]
+        runs = [minimize(lambda x: tuple(v[0] for v in objective(x[None], *sample)), x0, jac=True, method="L-BFGS-B",
+                         options={"maxiter": 5000, "maxcor": 20, "ftol": 1e-15, "gtol": 1e-12}) for x0 in starts]
+        theirs = min(runs, key=lambda r: r.fun)
+        assert values.min() <= theirs.fun * (1 + 1e-9)
+        for size, tokens in ((1e7, 1e9), (1e9, 2e10), (1e11, 1e13)):
+            assert _law(ours).loss(size, tokens) == pytest.approx(_law(theirs.x).loss(size, tokens), rel=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

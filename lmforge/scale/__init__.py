@@ -1,6 +1,6 @@
 """Scaling laws from lmforge's own runs (`lmforge scale`, whose command line is lmforge/cli/scale.py).
 
-  fit   fit_law: Hoffmann et al.'s approach 3 (Huber on log L, L-BFGS from a grid) + bootstrap (numpy, scipy)
+  fit   fit_law: Hoffmann et al.'s approach 3 (Huber on log L, BFGS from a grid) + bootstrap, batched (numpy)
   grid  isoflop_grid: models of a preset's family at compute budgets, as listed sweep trials
   runs  (N, D, L) of finished run folders
   plot  the IsoFLOP plot of a fit
