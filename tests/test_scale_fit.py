@@ -203,3 +203,8 @@ def test_scale_fit_refuses_too_few_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lmforge", "scale", "fit", "r0", "r1"], cwd=tmp_path, text=True,
                           capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert proc.returncode == 2 and "2 runs cannot determine" in proc.stderr, proc.stderr
+    # no resamples, no intervals: refused up front (it failed with an IndexError after the fit)
+    proc = subprocess.run([sys.executable, "-m", "lmforge", "scale", "fit", "r0", "r1", "--bootstrap", "0"],
+                          cwd=tmp_path, text=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=120)
+    assert proc.returncode == 2 and "--bootstrap 0 must be an integer >= 2" in proc.stderr, proc.stderr

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from lmforge.config import ConfigError, parse_cli_overrides
-from lmforge.cli.options import OptionParser, count, float_in, positive_int, seed
+from lmforge.cli.options import OptionParser, float_in, int_in, positive_int, seed
 
 SPEC_FILE = "isoflop.toml"  # the sweep spec `lmforge scale sweep` writes into its sweep folder
 
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="fit L(N, D) to finished runs; write FIT.json")
     f.add_argument("runs", nargs="+", help="run folders, or sweep folders (their trials)")
     f.add_argument("--out", type=Path, default=Path("FIT.json"), help="the fit's file (default FIT.json)")
-    f.add_argument("--bootstrap", type=count, default=200, help="bootstrap resamples for the intervals (default 200; 0 = none)")
+    f.add_argument("--bootstrap", type=int_in(2, note="the intervals FIT.json and lmforge plan --loss report are "
+                                                    "percentiles over the resamples"), default=200,
+                   help="bootstrap resamples for the intervals (default 200; at least 2)")
     f.add_argument("--level", type=float_in(0, 1, lo_open=True, hi_open=True), default=0.95, help="interval level (default 0.95)")
     f.add_argument("--budgets", default=None,
                    help="budgets (FLOPs) for the compute-optimal table (default: the runs' 6ND, grouped)")
