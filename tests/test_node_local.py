@@ -36,15 +36,19 @@ ARGS = ["--parallel.dp_shard", "2", "--model.n_layers", "2", "--model.dim", "64"
         "--train.out_dir", "$NODE_DIR/run"]
 
 
-def launch(root: Path, node: int, port: int, extra: list[str], warm: bool = True) -> subprocess.Popen:
+def launch(root: Path, node: int, port: int, extra: list[str], warm: bool = True, first: int = 0) -> subprocess.Popen:
     """One node's torchrun; `warm`: its agent and worker start as forks of the test process's warm server
     (tests/warm_start.py), which the launches that end on their own use; the one this test SIGKILLs runs
-    on plain interpreters (a signal to a warm shim's group would not reach the fork)."""
+    on plain interpreters (a signal to a warm shim's group would not reach the fork). The c10d rendezvous
+    numbers the nodes in the order of their (address, agent pid), not by --node-rank: each node gets a
+    loopback address of its own (127.0.0.1 for node `first`, which is rank 0, 127.0.0.2 for the other),
+    so which node holds rank 0 is the test's choice, not the pids'."""
     env = {**os.environ, "NODE_DIR": str(root / f"n{node}"), "LMFORGE_CACHE": str(root / f"n{node}" / "cache"),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     python = warm_start.shared().interpreter() if warm else [sys.executable]
     cmd = [*python, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
            "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodelocal",
+           "--local-addr", f"127.0.0.{1 if node == first else 2}",
            "-m", "lmforge", "train", *ARGS, *extra]
     log = root / f"n{node}-{time.time_ns()}.log"
     with open(log, "w") as fh:
@@ -53,11 +57,11 @@ def launch(root: Path, node: int, port: int, extra: list[str], warm: bool = True
     return proc
 
 
-def both(root: Path, extra: list[str], timeout: float = 400) -> list[tuple[str, int]]:
-    """Both nodes' launches to the end; one that outlasts `timeout` stops both and fails the test with
-    each node's log (its ranks' output), never a bare TimeoutExpired."""
+def both(root: Path, extra: list[str], timeout: float = 400, first: int = 0) -> list[tuple[str, int]]:
+    """Both nodes' launches to the end (node `first` rank 0); one that outlasts `timeout` stops both and fails
+    the test with each node's log (its ranks' output), never a bare TimeoutExpired."""
     port = free_port()
-    procs = [launch(root, n, port, extra) for n in (0, 1)]
+    procs = [launch(root, n, port, extra, first=first) for n in (0, 1)]
     start = time.time()
     try:
         for p in procs:
@@ -71,9 +75,7 @@ def both(root: Path, extra: list[str], timeout: float = 400) -> list[tuple[str, 
 
 
 def rank_of(log: str) -> int:
-    """The global rank a node's one worker had: the c10d rendezvous numbers the nodes in the order they
-    arrive, not by --node-rank, so node 1 is rank 0 when it comes first. Rank 0 alone prints the
-    job's `distributed:` line."""
+    """The global rank a node's one worker had (rank 0 alone prints the job's `distributed:` line)."""
     return 0 if "distributed: 2 ranks" in log else 1
 
 
@@ -116,17 +118,19 @@ def test_node_local_disks_checkpoint_through_s3_and_resume(tmp_path, s3_server, 
     for p in procs:  # the workers (the agent's children) first: killing the agent alone leaves them running
         kill_launch(p)
     ranks = [rank_of(p.log.read_text()) for p in procs]
-    assert sorted(ranks) == [0, 1], ranks
+    assert ranks == [0, 1], ranks
     for n in (0, 1):  # each node kept only its own shards, and prepared its own data
         assert own_shards_only(tmp_path, n, ranks[n]), (n, ranks)
         assert (tmp_path / f"n{n}" / "cache" / "datasets").is_dir()
 
     # 3. a new job resumes on both nodes from the backup (each fetches the other's shard) and finishes
-    # (the nodes may swap ranks: each then restores the other rank's shard, as on a new allocation)
-    logs = both(tmp_path, s3 + ["--train.steps", "40"])
+    # with the nodes' ranks swapped, as a new allocation may number them: node 1's rank 0 restores node 0's
+    # shard, and continues the run under the id node 1's copy of the run folder recorded (before, it made a
+    # new id there, and the backup was "another run's")
+    logs = both(tmp_path, s3 + ["--train.steps", "40"], first=1)
     assert all(rc == 0 for _, rc in logs), "".join(log[-3000:] for log, _ in logs)
     ranks = [rank_of(log) for log, _ in logs]
-    assert sorted(ranks) == [0, 1], ranks
+    assert ranks == [1, 0], ranks
     lead = ranks.index(0)  # the node of rank 0, which prints the resume and writes the summary
     resumed = re.search(r"resumed from \S+step_(\d{8}): step (\d+)", logs[lead][0])
     assert resumed and 4 <= int(resumed.group(2)) < 40, logs[lead][0][-3000:]

@@ -256,8 +256,8 @@ class RunRecords:
     its metrics (metrics.jsonl + TensorBoard / W&B, rank 0), with the events logged before the folder
     was open kept until it is (`log_event`). `step()`: the trainer's step, stamped on each event."""
 
-    def __init__(self, out_dir: Path, rank0: bool, step):
-        self.out_dir, self.rank0, self.step = out_dir, rank0, step
+    def __init__(self, out_dir: Path, rank0: bool, step, node_leader: bool = False):
+        self.out_dir, self.rank0, self.step, self.node_leader = out_dir, rank0, step, node_leader
         self.lock = RunLock(out_dir)
         self.metrics = None  # opened once the run really starts (events before that wait in `early`)
         self.early: list[dict] = []
@@ -294,6 +294,12 @@ class RunRecords:
                 write_run_record(self.out_dir, run_id)
             with atomic_path(self.out_dir / TOKENIZER) as tmp:
                 shutil.copyfile(tokenizer_path, tmp)
+        elif self.node_leader and read_run_id(self.out_dir) != run_id:
+            # run folders on node-local disks: every node's copy records the run's id, so that a restart whose
+            # rendezvous puts rank 0 on another node (c10d numbers the nodes by arrival) continues this run and
+            # its S3 backup instead of starting a new id there (on a shared folder: the same record, again)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            write_run_record(self.out_dir, run_id)
         self.metrics = MetricsWriter(self.out_dir / METRICS, make_sinks(
             self.out_dir, t.tensorboard and self.rank0, t.wandb and self.rank0, cfg.to_dict(), self.out_dir.name),
             enabled=self.rank0)

@@ -117,7 +117,7 @@ class Trainer:
             chosen = run_folder(cfg)
             self.out_dir = chosen.with_name(self.rank0_decides(chosen.name))
         check_out_dir(self.out_dir)
-        self.run = RunRecords(self.out_dir, is_rank0(), lambda: self.state.step)
+        self.run = RunRecords(self.out_dir, is_rank0(), lambda: self.state.step, node_leader=self.dist.local_rank == 0)
         self.run.hold(self.rank0_decides)
         seed_everything(t.seed)
 
