@@ -1,14 +1,18 @@
 """Model families on a device: two-layer Llama-3.1 (RoPE scaling), Qwen2.5 (q/k/v biases) and Qwen3
-(QK-norm) shapes train N steps and validate with the chunked loss at a vocabulary of 8192, which is
-checked against the plain loss over the same validation batches.
+(QK-norm) shapes, and the 2026 families (issue 57): Qwen3-Next's hybrid (four layers: three Gated DeltaNet,
+one gated full attention with partial RoPE), Gemma 3 (sandwich norms, scaled embeddings, a sliding and a
+global layer) and OLMo 3 (norms after attention and MLP, a sliding and a full layer) train N steps and
+validate with the chunked loss at a vocabulary of 8192, which is checked against the plain loss over the
+same validation batches.
 
     python benchmarks/family_shapes.py --device cuda --precision bf16 [--steps 20] [--json out.json]
     python benchmarks/family_shapes.py --device cpu --precision fp32 --steps 4 --small    # CPU smoke
     python benchmarks/family_shapes.py --prepare-only   # prepare the data it trains on (into LMFORGE_CACHE)
 
-Each family is its preset (llama3.1-8b, qwen2.5-7b, qwen3-8b) with its own options kept and the size
-cut: 2 layers, width 256, 4 query heads over 2 key/value heads, MLP 512, vocabulary 8192 (a byte-level
-BPE of that size trained on the default corpus). They train with the real `Trainer` (compile off),
+Each family is its preset (llama3.1-8b, qwen2.5-7b, qwen3-8b, tiny-hybrid, gemma3-1b, olmo3-7b) with its own
+options kept and the size cut: 2 layers (the hybrid 4: its 3:1 pattern), width 256, 4 query heads over 2
+key/value heads, MLP 512, vocabulary 8192 (a byte-level BPE of that size trained on the default corpus);
+the sliding layers' window is 32 tokens, so it masks at every sequence length the script uses. They train with the real `Trainer` (compile off),
 20 steps by default, with `train.loss_chunk = auto` (4096-token chunks at this vocabulary on CUDA, so a
 16 x 512-token micro-batch is two chunks). A family passes when the option it stands for is in the
 built model, the validation loss fell, and the chunked validation loss (the trainer's own) equals the
@@ -54,14 +58,36 @@ def has_qk_norm(trainer: Trainer) -> bool:
     return any("q_norm" in n for n, _ in trainer.model.named_parameters())
 
 
-FAMILIES = {  # name -> (preset, the option it stands for, how to see it in the built model)
-    "llama3.1": ("llama3.1-8b", "RoPE scaling (llama3)", has_rope_scaling),
-    "qwen2.5": ("qwen2.5-7b", "q/k/v biases", has_qkv_bias),
-    "qwen3": ("qwen3-8b", "QK-norm", has_qk_norm),
+def has_deltanet_and_gate(trainer: Trainer) -> bool:
+    from lmforge.model.gated_deltanet import GatedDeltaNet
+
+    m = trainer.cfg.model
+    return any(isinstance(mod, GatedDeltaNet) for mod in trainer.model.modules()) and m.attn_gate and m.rope_fraction < 1
+
+
+def has_sandwich_norms_and_sliding(trainer: Trainer) -> bool:
+    m = trainer.cfg.model
+    return m.norm_placement == "sandwich" and m.embed_scale and "sliding_attention" in m.layer_types
+
+
+def has_post_norms_and_sliding(trainer: Trainer) -> bool:
+    m = trainer.cfg.model
+    return m.norm_placement == "post" and m.qk_norm and "sliding_attention" in m.layer_types
+
+
+LOCAL_GLOBAL = {"model.layer_types": ["sliding_attention", "full_attention"], "model.sliding_window": 32}
+FAMILIES = {  # name -> (preset, the option it stands for, how to see it in the built model, the family's own cut)
+    "llama3.1": ("llama3.1-8b", "RoPE scaling (llama3)", has_rope_scaling, {}),
+    "qwen2.5": ("qwen2.5-7b", "q/k/v biases", has_qkv_bias, {}),
+    "qwen3": ("qwen3-8b", "QK-norm", has_qk_norm, {}),
+    "qwen3-next": ("tiny-hybrid", "Gated DeltaNet + gated attention", has_deltanet_and_gate, {"model.n_layers": 4}),
+    "gemma3": ("gemma3-1b", "sandwich norms, local/global", has_sandwich_norms_and_sliding,
+               {**LOCAL_GLOBAL, "model.attn_head_dim": 64}),
+    "olmo3": ("olmo3-7b", "post-norms, local/global", has_post_norms_and_sliding, LOCAL_GLOBAL),
 }
 
 
-def overrides(args: argparse.Namespace) -> dict:
+def overrides(args: argparse.Namespace, own: dict | None = None) -> dict:
     run = {"train.steps": args.steps, "train.device": args.device, "train.precision": args.precision,
            "train.compile": False, "train.loss_chunk": "auto", "train.eval_every": 0, "train.sample_tokens": 0,
            "train.log_every": max(args.steps // 4, 1), "train.plot": False, "train.progress": "none",
@@ -72,12 +98,12 @@ def overrides(args: argparse.Namespace) -> dict:
     if args.small:  # (the CPU smoke: 4 x 64-token micro-batches; 128-token chunks, so still two a micro-batch)
         run.update({"data.seq_len": 64, "train.micro_batch_size": 4, "train.global_batch_size": 8,
                     "train.eval_sequences": 8, "train.loss_chunk": 128})
-    return {**DATA, **SHAPE, **run}
+    return {**DATA, **SHAPE, **(own or {}), **run}
 
 
 def one_family(name: str, args: argparse.Namespace, out: Path) -> dict:
-    preset, option, present = FAMILIES[name]
-    trainer = Trainer(load_config(preset, overrides(args)), out_dir=out)
+    preset, option, present, own = FAMILIES[name]
+    trainer = Trainer(load_config(preset, overrides(args, own)), out_dir=out)
     result = trainer.fit()
     chunk = trainer.layout.loss_chunk(trainer.precision)
     plain = trainer.validation.evaluate(trainer.layout.inference_model(), trainer.precision.autocast, trainer.device,
@@ -118,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [one_family(name.strip(), args, root / name.strip()) for name in args.families.split(",") if name.strip()]
     shutil.rmtree(root, ignore_errors=True)
     for r in rows:
-        print(f"{r['family']:<9} {r['option']:<22} {r['params']:>11,} params; val loss {r['initial_val_loss']:.3f} -> "
+        print(f"{r['family']:<10} {r['option']:<32} {r['params']:>11,} params; val loss {r['initial_val_loss']:.3f} -> "
               f"{r['val_loss']:.3f} (chunk {r['loss_chunk']}; plain {r['plain_val_loss']:.4f}, |diff| "
               f"{r['chunked_vs_plain']:.1e}); {r['tokens_per_second']:,.0f} tok/s; "
               + ("ok" if r["ok"] else "FAILED: " + "; ".join(r["problems"])))

@@ -142,9 +142,11 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
     assert re.search(r"tiny, [\d,.]+ MB a save, every save validated; async \(cached\): blocks [\d.]+ s, "
                      r"validated [\d.]+ s; sync", rows["ckpt-save"][1]), rows["ckpt-save"]
     assert "8 straight steps == 4 + resume + 4, fp32: bit-identical" in rows["ckpt-resume"][1]
-    for family in ("llama3.1 (RoPE scaling (llama3))", "qwen2.5 (q/k/v biases)", "qwen3 (QK-norm)"):
+    for family in ("llama3.1 (RoPE scaling (llama3))", "qwen2.5 (q/k/v biases)", "qwen3 (QK-norm)",
+                   "qwen3-next (Gated DeltaNet + gated attention)", "gemma3 (sandwich norms, local/global)",
+                   "olmo3 (post-norms, local/global)"):
         assert family + ": val " in rows["families"][1], rows["families"]
-    assert rows["families"][1].count("chunk 128 vs plain: abs diff") == 3
+    assert rows["families"][1].count("chunk 128 vs plain: abs diff") == 6
     assert not (home / ".cache" / "lmforge").exists()  # the corpus came from --cache
     profile = (out / "throughput-quick-profile.md").read_text()  # where the step's time goes
     assert "# profile: 2 steps" in profile and "aten::mm" in profile

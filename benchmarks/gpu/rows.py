@@ -78,11 +78,14 @@ ROWS: tuple[RowSpec, ...] = (
             "ms + one profiled step)", 240,
             "MoE in bf16: grouped_mm forced on vs padded vs the per-expert loop (moe_grouped_gemm.py --device "
             "--dtype), and the path model.moe.grouped_mm = auto takes in training, with tokens/s"),
-    RowSpec("families", "families", 20,
-            f"{START_S} s start + 3 x (setup ~2 s + 20 steps of a 2-layer model + two validations) of ~5 s", 240,
+    # (the 2026 families joined this row after its GPU run: `--rows families` runs them on the next GPU,
+    # outside the default plan, which fills its 8 minutes)
+    RowSpec("families", "families", 35,
+            f"{START_S} s start + 6 x (setup ~2 s + 20 steps of a 2-4-layer model + two validations) of ~5 s", 240,
             "benchmarks/family_shapes.py: 2-layer Llama-3.1 (RoPE scaling), Qwen2.5 (q/k/v bias), Qwen3 "
-            "(QK-norm), 20 steps in bf16, validated with the chunked loss at vocab 8192 against the plain one",
-            default=False),
+            "(QK-norm), Qwen3-Next's hybrid (4 layers: Gated DeltaNet's chunked PyTorch form, gated attention), "
+            "Gemma 3 and OLMo 3 (local/global), 20 steps in bf16, validated with the chunked loss at vocab 8192 "
+            "against the plain one", default=False),
     throughput("fp8-1b", "llama-1b", LLAMA_1B + ("train.fp8=true",), 55,
                "as llama-1b (55 s measured: the same model, build and per-block compile), without its profile; "
                "torchao's float8 linears compile with the blocks", limit_s=420, required=False,

@@ -382,7 +382,8 @@ class Suite:
                         f"kernel: {', '.join(r['nondeterministic_ops']) or 'none reported'}")
 
     def step_families(self, spec: RowSpec, row: Row) -> None:
-        """Llama-3.1 / Qwen2.5 / Qwen3 shapes, 20 steps, chunked validation at vocab 8192 (family_shapes.py)."""
+        """Llama-3.1 / Qwen2.5 / Qwen3 / Qwen3-Next / Gemma 3 / OLMo 3 shapes, 20 steps, chunked validation at vocab
+        8192 (family_shapes.py)."""
         how = (["--device", "cuda", "--precision", "bf16", "--steps", "20"] if self.cuda else
                ["--device", "cpu", "--precision", "fp32", "--steps", "4", "--small"])
         proc, res = self.script_json(row, "family_shapes.py", how)
