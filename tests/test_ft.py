@@ -509,6 +509,36 @@ def test_diloco_and_streaming_diloco_match_the_updates_written_out(corpus, tmp_p
         assert [r["fragment"] for r in syncs] == [i % fragments for i in range(len(syncs))], syncs
 
 
+@pytest.mark.slow
+def test_diloco_survives_a_killed_group_and_heals_it_at_the_next_sync(corpus, tmp_path):  # noqa: F811
+    """DiLoCo (a sync every 2 steps) through `kill_one_and_start_it_again`: the survivor keeps taking inner
+    steps and syncs alone (committed) while group 1 is dead, without a restart; group 1, started again
+    from nothing, is healed at its first sync (the weights, the outer state and the loop's position) and
+    both sync together from there to the end, finishing with the same weights, bit for bit."""
+    port = free_port()
+    a_out, b_out, again = tmp_path / "group0", tmp_path / "group1", tmp_path / "group1-again.log"
+    procs = [start_lighthouse(port, tmp_path / "lighthouse.log")]
+    try:
+        first_leg = kill_one_and_start_it_again(corpus, tmp_path, port, procs, alone=5,
+                                                **{"fault_tolerance.diloco_sync_every": 2})
+    finally:
+        for p in procs:
+            kill(p)
+    syncs = [r for r in records(a_out) if r.get("event") == "ft_quorum"]
+    # the survivor: a sync record every 2 steps from its first to the last, in one leg (no restart)
+    assert [r["step"] for r in syncs] == list(range(syncs[0]["step"], STEPS + 1, 2)), syncs
+    alone = [r["step"] for r in syncs if r["replica_groups"] == [0] and r["committed"]]
+    assert len(alone) >= 2, syncs  # (it synced alone while group 1 was dead)
+    assert syncs[-1]["replica_groups"] == [0, 1] and syncs[-1]["committed"], syncs[-1]
+    # group 1's second leg: healed from the survivor, then on to the end with it
+    second = [r for r in records(b_out) if r.get("event") == "ft_quorum"][first_leg:]
+    assert "received from a live group" in again.read_text()
+    # (healed at its first sync, step 2 of its own, to the survivor's step: its syncs are the survivor's from there)
+    assert second[0]["step"] > 2 and [r["step"] for r in second] == list(range(second[0]["step"], STEPS + 1, 2)), second
+    assert all(r["replica_groups"] == [0, 1] and r["committed"] for r in second), second
+    assert_bitwise(final_weights(a_out), final_weights(b_out))
+
+
 class _Manager:
     """What torchft's DiLoCo asks of its Manager before any sync (no lighthouse, no process group)."""
     _use_async_quorum = False

@@ -77,7 +77,8 @@ et al. 2025) cuts the model into F fragments of consecutive blocks and syncs one
 in turn, so each sync moves 1/F of the weights (`diloco_fragments`). Both are torchft's
 `torchft.local_sgd.DiLoCo` (its optimizer hooks drive the quorum and the sync): the quorum is formed
 at each sync instead of each step, a sync that fails (a group died) is dropped with the inner steps
-it would have merged, and a group started again is healed at the next sync. The weights at the last
+it would have merged, and a group started again is healed at its first sync (inside that step's
+optimizer step: the loop goes on from the step it received, not its own). The weights at the last
 sync and the outer momentum are part of the run's checkpoint (`DiLoCoState`), so a whole-job restart
 resumes them exactly.
 """

@@ -300,10 +300,10 @@ class Trainer:
             data_s = time.perf_counter() - steps.step_t0
             lr = schedule_lr(self.optimizer)  # (without a μP group's multiplier)
             loss, grad_norm = self.train_step(batches)
-            st.step, st.tokens_seen = step, st.tokens_seen + steps.step_tokens.trained
+            st.step, st.tokens_seen = st.step + 1, st.tokens_seen + steps.step_tokens.trained
+            step = st.step  # (a step that healed this process from a live group's state goes on at its step)
             events.emit("update_end", self, step)
-            steps.add(step, loss, grad_norm, lr, st.tokens_seen, steps.step_tokens.here, data_s,
-                      dict(self.layout.moe_stats))
+            steps.add(step, loss, grad_norm, lr, st.tokens_seen, steps.step_tokens.here, data_s, dict(self.layout.moe_stats))
             due = StepEvents.at(cfg, step)
             if self.guard is not None and due.syncs:
                 self.guard.book()
