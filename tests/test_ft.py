@@ -206,13 +206,18 @@ def one_process(docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
 def assert_steps_match(outs: list[Path], reference: Path) -> None:
     """The groups' runs `outs` logged, between them, every step of `reference`, each with its loss and
     gradient norm (the quorum's; a step twice: the later folder's) within fp32 rounding (the sums add
-    in another order; measured <= 5e-7 relative, FSDP2 and TP groups included)."""
+    in another order; measured <= 5e-7 relative, FSDP2 and TP groups included), and its tokens seen
+    exactly (the whole global batch's, once a step, whichever groups trained it: every group's
+    record of a step, a restarted group's too, which received the count)."""
     steps = {r["step"]: r for out in outs for r in records(out) if "loss" in r and "val_loss" not in r}
     want_loss, want_norm = losses(reference), grad_norms(reference)
+    want_tokens = {r["step"]: r["tokens"] for r in records(reference) if "loss" in r and "val_loss" not in r}
     assert sorted(steps) == sorted(want_loss) == list(range(1, KEEP["train.steps"] + 1))
     for s, r in sorted(steps.items()):
         assert r["loss"] == pytest.approx(want_loss[s], rel=2e-6, abs=0), (s, r, want_loss)
         assert r["grad_norm"] == pytest.approx(want_norm[s], rel=5e-6, abs=0), (s, r, want_norm)
+    assert all(r["tokens"] == want_tokens[r["step"]] for out in outs for r in records(out)
+               if "loss" in r and "val_loss" not in r), want_tokens
 
 
 @pytest.mark.slow
@@ -504,6 +509,36 @@ def test_diloco_and_streaming_diloco_match_the_updates_written_out(corpus, tmp_p
         assert [r["fragment"] for r in syncs] == [i % fragments for i in range(len(syncs))], syncs
 
 
+@pytest.mark.slow
+def test_diloco_survives_a_killed_group_and_heals_it_at_the_next_sync(corpus, tmp_path):  # noqa: F811
+    """DiLoCo (a sync every 2 steps) through `kill_one_and_start_it_again`: the survivor keeps taking inner
+    steps and syncs alone (committed) while group 1 is dead, without a restart; group 1, started again
+    from nothing, is healed at its first sync (the weights, the outer state and the loop's position) and
+    both sync together from there to the end, finishing with the same weights, bit for bit."""
+    port = free_port()
+    a_out, b_out, again = tmp_path / "group0", tmp_path / "group1", tmp_path / "group1-again.log"
+    procs = [start_lighthouse(port, tmp_path / "lighthouse.log")]
+    try:
+        first_leg = kill_one_and_start_it_again(corpus, tmp_path, port, procs, alone=5,
+                                                **{"fault_tolerance.diloco_sync_every": 2})
+    finally:
+        for p in procs:
+            kill(p)
+    syncs = [r for r in records(a_out) if r.get("event") == "ft_quorum"]
+    # the survivor: a sync record every 2 steps from its first to the last, in one leg (no restart)
+    assert [r["step"] for r in syncs] == list(range(syncs[0]["step"], STEPS + 1, 2)), syncs
+    alone = [r["step"] for r in syncs if r["replica_groups"] == [0] and r["committed"]]
+    assert len(alone) >= 2, syncs  # (it synced alone while group 1 was dead)
+    assert syncs[-1]["replica_groups"] == [0, 1] and syncs[-1]["committed"], syncs[-1]
+    # group 1's second leg: healed from the survivor, then on to the end with it
+    second = [r for r in records(b_out) if r.get("event") == "ft_quorum"][first_leg:]
+    assert "received from a live group" in again.read_text()
+    # (healed at its first sync, step 2 of its own, to the survivor's step: its syncs are the survivor's from there)
+    assert second[0]["step"] > 2 and [r["step"] for r in second] == list(range(second[0]["step"], STEPS + 1, 2)), second
+    assert all(r["replica_groups"] == [0, 1] and r["committed"] for r in second), second
+    assert_bitwise(final_weights(a_out), final_weights(b_out))
+
+
 class _Manager:
     """What torchft's DiLoCo asks of its Manager before any sync (no lighthouse, no process group)."""
     _use_async_quorum = False
@@ -606,6 +641,74 @@ def test_groups_of_other_layouts_are_refused_naming_the_key(corpus, tmp_path):  
         assert all("\n" not in str(x.value) for x in (e, e2, e3))
     finally:
         for t in trainers:
+            t.close()
+
+
+class _Alone:
+    """torchft's Manager as a quorum of group 0 alone sees it (its all-reduces leave the tensors as they are)."""
+    _quorum_id, _pg = 1, type("PG", (), {"_global_ranks": [0]})
+
+    def start_quorum(self):
+        pass
+
+    def num_participants(self):
+        return 1
+
+    def allreduce(self, t, reduce_op):
+        return type("Done", (), {"wait": lambda self: None})()
+
+    def should_commit(self):
+        return True
+
+    def shutdown(self, wait):
+        pass
+
+
+def test_keep_counts_what_a_group_trains_for_a_dead_one_in_tokens_and_moe_statistics(corpus, tmp_path):  # noqa: F811
+    """batch_policy "keep", in process: group 0 of 2 alone in its quorum (a stand-in Manager) trains both
+    shares of each step, a Mixture-of-Experts model with the auxiliary-loss-free bias update, against one
+    process training the 16-sequence batch itself. The step counts 16 sequences' tokens (tokens_seen and
+    this group's tokens/s); its MoE statistics are those of both shares (the expert loads, the micro-batches)
+    and its bias update is one, of both shares' load, with the missing share routed by the step's biases:
+    the expert biases stay bit-identical to the one process's, and so the losses to fp32 rounding."""
+    from lmforge.config import load_config, parse_cli_overrides
+    from lmforge.model.moe import moe_layers
+    from lmforge.train.fault_tolerance import FaultTolerance
+    from lmforge.train.step_log import StepTokens
+    from lmforge.train.trainer import Trainer
+
+    moe = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.router": "sigmoid",
+           "model.moe.aux_loss_coef": 0, "model.moe.bias_update_rate": 0.05}
+    runs = {"group": {**RUN, **moe, "fault_tolerance.replica_id": 0, "fault_tolerance.batch_policy": "keep"},
+            "one": {**RUN, **moe, "fault_tolerance.enabled": "false", "fault_tolerance.replica_groups": 1,
+                    "train.global_batch_size": 16}}
+    trainers = {}
+    try:
+        for name, extra in runs.items():
+            trainers[name] = Trainer(load_config("tiny", parse_cli_overrides(overrides(corpus, tmp_path / name, **extra))))
+            trainers[name].setup()
+        group, one = trainers["group"], trainers["one"]
+        ft = next(h for h in group.handlers.handlers if isinstance(h, FaultTolerance))
+        ft.manager = _Alone()
+        tokens, moved = 16 * one.cfg.data.seq_len, False
+        for step in (1, 2):
+            ft.step_begin(group, step)
+            group.steplog.step_tokens = StepTokens(8 * one.cfg.data.seq_len, 8 * one.cfg.data.seq_len)  # (the loop's)
+            got = float(group.train_step(group.next_micro_batches())[0])
+            want = float(one.train_step(one.next_micro_batches())[0])
+            assert got == pytest.approx(want, rel=2e-6, abs=0), (step, got, want)
+            assert group.steplog.step_tokens == StepTokens(tokens, tokens)
+            stats, ref = group.layout.moe_stats, one.layout.moe_stats
+            assert sorted(stats) == sorted(ref) and ref
+            for i in ref:
+                assert torch.equal(stats[i].tokens_per_expert, ref[i].tokens_per_expert), (step, i)
+                assert stats[i].tokens == ref[i].tokens == tokens and stats[i].micro_batches == ref[i].micro_batches
+            for (i, a), (_, b) in zip(moe_layers(group.layout.model).items(), moe_layers(one.layout.model).items()):
+                assert torch.equal(a.expert_bias, b.expert_bias), (step, i, a.expert_bias, b.expert_bias)
+                moved |= bool(a.expert_bias.any())
+        assert moved  # (the biases did move: the update is one of both shares' load, not of none)
+    finally:
+        for t in trainers.values():
             t.close()
 
 

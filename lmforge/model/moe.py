@@ -511,10 +511,17 @@ class MoE(nn.Module):
         """The step's statistics (and reset), after applying the auxiliary-loss-free bias update
         (model.moe.bias_update_rate): the same on every rank, from the global counts."""
         s, self.stats = self.stats, None
-        if s is not None and self.cfg.bias_update_rate:
-            load = s.acc[:-5].to(torch.float32)
-            self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        if s is not None:
+            self.update_bias(s)
         return s
+
+    @torch.no_grad()
+    def update_bias(self, stats: MoEStats) -> None:
+        """The auxiliary-loss-free bias update of a step's statistics `stats` (nothing unless
+        model.moe.bias_update_rate)."""
+        if self.cfg.bias_update_rate:
+            load = stats.acc[:-5].to(torch.float32)
+            self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
 
 
 def is_moe(module: nn.Module) -> bool:

@@ -29,7 +29,14 @@ healing group are its local parts (a DTensor's local shard), never a whole param
   (`FaultTolerance.check_layout`); a difference stops the run with a one-line error naming the key;
 * every step's quorum (which groups trained it, which data shares each trained, how many sequences
   that was, and how many attempts it took) is a record of the group's step log (metrics.jsonl:
-  `{"event": "ft_quorum", "step", "replica_groups", "shares", "sequences", ...}`).
+  `{"event": "ft_quorum", "step", "replica_groups", "shares", "sequences", ...}`);
+* what a step trained is counted as the quorum trained it (`FaultTolerance.book_step`), the same in
+  every group: the loop's tokens seen (every micro-batch of the step's `share_plan`, once: under
+  "keep" the whole global batch), and an MoE model's statistics (expert loads, aux / z losses, MTP
+  losses: the quorum's sums, in the step's one all-reduce of tokens and NLL), whose
+  auxiliary-loss-free bias update is one per step, of the quorum's load, from the biases the step
+  began with (so the groups' biases stay equal; under "keep" the missing shares are routed with those
+  biases too); this group's tokens/s and MFU count the micro-batches it trained itself.
 
 The steps, as the loop's events call them (lmforge.train.events; every rank of a group alike):
 
@@ -41,7 +48,7 @@ The steps, as the loop's events call them (lmforge.train.events; every rank of a
                   quorum weighed by each group's target tokens; then the commit vote: on a failure
                   (a peer died, a transfer timed out) the buffer is restored and the step retried
                   with a new quorum, so the optimizer only ever steps on gradients every live group
-                  agreed on
+                  agreed on; the committed step's tokens and statistics booked
     update_end    the step's quorum recorded
     close         the Manager shut down
 
@@ -70,7 +77,8 @@ et al. 2025) cuts the model into F fragments of consecutive blocks and syncs one
 in turn, so each sync moves 1/F of the weights (`diloco_fragments`). Both are torchft's
 `torchft.local_sgd.DiLoCo` (its optimizer hooks drive the quorum and the sync): the quorum is formed
 at each sync instead of each step, a sync that fails (a group died) is dropped with the inner steps
-it would have merged, and a group started again is healed at the next sync. The weights at the last
+it would have merged, and a group started again is healed at its first sync (inside that step's
+optimizer step: the loop goes on from the step it received, not its own). The weights at the last
 sync and the outer momentum are part of the run's checkpoint (`DiLoCoState`), so a whole-job restart
 resumes them exactly.
 """
@@ -91,7 +99,9 @@ from torch import nn
 
 from lmforge.ckpt.state import local_optimizer
 from lmforge.config import ConfigError
+from lmforge.model.moe import MoEStats, moe_layers
 from lmforge.train.events import Handler
+from lmforge.train.step_log import StepTokens
 
 log = logging.getLogger("lmforge.ft")
 
@@ -133,11 +143,14 @@ def share_plan(quorum: list[int], groups: int, micro_batches: int, keep: bool) -
 
 class GradientPart:
     """The flattened gradients of some of a step's micro-batches, normalised by their target tokens
-    (as the layout leaves them), with those tokens and their summed NLL (float64 tensors), and which
-    (share, micro-batch) units they are: parts of a step add up weighed by their tokens."""
+    (as the layout leaves them), with those tokens and their summed NLL (float64 tensors), which
+    (share, micro-batch) units they are, and the layout's statistics of their passes (`stats`: MoE
+    layers' `MoEStats` by block, MTP's under "mtp"; sums): parts of a step add up weighed by their
+    tokens, their statistics summed."""
 
-    def __init__(self, grad: torch.Tensor, targets: torch.Tensor, nll: torch.Tensor, units: frozenset = frozenset()):
-        self.grad, self.targets, self.nll, self.units = grad, targets, nll, units
+    def __init__(self, grad: torch.Tensor, targets: torch.Tensor, nll: torch.Tensor, units: frozenset = frozenset(),
+                 stats: dict | None = None):
+        self.grad, self.targets, self.nll, self.units, self.stats = grad, targets, nll, units, stats or {}
 
     @classmethod
     def of_last_pass(cls, trainer, loss: torch.Tensor, units: frozenset = frozenset()) -> "GradientPart":
@@ -145,13 +158,53 @@ class GradientPart:
         from torch._utils import _flatten_dense_tensors
 
         targets = trainer.layout.last_targets.to(torch.float64)
-        return cls(_flatten_dense_tensors(step_grads(trainer)), targets, loss.detach().to(torch.float64) * targets, units)
+        return cls(_flatten_dense_tensors(step_grads(trainer)), targets, loss.detach().to(torch.float64) * targets, units,
+                   dict(trainer.layout.moe_stats))
 
     def merged(self, other: "GradientPart") -> "GradientPart":
         targets = self.targets + other.targets
         total = targets.clamp(min=1)
         grad = self.grad * (self.targets / total).to(self.grad.dtype) + other.grad * (other.targets / total).to(self.grad.dtype)
-        return GradientPart(grad, targets, self.nll + other.nll, self.units | other.units)
+        return GradientPart(grad, targets, self.nll + other.nll, self.units | other.units,
+                            sum_stats(self.stats, other.stats))
+
+
+def sum_stats(a: dict, b: dict) -> dict:
+    """Two passes' layout statistics (`GradientPart.stats`) added up."""
+    out = {}
+    for k in [*a, *(k for k in b if k not in a)]:
+        x, y = a.get(k), b.get(k)
+        if x is None or y is None:
+            out[k] = x if y is None else y
+        elif isinstance(x, MoEStats):
+            out[k] = MoEStats(x.acc + y.acc, x.micro_batches + y.micro_batches)
+        else:
+            out[k] = x + y
+    return out
+
+
+def stats_vector(stats: dict) -> torch.Tensor:
+    """`GradientPart.stats` as one float64 vector (the keys in a fixed order, the same in every group
+    of one layout), to be summed over the quorum; `stats_from_vector` reads it back."""
+    parts = [(s.acc if isinstance(s, MoEStats) else s).reshape(-1).to(torch.float64) for _, s in sorted_stats(stats)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def sorted_stats(stats: dict) -> list:
+    return sorted(stats.items(), key=lambda kv: str(kv[0]))
+
+
+def stats_from_vector(stats: dict, summed: torch.Tensor, micro_batches: int) -> dict:
+    """`stats` (a template) with the quorum's sums `summed` (`stats_vector`) in place of its values; each
+    MoE layer's `micro_batches`: the quorum's (`micro_batches`, every rank of every group running one
+    pass per micro-batch it trains)."""
+    out, at = {}, 0
+    for k, s in sorted_stats(stats):
+        t = s.acc if isinstance(s, MoEStats) else s
+        value = summed[at:at + t.numel()].view(t.shape).to(t.dtype)
+        at += t.numel()
+        out[k] = MoEStats(value, micro_batches) if isinstance(s, MoEStats) else value
+    return out
 
 
 def step_grads(trainer) -> list[torch.Tensor]:
@@ -429,6 +482,7 @@ class FaultTolerance(Handler):
         self.missing = MissingShares()  # (batch_policy "keep")
         self.plan: dict[int, dict[int, list[int]]] = {}  # the committed step's `share_plan`
         self.checked_quorum: int | None = None  # the last quorum whose groups compared their layouts
+        self.expert_bias: dict[int, torch.Tensor] = {}  # MoE layers' selection biases at the step's start
 
     def states(self, trainer) -> dict:
         f = trainer.cfg.fault_tolerance
@@ -533,6 +587,10 @@ class FaultTolerance(Handler):
             self.start_quorum(trainer)
         if trainer.cfg.fault_tolerance.batch_policy == "keep":  # (after the quorum: it may have healed the loader)
             self.missing.begin_step(trainer)
+        # (after the quorum too: it may have healed the model) the MoE selection biases the step routes
+        # with: every pass of the step routes with them, and the step's update of them is the quorum's
+        self.expert_bias = {i: layer.expert_bias.clone() for i, layer in moe_layers(trainer.layout.model).items()
+                            if layer.cfg.bias_update_rate}
 
     def backward_end(self, trainer, loss) -> None:
         """The step's gradients averaged over the quorum, weighed by target tokens (the module's
@@ -550,9 +608,11 @@ class FaultTolerance(Handler):
             plan = share_plan(self.replica_groups(trainer), f.replica_groups, trainer.micro_batches_per_step(),
                               f.batch_policy == "keep")
             if f.batch_policy == "keep":
+                self.restore_expert_bias(trainer)  # (the missing shares route as their own group would have)
                 extra = self.missing.train(trainer, plan.get(me, {}), me, extra)
             mine = own if extra is None else own.merged(extra)
-            totals = torch.stack([mine.targets, mine.nll])  # the quorum's tokens and summed NLL, first
+            # the quorum's tokens and summed NLL, and its statistics of the layers (MoE, MTP), first
+            totals = torch.cat([torch.stack([mine.targets, mine.nll]), stats_vector(mine.stats).to(mine.targets.device)])
             self.manager.allreduce(totals, reduce_op=ReduceOp.SUM).wait()
             flat = mine.grad * (mine.targets / totals[0].clamp(min=1)).to(mine.grad.dtype)
             self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()  # (an error is recorded, not raised: the vote sees it)
@@ -568,6 +628,32 @@ class FaultTolerance(Handler):
         grads = step_grads(trainer)
         for g, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(averaged)
+        self.book_step(trainer, plan, mine.stats, totals[2:])
+
+    def restore_expert_bias(self, trainer) -> None:
+        """The MoE selection biases as the step began (a pass of the step updated them: `MoE.take_stats`)."""
+        layers = moe_layers(trainer.layout.model)
+        for i, bias in self.expert_bias.items():
+            layers[i].expert_bias.copy_(bias)
+
+    def book_step(self, trainer, plan: dict, stats: dict, summed: torch.Tensor) -> None:
+        """What the committed step trained, counted as the quorum trained it: its tokens (the loop's
+        tokens_seen: every micro-batch of the plan, in every group alike; this group's tokens/s: its
+        part of the plan), its layers' statistics (the quorum's sums, `summed`: what the step log
+        records) and the MoE bias update of them (from the step's biases: the same in every group, and
+        once a step however many passes this group ran)."""
+        per_unit = trainer.cfg.train.micro_batch_size * trainer.dist.dp_size * trainer.cfg.data.seq_len
+        units = {g: sum(stop - first for first, stop in shares.values()) for g, shares in plan.items()}
+        trainer.steplog.step_tokens = StepTokens(per_unit * sum(units.values()),
+                                         per_unit * units.get(trainer.cfg.fault_tolerance.replica_id, 0))
+        if not stats:
+            return
+        trainer.layout.moe_stats.clear()
+        trainer.layout.moe_stats.update(stats_from_vector(stats, summed, sum(units.values())))
+        self.restore_expert_bias(trainer)
+        layers = moe_layers(trainer.layout.model)
+        for i in self.expert_bias:
+            layers[i].update_bias(trainer.layout.moe_stats[i])
 
     def update_end(self, trainer, step: int) -> None:
         if self.manager is None:

@@ -18,6 +18,16 @@ from lmforge.train.stragglers import PhaseClock
 
 
 @dataclass(frozen=True)
+class StepTokens:
+    """The tokens one optimizer step trains: over the whole job (`trained`: what tokens_seen counts)
+    and on this process's ranks (`here`: what tokens/s and MFU count). The same number, but for a
+    replica group of a fault-tolerant job (lmforge.train.fault_tolerance: its quorum's shares)."""
+
+    trained: int
+    here: int
+
+
+@dataclass(frozen=True)
 class StepEvents:
     """What the loop does after step `step` by count (computed once per step, read by the loop and
     by the guard): a log line, an evaluation, a checkpoint by step count, the last step. At each of
@@ -51,6 +61,7 @@ class StepLog:
         self.timers = Timers()  # `with timers("checkpoint"):` around blocking saves -> ckpt_s
         self.phases = PhaseClock(device)  # each step's phases (lmforge.train.stragglers)
         self.step_t0: float | None = None  # when the loop's current step began (its data phase)
+        self.step_tokens: StepTokens | None = None  # what the loop's current step trains (a handler may say)
         self.pending: list[tuple] = []  # steps since the last log line: read (host sync) only when logging
         self.history: list[dict] = []
         self.progress: Progress | None = None

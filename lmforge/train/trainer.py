@@ -69,7 +69,7 @@ from lmforge.train.rank_health import RankHealth
 from lmforge.train.run_folder import RunRecords, check_out_dir, run_folder
 from lmforge.train.run_report import RunFacts, TrainResult
 from lmforge.train.state import ScalerState, SchedulerPosition, TrainState
-from lmforge.train.step_log import StepEvents, StepLog
+from lmforge.train.step_log import StepEvents, StepLog, StepTokens
 from lmforge.train.validation import Validation
 
 log = logging.getLogger("lmforge.train")
@@ -295,13 +295,15 @@ class Trainer:
             steps.step_t0 = time.perf_counter()
             events.emit("step_begin", self, step)
             step_tokens = self.global_batch_now() * cfg.data.seq_len
+            steps.step_tokens = StepTokens(step_tokens, step_tokens)  # (a handler may count otherwise: fault tolerance)
             batches = self.next_micro_batches()
             data_s = time.perf_counter() - steps.step_t0
             lr = schedule_lr(self.optimizer)  # (without a μP group's multiplier)
             loss, grad_norm = self.train_step(batches)
-            st.step, st.tokens_seen = step, st.tokens_seen + step_tokens
+            st.step, st.tokens_seen = st.step + 1, st.tokens_seen + steps.step_tokens.trained
+            step = st.step  # (a step that healed this process from a live group's state goes on at its step)
             events.emit("update_end", self, step)
-            steps.add(step, loss, grad_norm, lr, st.tokens_seen, step_tokens, data_s, dict(self.layout.moe_stats))
+            steps.add(step, loss, grad_norm, lr, st.tokens_seen, steps.step_tokens.here, data_s, dict(self.layout.moe_stats))
             due = StepEvents.at(cfg, step)
             if self.guard is not None and due.syncs:
                 self.guard.book()
