@@ -42,14 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config import ModelConfig
+from lmforge.model.sharded import local_part
 
 L2_EPS = 1e-6  # (as the flash-linear-attention kernels and transformers normalise q and k)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A parameter's local shard where tensor parallelism made it a DTensor (its gradient flows back to
-    the shard), else the parameter."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def l2_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +176,7 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, name: str, x: torch.Tensor, cache: DeltaNetCache | None) -> torch.Tensor:
         """Causal depthwise convolution + SiLU of x (batch, seq, channels): over the cache's last
         inputs, else zeros, before the first token; the cache keeps the new last inputs."""
-        weight = _local(getattr(self, name).weight)  # (channels here, 1, taps): this rank's channels under TP
+        weight = local_part(getattr(self, name).weight)  # (channels here, 1, taps): this rank's channels under TP
         x = x.transpose(1, 2)
         keep = weight.shape[-1] - 1
         before = cache.conv.get(name) if cache is not None else None
@@ -203,7 +198,7 @@ class GatedDeltaNet(nn.Module):
         if rep > 1:  # key head j serves value heads j rep .. (j + 1) rep - 1
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         beta = torch.sigmoid(self.in_b(x).float())
-        g = -_local(self.A_log).float().exp() * F.softplus(self.in_a(x).float() + _local(self.dt_bias).float())
+        g = -local_part(self.A_log).float().exp() * F.softplus(self.in_a(x).float() + local_part(self.dt_bias).float())
         state = cache.state if cache is not None else None
         if seq == 1 and cache is not None:  # one new token: the recurrence itself
             o, state = recurrent_delta_rule(q, k, v, g, beta, state)

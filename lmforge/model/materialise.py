@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lmforge.model.init import Index
+from lmforge.model.sharded import local_part
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
@@ -96,7 +97,7 @@ def materialise(module: nn.Module, device: torch.device | str, source: Source) -
         name = unwrapped_name(full_name)
         index = local_index(p)
         values = source(name, owner, name.rpartition(".")[0], own, tuple(p.shape), index, p.dtype)
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = local_part(p)
         assert tuple(values.shape) == tuple(local.shape), (name, tuple(values.shape), tuple(local.shape))
         local.copy_(values)
     for m in module.modules():

@@ -100,6 +100,7 @@ from torch import nn
 from lmforge.ckpt.state import local_optimizer
 from lmforge.config import ConfigError
 from lmforge.model.moe import MoEStats, moe_layers
+from lmforge.model.sharded import local_part
 from lmforge.train.events import Handler
 from lmforge.train.step_log import StepTokens
 
@@ -211,12 +212,7 @@ def step_grads(trainer) -> list[torch.Tensor]:
     """This rank's part of the gradients the step accumulated (re-read after each pass: a backward may
     replace them): a sharded layout's DTensor gradient as its local shard (a view: writing it writes the
     gradient), which rank i of every group holds alike."""
-    return [local_shard(p.grad) for p in trainer.layout.params() if p.grad is not None]
-
-
-def local_shard(t):
-    """A DTensor's local shard (a view of it); anything else as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return [local_part(p.grad) for p in trainer.layout.params() if p.grad is not None]
 
 
 # what decides the part of the model a rank holds (with the process count and the model): the same in every group
@@ -239,7 +235,7 @@ def group_layout(trainer) -> dict[str, int | str]:
     out.update({"fault_tolerance.batch_policy": f.batch_policy, "fault_tolerance.replica_groups": f.replica_groups,
                 "train.global_batch_size": cfg.train.global_batch_size,
                 "model.*": hashlib.sha256(model.encode()).hexdigest()[:12]})
-    out[PARAMETERS] = sum(local_shard(p).numel() for p in trainer.layout.params() if p.requires_grad)
+    out[PARAMETERS] = sum(local_part(p).numel() for p in trainer.layout.params() if p.requires_grad)
     return {k: int(v) if isinstance(v, bool) else v for k, v in out.items()}
 
 
@@ -371,7 +367,7 @@ def local_shards(tree):
         return {k: local_shards(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [local_shards(v) for v in tree]
-    return local_shard(tree)
+    return local_part(tree)
 
 
 def as_placed(received, template):

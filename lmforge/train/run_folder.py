@@ -296,8 +296,9 @@ class RunRecords:
                 shutil.copyfile(tokenizer_path, tmp)
         elif self.node_leader and read_run_id(self.out_dir) != run_id:
             # run folders on node-local disks: every node's copy records the run's id, so that a restart whose
-            # rendezvous puts rank 0 on another node (c10d numbers the nodes by arrival) continues this run and
-            # its S3 backup instead of starting a new id there (on a shared folder: the same record, again)
+            # rendezvous puts rank 0 on another node (c10d numbers the nodes by address, then agent pid, not by
+            # --node-rank) continues this run and its S3 backup instead of starting a new id there (on a shared
+            # folder: the same record, again)
             self.out_dir.mkdir(parents=True, exist_ok=True)
             write_run_record(self.out_dir, run_id)
         self.metrics = MetricsWriter(self.out_dir / METRICS, make_sinks(

@@ -22,12 +22,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from lmforge.model.sharded import local_part
+
 FAULT_ENV = "LMFORGE_VERIFY_FAULT"
 SKIPPED_SCALE = 4.0  # the toy's micro-batches per step at pp = 2 (2 x pp): the scale a stage would skip
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _row_parallel(m: nn.Module) -> bool:
@@ -40,7 +38,7 @@ def _row_parallel(m: nn.Module) -> bool:
 def tp_row_bias_twice(root: nn.Module) -> None:
     for m in root.modules():
         if isinstance(m, nn.Linear) and _row_parallel(m):
-            m.register_forward_hook(lambda mod, args, out: out + _local(mod.bias).to(out.dtype))
+            m.register_forward_hook(lambda mod, args, out: out + local_part(mod.bias).to(out.dtype))
 
 
 def pp_stage_grad_unscaled(root: nn.Module) -> None:
