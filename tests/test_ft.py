@@ -24,9 +24,8 @@ import pytest
 import torch
 
 from lmforge.config import Config, ConfigError
-from tests import warm_start
 from tests.test_ckpt_fault import assert_bitwise, final_weights, kill_launch
-from tests.test_parallel_dp import DOCS, corpus, docs_corpus, free_port, grad_norms, losses, overrides  # noqa: F401 - fixture reuse
+from tests.test_parallel_dp import DOCS, corpus, docs_corpus, free_port, grad_norms, launcher, losses, overrides  # noqa: F401 - fixture reuse
 
 pytest.importorskip("torchft")
 
@@ -62,9 +61,7 @@ def start_group(corpus: Path, out: Path, replica: int, port: int, hold: Path, lo
     as forks of the test process's warm server (tests/warm_start.py), for the groups no test kills."""
     extra = {**RUN, "fault_tolerance.replica_id": replica, "fault_tolerance.lighthouse": f"http://localhost:{port}",
              **more}
-    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(free_port())]
-    python = warm_start.shared().interpreter() if warm else [sys.executable]
-    return subprocess.Popen([*python, *(torchrun if nproc > 1 else []), DRIVER, str(STEP_S), str(hold)]
+    return subprocess.Popen(launcher(nproc, warm=warm) + [DRIVER, str(STEP_S), str(hold)]
                             + overrides(corpus, out, **extra), stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -197,7 +194,7 @@ def one_process(docs_corpus, tmp_path_factory) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("one-process")
     one = {**RUN, **KEEP, "fault_tolerance.enabled": "false", "fault_tolerance.replica_groups": 1,
            "fault_tolerance.batch_policy": "shrink", "train.global_batch_size": 16}
-    proc = subprocess.run([*warm_start.shared().interpreter(), "-m", "lmforge", "train"] + overrides(docs_corpus, out, **one),
+    proc = subprocess.run(launcher() + ["-m", "lmforge", "train"] + overrides(docs_corpus, out, **one),
                           capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
@@ -489,7 +486,7 @@ def test_diloco_and_streaming_diloco_match_the_updates_written_out(corpus, tmp_p
         for g, out in enumerate(outs):
             extra = {**DILOCO, "fault_tolerance.replica_id": g, "fault_tolerance.diloco_fragments": fragments,
                      "fault_tolerance.lighthouse": f"http://localhost:{port}"}
-            procs.append(subprocess.Popen([*warm_start.shared().interpreter(), "-m", "lmforge", "train"]
+            procs.append(subprocess.Popen(launcher() + ["-m", "lmforge", "train"]
                                           + overrides(corpus, out, **extra),
                                           stdout=open(tmp_path / f"group{g}.log", "ab"), stderr=subprocess.STDOUT,
                                           start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))

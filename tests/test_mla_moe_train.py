@@ -13,8 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from tests import warm_start
-from tests.test_parallel_dp import corpus, overrides  # noqa: F401  (module-scoped corpus fixture)
+from tests.test_parallel_dp import corpus, launcher, overrides  # noqa: F401  (module-scoped corpus fixture)
 
 SMALL = {"model.n_layers": 2, "model.mla.kv_lora_rank": 16, "model.mla.q_lora_rank": 24,
          "model.mla.qk_nope_head_dim": 8, "model.mla.qk_rope_head_dim": 8, "model.mla.v_head_dim": 8,
@@ -24,7 +23,7 @@ SMALL = {"model.n_layers": 2, "model.mla.kv_lora_rank": 16, "model.mla.q_lora_ra
 
 def train(data, out) -> subprocess.CompletedProcess:
     args = overrides(data, out, **SMALL)
-    return subprocess.run([*warm_start.shared().interpreter(), "-m", "lmforge", "train", "--config", "tiny-mla-moe", *args],
+    return subprocess.run(launcher() + ["-m", "lmforge", "train", "--config", "tiny-mla-moe", *args],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -17,16 +17,14 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests import warm_start
 from tests.test_ckpt_fault import kill_launch
 from tests.test_ckpt_s3 import bucket, s3_server  # noqa: F401  (fixtures)
-from tests.test_parallel_dp import free_port
+from tests.test_parallel_dp import free_port, launcher
 
 ARGS = ["--parallel.dp_shard", "2", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
         "--data.seq_len", "32", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
@@ -45,8 +43,7 @@ def launch(root: Path, node: int, port: int, extra: list[str], warm: bool = True
     so which node holds rank 0 is the test's choice, not the pids'."""
     env = {**os.environ, "NODE_DIR": str(root / f"n{node}"), "LMFORGE_CACHE": str(root / f"n{node}" / "cache"),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    python = warm_start.shared().interpreter() if warm else [sys.executable]
-    cmd = [*python, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+    cmd = [*launcher(warm=warm), "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
            "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodelocal",
            "--local-addr", f"127.0.0.{1 if node == first else 2}",
            "-m", "lmforge", "train", *ARGS, *extra]

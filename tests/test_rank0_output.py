@@ -7,13 +7,11 @@ from __future__ import annotations
 import collections
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests import warm_start
-from tests.test_parallel_dp import TINY, corpus, free_port  # noqa: F401 - fixture reuse
+from tests.test_parallel_dp import TINY, corpus, launcher  # noqa: F401 - fixture reuse
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_LINES = ("distributed:", "config:", "run folder:", "data:", "final:", "model:", "batch:", "precision:")
@@ -22,9 +20,7 @@ RUN_LINES = ("distributed:", "config:", "run folder:", "data:", "final:", "model
 def torchrun(args: list[str], cwd: Path, warm: bool = False) -> subprocess.CompletedProcess:
     """A 2-rank `lmforge train`; `warm` (tests/warm_start.py) where the run ends on its own: a failed launch
     runs on plain interpreters (lmforge.cli's wait for the sibling ranks walks the launcher's children)."""
-    python = warm_start.shared().interpreter() if warm else [sys.executable]
-    return subprocess.run([*python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), "-m", "lmforge", "train", *args], cwd=cwd, capture_output=True,
+    return subprocess.run(launcher(2, warm=warm) + ["-m", "lmforge", "train", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
