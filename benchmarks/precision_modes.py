@@ -45,8 +45,7 @@ def run(args: argparse.Namespace) -> dict:
     base = {**parse_sets(args.set), **BENCH_OVERRIDES}
     tmp = Path(tempfile.mkdtemp(prefix="lmf-precision-bench-"))
     cfg0 = load_config(args.preset, {**base, "train.precision": "fp32"})
-    data = synthetic_data(tmp / "data", cfg0.model.vocab_size, max(1 << 20, 4 * cfg0.tokens_per_step + 1),
-                          seed=cfg0.train.seed)
+    data = synthetic_data(tmp / "data", cfg0.model.vocab_size, cfg0.tokens_per_step, seed=cfg0.train.seed)
     trainers = {}
     for mode in modes:
         trainer = Trainer(load_config(args.preset, {**base, "train.precision": mode}), out_dir=tmp / mode, data=data)

@@ -104,14 +104,21 @@ def parse_sets(items: list[str]) -> dict:
     return out
 
 
-def synthetic_data(root: Path, vocab_size: int, n_tokens: int, seed: int = 0) -> PreparedData:
-    """Uniform random token shards (train + val) and a small byte-level BPE (eos id for the loader)."""
+def synthetic_tokens(vocab_size: int, tokens_per_step: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The benchmark's uniform random tokens, train and val: the same for a given vocabulary, step and
+    seed (the GPU suite's peer rows train on these too, benchmarks/gpu/peers.py)."""
+    rng = np.random.default_rng(seed)
+    n_tokens = max(1 << 20, 4 * tokens_per_step + 1)
+    return {split: rng.integers(0, vocab_size, n, dtype=np.int64)
+            for split, n in (("train", n_tokens), ("val", max(n_tokens // 50, 4096)))}
+
+
+def synthetic_data(root: Path, vocab_size: int, tokens_per_step: int, seed: int = 0) -> PreparedData:
+    """synthetic_tokens as token shards (train + val) and a small byte-level BPE (eos id for the loader)."""
     tok = train_bpe(["lmforge benchmark text " * 20], vocab_size=min(vocab_size, 300))
     tok.save(root / "tokenizer.json")
-    rng = np.random.default_rng(seed)
-    for split, n in (("train", n_tokens), ("val", max(n_tokens // 50, 4096))):
-        write_token_shards([rng.integers(0, vocab_size, n, dtype=np.int64)], root / split, 1 << 24,
-                           vocab_size, {"split": split, "synthetic": True})
+    for split, tokens in synthetic_tokens(vocab_size, tokens_per_step, seed).items():
+        write_token_shards([tokens], root / split, 1 << 24, vocab_size, {"split": split, "synthetic": True})
     return PreparedData(train_dir=root / "train", val_dir=root / "val", tokenizer_path=root / "tokenizer.json",
                         tokenizer=tok)
 
@@ -224,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="lmf-train-bench-"))
     t, m = cfg.train, cfg.model
     tokens_per_step = cfg.tokens_per_step // cfg.parallel.dp  # this rank's share
-    data = synthetic_data(tmp / "data", m.vocab_size, max(1 << 20, 4 * tokens_per_step + 1), seed=t.seed)
+    data = synthetic_data(tmp / "data", m.vocab_size, tokens_per_step, seed=t.seed)
     trainer = Trainer(cfg, out_dir=tmp / "run", data=data)
     trainer.setup()
     device, precision = trainer.device, trainer.precision.name

@@ -118,10 +118,13 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
     rows = {line.split("|")[1].strip(): (line.split("|")[2].strip(), line.split("|")[3].strip())
             for line in table.splitlines() if line.startswith("| ") and not line.startswith("| step")}
     assert list(rows) == ["env", "tiny-bf16", "fsdp-1", "ddp-1", "ckpt-save", "ckpt-resume", "throughput-quick",
-                          "moe-bf16", "families", "fp8-config", "head-loss", "async-2", "optim"], rows
+                          "moe-bf16", "families", "fp8-config", "head-loss", "async-2", "optim", "peer-nanogpt"], rows
     # the optional row that needs torchao is skipped with the reason
     assert rows.pop("fp8-config") == ("skipped (optional)", "torchao is not installed: pass its wheel with --wheels "
                                                              "(benchmarks/gpu/README.md)")
+    # no peer was prepared (CI has no checkout of nanoGPT): its row says how to bring one
+    peer = rows.pop("peer-nanogpt")
+    assert peer[0] == "skipped (optional)" and "--prepare DIR --nanogpt PATH" in peer[1], peer
     # moe-bf16 measures through moe_grouped_gemm.py --device --dtype (issue 42 item 3): where that
     # script lacks them, the row fails saying so (and fails the suite), never passes without measuring
     moe_flags = {"--device", "--dtype"} <= set(re.findall(r'"(--[\w-]+)"', (ROOT / "benchmarks" / "moe_grouped_gemm.py")
@@ -151,5 +154,5 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
     profile = (out / "throughput-quick-profile.md").read_text()  # where the step's time goes
     assert "# profile: 2 steps" in profile and "aten::mm" in profile
     record = json.loads((out / "gpu_suite.json").read_text())  # (what --record-times reads)
-    assert record["mode"] == "cpu-smoke" and len(record["rows"]) == 13
+    assert record["mode"] == "cpu-smoke" and len(record["rows"]) == 14
     assert all(r["expected_s"] > 0 for r in record["rows"])

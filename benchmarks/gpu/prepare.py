@@ -5,6 +5,8 @@ DIR (inside this source tree; `.gpu-window`, which .gitignore lists, is the usua
            vocabulary's shards for the `families` row), as LMFORGE_CACHE reads it
   wheels/  every wheel a row needs that the GPU machine lacks (WHEELS), for its Python 3.12 on x86-64
            Linux, whatever this machine's Python is
+  peers/   with --nanogpt PATH / --llmc PATH: the files the peer rows run, copied from local checkouts of
+           the public repositories (benchmarks/gpu/peers.py), with the commit copied
 and the exact call of the device tool's `run` that uses them is printed: a bash command of at most
 2,000 characters run at the repository root on the device, DIR carried beside the working tree (at
 most 64 MiB in all and 8 paths; DIR is checked to stay far under: PREPARED_LIMIT), the results coming
@@ -66,12 +68,25 @@ def size_of(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def run_call(rel: str, carried: bool, budget_min: float) -> tuple[str, dict]:
+def copy_peers(folder: Path, sources: dict[str, str]) -> list[str]:
+    """The peers' files (benchmarks/gpu/peers.py) from local checkouts into folder/peers/<peer>/; one
+    line each: which commit. Never committed: the folder is the window's, which git ignores."""
+    import peers
+
+    lines = []
+    for name, source in sources.items():
+        if source:
+            commit = peers.copy_peer(name, Path(source), folder / "peers" / name)
+            lines.append(f"{name}: {peers.PEERS[name].repo} at {commit} from {source}")
+    return lines
+
+
+def run_call(rel: str, carried: bool, budget_min: float, with_peers: bool = False) -> tuple[str, dict]:
     """The device command (and the `run` arguments) that runs the suite with the prepared folder. The
     archive leaves the training rows' run folders out (their checkpoints made it 16+ MiB on 2026-11-27,
     over what the tool brings back); their logs, JSON and profiles travel."""
     command = (f"python3 benchmarks/gpu/suite.py --out {OUT_TMP} --wheels {rel}/wheels --cache {rel}/cache "
-               f"--budget-min {budget_min:g}; rc=$?; tar czf $OUT/gpu-suite.tgz --exclude=runs -C {Path(OUT_TMP).parent} "
+               f"--budget-min {budget_min:g}{f' --peers {rel}/peers' if with_peers else ''}; rc=$?; tar czf $OUT/gpu-suite.tgz --exclude=runs -C {Path(OUT_TMP).parent} "
                f"{Path(OUT_TMP).name}; cp {OUT_TMP}/gpu_suite.md {OUT_TMP}/gpu_suite.json $OUT/; exit $rc")
     assert len(command) <= COMMAND_LIMIT, len(command)
     return command, {"command": command, "carry": [rel] if carried else [], "timeout_s": 600}
@@ -82,7 +97,7 @@ def git_ignored(rel: str) -> bool:
     return subprocess.run(["git", "check-ignore", "-q", rel.rstrip("/") + "/"], cwd=ROOT).returncode == 0
 
 
-def prepare(folder: Path, find_links: str = "", budget_min: float = 9.0) -> int:
+def prepare(folder: Path, find_links: str = "", budget_min: float = 9.0, peer_sources: dict | None = None) -> int:
     folder = folder.resolve()
     try:
         rel = folder.relative_to(ROOT).as_posix()
@@ -92,6 +107,12 @@ def prepare(folder: Path, find_links: str = "", budget_min: float = 9.0) -> int:
         return 2
     build_cache(folder / "cache")
     wheels = download_wheels(folder / "wheels", find_links)
+    try:
+        for line in copy_peers(folder, peer_sources or {}):
+            print("peer " + line)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     total = size_of(folder)
     print("wheels: " + ", ".join(f"{w.name} ({w.stat().st_size / 2**20:.1f} MiB)" for w in wheels))
     print(f"prepared: {rel}/ {total / 2**20:.1f} MiB (limit {PREPARED_LIMIT / 2**20:.0f} MiB; the device tool carries "
@@ -101,7 +122,7 @@ def prepare(folder: Path, find_links: str = "", budget_min: float = 9.0) -> int:
               f"device tool carries; remove what the rows do not need", file=sys.stderr)
         return 1
     carried = git_ignored(rel)
-    command, call = run_call(rel, carried, budget_min)
+    command, call = run_call(rel, carried, budget_min, (folder / "peers").is_dir())
     import json
 
     print("\nthe device call (the device tool's `run`; start the window with it, nothing else first):")

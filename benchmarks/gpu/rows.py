@@ -93,12 +93,15 @@ ROWS: tuple[RowSpec, ...] = (
                what="llama-1b with train.fp8 (torchao, carried as a wheel) against the bf16 llama-1b row"),
     RowSpec("fp8-config", "fp8_config", 10, "", 120, "torchao.float8 imports; the fp8 config loads",
             required=False, where="cpu"),
-    # the references the targets are read against (the plain loop; compile = auto's choice)
-
+    # the references compile's rule is read against (the plain loop; compile = auto's choice): proven on
+    # 2026-11-26 and 2026-11-27 and unchanged since, so out of the default plan since the peer row joined it
+    # (`--rows gpt2-plain,gpt2-compile`)
     throughput("gpt2-plain", "gpt2-124m", GPT2 + ("train.compile=false", "train.loss_chunk=0"), 24, "",
-               limit_s=300, reference=True, what="GPT-2 124M eager, plain loss, against the plain PyTorch loop"),
+               limit_s=300, reference=True, what="GPT-2 124M eager, plain loss, against the plain PyTorch loop",
+               default=False),
     throughput("gpt2-compile", "gpt2-124m", GPT2 + ("train.compile=true", "train.loss_chunk=0"), 36, "",
-               check="compile_choice", what="compile alone; fails if train.compile = auto picks the slower of it and gpt2-plain"),
+               check="compile_choice", default=False,
+               what="compile alone; fails if train.compile = auto picks the slower of it and gpt2-plain"),
     # proven on 2026-11-26 and 2026-11-27 (benchmarks/RESULTS.md) and unchanged since: not in the default
     # plan (`--rows families,fp8-1b,head-loss,async-2,optim`, or `--rows all`)
     RowSpec("head-loss", "head_loss", 58, "", 300,
@@ -119,6 +122,24 @@ ROWS: tuple[RowSpec, ...] = (
                "as gpt2-loss_chunk (38 s measured: the same model, per-block compile and chunked loss; bf16-pure "
                "changes the dtypes, not the work)", against="gpt2-loss_chunk",
                what="gpt2-loss_chunk in bf16-pure (bf16 weights, activations and residual stream; fp32 masters)"),
+    # issue 55: a peer side by side, same GPU, same call, same shape and tokens (benchmarks/gpu/peers.py; the
+    # peers travel in the window: --prepare DIR --nanogpt PATH [--llmc PATH]); optional: a peer's failure is
+    # reported, not lmforge's. Before the whole-model row, whose compile is the plan's least certain time
+    RowSpec("peer-nanogpt", "peer", 65,
+            f"{START_S} s start + ~50 s for torch.compile of nanoGPT's whole GPT-2 forward and backward (its "
+            "train.py prints 'takes a ~minute'; no evaluation batch, so no second compile) + 26 iterations of "
+            "~0.15 s (gpt2-loss_chunk's 65,536 tokens a step at ~430k tok/s)", 300,
+            "nanoGPT's train.py (compile, bf16 autocast) at gpt2-loss_chunk's shape and tokens in the same call: "
+            "its tokens/s, and lmforge / nanoGPT (target 1.10x)",
+            {"peer": "nanogpt", "shape_of": "gpt2-loss_chunk", "target": 1.10,
+             "against": ("gpt2-loss_chunk", "gpt2-bf16-pure", "gpt2-bf16-pure-model")}, required=False),
+    RowSpec("peer-llmc", "peer", 50,
+            f"{START_S} s start + ~20 s to build train_gpt2cu without cuDNN (llm.c's Makefile: 'a few seconds' "
+            "without it, '~minute' with) + 26 steps of ~0.15 s + two one-batch validations", 300,
+            "llm.c's train_gpt2cu (built with nvcc, where the device has it) at gpt2-loss_chunk's shape and tokens",
+            {"peer": "llmc", "shape_of": "gpt2-loss_chunk", "target": 1.10,
+             "against": ("gpt2-loss_chunk", "gpt2-bf16-pure", "gpt2-bf16-pure-model")}, required=False,
+            where="gpu", default=False),
     throughput("gpt2-bf16-pure-model", "gpt2-124m", GPT2 + ("train.compile=model", "train.loss_chunk=4096",
                                                             "train.precision=bf16-pure"), 90,
                f"{START_S} s start + ~60 s to compile the whole forward and backward as one graph (nanoGPT's "
@@ -186,12 +207,12 @@ class Plan:
     def text(self, cuda: bool) -> str:
         where = "one H100 (GPU rows)" if cuda else "the 2-core CPU box (--cpu-smoke)"
         lines = [f"plan: {len(self.rows)} rows, expected on {where}; budget {self.budget_s / 60:.1f} min", "",
-                 f"{'#':>2}  {'row':<16} {'expected':>8}  {'by then':>7}  source"]
+                 f"{'#':>2}  {'row':<22} {'expected':>8}  {'by then':>7}  source"]
         done = 0.0
         for i, (spec, s, source) in enumerate(self.rows, 1):
             done += s
             over = "  (over the budget: would be skipped)" if done > self.budget_s else ""
-            lines.append(f"{i:>2}  {spec.name + ('' if spec.required else ' (opt)'):<16} {s:>6.0f} s  "
+            lines.append(f"{i:>2}  {spec.name + ('' if spec.required else ' (opt)'):<22} {s:>6.0f} s  "
                          f"{done:>5.0f} s  {source}{over}")
         lines += ["", f"total: {self.total_s:.0f} s = {self.total_s / 60:.1f} min (budget {self.budget_s:.0f} s)"]
         return "\n".join(lines)

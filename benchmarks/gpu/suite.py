@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # (lmforge from this source tree, for the plan and the rules the rows check)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(ROOT / "benchmarks"))  # (train_throughput's synthetic tokens, for the peer rows)
 import rows as rowdefs  # noqa: E402  (benchmarks/gpu/rows.py)
 from rows import RowSpec  # noqa: E402
 
@@ -128,13 +130,14 @@ class Suite:
             row.seconds = time.monotonic() - t0
             self.save()
 
-    def sub(self, row: Row, cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    def sub(self, row: Row, cmd: list[str], check: bool = True, cwd: Path = ROOT,
+            env: dict | None = None) -> subprocess.CompletedProcess:
         """Run one command of `row` within the row's limit, its output appended to OUT/<row>.log.
         A timeout (the command's whole process group is killed: torchrun's workers too), or (check) a
         non-zero exit, fails the row."""
         t0 = time.monotonic()
         log = self.out / f"{row.step}.log"
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=max(self._limit_end - t0, 1))
@@ -434,6 +437,76 @@ class Suite:
         if self.cuda and path.get("path") != "grouped_mm":
             raise RowFailed(row.result + "; model.moe.grouped_mm = auto did not take torch._grouped_mm in bf16 on CUDA")
 
+    def step_peer(self, spec: RowSpec, row: Row) -> None:
+        """A peer (benchmarks/gpu/peers.py) at the shape of the lmforge row `shape_of`, on that row's
+        tokens, in this call: its own step time and tokens/s, and lmforge / peer for each lmforge row
+        of `against` that ran before it (the issue's target, `target`, read on the GPU)."""
+        import peers  # (benchmarks/gpu/peers.py)
+        from train_throughput import QUICK_OVERRIDES, parse_sets, synthetic_tokens
+        from lmforge.config import load_config
+
+        a, name = spec.args, spec.args["peer"]
+        repo = peers.PEERS[name].repo
+        folder = Path(self.args.peers) / name if getattr(self.args, "peers", "") else None
+        if folder is None or not (folder / "COMMIT").is_file():
+            raise RowSkipped(f"no {repo} in the window: `suite.py --prepare DIR --{name} PATH` copies it from a local "
+                             f"checkout, and the device command passes --peers DIR/peers (benchmarks/gpu/README.md)")
+        like = {r.name: r for r in rowdefs.ROWS}[a["shape_of"] if self.cuda else "throughput-quick"]
+        overrides = {**({} if self.cuda else QUICK_OVERRIDES), **parse_sets(list(like.args["sets"]))}
+        cfg = load_config(like.args["preset"], overrides)
+        shape = peers.shape_of(cfg, self.cuda)
+        tokens = synthetic_tokens(shape.vocab, shape.tokens_per_step, cfg.train.seed)
+        run_dir = self.out / "runs" / spec.name
+        steps, skip = (25, 5) if self.cuda else (6, 2)
+        try:
+            if name == "llmc":
+                if not self.cuda:
+                    raise RowSkipped("llm.c's train_gpt2cu needs CUDA; the CPU smoke has none")
+                if not shutil.which("nvcc"):
+                    raise RowSkipped("no nvcc on this machine: llm.c's train_gpt2cu cannot be built here")
+                peers.llmc_check(shape)
+                shutil.copytree(folder, run_dir, dirs_exist_ok=True)
+                for split in ("train", "val"):
+                    peers.write_llmc_tokens(run_dir / "data" / f"{split}.bin", tokens[split])
+                build, run = peers.llmc_commands(shape, steps)
+                self.sub(row, build, cwd=run_dir)
+                proc = self.sub(row, run, cwd=run_dir)
+                got = peers.steady(peers.read_steps(proc.stdout, peers.LLMC_STEP), skip, shape)
+            else:
+                peers.write_nanogpt_run(folder, run_dir, shape, tokens["train"], tokens["val"])
+                # (on the CPU, one thread: as throughput-quick's --quick, which it is read against)
+                env = self.env if self.cuda else {**self.env, "OMP_NUM_THREADS": "1"}
+                proc = self.sub(row, peers.nanogpt_command(sys.executable, shape, steps), cwd=run_dir, env=env)
+                got = peers.steady(peers.read_steps(proc.stdout, peers.NANOGPT_ITER), skip, shape)
+        except peers.PeerError as e:
+            raise RowFailed(f"{repo}: {e}") from None
+        commit = peers.peer_commit(folder)
+        row.detail = {"peer": repo, "commit": commit, "shape": shape.__dict__, "like": like.name, **got}
+        row.result = (f"{repo} {commit[:7]} at {like.name}'s shape ({shape.n_layer} layers x {shape.dim}, "
+                      f"{shape.micro} x {shape.seq} x {shape.accum} tokens a step, {shape.dtype}"
+                      f"{', compiled' if shape.cuda and name == 'nanogpt' else ''}): {got['tokens_per_s']:,.0f} tok/s "
+                      f"({got['step_ms_median']:.1f} ms a step, median of {got['steps_timed']}), loss "
+                      f"{got['first_loss']:.2f} -> {got['last_loss']:.2f}")
+        ratios = {}
+        for other in (a["against"] if self.cuda else ("throughput-quick",)):
+            f = self.out / f"{other}.json"
+            if f.is_file():
+                res = json.loads(f.read_text())
+                ratios[other] = res["arms"]["lmforge"]["tokens_per_s_median"] / got["tokens_per_s"]
+                if not row.detail.get("mfu") and res.get("peak_flops", {}).get("run"):
+                    row.detail["mfu"] = got["tokens_per_s"] * res["config"]["flops_per_token"] / res["peak_flops"]["run"]
+        row.detail["lmforge_over_peer"] = ratios
+        if row.detail.get("mfu"):
+            row.result += f", {100 * row.detail['mfu']:.1f}% MFU (lmforge's count and peak)"
+        if not ratios:
+            row.result += "; no lmforge row of this shape ran before it in this call: nothing to compare"
+            return
+        row.result += "; lmforge / peer: " + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items())
+        if self.cuda and a.get("target"):
+            best = max(ratios, key=ratios.get)
+            row.result += (f"; target {a['target']:.2f}x: {'met' if ratios[best] >= a['target'] else 'missed'} "
+                           f"(best: {best})")
+
     # ---- the record ----------------------------------------------------------------------------
     def record(self) -> dict:
         return {"mode": rowdefs.mode_key(self.cuda), "device": self.device_name,
@@ -555,6 +628,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="on a connected machine: the cache and the wheels into DIR (inside this tree), then print "
                         "the device `run` command that uses them")
     p.add_argument("--find-links", default="", help="--prepare: take the wheels from this folder, no index")
+    p.add_argument("--nanogpt", default="", metavar="PATH",
+                   help="--prepare: copy nanoGPT's train.py, model.py, configurator.py from this local checkout (or bare "
+                        "git directory) into DIR/peers (the peer-nanogpt row)")
+    p.add_argument("--llmc", default="", metavar="PATH",
+                   help="--prepare: copy llm.c's train_gpt2.cu, Makefile and llmc/ from this local checkout into "
+                        "DIR/peers (the peer-llmc row, where the device has nvcc)")
+    p.add_argument("--peers", default="", metavar="DIR",
+                   help="the peers --prepare copied (DIR/peers): the peer rows run them; without it they are skipped")
     p.add_argument("--build-cache", default="", metavar="CACHE",
                    help="on a connected machine: write the --cache folder only and exit")
     p.add_argument("--record-times", default="", metavar="GPU_SUITE_JSON",
@@ -563,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     import prepare  # noqa: E402  (benchmarks/gpu/prepare.py)
 
     if args.prepare:
-        return prepare.prepare(Path(args.prepare), args.find_links, args.budget_min)
+        return prepare.prepare(Path(args.prepare), args.find_links, args.budget_min,
+                               {"nanogpt": args.nanogpt, "llmc": args.llmc})
     if args.build_cache:
         prepare.build_cache(Path(args.build_cache))
         return 0
