@@ -110,11 +110,11 @@ def test_ema_config_is_checked():
 def test_plan_counts_the_ema_like_the_weights(dp, zero, tp):
     """4 bytes per parameter of the rank's share: the fp32 weights' own bytes, in every layout (an FSDP2
     shard, a TP split, the whole model where the weights are replicated, ZeRO-1 too); 0 without;
-    bf16-pure (2-byte weights): twice them. The literature conventions: 4 B/param, sharded by ZeRO-3."""
+    bf16-pure alike (its fp32 weights are the masters). The literature conventions: 4 B/param, sharded by ZeRO-3."""
     from lmforge.plan.memory import Layout, estimate_memory
 
     cfg = load_config("gpt2-124m").model
-    for precision, per_weight_byte in (("bf16", 1), ("bf16-pure", 2)):
+    for precision, per_weight_byte in (("bf16", 1), ("bf16-pure", 1)):
         with_ema = estimate_memory(cfg, Layout(dp=dp, zero=zero, tp=tp, ema=True, precision=precision), "adamw", 64)
         without = estimate_memory(cfg, Layout(dp=dp, zero=zero, tp=tp, precision=precision), "adamw", 64)
         assert without.ema == 0 and with_ema.ema == per_weight_byte * with_ema.weights > 0

@@ -31,8 +31,10 @@ def lmforge_buffers(cfg: ModelConfig, layout: Layout, states: StageStates, seq_l
     out: dict[str, float] = {}
     if not layout.fsdp:
         # (DDP and ZeRO-1: the gradients are the fp32 all-reduce buckets, through accumulation too)
-        if mixed and layout.precision != "bf16-pure":  # the step's 16-bit copy of each matmul weight (lmforge.train.precision)
-            out["autocast_weight_copies"] = states.matmul_16bit
+        if mixed:  # the step's 16-bit copy of the weights (lmforge.train.precision): autocast's of each matmul
+            # weight, bf16-pure's of every parameter but the embeddings' (its bf16 weights)
+            out["bf16_pure_weight_copies" if layout.precision == "bf16-pure" else "autocast_weight_copies"] = \
+                states.matmul_16bit
     else:
         half = 2 if mixed else 4  # FSDP2 gathers in param_dtype (16-bit), fp32 runs in fp32
         accumulating = layout.grad_accum > 1

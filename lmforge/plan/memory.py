@@ -142,14 +142,16 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
     is not credited yet (an overestimate), and ZeRO-1's optimizer shard is taken as FSDP's even
     chunk (ZeroRedundancyOptimizer assigns whole tensors, so its worst rank may hold slightly more).
 
-Precision "bf16-pure" (`Layout.precision`; the training mode is being built apart, so these bytes are
-planned, not yet measured): bf16 parameters and activations, fp32 master weights and fp32 "main"
-gradients held with the optimizer, Megatron's layout. In the lmforge convention: weights 2 B/param
-(sharded by FSDP2 as the fp32 ones are), gradients 4 (the fp32 main gradients), master weights 4,
-sharded with the optimizer state (ZeRO-1 and up): 2 + 4 + 4 + state; no autocast weight copies; the
-residual stream and the norms' inputs and outputs in bf16 (2 bytes where autocast keeps 4; a norm's
-output feeds its projections as it is, no casts). The literature conventions count it as bf16
-(Megatron's 18 B/param is this mode).
+Precision "bf16-pure" (`Layout.precision`, lmforge.train.precision): bf16 weights and activations over
+fp32 master weights and fp32 "main" gradients. In the lmforge convention, as lmforge allocates it (and
+`lmforge plan --verify` measures it): the fp32 parameters are the master weights (4 B/param, sharded as
+in autocast: FSDP2 shards them, ZeRO-1 shards the optimizer state only), gradients 4, the optimizer state;
+the bf16 weights are the step's copy of every parameter but the embeddings' (`bf16_pure_weight_copies`,
+2 B/param, held for the step, not under FSDP2, which gathers in bf16 itself): 4 + 4 + 2 + Adam's 8 =
+Megatron's 18 B/param without sharding; the residual stream and the norms' inputs and outputs in bf16
+(2 bytes where autocast keeps 4; a norm's output feeds its projections as it is, no casts). The
+literature conventions count it as bf16 (Megatron's 18 B/param is this mode, its master weights
+sharded with the optimizer state by the distributed optimizer).
 
 Context parallelism (`cp`, lmforge.parallel.context_parallel; all conventions): a CP rank holds
 seq_len / cp tokens of every sequence (chunks i and 2cp-1-i) and all-gathers the K and V of the

@@ -85,7 +85,8 @@ class StageStates:
 
     comp: tuple[tuple[str, float], ...]
     params: float          # parameters of the stage on this TP rank
-    matmul_16bit: float    # bytes of one 16-bit copy of its matmul weights (a tied head's included)
+    matmul_16bit: float    # bytes of the step's 16-bit weight copy: the matmul weights (bf16-pure: every
+    #                        parameter but the embeddings'; a tied head's included)
     layer_params: float    # one transformer block
     root_params: float     # outside the blocks: embedding, positions, final norm, head
     head_params: float     # the output projection (last stage), tied or not
@@ -120,7 +121,9 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
             root += full_n
         if "lm_head" in spec.name:
             head += full_n
-        if spec.matmul:
+        # the step's 16-bit copy (lmforge.train.precision.copied_parameters): the matmul weights under
+        # autocast; every parameter but the embeddings' in bf16-pure
+        if (not spec.is_embedding) if pure else spec.matmul:
             matmul += 2 * full_n
         if convention in LITERATURE:  # flat buffers sharded exactly
             state = literature_state_bytes_per_param(opt, local)
@@ -133,10 +136,10 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
         # lmforge: FSDP2 shards every tensor along dim 0; ZeroRedundancyOptimizer the state only
         shard_n = math.prod(fsdp_shard_shape(local, n_dp))
         state_shape = fsdp_shard_shape(local, n_dp) if (layout.zero >= 1 and n_dp > 1) else local
-        # bf16-pure: bf16 weights, fp32 main gradients, fp32 master weights with the optimizer state
-        comp["weights"] += (2 if pure else 4) * (shard_n if layout.fsdp else full_n)
+        # every precision: the fp32 parameters are the master weights (bf16-pure's bf16 weights are the
+        # step's copy, a buffer), fp32 gradients (bf16-pure's "main gradients")
+        comp["weights"] += 4 * (shard_n if layout.fsdp else full_n)
         comp["gradients"] += 4 * (shard_n if layout.fsdp else full_n)
-        comp["master_weights"] += 4 * math.prod(state_shape) if pure else 0.0
         comp["optimizer_states"] += lmforge_state_bytes(opt, spec, state_shape)
         # the EMA of the weights (lmforge.train.ema): fp32, one tensor per parameter made like it (FSDP2's shard)
         comp["ema"] += 4 * (shard_n if layout.fsdp else full_n) if layout.ema else 0.0

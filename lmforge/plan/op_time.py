@@ -313,13 +313,15 @@ def _loss_and_outside(cfg: ModelConfig, layout: Layout, rates: Rates, tokens: fl
 
 
 def _params_on_rank(cfg: ModelConfig, layout: Layout, stage: int) -> tuple[float, float, int]:
-    """(parameters, of which matmul weights, tensors) of the stage on this TP / EP rank."""
+    """(parameters, of which the step copies in 16 bits, tensors) of the stage on this TP / EP rank: the
+    matmul weights, or in bf16-pure every parameter but the embeddings' (lmforge.train.precision)."""
     specs = stage_specs(cfg, layout.pp, stage, layout.last_rank)
     params = matmul = 0.0
+    pure = layout.precision == "bf16-pure"
     for spec in specs:
         n = math.prod(tp_shape(spec, layout.tp, layout.ep))
         params += n
-        matmul += n if spec.matmul else 0
+        matmul += n if ((not spec.is_embedding) if pure else spec.matmul) else 0
     if cfg.tie_embeddings and stage == layout.last_rank == 0:  # (one process, or a V's rank 0)
         matmul += math.prod(tp_shape(specs[0], layout.tp))  # the embedding is also the head's weight
     return params, matmul, len(specs)
@@ -331,7 +333,7 @@ def _casts_and_optimizer(cfg: ModelConfig, layout: Layout, rates: Rates, stage: 
     params, matmul, tensors = _params_on_rank(cfg, layout, stage)
     m, bw = layout.grad_accum, rates.elementwise_bps
     groups = []
-    if layout.precision not in ("fp32", "bf16-pure") and not layout.fsdp:
+    if layout.precision != "fp32" and not layout.fsdp:
         groups.append(KernelGroup("casts", "16-bit weight copies", tensors, 6 * matmul / tensors / bw))
     if layout.precision == "fp32":
         first, later = 0.0, 12.0                    # accumulated in place
