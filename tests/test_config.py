@@ -21,6 +21,28 @@ def test_every_preset_loads_and_validates():
         assert cfg.description
 
 
+def test_presets_of_more_than_10b_parameters_train_in_bf16_pure_and_the_plan_says_why(capsys):
+    """Issue 55 item 5: every preset over BF16_PURE_PRESETS_ABOVE parameters trains in bf16-pure (bf16
+    weights and activations over fp32 masters, Megatron's scheme), the smaller ones as they were; `lmforge
+    plan` names where its bf16-pure came from, and --precision bf16 plans autocast without the note."""
+    from lmforge.cli.plan import plan_main
+    from lmforge.config.rules import BF16_PURE_PRESETS_ABOVE
+
+    large = sorted(n for n in available_presets() if count_params(load_config(n).model)["total"] > BF16_PURE_PRESETS_ABOVE)
+    assert large == ["chinchilla-70b", "deepseek-v3-671b", "gpt3-175b", "llama2-70b", "mixtral-8x7b", "qwen3-30b-a3b",
+                     "qwen3-next-80b-a3b"]
+    assert {n: load_config(n).train.precision for n in available_presets()} == {
+        n: "bf16-pure" if n in large else "auto" if n.startswith("tiny") else "bf16" for n in available_presets()}
+    assert plan_main(["--model", "llama2-70b", "--gpus", "8xH100", "--layout", "dp=8,zero=3,mb=1,ac=full"]) == 0
+    out = capsys.readouterr().out
+    assert "precision=bf16-pure" in out.splitlines()[0]
+    assert "note: precision bf16-pure: llama2-70b's train.precision (presets of more than 10B parameters" in out
+    assert plan_main(["--model", "llama2-70b", "--gpus", "8xH100", "--layout", "dp=8,zero=3,mb=1,ac=full",
+                      "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "precision=" not in out.splitlines()[0] and "note: precision" not in out  # (bf16: the layout default)
+
+
 @pytest.mark.parametrize("preset, billions, tol", [
     ("gpt2-124m", 0.124, 0.01), ("llama-1b", 1.08, 0.05), ("gpt3-175b", 175.0, 1.0),
     ("llama2-70b", 68.98, 0.2), ("mistral-7b", 7.24, 0.05), ("olmo2-7b", 7.30, 0.01),

@@ -156,7 +156,7 @@ def test_planner_and_config_accept_the_same_random_layouts():
 
 def test_a_typed_layout_lmforge_refuses_is_planned_with_every_reason_at_the_top(capsys):
     """Megatron's GPT-3 layout without its distributed optimizer (plain data parallelism next to TP,
-    which lmforge runs through FSDP2 only): planned (132.0 GB per GPU), with lmforge's refusal at the
+    which lmforge runs through FSDP2 only): planned (125.1 GB per GPU in bf16-pure), with lmforge's refusal at the
     top and in --json's `refused`; with the distributed optimizer (ZeRO-1 under TP and PP, issue 59)
     the same layout is lmforge's and says nothing of the kind."""
     plain = GPT3[:-1] + [GPT3[-1].replace("zero=1", "zero=0")]
@@ -165,7 +165,9 @@ def test_a_typed_layout_lmforge_refuses_is_planned_with_every_reason_at_the_top(
     assert out[1].strip().startswith("lmforge refuses this layout")
     assert out[2].strip().startswith("- parallel.tp = 4 with parallel.dp_replicate = 16: data parallelism next to")
     text = "\n".join(out)
-    assert re.search(r"TOTAL per GPU\s+132.02 GB", text) and re.search(r"MFU \(model FLOPs, PaLM\)\s+40.7%", text)
+    # (the preset trains in bf16-pure, as Megatron does: bf16 weights beside fp32 masters and gradients)
+    assert "precision=bf16-pure" in out[0] and "adamw, bf16-pure, seq 2048" in text
+    assert re.search(r"TOTAL per GPU\s+125.08 GB", text) and re.search(r"MFU \(model FLOPs, PaLM\)\s+47.2%", text)
     assert plan_main(plain + ["--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert [r["rule"] for r in rep["refused"]] == ["tp-needs-fsdp"]

@@ -35,7 +35,7 @@ import sys
 from lmforge.plan.flops import config_train_tokens, estimate_step
 from lmforge.cli.options import OptionParser, float_in, int_in, positive_int
 from lmforge.plan.hardware import load_devices, parse_cluster
-from lmforge.config.rules import pipeline_micro_batches
+from lmforge.config.rules import pipeline_micro_batches, preset_precision_note
 from lmforge.plan.conventions import CONVENTIONS
 from lmforge.plan.documents import corpus_document_tokens, prepared_train_dir
 from lmforge.plan.layout import (Layout, layout_for_config, lmforge_refusals, planned_compile, planned_documents,
@@ -327,6 +327,8 @@ def plan_main(argv: list[str]) -> int:
         optimizer = args.optimizer or cfg.optim.name
         layout, notes = _default_layout(cfg, cluster, sequences, precision, args.layout, seq_len, optimizer)
         notes += linear_attention_notes(cfg.model)
+        if args.precision is None and (note := preset_precision_note(cfg, precision)):
+            notes.append(note)
         refused = lmforge_refusals(cfg, layout, seq_len)  # (planned all the same: said at the top)
         train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg, layout.micro_batch))
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]

@@ -469,6 +469,23 @@ AUTO_LOSS_CHUNK_MIN_VOCAB = 8192
 FUSED_HEAD_SLOWER: frozenset[tuple[str, str]] = frozenset({("cpu", "bf16")})
 
 
+# Presets of more than this many parameters train in bf16-pure (bf16 weights and activations over fp32
+# master weights and gradients: Megatron's scheme), which trained faster than bf16 autocast on an H100
+# (benchmarks/RESULTS.md: GPT-2 124M +2.5%, the 1B +2.1%) and plans less activation memory (a bf16
+# residual stream: Megatron's GPT-3 layout 73.3 -> 66.4 GB per GPU); tests/test_config.py holds every
+# preset to it, and `lmforge plan` says where a plan's bf16-pure comes from.
+BF16_PURE_PRESETS_ABOVE = 10e9
+
+
+def preset_precision_note(cfg: "Config", precision: str) -> str | None:
+    """The plan's line for a bf16-pure that came from a large preset's train.precision (else None)."""
+    if precision != "bf16-pure" or cfg.train.precision != "bf16-pure":
+        return None
+    return (f"precision bf16-pure: {cfg.preset}'s train.precision (presets of more than "
+            f"{BF16_PURE_PRESETS_ABOVE / 1e9:g}B parameters train in bf16 weights and activations over fp32 master "
+            f"weights and gradients, as Megatron does); --precision bf16 plans bf16 autocast")
+
+
 # train.precision -> the precision its matmuls compute in (bf16-pure: bf16, without autocast)
 COMPUTE_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16"}
 
