@@ -340,6 +340,36 @@ def test_lmforge_sharded_bytes_equal_chunked_real_tensors(preset, dp, zero, tp):
     assert (mem.weights, mem.gradients) == (w, g)
 
 
+@pytest.mark.parametrize("preset, dp", [("tiny", 4), ("gpt2-124m", 3), ("tiny-moe", 2)])
+def test_plain_zero1_plans_each_ranks_own_tensors_as_torch_partitions_them(preset, dp):
+    """ZeRO-1 without FSDP2 is torch's ZeroRedundancyOptimizer, which gives each rank whole tensors: the
+    planned state of every rank equals AdamW's real state over the tensors torch's own partition (its
+    `_partition_parameters`, run over lmforge's parameter groups) gives that rank, and the plan per GPU is
+    the fullest rank's, not the even chunk (tiny, 4 ranks: 2.50 MB on rank 0, 0.40 MB on rank 1)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lmforge.model.transformer import build_model
+    from lmforge.optim.optimizers import param_groups
+    from lmforge.plan.model_states import zero1_state_per_rank
+
+    cfg = load_config(preset, {"model.n_layers": 2}).model
+    model = build_model(cfg, "cpu", 0)
+    zero = object.__new__(ZeroRedundancyOptimizer)  # (its partition alone: no process group needed)
+    zero.world_size, zero.param_groups, zero._partition_parameters_cache = dp, param_groups(model, 0.1), []
+    real = []
+    for groups in zero._partition_parameters():
+        params = [q for g in groups for q in g["params"]]
+        for q in params:
+            q.grad = torch.ones_like(q)
+        opt = torch.optim.AdamW(params)
+        opt.step()
+        real.append(sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()))
+    layout = Layout(dp=dp, zero=1)
+    assert zero1_state_per_rank(stage_specs(cfg, 1, 0), layout, "adamw") == real
+    mem = estimate_memory(cfg, layout, "adamw", 64, weights="lmforge")
+    assert mem.optimizer_states == max(real) and len(set(real)) > 1
+
+
 def test_pipeline_stage_params():
     cfg = load_config("gpt2-124m").model
     first, last = stage_specs(cfg, 4, 0), stage_specs(cfg, 4, 3)

@@ -225,6 +225,25 @@ def test_the_memory_check_holds_each_rank_to_the_plan_with_the_ema():
     assert not check.passed and "rank 1 ema 0 B vs planned" in check.detail, check.detail
 
 
+def test_the_memory_check_holds_plain_zero1_ranks_to_their_own_tensors_state():
+    """ZeRO-1 without FSDP2 (ZeroRedundancyOptimizer): each rank is held to the state of the whole tensors
+    torch gives it (lmforge.plan.model_states.zero1_state_per_rank), not all to the fullest rank's."""
+    from lmforge.plan.model_states import zero1_state_per_rank
+    from lmforge.plan.params import stage_specs
+
+    toy = toy_run(load_config("tiny"), Layout.parse("dp=4,zero=1"))
+    plan = estimate_memory(toy.config.model, toy.layout, "adamw", toy.config.data.seq_len, weights="lmforge")
+    own = zero1_state_per_rank(stage_specs(toy.config.model, 1, 0), toy.layout, "adamw")
+    assert len(own) == toy.world_size and plan.optimizer_states == max(own) > min(own)
+    ranks = [{"rank": r, "pp_rank": 0, "weights": int(plan.weights), "gradients": int(plan.gradients),
+              "optimizer_states": int(own[r])} for r in range(toy.world_size)]
+    assert memory_check(toy, "adamw", ranks).passed
+    low = own.index(min(own))
+    ranks[low]["optimizer_states"] = int(max(own))
+    check = memory_check(toy, "adamw", ranks)
+    assert not check.passed and f"rank {low} optimizer states" in check.detail, check.detail
+
+
 def test_a_one_process_layout_resumes_on_two_data_parallel_ranks_with_the_same_batches(tmp_path):
     """(A one-process layout's toy trains beside its reference; its checkpoint resumes on two DDP ranks, each
     taking half of every micro-batch, so the step's batches are the reference's.)"""

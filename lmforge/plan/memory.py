@@ -139,8 +139,10 @@ holds one 16-bit copy of each weight for the step, and FSDP2 runs with
       holds the same buffers (tests/test_plan_loss_chunk.py measures them); CPU bf16 runs hold
       fp32 [c, V] buffers the planner does not plan for.
     Under TP only the tensor-parallel parts are divided by t: SP's sharding of the norms' inputs
-    is not credited yet (an overestimate), and ZeRO-1's optimizer shard is taken as FSDP's even
-    chunk (ZeroRedundancyOptimizer assigns whole tensors, so its worst rank may hold slightly more).
+    is not credited yet (an overestimate). ZeRO-1 without FSDP2 (plain data parallelism) is torch's
+    ZeroRedundancyOptimizer, which gives each rank whole tensors' state: the planner replays its
+    partition (lmforge.plan.model_states.zero1_state_per_rank) and plans the fullest rank (on a small
+    model the embedding alone can outweigh an even share).
 
 Precision "bf16-pure" (`Layout.precision`, lmforge.train.precision): bf16 weights and activations over
 fp32 master weights and fp32 "main" gradients. In the lmforge convention, as lmforge allocates it (and

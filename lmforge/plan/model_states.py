@@ -95,6 +95,31 @@ class StageStates:
 _STATE_CACHE: dict[tuple, StageStates] = {}
 
 
+def zero1_by_tensor(layout: Layout) -> bool:
+    """ZeRO-1 without FSDP2 (plain data parallelism: lmforge.parallel.data_parallel.zero1): torch's
+    ZeroRedundancyOptimizer, which gives each rank whole tensors' state, not an even chunk of each."""
+    return layout.zero == 1 and layout.shard_ranks > 1 and not layout.fsdp and layout.ep == 1
+
+
+def zero1_state_per_rank(specs: list[ParamSpec], layout: Layout, opt: str) -> list[float]:
+    """The optimizer-state bytes of each rank under `zero1_by_tensor`: ZeroRedundancyOptimizer's own
+    partition, replayed (hand-written: torch has no function that returns it without a process group).
+    Over lmforge's parameter groups in order (lmforge.optim.optimizers.param_groups: matrices that are
+    not embeddings decay, the rest do not), each group's tensors largest first (a stable sort, so equal
+    sizes keep the model's order), each to the rank with the fewest elements so far (the first such);
+    the element counts carry over from group to group, as torch's do."""
+    n = layout.shard_ranks
+    groups = ([s for s in specs if len(s.shape) >= 2 and not s.is_embedding],
+              [s for s in specs if not (len(s.shape) >= 2 and not s.is_embedding)])
+    sizes, state = [0] * n, [0.0] * n
+    for group in groups:
+        for spec in sorted(group, key=lambda s: math.prod(s.shape), reverse=True):
+            rank = sizes.index(min(sizes))
+            sizes[rank] += math.prod(spec.shape)
+            state[rank] += lmforge_state_bytes(opt, spec, spec.shape)
+    return state
+
+
 def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, stage: int) -> StageStates:
     n_dp = layout.shard_ranks if layout.zero > 0 else 1  # (context parallel: dp x cp)
     key = (cfg_key(cfg), n_dp, layout.zero, layout.tp, layout.pp, layout.precision, opt, convention, stage, layout.ep,
@@ -143,6 +168,8 @@ def stage_states(cfg: ModelConfig, layout: Layout, opt: str, convention: str, st
         comp["optimizer_states"] += lmforge_state_bytes(opt, spec, state_shape)
         # the EMA of the weights (lmforge.train.ema): fp32, one tensor per parameter made like it (FSDP2's shard)
         comp["ema"] += 4 * (shard_n if layout.fsdp else full_n) if layout.ema else 0.0
+    if convention not in LITERATURE and zero1_by_tensor(layout):  # whole tensors per rank, not even chunks
+        comp["optimizer_states"] = max(zero1_state_per_rank(specs, layout, opt))
     if cfg.tie_embeddings and stage == layout.last_rank == 0:
         # the tied embedding is also the head (one process, or a V's rank 0): its matmul uses a 16-bit cast of it
         emb = math.prod(tp_shape(specs[0], layout.tp))

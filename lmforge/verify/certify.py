@@ -55,6 +55,8 @@ from lmforge.config import Config, ConfigError, to_toml
 from lmforge.folders import CHECKPOINTS
 from lmforge.plan.layout import Layout
 from lmforge.plan.memory import estimate_memory
+from lmforge.plan.model_states import zero1_by_tensor, zero1_state_per_rank
+from lmforge.plan.params import stage_specs
 from lmforge.verify.band import BAND_FACTOR, BAND_RERUNS, Band, measure_band, read_metrics, within_band
 from lmforge.verify.probe import read_probe
 from lmforge.verify.toy import STEPS, CannotEmulate, Toy, describe, toy_run
@@ -310,10 +312,13 @@ def memory_check(toy: Toy, optimizer: str, ranks: list[dict]) -> Check:
         return Check(name, False, f"{len(ranks)} of {toy.world_size} ranks recorded their memory")
     plan = estimate_memory(toy.config.model, toy.layout, optimizer, toy.config.data.seq_len, weights="lmforge")
     parts = MEMORY_PARTS + (("ema",) if toy.layout.ema else ())
+    # plain ZeRO-1: each rank its own tensors' state (the plan per GPU is the fullest rank's)
+    own = (zero1_state_per_rank(stage_specs(toy.config.model, 1, 0, toy.layout.last_rank), toy.layout, optimizer)
+           if zero1_by_tensor(toy.layout) else None)
     bad, lines = [], []
     for r in ranks:
         for part in parts:
-            planned, got = getattr(plan, part), r[part]
+            planned, got = (own[r["rank"]] if own and part == "optimizer_states" else getattr(plan, part)), r[part]
             same_stage = r["pp_rank"] == plan.stage or toy.layout.pp == 1
             off = abs(got - planned) > MEMORY_TOL * planned if same_stage else got > planned * (1 + MEMORY_TOL)
             if off:
