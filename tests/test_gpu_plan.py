@@ -59,8 +59,8 @@ def test_the_default_plan_fits_8_minutes_on_an_h100_and_holds_every_new_row():
     assert not set(proven) & set(names)
     every = [spec.name for spec in rows.select("all", cuda=True)]
     assert set(proven) < set(every) and [s.name for s in rows.select(",".join(proven), cuda=True)] == proven
-    assert [spec.name for spec in rows.select("all", cuda=True) if not spec.required] == ["fp8-1b", "peer-nanogpt",
-                                                                                           "peer-llmc"]
+    assert [spec.name for spec in rows.select("all", cuda=True) if not spec.required] == [
+        "fp8-1b", "fp8-fsdp-1", "peer-nanogpt", "peer-llmc"]
     assert [r.name for r in rows.select("", cuda=False)] == [r.name for r in rows.rows_for(False)]  # the smoke: all
 
 
@@ -351,4 +351,6 @@ def test_every_gpu_rows_command_is_accepted_by_its_script(tmp_path, monkeypatch)
             mod.main(cmd[2:] + ["--help"])
         assert done.value.code == 0, cmd
     train = [c for c in commands if "lmforge" in c and "train" in c]
-    assert len(train) == 4 and all(c[c.index("--train.compile") + 1] == "false" for c in train)
+    assert len(train) == 5 and all(c[c.index("--train.compile") + 1] == "false" for c in train)
+    fp8 = [c for c in train if "--train.fp8" in c]  # (fp8-fsdp-1: FSDP2's FP8 all-gather on NCCL)
+    assert len(fp8) == 1 and fp8[0][fp8[0].index("--parallel.zero_stage") + 1] == "3"

@@ -93,6 +93,14 @@ ROWS: tuple[RowSpec, ...] = (
                what="llama-1b with train.fp8 (torchao, carried as a wheel) against the bf16 llama-1b row"),
     RowSpec("fp8-config", "fp8_config", 10, "", 120, "torchao.float8 imports; the fp8 config loads",
             required=False, where="cpu"),
+    # issue 55 item 2: FSDP2's FP8 all-gather on NCCL (gloo has no float8 type: tests/test_fp8.py checks the same
+    # arithmetic on the CPU with the gathers in high precision); at shard degree 1 FSDP2 still runs its gather path
+    RowSpec("fp8-fsdp-1", "train", 28,
+            f"as fsdp-1 (23 s measured: torchrun, 30 tiny steps) + ~{START_S} s to import torchao and convert", 240,
+            "torchrun, zero_stage 3 with train.fp8 (tensorwise): FSDP2 gathers the FP8 weights in FP8 on NCCL",
+            {"steps": 30, "torchrun": 1, "needs": "torchao.float8",
+             "extra": ("--parallel.zero_stage", "3", "--train.fp8", "true", "--train.fp8_all_gather", "true")},
+            required=False, where="gpu", default=False),
     # the references compile's rule is read against (the plain loop; compile = auto's choice): proven on
     # 2026-11-26 and 2026-11-27 and unchanged since, so out of the default plan since the peer row joined it
     # (`--rows gpt2-plain,gpt2-compile`)

@@ -209,6 +209,8 @@ class Suite:
     def step_train(self, spec: RowSpec, row: Row) -> None:
         """`lmforge train` (under torchrun for `torchrun` processes): val loss, tokens/s, peak memory."""
         a = spec.args
+        if a.get("needs"):
+            self.needs(a["needs"])
         base = self.torchrun(a["torchrun"]) if a.get("torchrun") else [sys.executable, "-m", "lmforge", "train"]
         out = self.out / "runs" / spec.name
         proc = self.sub(row, base + self.train_args(a["steps"]) + list(a.get("extra", ())) +
@@ -225,6 +227,9 @@ class Suite:
                                             "layout", "steps")}
         row.result = (f"{s.get('layout', '?')}: val loss {s['initial_val_loss']:.3f} -> {s['val_loss']:.3f}, "
                       f"{s['tokens_per_second']:,.0f} tok/s (whole run), peak {s.get('peak_mem_gb', 0):.2f} GB")
+        fp8 = re.search(r"fp8: \d+ block linears converted[^\n]*", said)
+        if fp8:
+            row.result += f"; {fp8.group(0)}"
         if spec.name == "async-2":
             row.detail["backend"] = backend.group(1) if backend else None
             row.result += f"; default group {row.detail['backend']}, parameter server messages on gloo"

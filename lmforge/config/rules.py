@@ -362,9 +362,11 @@ def check_features(cfg: "Config") -> None:
     if t.precision != "auto":  # (what auto resolves to is checked once it is known: check_resolved_precision)
         check_resolved_precision(cfg, t.precision)
     if t.fp8:
-        if p.tp > 1:
-            raise ConfigError("train.fp8 = true with parallel.tp > 1 needs torchao's float8 tensor-parallel "
-                              "styles, which lmforge does not wire yet; set train.fp8 = false or parallel.tp = 1.")
+        if t.fp8_all_gather is True and not (p.fsdp and t.fp8_recipe == "tensorwise"):
+            why = "no FSDP2 in this layout (zero_stage 2/3, or 1 under tp / pp)" if not p.fsdp else \
+                f"train.fp8_recipe = {t.fp8_recipe!r} (torchao gathers FP8 shards with tensorwise scales only)"
+            raise ConfigError(f"train.fp8_all_gather = true does not apply: {why}; set train.fp8_all_gather = 'auto' "
+                              f"(on where it applies) or false.")
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError("train.fp8 = true needs the torchao package (torchao.float8), which is not "
                               "installed: `pip install torchao`, or set train.fp8 = false.")
@@ -477,6 +479,13 @@ FUSED_HEAD_SLOWER: frozenset[tuple[str, str]] = frozenset({("cpu", "bf16")})
 BF16_PURE_PRESETS_ABOVE = 10e9
 
 
+def fp8_all_gather(cfg: "Config") -> bool:
+    """train.fp8_all_gather as the layout uses it: FSDP2 gathers FP8 shards where asked (true) or where it
+    applies (auto: FSDP2 and the tensorwise recipe; check_features refuses true elsewhere)."""
+    t = cfg.train
+    return bool(t.fp8 and t.fp8_all_gather and cfg.parallel.fsdp and t.fp8_recipe == "tensorwise")
+
+
 def preset_precision_note(cfg: "Config", precision: str) -> str | None:
     """The plan's line for a bf16-pure that came from a large preset's train.precision (else None)."""
     if precision != "bf16-pure" or cfg.train.precision != "bf16-pure":
@@ -487,7 +496,7 @@ def preset_precision_note(cfg: "Config", precision: str) -> str | None:
 
 
 # train.precision -> the precision its matmuls compute in (bf16-pure: bf16, without autocast)
-COMPUTE_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16"}
+COMPUTE_PRECISION = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}  # (the planner's fp8: train.fp8 over bf16)
 
 
 def compute_precision(precision: str) -> str:

@@ -62,13 +62,15 @@ from lmforge.parallel.layout import ShardedLayout
 from lmforge.parallel.mesh import DistInfo
 
 
-def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False) -> dict:
-    """`parallelize_module` plan for a Transformer or a pipeline stage chunk (keys of present modules)."""
+def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = False, fp8_collectives: bool = True) -> dict:
+    """`parallelize_module` plan for a Transformer or a pipeline stage chunk (keys of present modules).
+    `fp8_collectives`: the backend carries float8 tensors (NCCL; gloo has no float8 type)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, SequenceParallel
 
     ColwiseParallel, RowwiseParallel = _lora_aware_styles()  # noqa: N806 (torch's class names)
     sp = sequence_parallel
+    col, row = _float8_aware(model, ColwiseParallel, RowwiseParallel, fp8_gathers=not sp or fp8_collectives)
     plan: dict = {}
     if getattr(model, "tok_emb", None) is not None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
@@ -89,8 +91,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
         # attention: its up-projections (whole heads: each head's rows are contiguous), the latent
         # down-projections and norms replicated (lmforge.model.mla)
         for n in _column_parallel_attention(block.attn):
-            plan[f"{pre}.attn.{n}"] = ColwiseParallel()
-        plan[f"{pre}.attn.wo"] = RowwiseParallel(**row_out)
+            plan[f"{pre}.attn.{n}"] = col(f"{pre}.attn.{n}")
+        plan[f"{pre}.attn.wo"] = row(f"{pre}.attn.wo", **row_out)
         if getattr(block.attn, "q_norm", None) is not None and not isinstance(block.attn, MLAttention):  # (QK-norm)
             plan.update(_qk_norm_plan(pre))
         if isinstance(block.attn, GatedDeltaNet):
@@ -101,8 +103,8 @@ def tp_plan(model: nn.Module, sequence_parallel: bool, local_logits: bool = Fals
             up = ("gate", "up") if hasattr(block.mlp, "gate") else ("fc",)
             down = "down" if hasattr(block.mlp, "down") else "proj"
             for n in up:
-                plan[f"{pre}.mlp.{n}"] = ColwiseParallel()
-            plan[f"{pre}.mlp.{down}"] = RowwiseParallel(**row_out)
+                plan[f"{pre}.mlp.{n}"] = col(f"{pre}.mlp.{n}")
+            plan[f"{pre}.mlp.{down}"] = row(f"{pre}.mlp.{down}", **row_out)
         if sp:
             for n in ("attn_norm", "mlp_norm"):  # (model.norm_placement = "post": none)
                 if getattr(block, n, None) is not None:
@@ -215,6 +217,28 @@ def _qk_norm_plan(pre: str) -> dict:
     return {f"{pre}.attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("q_norm", "k_norm")}
 
 
+def _float8_aware(model: nn.Module, colwise: type, rowwise: type, fp8_gathers: bool = True):
+    """(col, row): the style for a block linear by its name in `model`: torchao's Float8ColwiseParallel /
+    Float8RowwiseParallel for a Float8Linear with tensorwise scales (its casts made after the DTensor is,
+    so every scale is the whole tensor's, as in one process; lmforge.model.fp8), else `colwise` /
+    `rowwise` (rowwise-scaled Float8Linear layers too, as torchtitan does). Without `fp8_gathers` (gloo
+    under sequence parallelism, where Float8RowwiseParallel would all-gather its output's FP8 gradient)
+    the row-parallel layers take `rowwise`: the Float8Linear casts that gradient itself, with the same
+    whole-tensor scale, after a high-precision gather."""
+    from lmforge.model.fp8 import is_float8, tensorwise
+
+    def pick(name: str, plain: type, fp8: str):
+        module = model.get_submodule(name)
+        if is_float8(module) and tensorwise(module) and (fp8_gathers or fp8 == "Float8ColwiseParallel"):
+            from torchao.float8 import float8_tensor_parallel
+
+            return getattr(float8_tensor_parallel, fp8)
+        return plain
+
+    return (lambda name, **kw: pick(name, colwise, "Float8ColwiseParallel")(**kw),
+            lambda name, **kw: pick(name, rowwise, "Float8RowwiseParallel")(**kw))
+
+
 def _lora_aware_styles() -> tuple[type, type]:
     """torch's ColwiseParallel / RowwiseParallel, also splitting a LoRALinear's adapters.
 
@@ -268,7 +292,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool, lo
     tied = (getattr(model, "tok_emb", None) is not None and getattr(model, "lm_head", None) is not None
             and model.lm_head.weight is model.tok_emb.weight)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # (LoRA: the base weights)
-    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, local_logits))
+    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, local_logits, tp_mesh.device_type == "cuda"))
     for m in model.modules():
         if isinstance(m, MLAttention):  # multi-head latent attention: its shared RoPE key's gradient, summed over TP
             m.tp_group = tp_mesh.get_group()

@@ -79,6 +79,7 @@ from typing import Any
 
 from lmforge.config import Config, ModelConfig
 from lmforge.model.accounting import flops_per_token as model_flops_per_token
+from lmforge.spec.fp8 import converts
 from lmforge.spec.parallel import (cp_comm_bytes, pipeline_bubble, recomputed_layers,  # noqa: F401 (re-exported)
                                    ulysses_bytes, ulysses_comm_bytes)
 from lmforge.plan.hardware import Cluster, Device
@@ -121,6 +122,15 @@ def _stage0_params(model_cfg: ModelConfig, pp: int, tp: int, ep: int = 1, last_r
         specs = stage_specs(model_cfg, pp, 0, last_rank)
         _CACHE[key] = (sum(math.prod(tp_shape(sp, tp, ep)) for sp in specs), len(specs))
     return _CACHE[key]
+
+
+def _stage0_fp8_params(model_cfg: ModelConfig, layout: Layout) -> float:
+    """Of `_stage0_params`, the weights train.fp8 converts (lmforge.spec.fp8.converts; 0 unless fp8)."""
+    if layout.precision != "fp8":
+        return 0.0
+    specs = stage_specs(model_cfg, layout.pp, 0, layout.last_rank)
+    return float(sum(math.prod(tp_shape(sp, layout.tp, layout.ep)) for sp in specs
+                     if sp.matmul and not sp.expert and converts(sp.name, sp.shape)))
 
 
 def ep_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
@@ -183,15 +193,19 @@ class _Link:
         return calls * self.latency_step_s + wire_bytes / self.bytes_per_s
 
 
-def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m: int, layers: int
-                ) -> tuple[float, float, float, float]:
+def _dp_traffic(layout: Layout, convention: str, params: float, tensors: int, m: int, layers: int,
+                fp8_params: float = 0.0) -> tuple[float, float, float, float]:
     """(calls once per step, bytes once per step, calls per step made per micro-batch, their bytes)
-    of one data-parallel rank, ring bytes per GPU (see the module docstring)."""
+    of one data-parallel rank, ring bytes per GPU (see the module docstring). `fp8_params`: of `params`,
+    the FP8 layers' weights, which lmforge's FSDP2 gathers in FP8 (train.fp8_all_gather, the default
+    with the default tensorwise recipe)."""
     n = layout.shard_ranks
     ring = (n - 1) / n
     full = layout.precision == "fp32"
     grad_b = 4 if (full or convention != "zero-paper") else 2  # gradient element on the wire
     weight_b = 4 if full else 2                                  # 16-bit weight gathers
+    if layout.precision == "fp8" and convention == "lmforge" and layout.fsdp and params:
+        weight_b -= fp8_params / params                          # (1 byte a gathered FP8 weight element)
     if layout.zero == 0:
         calls = math.ceil(grad_b * params / DDP_BUCKET_BYTES)
         return calls, 2 * ring * grad_b * params, 0.0, 0.0
@@ -349,7 +363,8 @@ def estimate_step(model_cfg: ModelConfig, layout: Layout, cluster: Cluster, seq_
     dp_overlap = 0.0
     if layout.shard_ranks > 1:  # gradients averaged over dp x cp
         params, tensors = _stage0_params(model_cfg, layout.pp, t, layout.ep, layout.last_rank)
-        once_calls, once_bytes, mb_calls, mb_bytes = _dp_traffic(layout, convention, params, tensors, m, layers)
+        once_calls, once_bytes, mb_calls, mb_bytes = _dp_traffic(
+            layout, convention, params, tensors, m, layers, _stage0_fp8_params(model_cfg, layout))
         link = _Link.of(cluster, t * layout.shard_ranks, layout.shard_ranks)
         once, per_mb = link.collective(once_calls, once_bytes), link.collective(mb_calls, mb_bytes)
         comm["dp"] = once + per_mb

@@ -187,7 +187,13 @@ def build_training_model(cfg: Config, device: torch.device) -> tuple[Transformer
         log.info("LoRA: rank %d on %d layers; %s trainable parameters", ft.lora_rank, len(adapted),
                  f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,}")
     if t.fp8:
-        from lmforge.train.fp8 import apply_fp8
+        from lmforge.config.rules import fp8_all_gather
+        from lmforge.model.fp8 import apply_fp8
 
-        log.info("fp8: %d block linears converted to torchao Float8Linear", apply_fp8(model, device))
+        # (gloo has no float8 type: on the CPU FSDP2 gathers the shards in high precision, the same arithmetic)
+        gather = fp8_all_gather(cfg) and device.type == "cuda"
+        log.info("fp8: %d block linears converted to torchao Float8Linear (%s scales%s)",
+                 apply_fp8(model, device, t.fp8_recipe, gather), t.fp8_recipe,
+                 "; FSDP2 gathers them in FP8" if gather else
+                 "; FSDP2 gathers them in high precision on gloo (no float8 type)" if fp8_all_gather(cfg) else "")
     return model, source

@@ -59,6 +59,7 @@ from lmforge.train.ema import WeightEMA
 from lmforge.train.eval_tasks import TaskEvaluator
 from lmforge.train.events import Handler, Handlers, registered_handlers
 from lmforge.train.fault_tolerance import FaultTolerance, data_coordinate
+from lmforge.train.fp8 import fp8_handlers
 from lmforge.train.guard import StepGuard, can_skip_on_device
 from lmforge.train.metrics import format_duration
 from lmforge.train.precision import Resolved, make_precision
@@ -88,10 +89,9 @@ class Trainer:
         self.preemption = Preemption()  # SIGTERM / SIGINT / SIGUSR1 -> a checkpoint (handlers: during fit)
         self.run: RunRecords | None = None
 
-    @staticmethod
-    def builtin_handlers() -> list[Handler]:
-        """The handlers every synchronous run has, first, in this order (lmforge.train.events)."""
-        return [RankHealth(), Profiling(), FaultTolerance()]
+    def builtin_handlers(self) -> list[Handler]:
+        """The handlers every synchronous run has, first, in order (lmforge.train.events); then its config's."""
+        return [RankHealth(), Profiling(), FaultTolerance(), *fp8_handlers(self.cfg)]
 
     def add_handler(self, handler: Handler) -> None:
         """Join `handler` to this trainer's events (after the others; before `fit`)."""

@@ -16,7 +16,7 @@ layout is checked against a band measured from perturbed one-process reruns (lmf
 one at fp32's tolerance. bf16 on a CPU without bf16 units (AVX2 only) is emulated 50-100x slower: the toy
 stays small enough for minutes (the run's time is printed).
 
-Refused, with the reason: CPU offload and FP8 (CUDA only), and worlds of more than MAX_PROCESSES after
+Refused, with the reason: CPU offload (CUDA only), FP8 (not emulated yet), and worlds of more than MAX_PROCESSES after
 scaling.
 """
 
@@ -66,8 +66,10 @@ def scale_layout(layout: Layout) -> tuple[Layout, list[str]]:
         raise CannotEmulate("the layout offloads FSDP's shards to CPU memory (offload=1): torch's CPUOffloadPolicy "
                             "needs a CUDA GPU, so a CPU run cannot show it")
     if layout.precision == "fp8":
-        raise CannotEmulate("the layout trains in FP8 (torchao float8 matmuls need an H100-class GPU); plan it with "
-                            "--precision bf16 to verify the rest of the layout")
+        raise CannotEmulate("the layout trains in FP8, which the certificate does not emulate yet (its toy's "
+                            "micro-batches differ from the layout's, and FP8's scales follow them; tests/test_fp8.py "
+                            "checks FP8 under TP and FSDP2 on the CPU); plan it with --precision bf16 to verify the "
+                            "rest of the layout")
     ep = smallest_divisor(layout.ep)
     dp = smallest_divisor(layout.dp) if layout.ep == 1 else ep * smallest_divisor(layout.dp // layout.ep)
     scaled = {"dp": dp, "cp": smallest_divisor(layout.cp), "tp": smallest_divisor(layout.tp),
