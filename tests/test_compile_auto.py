@@ -181,3 +181,65 @@ def test_lmforge_train_with_compile_true_trains_validates_and_samples_on_the_cpu
     assert "compile: per-block torch.compile (train.compile = true" in proc.stderr + proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["sample"] and (out / "sample.txt").read_text().strip()
+
+
+def _inductor_kernels(monkeypatch, style: str, whole: bool) -> tuple[set[str], set[str]]:
+    """The names of the kernels inductor generates on the CPU for the forward and the backward of a one-block
+    model of `style`, compiled per block (`block.compile()`, as train.compile = blocks does) or whole."""
+    import re
+
+    import torch
+    from torch._inductor.graph import GraphLowering
+
+    from lmforge.model.transformer import build_model
+
+    codes: list[str] = []
+    lower = GraphLowering.compile_to_module
+
+    def keep(self, *a, **k):
+        mod = lower(self, *a, **k)
+        codes.append(Path(mod.__file__).read_text())
+        return mod
+
+    monkeypatch.setattr(GraphLowering, "compile_to_module", keep)
+    torch._dynamo.reset()
+    extra = {"model.pos_emb": "learned", "model.norm": "layernorm", "model.activation": "gelu", "model.bias": True} \
+        if style == "gpt2" else {}
+    cfg = load_config("tiny", {**SMALL, **extra, "model.n_layers": 2}).model
+    model = build_model(cfg, "cpu", seed=0)
+    for block in ([] if whole else model.blocks.values()):
+        block.compile()
+    run = torch.compile(lambda x: model(x).float().logsumexp(-1).mean()) if whole else \
+        (lambda x: model(x).float().logsumexp(-1).mean())
+    # (a cached graph is not lowered again: inductor's and AOTAutograd's caches off)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        run(torch.randint(0, cfg.vocab_size, (2, 32))).backward()
+    forward, backward = (set(re.findall(r"\b(cpp_fused_\w+_\d+)\b", code)) for code in codes[:2])
+    return forward, backward
+
+
+def _bare_adds(kernels: set[str]) -> set[str]:
+    import re
+
+    return {k for k in kernels if re.fullmatch(r"cpp_fused_(_unsafe_view_)?add(_view)?_\d+", k)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_compiled_blocks_fuse_the_residual_add_with_the_next_norm(style, monkeypatch):
+    """Issue 55 item 3, what inductor makes of lmforge's blocks (kernel names from its generated code, CPU):
+    compiled per block (train.compile = blocks), the attention's residual add and the MLP's norm are one
+    kernel (RMSNorm's add-mean-rsqrt; LayerNorm's statistics), the activation one kernel with its
+    neighbours, and the backward adds the residual gradient inside the norms' backward; what is left is the
+    block's output add (the next block's norm is in the next graph): one bare add pass per block. Compiled
+    whole (train.compile = model) that add fuses too: no bare add at all, llm.c's hand-fused residual +
+    LayerNorm."""
+    norm = "mean_mul_pow_rsqrt" if style == "llama" else "native_layer_norm"
+    act = "silu" if style == "llama" else "gelu"
+    forward, backward = _inductor_kernels(monkeypatch, style, whole=False)
+    assert any("add" in k and norm in k for k in forward), forward  # the attention's residual add + the MLP's norm
+    assert any(act in k for k in forward) and not _bare_adds(backward), (forward, backward)
+    assert len(_bare_adds(forward)) == 1, forward  # (the block's output add, in each of the 2 blocks' graphs)
+    forward, backward = _inductor_kernels(monkeypatch, style, whole=True)
+    assert not _bare_adds(forward | backward), (forward, backward)
+    assert sum("add" in k and norm in k for k in forward) >= 3, forward  # (every residual add meets a norm)
