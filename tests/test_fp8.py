@@ -93,6 +93,7 @@ def test_the_planner_counts_fp8_where_training_converts(overrides, capsys):
     assert _stage0_fp8_params(cfg, Layout(dp=2, zero=3, precision="fp8")) == real > 0
     assert _stage0_fp8_params(cfg, Layout(dp=2, zero=3)) == 0
     out = {}
+    capsys.readouterr()  # (what the conversion logged)
     for precision in ("bf16", "fp8"):
         assert plan_main(["--model", "llama-1b", "--gpus", "8xH100", "--layout", "dp=8,zero=3,mb=4", "--precision",
                           precision, "--json"]) == 0

@@ -285,12 +285,13 @@ def test_fsdp_groups_match_one_process_through_a_kill_and_a_rejoin(docs_corpus, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"parallel.tp": 2, "parallel.sequence_parallel": "true"}, {"parallel.pp": 2}],
-                         ids=["tp-sp", "pp"])
+@pytest.mark.parametrize("layout", [{"parallel.tp": 2, "parallel.sequence_parallel": "true"}, {"parallel.pp": 2},
+                                    {"parallel.cp": 2}], ids=["tp-sp", "pp", "cp"])
 def test_tp_and_pp_groups_match_one_process(docs_corpus, one_process, tmp_path, layout):  # noqa: F811
     """Two replica groups of 2 tensor-parallel ranks with sequence parallelism (each rank half of every
-    matrix; the norm weights' gradients partial sums until the clip adds them) or 2 pipeline stages
-    (each rank one block), both groups in every step (min_replicas 2; the
+    matrix; the norm weights' gradients partial sums until the clip adds them), 2 pipeline stages
+    (each rank one block) or 2 context-parallel ranks (each rank half of every sequence, the weights
+    whole, their gradients averaged over the group's cp ranks first), both groups in every step (min_replicas 2; the
     one that asked second took the other's state at the first quorum, each rank its own part): every
     step's loss and gradient norm are those of `one_process`, and both groups end bit-identical."""
     port = free_port()
@@ -335,7 +336,7 @@ def test_bad_values_name_the_key(key, value, message):
 @pytest.mark.parametrize("setting, message", [
     ({"guard.enabled": True}, "needs guard.enabled = false"),
     ({"parallel.async_sgd": True}, "parallel.async_sgd"),
-    ({"parallel.cp": 2}, "parallel.cp > 1: context and expert parallelism inside a replica group are not tested"),
+    ({"parallel.ep": 2}, "parallel.ep > 1: expert parallelism inside a replica group is not tested"),
     ({"parallel.dp_shard": 2, "fault_tolerance.diloco_sync_every": 4},
      "diloco_sync_every with a sharded layout in the group .* checkpointed as whole parameters"),
     ({"parallel.pp": 2, "fault_tolerance.batch_policy": "keep"}, "'keep' with parallel.pp > 1: a pipeline schedule"),
@@ -354,7 +355,8 @@ def test_layouts_a_replica_group_cannot_be(setting, message):
     cfg.guard.enabled = False
     cfg.fault_tolerance.enabled = True
     check_fault_tolerance(cfg)  # (one process, no guard: a replica group)
-    for layout in ({"dp_shard": 2, "zero_stage": 3}, {"dp_shard": 2, "zero_stage": 1}, {"tp": 2}, {"pp": 2}):  # (so are)
+    for layout in ({"dp_shard": 2, "zero_stage": 3}, {"dp_shard": 2, "zero_stage": 1}, {"tp": 2}, {"pp": 2},
+                   {"cp": 2}):  # (so are)
         check_fault_tolerance(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **layout)))
     for dotted, value in setting.items():
         section, key = dotted.split(".")
