@@ -119,7 +119,14 @@ def one_family(name: str, args: argparse.Namespace, out: Path) -> dict:
         problems.append(f"chunked val loss {result.val_loss:.5f} vs plain {plain:.5f}: |diff| {diff:.2e} > {tol:g}")
     if not (math.isfinite(result.val_loss) and result.val_loss < result.initial_val_loss):
         problems.append(f"val loss did not fall ({result.initial_val_loss:.4f} -> {result.val_loss:.4f})")
+    kernel = None  # (the Gated DeltaNet families: which chunked form ran, model.deltanet.kernel)
+    if any(trainer.cfg.model.is_linear_layer(i) for i in range(trainer.cfg.model.n_layers)):
+        from lmforge.model.gated_deltanet import fla_chunked
+
+        kernel = "fla" if (trainer.device.type == "cuda" and trainer.cfg.model.deltanet.kernel != "torch"
+                           and fla_chunked() is not None) else "torch"
     return {"family": name, "preset": preset, "option": option, "params": trainer.n_params, "loss_chunk": chunk,
+            "deltanet_kernel": kernel,
             "initial_val_loss": result.initial_val_loss, "val_loss": result.val_loss, "plain_val_loss": plain,
             "chunked_vs_plain": diff, "tolerance": tol, "tokens_per_second": result.tokens_per_second,
             "ok": not problems, "problems": problems}

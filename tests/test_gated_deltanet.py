@@ -5,6 +5,8 @@ own Qwen3NextGatedDeltaNet (its PyTorch path) given the same weights."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -149,3 +151,56 @@ def test_the_initial_values_follow_lmforges_rules():
     again = materialise(GatedDeltaNet(cfg).to("meta"), "cpu", init_source(cfg, 7))
     for (name, p), q in zip(module.named_parameters(), again.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_the_kernel_choice_takes_the_pytorch_form_off_cuda_and_names_the_fix_for_fla(monkeypatch):
+    """model.deltanet.kernel: auto and torch run the PyTorch form on the CPU (flash-linear-attention is not
+    even looked up); fla there is an error naming the fix, in the config (train.device = cpu, or the package
+    absent) and in the module."""
+    import lmforge.model.gated_deltanet as gd
+    from lmforge.config import load_config
+
+    monkeypatch.setattr(gd, "fla_chunked", lambda: pytest.fail("the fla kernels were looked up on the CPU"))
+    x = torch.randn(2, 9, DIM)
+    with torch.no_grad():
+        outs = []
+        for kernel in ("auto", "torch"):
+            module = _random_module()
+            module.kernel = kernel
+            outs.append(module(x))
+    assert torch.equal(outs[0], outs[1])
+    module.kernel = "fla"
+    with pytest.raises(RuntimeError, match=r"model\.deltanet\.kernel = 'fla': its Triton kernels need CUDA, this "
+                                           r"forward runs on cpu; set model\.deltanet\.kernel = 'auto' or 'torch'"):
+        module(x)
+    with pytest.raises(ConfigError, match=r"model\.deltanet\.kernel = 'fla' runs flash-linear-attention's Triton "
+                                          r"kernels, which need CUDA; train\.device = 'cpu'"):
+        load_config("tiny-hybrid", {"model.deltanet.kernel": "fla", "train.device": "cpu"})
+    if importlib.util.find_spec("fla") is None:
+        with pytest.raises(ConfigError, match=r"needs the flash-linear-attention package, which is not installed"):
+            load_config("tiny-hybrid", {"model.deltanet.kernel": "fla", "train.device": "cuda"})
+    load_config("tiny", {"model.deltanet.kernel": "fla", "train.device": "cpu"})  # (no linear layer: unused)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="GPU only: flash-linear-attention's Triton kernels on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fla_kernels_match_the_pytorch_form_on_cuda(dtype):
+    """(GPU, not run by CI.) The module with kernel = fla against kernel = torch on the same weights and
+    input, forward and every parameter's gradient, from a cached state too: fp32 within 1e-4 of the
+    output's scale, bf16 within 2e-2 (the kernels compute in the activations' dtype, the PyTorch form in fp32)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 150, DIM, device="cuda")  # (2 chunks of 64 and a padded one)
+    runs = {}
+    for kernel in ("torch", "fla"):
+        module = _random_module().cuda()
+        module.kernel = kernel
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            out = module(x)
+        out.float().square().sum().backward()
+        runs[kernel] = (out.float(), {n: p.grad.float() for n, p in module.named_parameters()})
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    (a, ga), (b, gb) = runs["torch"], runs["fla"]
+    assert (a - b).abs().max() <= tol * a.abs().max()
+    for name in ga:
+        assert (ga[name] - gb[name]).abs().max() <= tol * ga[name].abs().max() + 1e-8, name

@@ -62,6 +62,14 @@ def _env(home: Path) -> dict:
     return {**env, "HOME": str(home), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
 
 
+def prepare_module():
+    """benchmarks/gpu/prepare.py (what --prepare downloads: WHEELS)."""
+    spec = importlib.util.spec_from_file_location("gpu_prepare", ROOT / "benchmarks" / "gpu" / "prepare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def fake_wheel(folder: Path, name: str, version: str) -> Path:
     """A minimal installable wheel (a package with an empty module): what `--prepare --find-links`
     downloads in place of the real one, offline."""
@@ -94,7 +102,9 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
     prepared = ROOT / f".gpu-window-test-{os.getpid()}"
     try:
         build_env = {k: v for k, v in os.environ.items() if not k.startswith("LMFORGE_CACHE")}
-        fake_wheel(tmp_path / "index", "torchao", "0.17.0")
+        for spec in prepare_module().WHEELS:  # (each wheel the window carries, as an empty stand-in)
+            name, version = spec.split("==")
+            fake_wheel(tmp_path / "index", name.replace("-", "_"), version)
         prep = subprocess.run([str(python), str(SUITE), "--prepare", str(prepared), "--find-links",
                                str(tmp_path / "index")], env=build_env, capture_output=True, text=True, timeout=600,
                               cwd=tmp_path)
@@ -146,7 +156,8 @@ def test_the_gpu_suite_runs_every_step_on_the_cpu_in_a_gpu_shaped_environment(tm
                      r"validated [\d.]+ s; sync", rows["ckpt-save"][1]), rows["ckpt-save"]
     assert "8 straight steps == 4 + resume + 4, fp32: bit-identical" in rows["ckpt-resume"][1]
     for family in ("llama3.1 (RoPE scaling (llama3))", "qwen2.5 (q/k/v biases)", "qwen3 (QK-norm)",
-                   "qwen3-next (Gated DeltaNet + gated attention)", "gemma3 (sandwich norms, local/global)",
+                   "qwen3-next (Gated DeltaNet + gated attention, torch kernels)",  # (the CPU: PyTorch's form)
+                   "gemma3 (sandwich norms, local/global)",
                    "olmo3 (post-norms, local/global)"):
         assert family + ": val " in rows["families"][1], rows["families"]
     assert rows["families"][1].count("chunk 128 vs plain: abs diff") == 6

@@ -25,7 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # What the rows need that the lent machine (torch 2.11, Python 3.12, no index) lacks. torchao 0.17.0:
 # its prebuilt extensions load on torch >= 2.11 (its __init__ checks); torchao.float8 is pure Python
 # on torch's _scaled_mm; no runtime dependencies. Rows: fp8-1b.
-WHEELS = {"torchao==0.17.0": "fp8-1b (torchao.float8)"}
+WHEELS = {"torchao==0.17.0": "fp8-1b (torchao.float8)",
+          # flash-linear-attention's kernels (fla.ops, Triton, which torch's CUDA wheels bring) and its one runtime
+          # dependency: the families row's Gated DeltaNet takes them (model.deltanet.kernel = auto)
+          "fla-core==0.6.0": "families (Gated DeltaNet's Triton kernels)", "einops==0.8.2": "fla-core's dependency"}
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
             "--platform", "manylinux2014_x86_64", "--only-binary", ":all:"]
 PREPARED_LIMIT = 32 * 2**20  # the carry limit is 64 MiB with the working tree's untracked files: keep far under

@@ -398,7 +398,8 @@ class Suite:
         fams = res["families"]
         row.detail = {f["family"]: f for f in fams}
         row.result = "; ".join(
-            f"{f['family']} ({f['option']}): val {f['initial_val_loss']:.2f} -> {f['val_loss']:.2f}, chunk "
+            f"{f['family']} ({f['option']}{', ' + f['deltanet_kernel'] + ' kernels' if f.get('deltanet_kernel') else ''}"
+            f"): val {f['initial_val_loss']:.2f} -> {f['val_loss']:.2f}, chunk "
             f"{f['loss_chunk']} vs plain: abs diff {f['chunked_vs_plain']:.1e}, {f['tokens_per_second']:,.0f} tok/s"
             + ("" if f["ok"] else " FAILED: " + ", ".join(f["problems"])) for f in fams)
         if proc.returncode or not all(f["ok"] for f in fams):

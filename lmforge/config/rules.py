@@ -361,6 +361,13 @@ def check_features(cfg: "Config") -> None:
             f"makes the step (global_batch_size / dp = {t.global_batch_size // p.dp}), or another train.compile_mode.")
     if t.precision != "auto":  # (what auto resolves to is checked once it is known: check_resolved_precision)
         check_resolved_precision(cfg, t.precision)
+    if cfg.model.deltanet.kernel == "fla" and any(cfg.model.is_linear_layer(i) for i in range(cfg.model.n_layers)):
+        if t.device == "cpu":
+            raise ConfigError("model.deltanet.kernel = 'fla' runs flash-linear-attention's Triton kernels, which need "
+                              "CUDA; train.device = 'cpu': set model.deltanet.kernel = 'auto' (the PyTorch form there).")
+        if importlib.util.find_spec("fla") is None:
+            raise ConfigError("model.deltanet.kernel = 'fla' needs the flash-linear-attention package, which is not "
+                              "installed: `pip install flash-linear-attention`, or set model.deltanet.kernel = 'auto'.")
     if t.fp8:
         if t.fp8_all_gather is True and not (p.fsdp and t.fp8_recipe == "tensorwise"):
             why = "no FSDP2 in this layout (zero_stage 2/3, or 1 under tp / pp)" if not p.fsdp else \

@@ -109,6 +109,7 @@ class DeltaNetConfig:
     value_head_dim: int | None = _f(None, "Width of a value head (Qwen3-Next 128); the output gate and gated RMSNorm act per value head. None = key_head_dim.")
     conv_kernel: int = _f(4, "Width of the short causal depthwise convolution over q, k and v (followed by SiLU; Qwen3-Next 4); a generation cache keeps its last conv_kernel - 1 inputs.")
     chunk_size: int = _f(64, "Tokens per chunk of the chunked form used for training and prefill (the result does not depend on it, up to rounding; the state passes from chunk to chunk).")
+    kernel: Literal["auto", "torch", "fla"] = _f("auto", "The chunked form's implementation: torch = lmforge's PyTorch form (any device, fp32 inside); fla = the flash-linear-attention package's Triton kernels (`pip install flash-linear-attention`; CUDA only; chunks of 64, their own; q, k and v in the activations' dtype); auto = fla on CUDA where the package imports, torch elsewhere. Generation's one-token steps always take the recurrent PyTorch form.")
 
     def check(self) -> None:
         at_least(1, "model.deltanet", conv_kernel=self.conv_kernel, chunk_size=self.chunk_size,

@@ -27,6 +27,12 @@ one new token per step). Both run in fp32 and in pure PyTorch (any device); they
 rounding, whatever the chunk size. A `DeltaNetCache` carries a sequence on: the convolution's last
 conv_kernel - 1 inputs and the state.
 
+On CUDA the chunked form can run as the flash-linear-attention package's Triton kernels instead
+(model.deltanet.kernel: `fla_chunked`, the same recurrence with its own chunks of 64; `auto` takes
+them where the package imports): q and k arrive normalised and scaled as above, in the activations'
+dtype with v; the state stays fp32. tests/test_gated_deltanet.py checks them against the PyTorch form
+on a GPU.
+
 Under tensor parallelism (lmforge.parallel.tensor_parallel) each rank holds whole key heads and the
 value heads they serve: the input projections split by rows, the convolutions' channels, A_log and
 dt_bias with them (DTensors sharded on dim 0, used here as their local shards), the output
@@ -122,6 +128,22 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return o.transpose(1, 2), s
 
 
+_FLA: list = []  # (the kernel once imported; [None] where the package does not import)
+
+
+def fla_chunked():
+    """flash-linear-attention's `chunk_gated_delta_rule`, or None where the package (or Triton) does not
+    import. Its arguments: q, k, v (batch, seq, heads, dim), g and beta (batch, seq, heads), `scale`,
+    `initial_state` (batch, heads, key dim, value dim), `output_final_state`; it returns (o, state)."""
+    if not _FLA:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except Exception:  # noqa: BLE001 - ImportError, or a Triton that cannot start: the PyTorch form then
+            chunk_gated_delta_rule = None
+        _FLA.append(chunk_gated_delta_rule)
+    return _FLA[0]
+
+
 class DeltaNetCache:
     """A Gated DeltaNet layer's generation state: the convolution's last conv_kernel - 1 inputs of
     q, k and v (each (batch, channels, conv_kernel - 1)) and the recurrent state (batch, value heads,
@@ -155,7 +177,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = cfg.deltanet_shape
-        self.chunk = cfg.deltanet.chunk_size
+        self.chunk, self.kernel = cfg.deltanet.chunk_size, cfg.deltanet.kernel
         kernel = cfg.deltanet.conv_kernel
         qk, vz = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         self.in_q, self.in_k = nn.Linear(cfg.dim, qk, bias=False), nn.Linear(cfg.dim, qk, bias=False)
@@ -172,6 +194,18 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps)
         self.wo = nn.Linear(vz, cfg.dim, bias=False)
+
+    def _fla(self, q: torch.Tensor):
+        """flash-linear-attention's chunked kernel where model.deltanet.kernel takes it for `q`'s device,
+        else None (the PyTorch form); `fla` off CUDA or without the package is an error naming the fix."""
+        if self.kernel == "torch" or (self.kernel == "auto" and not q.is_cuda):
+            return None
+        kernel = fla_chunked() if q.is_cuda else None
+        if kernel is None and self.kernel == "fla":
+            why = "the flash-linear-attention package does not import here (`pip install flash-linear-attention`)" \
+                if q.is_cuda else f"its Triton kernels need CUDA, this forward runs on {q.device.type}"
+            raise RuntimeError(f"model.deltanet.kernel = 'fla': {why}; set model.deltanet.kernel = 'auto' or 'torch'")
+        return kernel
 
     def _conv(self, name: str, x: torch.Tensor, cache: DeltaNetCache | None) -> torch.Tensor:
         """Causal depthwise convolution + SiLU of x (batch, seq, channels): over the cache's last
@@ -202,6 +236,9 @@ class GatedDeltaNet(nn.Module):
         state = cache.state if cache is not None else None
         if seq == 1 and cache is not None:  # one new token: the recurrence itself
             o, state = recurrent_delta_rule(q, k, v, g, beta, state)
+        elif (fla := self._fla(q)) is not None:  # (q, k already normalised and scaled: scale 1)
+            o, state = fla(q.to(v.dtype), k.to(v.dtype), v, g, beta.to(v.dtype), scale=1.0,
+                           initial_state=None if state is None else state.float(), output_final_state=True)
         else:
             o, state = chunked_delta_rule(q, k, v, g, beta, self.chunk, state)
         if cache is not None:
