@@ -229,8 +229,8 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalise(q.float()) / math.sqrt(self.key_dim)
         k = l2_normalise(k.float())
         rep = self.value_heads // self.key_heads
-        if rep > 1:  # key head j serves value heads j rep .. (j + 1) rep - 1
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        if rep > 1:  # key head j serves value heads j rep .. (j + 1) rep - 1 (repeated for the kernels too, as
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)  # transformers feeds them)
         beta = torch.sigmoid(self.in_b(x).float())
         g = -local_part(self.A_log).float().exp() * F.softplus(self.in_a(x).float() + local_part(self.dt_bias).float())
         state = cache.state if cache is not None else None
