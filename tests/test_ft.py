@@ -294,14 +294,22 @@ def test_tp_and_pp_groups_match_one_process(docs_corpus, one_process, tmp_path, 
     whole, their gradients averaged over the group's cp ranks first), both groups in every step (min_replicas 2; the
     one that asked second took the other's state at the first quorum, each rank its own part): every
     step's loss and gradient norm are those of `one_process`, and both groups end bit-identical."""
+    run = {**FSDP, "parallel.dp_shard": 1, "parallel.zero_stage": 0, **layout}
+    two_groups_of_two_match(docs_corpus, tmp_path, run, one_process)
+
+
+def two_groups_of_two_match(corpus: Path, tmp_path: Path, run: dict, reference: Path) -> None:  # noqa: F811
+    """Two replica groups of 2 ranks each, `run`'s layout, both in every step (min_replicas 2: the one that
+    asked second takes the other's state at the first quorum, each rank its own part): every step's loss and
+    gradient norm are `reference`'s, and both groups end bit-identical."""
     port = free_port()
     procs = [start_lighthouse(port, tmp_path / "lighthouse.log", min_replicas=2, join_timeout_ms=100)]
-    run = {**FSDP, "parallel.dp_shard": 1, "parallel.zero_stage": 0, **layout, "fault_tolerance.min_replicas": 2,
+    run = {**run, "fault_tolerance.min_replicas": 2,
            "fault_tolerance.batch_policy": "shrink"}  # (every step has both groups: no policy applies)
     outs = [tmp_path / f"group{g}" for g in range(2)]
     try:
         for g, out in enumerate(outs):
-            procs.append(start_group(docs_corpus, out, g, port, tmp_path / "no-hold", tmp_path / f"group{g}.log",
+            procs.append(start_group(corpus, out, g, port, tmp_path / "no-hold", tmp_path / f"group{g}.log",
                                      nproc=2, warm=True, **run))
         for g, proc in enumerate(procs[1:]):
             assert proc.wait(timeout=180) == 0, (tmp_path / f"group{g}.log").read_text()[-3000:]
@@ -309,8 +317,29 @@ def test_tp_and_pp_groups_match_one_process(docs_corpus, one_process, tmp_path, 
         for p in procs:
             kill(p)
     assert all(r["replica_groups"] == [0, 1] for out in outs for r in quorums(out).values())
-    assert_steps_match(outs, one_process)
+    assert_steps_match(outs, reference)
     assert_bitwise(final_weights(outs[0]), final_weights(outs[1]))
+
+
+# (the MoE model of tests/test_parallel_ep.py's size; its load-balancing and z losses off: their statistics are
+# each group's micro-batch's, not the job's, docs/checkpoints.md)
+MOE_GROUPS = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.expert_hidden": 64,
+              "model.moe.shared_experts": 1, "model.moe.aux_loss_coef": 0.0, "model.moe.z_loss_coef": 0.0}
+
+
+@pytest.mark.slow
+def test_expert_parallel_groups_match_one_process(docs_corpus, tmp_path):  # noqa: F811
+    """Two replica groups of 2 ranks holding 2 experts each (parallel.ep = 2 over dp_shard 2), both groups in
+    every step: every step's loss and gradient norm are those of one process training the job's global batch
+    of the same MoE model, and both groups end bit-identical."""
+    run = {**FSDP, **MOE_GROUPS, "parallel.zero_stage": 0, "parallel.ep": 2}
+    one = {**RUN, **KEEP, **MOE_GROUPS, "fault_tolerance.enabled": "false", "fault_tolerance.replica_groups": 1,
+           "fault_tolerance.batch_policy": "shrink", "train.global_batch_size": 16}
+    reference = tmp_path / "one-process"
+    proc = subprocess.run(launcher() + ["-m", "lmforge", "train"] + overrides(docs_corpus, reference, **one),
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    two_groups_of_two_match(docs_corpus, tmp_path, run, reference)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -336,7 +365,6 @@ def test_bad_values_name_the_key(key, value, message):
 @pytest.mark.parametrize("setting, message", [
     ({"guard.enabled": True}, "needs guard.enabled = false"),
     ({"parallel.async_sgd": True}, "parallel.async_sgd"),
-    ({"parallel.ep": 2}, "parallel.ep > 1: expert parallelism inside a replica group is not tested"),
     ({"parallel.dp_shard": 2, "fault_tolerance.diloco_sync_every": 4},
      "diloco_sync_every with a sharded layout in the group .* checkpointed as whole parameters"),
     ({"parallel.pp": 2, "fault_tolerance.batch_policy": "keep"}, "'keep' with parallel.pp > 1: a pipeline schedule"),
@@ -356,7 +384,7 @@ def test_layouts_a_replica_group_cannot_be(setting, message):
     cfg.fault_tolerance.enabled = True
     check_fault_tolerance(cfg)  # (one process, no guard: a replica group)
     for layout in ({"dp_shard": 2, "zero_stage": 3}, {"dp_shard": 2, "zero_stage": 1}, {"tp": 2}, {"pp": 2},
-                   {"cp": 2}):  # (so are)
+                   {"cp": 2}, {"dp_shard": 2, "ep": 2}):  # (so are)
         check_fault_tolerance(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **layout)))
     for dotted, value in setting.items():
         section, key = dotted.split(".")

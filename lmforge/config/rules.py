@@ -407,16 +407,13 @@ def check_linear_attention(cfg: "Config") -> None:
 def check_fault_tolerance(cfg: "Config") -> None:
     """fault_tolerance.enabled: what a replica group may be (lmforge.train.fault_tolerance averages
     each rank's part of the gradients, its local shards, with the same rank of the other groups: one
-    process, DDP, FSDP2, TP, PP or CP ranks, every group alike)."""
+    process, DDP, FSDP2, TP, PP, CP or EP ranks, every group alike)."""
     f, p = cfg.fault_tolerance, cfg.parallel
     if not f.enabled:
         return
     if p.async_sgd:
         raise ConfigError("fault_tolerance.enabled with parallel.async_sgd = true: the parameter server has its own "
                           "loop; use one of them.")
-    if p.ep > 1:
-        raise ConfigError("fault_tolerance.enabled with parallel.ep > 1: expert parallelism inside a replica group is "
-                          "not tested with fault tolerance yet; set parallel.ep = 1 (DDP, FSDP2, TP, PP and CP are).")
     sharded = p.fsdp or p.tp > 1 or p.pp > 1
     if f.diloco_sync_every and sharded:
         raise ConfigError("fault_tolerance.diloco_sync_every with a sharded layout in the group (FSDP2: dp_shard > 1 "

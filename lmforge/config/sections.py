@@ -808,7 +808,7 @@ class FinetuneConfig:
 class FaultToleranceConfig:
     """Live fault tolerance across replica groups (`fault_tolerance.*`; lmforge.train.fault_tolerance,
     on torchft: `pip install "lmforge[ft]"`). Each replica group is one `lmforge train` (one process,
-    or a torchrun of DDP, FSDP2, TP, PP or CP ranks; every group the same layout); the groups agree on a
+    or a torchrun of DDP, FSDP2, TP, PP, CP or EP ranks; every group the same layout); the groups agree on a
     quorum with a torchft lighthouse every step and each rank averages its gradients (its shards) with
     the same rank of the others. A dead group costs no restart: the others go on at the smaller
     quorum, and the group started again fetches the weights, optimizer and loop state from a live one."""
