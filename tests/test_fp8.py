@@ -99,6 +99,9 @@ def test_the_planner_counts_fp8_where_training_converts(overrides, capsys):
                           precision, "--json"]) == 0
         out[precision] = __import__("json").loads(capsys.readouterr().out)["compute"]
     assert out["fp8"]["tokens_per_s"] > out["bf16"]["tokens_per_s"]
+    assert plan_main(["--model", "llama-1b", "--gpus", "8xH100", "--layout", "dp=8,zero=3,mb=4", "--precision",
+                      "fp8"]) == 0
+    assert "note: fp8: FSDP2 gathers the FP8 layers' weights in FP8, 1 byte each" in capsys.readouterr().out
     assert out["fp8"]["comm_s"]["dp"] < 0.7 * out["bf16"]["comm_s"]["dp"]
 
 

@@ -329,6 +329,9 @@ def plan_main(argv: list[str]) -> int:
         notes += linear_attention_notes(cfg.model)
         if args.precision is None and (note := preset_precision_note(cfg, precision)):
             notes.append(note)
+        if precision == "fp8" and layout.fsdp:
+            notes.append("fp8: FSDP2 gathers the FP8 layers' weights in FP8, 1 byte each (train.fp8_all_gather = auto "
+                         "with the default tensorwise recipe; a rowwise recipe gathers them in 16 bits)")
         refused = lmforge_refusals(cfg, layout, seq_len)  # (planned all the same: said at the top)
         train_tokens = args.tokens if args.tokens is not None else float(config_train_tokens(cfg, layout.micro_batch))
         mems = [estimate_memory(cfg.model, layout, optimizer, seq_len, weights=w, model_name=cfg.preset) for w in conventions]
