@@ -120,7 +120,7 @@ def one_family(name: str, args: argparse.Namespace, out: Path) -> dict:
     if not (math.isfinite(result.val_loss) and result.val_loss < result.initial_val_loss):
         problems.append(f"val loss did not fall ({result.initial_val_loss:.4f} -> {result.val_loss:.4f})")
     kernel = None  # (the Gated DeltaNet families: which chunked form ran, model.deltanet.kernel)
-    if any(trainer.cfg.model.is_linear_layer(i) for i in range(trainer.cfg.model.n_layers)):
+    if trainer.cfg.model.has_linear_layers:
         from lmforge.model.gated_deltanet import fla_chunked
 
         kernel = "fla" if (trainer.device.type == "cuda" and trainer.cfg.model.deltanet.kernel != "torch"

@@ -361,7 +361,7 @@ def check_features(cfg: "Config") -> None:
             f"makes the step (global_batch_size / dp = {t.global_batch_size // p.dp}), or another train.compile_mode.")
     if t.precision != "auto":  # (what auto resolves to is checked once it is known: check_resolved_precision)
         check_resolved_precision(cfg, t.precision)
-    if cfg.model.deltanet.kernel == "fla" and any(cfg.model.is_linear_layer(i) for i in range(cfg.model.n_layers)):
+    if cfg.model.deltanet.kernel == "fla" and cfg.model.has_linear_layers:
         if t.device == "cpu":
             raise ConfigError("model.deltanet.kernel = 'fla' runs flash-linear-attention's Triton kernels, which need "
                               "CUDA; train.device = 'cpu': set model.deltanet.kernel = 'auto' (the PyTorch form there).")

@@ -43,9 +43,10 @@ import logging
 import torch
 from torch import nn
 
-from lmforge.spec.fp8 import KEPT, converts
+from lmforge.spec.fp8 import candidate, converts
 
 log = logging.getLogger("lmforge")
+
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:
     """(ok, reason): FP8 tensor cores need CUDA compute capability >= 8.9 (Ada, Hopper, Blackwell); the
@@ -60,20 +61,16 @@ def fp8_supported(device: torch.device) -> tuple[bool, str]:
     return True, "ok"
 
 
-def _candidate(module: nn.Module, fqn: str) -> bool:
-    """A block's plain nn.Linear that is not one of KEPT (a LoRALinear is a subclass: not a candidate)."""
-    return type(module) is nn.Linear and ".blocks." in f".{fqn}" and fqn.split(".")[-1] not in KEPT
-
-
 def fp8_filter(module: nn.Module, fqn: str) -> bool:
-    """Convert block linears with FP8-friendly shapes; never the output projection, router or gate."""
-    return _candidate(module, fqn) and converts(fqn, (module.out_features, module.in_features))
+    """Convert block linears with FP8-friendly shapes; never the output projection, router or gate (a
+    plain nn.Linear only: a LoRALinear is a subclass)."""
+    return type(module) is nn.Linear and converts(fqn, (module.out_features, module.in_features))
 
 
 def left_out(model: nn.Module) -> list[str]:
     """The block linears left in the run's precision for their shapes (a dimension not a multiple of 16)."""
     return [f"{name} ({m.out_features}x{m.in_features})" for name, m in model.named_modules()
-            if _candidate(m, name) and not fp8_filter(m, name)]
+            if type(m) is nn.Linear and candidate(name) and not fp8_filter(m, name)]
 
 
 def fp8_config(recipe: str, all_gather: bool):

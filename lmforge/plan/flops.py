@@ -130,7 +130,7 @@ def _stage0_fp8_params(model_cfg: ModelConfig, layout: Layout) -> float:
         return 0.0
     specs = stage_specs(model_cfg, layout.pp, 0, layout.last_rank)
     return float(sum(math.prod(tp_shape(sp, layout.tp, layout.ep)) for sp in specs
-                     if sp.matmul and not sp.expert and converts(sp.name, sp.shape)))
+                     if sp.matmul and converts(sp.name, sp.shape)))  # (routed experts: 3-D, never)
 
 
 def ep_comm(model_cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:

@@ -237,8 +237,8 @@ def _matmuls(cfg: ModelConfig, layout: Layout, rates: Rates, tokens: float, stag
             continue  # (a bias: the GEMM's epilogue)
         # routed experts (E, in, out): each token visits top_k of them (balanced over the EP ranks)
         per_token = 2 * math.prod(shape[1:]) * cfg.moe.top_k if spec.expert else 2 * math.prod(shape)
-        # (what train.fp8 converts, lmforge.spec.fp8.converts: not the experts' grouped GEMMs, the router, ...)
-        rate = rates.fp8_matmul_flops if fp8 and not spec.expert and converts(spec.name, spec.shape) else rates.matmul_flops
+        # (what train.fp8 converts, lmforge.spec.fp8.converts: not the experts' 3-D grouped GEMMs, the router, ...)
+        rate = rates.fp8_matmul_flops if fp8 and converts(spec.name, spec.shape) else rates.matmul_flops
         secs = per_token * tokens / rate + rates.gemm_fixed_s
         runs = 3 + (1 if spec.layer - stage * layers < recomputed else 0)  # (every_k / full: the first layers)
         groups.append(KernelGroup("matmul", spec.name.split(".", 2)[-1], m * runs, secs))

@@ -6,9 +6,13 @@ from __future__ import annotations
 KEPT = ("lm_head", "router", "shared_gate")  # the layers that stay in the run's precision, by their last name
 
 
-def converts(fqn: str, shape: tuple[int, ...]) -> bool:
-    """A block's linear layer (its name, and its weight's [out, in] shape before tensor parallelism) that
-    is not one of KEPT, its dimensions multiples of 16 (what the FP8 GEMMs need)."""
+def candidate(fqn: str) -> bool:
+    """A linear layer that FP8 may convert, by its (or its weight's) name: a block's, not one of KEPT."""
     name = fqn.removesuffix(".weight")
-    return (".blocks." in f".{name}" and name.split(".")[-1] not in KEPT and len(shape) == 2
-            and all(d % 16 == 0 for d in shape))
+    return ".blocks." in f".{name}" and name.split(".")[-1] not in KEPT
+
+
+def converts(fqn: str, shape: tuple[int, ...]) -> bool:
+    """A `candidate` whose weight's [out, in] shape (before tensor parallelism) has dimensions that are
+    multiples of 16 (what the FP8 GEMMs need)."""
+    return candidate(fqn) and len(shape) == 2 and all(d % 16 == 0 for d in shape)

@@ -190,10 +190,11 @@ def build_training_model(cfg: Config, device: torch.device) -> tuple[Transformer
         from lmforge.config.rules import fp8_all_gather
         from lmforge.model.fp8 import apply_fp8
 
+        asked = fp8_all_gather(cfg)
         # (gloo has no float8 type: on the CPU FSDP2 gathers the shards in high precision, the same arithmetic)
-        gather = fp8_all_gather(cfg) and device.type == "cuda"
+        gather = asked and device.type == "cuda"
+        how = "; FSDP2 gathers them in FP8" if gather else \
+            "; FSDP2 gathers them in high precision on gloo (no float8 type)" if asked else ""
         log.info("fp8: %d block linears converted to torchao Float8Linear (%s scales%s)",
-                 apply_fp8(model, device, t.fp8_recipe, gather), t.fp8_recipe,
-                 "; FSDP2 gathers them in FP8" if gather else
-                 "; FSDP2 gathers them in high precision on gloo (no float8 type)" if fp8_all_gather(cfg) else "")
+                 apply_fp8(model, device, t.fp8_recipe, gather), t.fp8_recipe, how)
     return model, source
