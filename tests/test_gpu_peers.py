@@ -57,6 +57,7 @@ def test_a_peer_is_copied_from_a_work_tree_or_a_bare_git_directory_with_its_comm
     (src / "Makefile").unlink()
     with pytest.raises(peers.PeerError, match="no Makefile there"):
         peers.copy_peer("llmc", src, tmp_path / "m")
+    assert not (tmp_path / "m").exists() and not (tmp_path / "n").exists()  # (refused before anything is written)
 
 
 def test_each_peers_own_step_lines_are_read_and_a_diverged_loss_fails():

@@ -62,14 +62,16 @@ def _git(source: Path, *args: str, bare: bool) -> subprocess.CompletedProcess:
 
 def copy_peer(name: str, source: Path, dest: Path) -> str:
     """Copy peer `name`'s files from `source` (a work tree, or a bare git directory: its HEAD) into
-    `dest`, write dest/COMMIT; returns the commit ("unknown" for a work tree that is not a git checkout)."""
+    `dest`, write dest/COMMIT; returns the commit ("unknown" for a work tree that is not a git checkout).
+    A source that cannot serve is refused (PeerError) before anything is written."""
     peer = PEERS[name]
     source = Path(source).expanduser().resolve()
-    dest.mkdir(parents=True, exist_ok=True)
     if (source / peer.files[0]).exists():
+        missing = [f for f in peer.files if not (source / f).exists()]
+        if missing:
+            raise PeerError(f"--{name} {source}: no {missing[0]} there; pass a checkout of https://github.com/{peer.repo}")
+        dest.mkdir(parents=True, exist_ok=True)
         for f in peer.files:
-            if not (source / f).exists():
-                raise PeerError(f"--{name} {source}: no {f} there; pass a checkout of https://github.com/{peer.repo}")
             (shutil.copytree if (source / f).is_dir() else shutil.copy2)(source / f, dest / f)
         head = _git(source, "rev-parse", "HEAD", bare=False)
     else:
@@ -78,6 +80,7 @@ def copy_peer(name: str, source: Path, dest: Path) -> str:
             raise PeerError(f"--{name} {source}: neither a checkout with {peer.files[0]} nor a git directory holding "
                             f"{', '.join(peer.files)} ({archive.stderr.decode().strip()[:120]}); pass a checkout of "
                             f"https://github.com/{peer.repo}")
+        dest.mkdir(parents=True, exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(dest, filter="data")
         head = _git(source, "rev-parse", "HEAD", bare=True)

@@ -108,14 +108,14 @@ def prepare(folder: Path, find_links: str = "", budget_min: float = 9.0, peer_so
         print(f"--prepare {folder}: name a folder inside the source tree ({ROOT}), e.g. .gpu-window: the device "
               f"tool carries paths of the working tree only", file=sys.stderr)
         return 2
-    build_cache(folder / "cache")
-    wheels = download_wheels(folder / "wheels", find_links)
-    try:
+    try:  # (first: a checkout that cannot serve is refused before minutes of cache and downloads)
         for line in copy_peers(folder, peer_sources or {}):
             print("peer " + line)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    build_cache(folder / "cache")
+    wheels = download_wheels(folder / "wheels", find_links)
     total = size_of(folder)
     print("wheels: " + ", ".join(f"{w.name} ({w.stat().st_size / 2**20:.1f} MiB)" for w in wheels))
     print(f"prepared: {rel}/ {total / 2**20:.1f} MiB (limit {PREPARED_LIMIT / 2**20:.0f} MiB; the device tool carries "
